@@ -1,0 +1,1 @@
+"""Running a model: kernels, KV cache, sampling, generation and the CLI."""

@@ -1,0 +1,1 @@
+"""The Textual chat app."""
