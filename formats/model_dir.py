@@ -1,6 +1,10 @@
 """A Hugging Face model directory: config.json, generation_config.json, tokenizer files, weights."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -8,6 +12,8 @@ import numpy as np
 import tokenizers
 
 from .config import ModelConfig
+from .errors import FormatError
+from .safetensors import read_checkpoint, write_safetensors
 
 
 @dataclass
@@ -19,3 +25,112 @@ class ModelDir:
     tokenizer: tokenizers.Tokenizer
     tokenizer_config: dict = field(default_factory=dict)    # chat_template, bos_token, eos_token, add_bos_token
     generation_config: dict = field(default_factory=dict)   # eos_token_id, sampling defaults
+
+
+def read_model_dir(path: str | os.PathLike) -> ModelDir:
+    """Read a Hugging Face model directory (or the directory holding a given .safetensors file).
+
+    Needs config.json, tokenizer.json and safetensors weights; generation_config.json,
+    tokenizer_config.json and chat_template.jinja are optional. Raises FormatError naming the
+    file that is missing or broken.
+    """
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        path = path.parent
+    if not path.is_dir():
+        raise FormatError(f"{path} is not a model directory (expected a folder with config.json)")
+    config = ModelConfig.from_dict(_read_json(path / "config.json"))
+    tokenizer_config = _read_json(path / "tokenizer_config.json", optional=True)
+    # Special tokens may be AddedToken dicts ({"content": "<s>", "lstrip": ...}): keep the text.
+    for key, value in tokenizer_config.items():
+        if key.endswith("_token") and isinstance(value, dict) and "content" in value:
+            tokenizer_config[key] = value["content"]
+    template = path / "chat_template.jinja"
+    if "chat_template" not in tokenizer_config and template.is_file():
+        tokenizer_config["chat_template"] = template.read_text(encoding="utf-8")
+    return ModelDir(
+        path=path,
+        config=config,
+        tensors=read_checkpoint(path),
+        tokenizer=_read_tokenizer(path / "tokenizer.json"),
+        tokenizer_config=tokenizer_config,
+        generation_config=_read_json(path / "generation_config.json", optional=True),
+    )
+
+
+def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False) -> Path:
+    """Write `model` as a Hugging Face model directory at `out` and return its path.
+
+    Everything is written into a temporary sibling first and renamed into place, so `out` is
+    either complete or untouched. An existing `out` is refused unless `force`, which replaces it.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise FormatError(f"cannot write to {out}: it already exists. "
+                          f"Delete it, choose another path, or overwrite it with force")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkdtemp: its 0700 mode would survive the rename; mkdir honours the umask.
+    tmp = _sibling(out, "tmp")
+    tmp.mkdir()
+    try:
+        _write_json(tmp / "config.json", model.config.to_dict())
+        _write_json(tmp / "generation_config.json", model.generation_config)
+        _write_json(tmp / "tokenizer_config.json", model.tokenizer_config)
+        model.tokenizer.save(str(tmp / "tokenizer.json"))
+        # "format": "pt" is what transformers checks for before it will load the file.
+        write_safetensors(model.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _read_json(path: Path, optional: bool = False) -> dict:
+    if optional and not path.exists():
+        return {}
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FormatError(f"{path} is missing; is {path.parent} a Hugging Face model "
+                          f"directory?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise FormatError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise FormatError(f"{path} is missing; nibble needs a fast tokenizer (tokenizer.json)")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception
+        raise FormatError(f"{path} cannot be loaded as a tokenizer: {e}") from None
+
+
+def _write_json(path: Path, d: dict) -> None:
+    path.write_text(json.dumps(d, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _sibling(out: Path, tag: str) -> Path:
+    return out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.{tag}")
+
+
+def _swap_into_place(new: Path, out: Path) -> None:
+    """Rename `new` to `out`; an existing `out` is moved aside first and deleted only after."""
+    if not out.exists():
+        new.rename(out)
+        return
+    old = _sibling(out, "old")
+    out.rename(old)
+    try:
+        new.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()

@@ -1,0 +1,235 @@
+"""The safetensors reader and writer: round trips, bf16, shards, and every malformed file."""
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from formats.errors import FormatError
+from formats.safetensors import (read_checkpoint, read_safetensors, read_safetensors_metadata,
+                                 write_safetensors)
+
+
+def _tensors(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "f32": rng.standard_normal((3, 4)).astype(np.float32),
+        "f16": rng.standard_normal((5,)).astype(np.float16),
+        "i8": rng.integers(-128, 128, (2, 3, 2), dtype=np.int8),
+        "u8": rng.integers(0, 256, (7,), dtype=np.uint8),
+        "i32": rng.integers(-1000, 1000, (4,), dtype=np.int32),
+        "u32": rng.integers(0, 2**32, (2, 2), dtype=np.uint32),
+        "empty": np.zeros((0, 3), dtype=np.float32),
+    }
+
+
+def _memmap_backed(a: np.ndarray) -> bool:
+    while a is not None:
+        if isinstance(a, np.memmap):
+            return True
+        a = a.base
+    return False
+
+
+def _raw_file(path, header, data=b"", length=None):
+    """A hand-made safetensors file; `header` is a dict or raw bytes."""
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(blob) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + blob + data)
+    return path
+
+
+def test_round_trip_is_zero_copy_and_read_only(tmp_path):
+    tensors = _tensors()
+    path = tmp_path / "m.safetensors"
+    write_safetensors(tensors, path, metadata={"format": "pt", "note": "hi"})
+    got = read_safetensors(path)
+    assert got.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape
+        np.testing.assert_array_equal(got[name], t)
+        assert _memmap_backed(got[name])
+    with pytest.raises(ValueError):
+        got["f32"][0, 0] = 1.0
+    assert read_safetensors_metadata(path) == {"format": "pt", "note": "hi"}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+
+
+def test_all_tensors_share_one_memmap(tmp_path):
+    path = tmp_path / "m.safetensors"
+    write_safetensors(_tensors(), path)
+    got = read_safetensors(path)
+    maps = set()
+    for t in got.values():
+        while not isinstance(t, np.memmap):
+            t = t.base
+        maps.add(id(t))
+    assert len(maps) == 1
+
+
+def test_strided_arrays_are_written_in_logical_order(tmp_path):
+    # The safetensors package writes from the data pointer; a transpose must not come back raw.
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path = tmp_path / "t.safetensors"
+    write_safetensors({"t": a.T, "s": a[:, ::2]}, path)
+    got = read_safetensors(path)
+    np.testing.assert_array_equal(got["t"], a.T)
+    np.testing.assert_array_equal(got["s"], a[:, ::2])
+
+
+def test_metadata_defaults_to_empty(tmp_path):
+    path = tmp_path / "m.safetensors"
+    write_safetensors({"x": np.ones(2, np.float32)}, path)
+    assert read_safetensors_metadata(path) == {}
+
+
+def _bf16_file(path, bits: np.ndarray):
+    bits = bits.astype("<u2")
+    header = {"w": {"dtype": "BF16", "shape": list(bits.shape), "data_offsets": [0, bits.nbytes]}}
+    return _raw_file(path, header, bits.tobytes())
+
+
+def test_bf16_known_values(tmp_path):
+    bits = np.array([0x3F80, 0xC000, 0x3FC0, 0x4049, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001])
+    known = [1.0, -2.0, 1.5, 3.140625, np.inf, -np.inf, 0.0, -0.0, 2.0**-133]
+    got = read_safetensors(_bf16_file(tmp_path / "bf.safetensors", bits))["w"]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.array(known, np.float32))
+    assert np.signbit(got[7]) and not got.flags.writeable
+
+
+def test_bf16_widens_exactly(tmp_path):
+    ref = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
+    bits = ref.view(np.uint32) >> 16  # truncate float32 to bf16
+    got = read_safetensors(_bf16_file(tmp_path / "bf.safetensors", bits))["w"]
+    assert got.shape == (4, 6)
+    # Widening is exact: only the dropped low mantissa bits differ from the float32 source.
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32) & 0xFFFF0000)
+    assert np.all(np.abs(got - ref) <= np.abs(ref) * 2**-7)  # bf16 keeps 8 significant bits
+
+
+def test_empty_file_of_tensors(tmp_path):
+    path = tmp_path / "e.safetensors"
+    write_safetensors({"e": np.zeros((0,), np.float32)}, path)
+    assert read_safetensors(path)["e"].shape == (0,)
+
+
+def test_sharded_index(tmp_path):
+    tensors = _tensors()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:3],
+              "model-00002-of-00002.safetensors": names[3:]}
+    for shard, keys in shards.items():
+        write_safetensors({k: tensors[k] for k in keys}, tmp_path / shard)
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    got = read_checkpoint(tmp_path)
+    assert got.keys() == tensors.keys()
+    for k in tensors:
+        np.testing.assert_array_equal(got[k], tensors[k])
+
+
+def test_sharded_index_missing_shard(tmp_path):
+    write_safetensors({"a": np.ones(2, np.float32)}, tmp_path / "s1.safetensors")
+    weight_map = {"a": "s1.safetensors", "b": "s2.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FormatError, match="s2.safetensors"):
+        read_checkpoint(tmp_path)
+
+
+def test_sharded_index_tensor_not_in_shard(tmp_path):
+    write_safetensors({"a": np.ones(2, np.float32)}, tmp_path / "s1.safetensors")
+    weight_map = {"a": "s1.safetensors", "ghost": "s1.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FormatError, match="ghost"):
+        read_checkpoint(tmp_path)
+
+
+def test_bad_index(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(FormatError, match="weight_map"):
+        read_checkpoint(tmp_path)
+
+
+def test_checkpoint_prefers_model_safetensors_then_globs(tmp_path):
+    write_safetensors({"a": np.ones(2, np.float32)}, tmp_path / "other.safetensors")
+    assert list(read_checkpoint(tmp_path)) == ["a"]
+    write_safetensors({"b": np.ones(2, np.float32)}, tmp_path / "model.safetensors")
+    assert list(read_checkpoint(tmp_path)) == ["b"]
+
+
+def test_checkpoint_duplicate_tensor_across_files(tmp_path):
+    for name in ("x.safetensors", "y.safetensors"):
+        write_safetensors({"a": np.ones(2, np.float32)}, tmp_path / name)
+    with pytest.raises(FormatError, match="'a' is in both"):
+        read_checkpoint(tmp_path)
+
+
+def test_checkpoint_without_weights_names_directory(tmp_path):
+    with pytest.raises(FormatError, match=str(tmp_path)):
+        read_checkpoint(tmp_path)
+
+
+def test_shorter_than_length_prefix(tmp_path):
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(b"\x01\x00\x00")
+    with pytest.raises(FormatError, match="truncated"):
+        read_safetensors(path)
+
+
+@pytest.mark.parametrize("header, data, length, message", [
+    (b"{}", b"", 1000, "past the end"),
+    (b"{not json", b"", None, "not valid JSON"),
+    (b"\xff\xfe", b"", None, "not valid JSON"),
+    (b"[1, 2]", b"", None, "JSON object"),
+    ({"a": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, bytes(2), None,
+     "unsupported dtype 'F8_E4M3'; supported: BF16, BOOL, F16, F32"),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), None,
+     "needs 12 bytes, but data_offsets span 8"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(4), None,
+     "outside the data region of 4 bytes"),
+    ({"a": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}}, bytes(8), None,
+     "outside the data region"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12),
+     None, "'a' and 'b' overlap"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, bytes(8), None,
+     "invalid data_offsets"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}}, bytes(8), None,
+     "invalid data_offsets"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}, bytes(8), None,
+     "invalid data_offsets"),
+    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), None,
+     "invalid shape"),
+    ({"a": {"dtype": "F32", "shape": [2]}}, bytes(8), None, "needs dtype, shape and data_offsets"),
+])
+def test_malformed_files_raise_format_error(tmp_path, header, data, length, message):
+    path = _raw_file(tmp_path / "bad.safetensors", header, data, length)
+    with pytest.raises(FormatError, match=message) as e:
+        read_safetensors(path)
+    assert str(path) in str(e.value)
+
+
+def test_bad_metadata(tmp_path):
+    path = _raw_file(tmp_path / "m.safetensors", {"__metadata__": {"a": 1}})
+    with pytest.raises(FormatError, match="__metadata__"):
+        read_safetensors_metadata(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FormatError, match="nope.safetensors"):
+        read_safetensors(tmp_path / "nope.safetensors")
+
+
+def test_write_failure_leaves_nothing_behind(tmp_path):
+    path = tmp_path / "m.safetensors"
+    write_safetensors({"a": np.ones(2, np.float32)}, path)
+    with pytest.raises(TypeError):
+        write_safetensors({"a": np.zeros(2, np.float32)}, path, metadata={"bad": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+    np.testing.assert_array_equal(read_safetensors(path)["a"], np.ones(2))
+
+
+def test_write_refuses_unreadable_dtype(tmp_path):
+    with pytest.raises(FormatError, match="complex64"):
+        write_safetensors({"c": np.zeros(2, np.complex64)}, tmp_path / "c.safetensors")
+    assert list(tmp_path.iterdir()) == []
