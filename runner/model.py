@@ -1,0 +1,139 @@
+"""The Llama-family transformer (llama, mistral, qwen2): weights and the forward pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from formats.config import ModelConfig
+from formats.errors import FormatError, NibbleError
+from .cache import KVCache
+from .kernels import cpu
+from .rope import rope_tables
+
+
+class ContextFull(NibbleError):
+    """The tokens do not fit in what is left of the context."""
+
+
+@dataclass
+class Layer:
+    input_norm: np.ndarray   # [D]
+    wq: np.ndarray           # [H*hd, D]
+    wk: np.ndarray           # [Hkv*hd, D]
+    wv: np.ndarray           # [Hkv*hd, D]
+    bq: np.ndarray | None    # [H*hd] (qwen2)
+    bk: np.ndarray | None    # [Hkv*hd]
+    bv: np.ndarray | None    # [Hkv*hd]
+    wo: np.ndarray           # [D, H*hd]
+    post_norm: np.ndarray    # [D]
+    w_gate: np.ndarray       # [F, D]
+    w_up: np.ndarray         # [F, D]
+    w_down: np.ndarray       # [D, F]
+
+
+class Model:
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]):
+        self.config = config
+        c = config
+        D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        get = _TensorGetter(tensors)
+        self.embed = get("model.embed_tokens.weight", (c.vocab_size, D))      # [V, D]
+        self.norm = get("model.norm.weight", (D,))                            # [D]
+        self.lm_head = (self.embed if c.tie_word_embeddings
+                        else get("lm_head.weight", (c.vocab_size, D)))        # [V, D]
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            bias = c.attention_bias
+            self.layers.append(Layer(
+                input_norm=get(p + "input_layernorm.weight", (D,)),
+                wq=get(p + "self_attn.q_proj.weight", (q_dim, D)),
+                wk=get(p + "self_attn.k_proj.weight", (kv_dim, D)),
+                wv=get(p + "self_attn.v_proj.weight", (kv_dim, D)),
+                bq=get(p + "self_attn.q_proj.bias", (q_dim,)) if bias else None,
+                bk=get(p + "self_attn.k_proj.bias", (kv_dim,)) if bias else None,
+                bv=get(p + "self_attn.v_proj.bias", (kv_dim,)) if bias else None,
+                wo=get(p + "self_attn.o_proj.weight", (D, q_dim)),
+                post_norm=get(p + "post_attention_layernorm.weight", (D,)),
+                w_gate=get(p + "mlp.gate_proj.weight", (F, D)),
+                w_up=get(p + "mlp.up_proj.weight", (F, D)),
+                w_down=get(p + "mlp.down_proj.weight", (D, F)),
+            ))
+        get.raise_if_missing()
+        self.cos, self.sin = rope_tables(c, c.max_position_embeddings)     # [ctx, hd/2]
+
+    def new_cache(self, ctx: int | None = None) -> KVCache:
+        ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        return KVCache.allocate(self.config, ctx)
+
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens at positions cache.pos.. and return logits [T, V] (all_logits) or [1, V]."""
+        c = self.config
+        T, pos0 = len(tokens), cache.pos
+        if pos0 + T > cache.size:
+            raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
+        H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps, window = c.rms_norm_eps, c.sliding_window or 0
+
+        x = np.asarray(self.embed[np.asarray(tokens)], dtype=np.float32)   # [T, D] residual stream
+        h = np.empty_like(x)                                                # [T, D] normed
+        attn = np.empty((T, H, hd), np.float32)                             # [T, H, hd]
+        mlp = np.empty((T, c.intermediate_size), np.float32)                # [T, F]
+        for i, L in enumerate(self.layers):
+            # attention block
+            cpu.rmsnorm(x, L.input_norm, eps, h)
+            q = _linear(h, L.wq, L.bq).reshape(T, H, hd)
+            k = _linear(h, L.wk, L.bk).reshape(T, Hkv, hd)
+            v = _linear(h, L.wv, L.bv).reshape(T, Hkv, hd)
+            cpu.rope(q, self.cos, self.sin, pos0)
+            cpu.rope(k, self.cos, self.sin, pos0)
+            cache.store(i, k, v)
+            cpu.attention(q, cache.k[i], cache.v[i], pos0, window, attn)
+            cpu.matmul(attn.reshape(T, H * hd), L.wo, x, True)   # residual: x += attn @ wo.T
+            # feed-forward block
+            cpu.rmsnorm(x, L.post_norm, eps, h)
+            cpu.swiglu(h, L.w_gate, L.w_up, mlp)
+            cpu.matmul(mlp, L.w_down, x, True)                   # residual: x += mlp @ w_down.T
+        cache.advance(tokens)
+
+        if not all_logits:
+            x = x[-1:]   # generation needs only the next token's distribution
+        cpu.rmsnorm(x, self.norm, eps, x)
+        return _linear(x, self.lm_head)
+
+
+def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x[T, K] @ w[N, K].T (+ bias) -> [T, N]"""
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    cpu.matmul(x, w, out, False)
+    if bias is not None:
+        out += bias
+    return out
+
+
+class _TensorGetter:
+    """Fetches float32 weights by HF name, checking shapes and collecting the missing names."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.tensors = tensors
+        self.missing: list[str] = []
+
+    def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
+        t = self.tensors.get(name)
+        if t is None:
+            self.missing.append(name)
+            return None
+        if t.shape != shape:
+            raise FormatError(f"tensor {name} has shape {list(t.shape)}, the config needs {list(shape)}")
+        if t.dtype != np.float32:
+            if t.dtype.kind != "f":
+                raise FormatError(f"tensor {name} is {t.dtype}: the float path needs float weights")
+            t = t.astype(np.float32)   # f16 -> f32, a copy
+        return t
+
+    def raise_if_missing(self):
+        if self.missing:
+            more = f" and {len(self.missing) - 3} more" if len(self.missing) > 3 else ""
+            raise FormatError(f"tensors missing for the config: {', '.join(self.missing[:3])}{more}")

@@ -1,0 +1,87 @@
+"""Pure-numpy reference: the oracle for every kernel and for the whole forward pass.
+
+Written from the math (HF's modeling_llama), in float64, with no cache: each call recomputes the
+whole sequence.
+"""
+import numpy as np
+
+from formats.config import ModelConfig
+
+
+def rmsnorm(x, w, eps):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def inv_frequencies(c: ModelConfig):
+    """Written as HF's _compute_llama3_parameters does it, independently of runner/rope.py."""
+    inv_freq = 1.0 / c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim)
+    s = c.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "linear":
+        return inv_freq / s["factor"]
+    if kind == "llama3":
+        low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+        high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+        smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+            s["high_freq_factor"] - s["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate(x, positions, inv_freq):
+    """x [T, H, hd] rotate-half RoPE at the given positions."""
+    ang = np.outer(positions, inv_freq)                 # [T, hd/2]
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def attention(q, k, v, positions, window=0):
+    """q [T, H, hd], k/v [S, Hkv, hd] for key positions 0..S-1; causal."""
+    H, Hkv = q.shape[1], k.shape[1]
+    k = np.repeat(k, H // Hkv, axis=1)
+    v = np.repeat(v, H // Hkv, axis=1)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1])
+    keys = np.arange(k.shape[0])
+    mask = keys[None, :] > positions[:, None]
+    if window:
+        mask |= keys[None, :] <= positions[:, None] - window
+    s = np.where(mask[None], -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", p, v)
+
+
+def forward(config: ModelConfig, tensors: dict, tokens) -> np.ndarray:
+    """logits [T, V] for the whole sequence, float64."""
+    c = config
+    W = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    T = len(tokens)
+    pos = np.arange(T)
+    inv_freq = inv_frequencies(c)
+    x = W["model.embed_tokens.weight"][np.asarray(tokens)]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        lin = lambda h, n: h @ W[p + n + ".weight"].T + W.get(p + n + ".bias", 0.0)
+        h = rmsnorm(x, W[p + "input_layernorm.weight"], c.rms_norm_eps)
+        q = rotate(lin(h, "self_attn.q_proj").reshape(T, H, hd), pos, inv_freq)
+        k = rotate(lin(h, "self_attn.k_proj").reshape(T, Hkv, hd), pos, inv_freq)
+        v = lin(h, "self_attn.v_proj").reshape(T, Hkv, hd)
+        a = attention(q, k, v, pos, c.sliding_window or 0).reshape(T, H * hd)
+        x = x + a @ W[p + "self_attn.o_proj.weight"].T
+        h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        x = x + (silu(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj")) @ W[p + "mlp.down_proj.weight"].T
+    x = rmsnorm(x, W["model.norm.weight"], c.rms_norm_eps)
+    head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
+    return x @ head.T

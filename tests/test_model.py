@@ -1,0 +1,69 @@
+"""The whole forward pass of tiny random models against the numpy reference."""
+import numpy as np
+import pytest
+
+from runner.model import ContextFull, Model
+from tests import reference
+from tests.tiny import tiny_config, tiny_tensors
+
+TYPES = ["llama", "mistral", "qwen2"]
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_prefill_matches_reference(model_type):
+    config = tiny_config(model_type)
+    tensors = tiny_tensors(config)
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, 20)
+    model = Model(config, tensors)
+    got = model.forward(tokens, model.new_cache(64), all_logits=True)
+    want = reference.forward(config, tensors, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_prefill_then_decode_matches_reference(model_type):
+    """A prompt prefilled as a batch, then one token at a time through the cache."""
+    config = tiny_config(model_type)
+    tensors = tiny_tensors(config)
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, 16)
+    want = reference.forward(config, tensors, tokens)
+    model = Model(config, tensors)
+    cache = model.new_cache(32)
+    got = [model.forward(tokens[:5], cache)[-1]]
+    for t in tokens[5:]:
+        got.append(model.forward([t], cache)[0])
+    np.testing.assert_allclose(np.array(got), want[4:], rtol=1e-4, atol=1e-4)
+    assert cache.pos == 16 and cache.tokens == list(tokens)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"type": "linear", "factor": 4.0},
+])
+def test_rope_scaling_matches_reference(scaling):
+    config = tiny_config("llama", rope_scaling=scaling)
+    tensors = tiny_tensors(config)
+    tokens = np.arange(40) % config.vocab_size
+    got = Model(config, tensors).forward(tokens, Model(config, tensors).new_cache(), all_logits=True)
+    np.testing.assert_allclose(got, reference.forward(config, tensors, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_context_full_names_both_numbers():
+    config = tiny_config()
+    model = Model(config, tiny_tensors(config))
+    with pytest.raises(ContextFull, match="12 tokens do not fit in the context of 8"):
+        model.forward(np.zeros(12, int), model.new_cache(8))
+
+
+def test_missing_and_misshapen_tensors_are_named():
+    from formats.errors import FormatError
+    config = tiny_config()
+    tensors = tiny_tensors(config)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(FormatError, match="missing for the config: model.layers.1.mlp.up_proj.weight"):
+        Model(config, tensors)
+    tensors = tiny_tensors(config)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:10]
+    with pytest.raises(FormatError, match=r"model.norm.weight has shape \[10\]"):
+        Model(config, tensors)

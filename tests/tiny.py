@@ -1,0 +1,69 @@
+"""A tiny seeded random model of each supported type, built at test time."""
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from formats.config import ModelConfig
+from formats.model_dir import ModelDir
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Numba compiles Python to machine code. "
+        "A small model answers questions about the sky, the sea and the capital of France. "
+        "naïve café 東京 😀 — code: def f(x): return x**2\n") * 4
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """Byte-level BPE with ChatML special tokens, trained on a few sentences."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    return tok
+
+
+def tiny_config(model_type="llama", vocab_size=320, **overrides) -> ModelConfig:
+    d = dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size, rms_norm_eps=1e-5,
+             rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=model_type == "llama",
+             bos_token_id=1, eos_token_id=2)
+    if model_type == "mistral":
+        d["sliding_window"] = 8
+    d.update(overrides)
+    return ModelConfig.from_dict(d)
+
+
+def tiny_tensors(config: ModelConfig, seed=0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    c = config
+    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    norm = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    t = {"model.embed_tokens.weight": w(c.vocab_size, D), "model.norm.weight": norm(D)}
+    if not c.tie_word_embeddings:
+        t["lm_head.weight"] = w(c.vocab_size, D)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": norm(D), p + "post_attention_layernorm.weight": norm(D),
+              p + "self_attn.q_proj.weight": w(q_dim, D), p + "self_attn.k_proj.weight": w(kv_dim, D),
+              p + "self_attn.v_proj.weight": w(kv_dim, D), p + "self_attn.o_proj.weight": w(D, q_dim),
+              p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
+              p + "mlp.down_proj.weight": w(D, F)}
+        if c.attention_bias:
+            t |= {p + "self_attn.q_proj.bias": w(q_dim), p + "self_attn.k_proj.bias": w(kv_dim),
+                  p + "self_attn.v_proj.bias": w(kv_dim)}
+    return t
+
+
+def tiny_model_dir(model_type="llama", seed=0) -> ModelDir:
+    tok = tiny_tokenizer()
+    config = tiny_config(model_type, vocab_size=tok.get_vocab_size())
+    return ModelDir(path=None, config=config, tensors=tiny_tensors(config, seed), tokenizer=tok,
+                    tokenizer_config={"chat_template": CHATML, "bos_token": "<|im_start|>",
+                                      "eos_token": "<|im_end|>", "add_bos_token": False},
+                    generation_config={"eos_token_id": 2})
