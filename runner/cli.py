@@ -1,0 +1,174 @@
+"""The `nibble` command line: thin click commands over the library."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from formats.errors import NibbleError
+
+DEFAULT_MODEL = "smollm2"
+
+
+class _Group(click.Group):
+    """Turns the library's errors into one line on stderr and exit code 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except NibbleError as e:
+            raise click.ClickException(str(e)) from None
+        except OSError as e:
+            raise click.ClickException(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="nibble")
+def main():
+    """nibble: run quantized language models on your own computer."""
+
+
+def model_option(f):
+    return click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, envvar="NIBBLE_MODEL",
+                        help="A model directory, .gguf or .safetensors file, hub id (org/name) or alias.")(f)
+
+
+def generation_options(f):
+    """The sampling and runtime flags shared by `run`, `chat` and `bench`."""
+    options = [
+        click.option("-n", "--max-tokens", default=512, show_default=True, type=click.IntRange(min=1),
+                     help="Most tokens to generate."),
+        click.option("--temp", default=0.8, show_default=True, type=float, help="Temperature; 0 is greedy."),
+        click.option("--top-k", default=40, show_default=True, type=int, help="Keep the k likeliest tokens; 0 is off."),
+        click.option("--top-p", default=0.95, show_default=True, type=float, help="Nucleus sampling; 1 is off."),
+        click.option("--min-p", default=0.05, show_default=True, type=float,
+                     help="Drop tokens below min-p times the likeliest; 0 is off."),
+        click.option("--repeat-penalty", default=1.0, show_default=True, type=float,
+                     help="Penalise the last 64 tokens; 1 is off."),
+        click.option("--seed", type=click.IntRange(min=0), help="Seed for reproducible sampling."),
+        click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores]."),
+        click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(min=1),
+                     help="Context size in tokens (at most the model's)."),
+    ]
+    return functools.reduce(lambda g, option: option(g), reversed(options), f)
+
+
+def _set_threads(threads: int | None):
+    import numba
+    if threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
+    from .sample import SamplerSettings, make_sampler
+    return make_sampler(SamplerSettings(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                        repetition_penalty=repeat_penalty, seed=seed))
+
+
+def _read_prompt(prompt: str | None) -> str:
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise click.UsageError("no prompt: give one as an argument, with -p, or on stdin")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise NibbleError("the prompt is empty: give some text to answer")
+    return prompt
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("-p", "--prompt", "prompt_option", help="The prompt (instead of the argument).")
+@model_option
+@click.option("-s", "--system", help="System prompt (chat models).")
+@generation_options
+@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
+@click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and stats.")
+def run(prompt, prompt_option, model, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
+        seed, threads, ctx_size, stop, raw, as_json):
+    """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
+    text = _read_prompt(prompt_option if prompt_option is not None else prompt)
+    sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    _set_threads(threads)
+    from .generate import stream_generate
+    from .load import load
+    llm, tokenizer = load(model)
+    ids = tokenizer.prompt(text, system=system, raw=raw)
+    cache = llm.new_cache(ctx_size)
+    pieces, last = [], None
+    try:
+        for last in stream_generate(llm, tokenizer, ids, sampler=sampler, max_tokens=max_tokens,
+                                    stop=stop, cache=cache):
+            pieces.append(last.text)
+            if not as_json:
+                click.echo(last.text, nl=False)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        # Ctrl-C: keep what was printed, report, and exit as interrupted programs do.
+        if not as_json:
+            click.echo()
+        _report(last, "".join(pieces), as_json, interrupted=True)
+        sys.exit(130)
+    if not as_json:
+        click.echo()
+    _report(last, "".join(pieces), as_json)
+
+
+def _report(r, text: str, as_json: bool, interrupted: bool = False):
+    finish = "interrupted" if interrupted else (r.finish_reason if r else None)
+    stats = dict(prompt_tokens=r.prompt_tokens if r else 0, prompt_tps=r.prompt_tps if r else 0.0,
+                 generation_tokens=r.generation_tokens if r else 0,
+                 generation_tps=r.generation_tps if r else 0.0, ttft=r.ttft if r else None)
+    if as_json:
+        click.echo(json.dumps({"text": text, "finish_reason": finish, **stats}, ensure_ascii=False))
+        return
+    ttft = f"{stats['ttft']:.2f} s" if stats["ttft"] is not None else "-"
+    click.echo(f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tps']:.1f} tok/s | "
+               f"reply {stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s | "
+               f"first token {ttft} | {finish}", err=True)
+
+
+@main.command("import")
+@click.argument("gguf_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="The model directory to write.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+def import_(gguf_file, output, force):
+    """Convert a GGUF file into a Hugging Face-style model directory (float32 safetensors)."""
+    from formats.gguf import import_gguf
+    from formats.model_dir import write_model_dir
+    model_dir = import_gguf(gguf_file)
+    out = write_model_dir(model_dir, output, force=force)
+    size = sum(t.nbytes for t in model_dir.tensors.values())
+    click.echo(f"wrote {out} ({len(model_dir.tensors)} tensors, {size / 1e6:.1f} MB)", err=True)
+
+
+@main.command()
+@click.argument("text_file", type=click.Path(exists=True, dir_okay=False))
+@model_option
+@click.option("--ctx", default=512, show_default=True, type=click.IntRange(min=2), help="Window length.")
+@click.option("--chunks", type=click.IntRange(min=1), help="Evaluate only the first N windows.")
+@click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@click.option("--save-logits", type=click.Path(dir_okay=False),
+              help="Keep this run's next-token distributions in a file, for --kl-base.")
+@click.option("--kl-base", type=click.Path(exists=True, dir_okay=False),
+              help="Compare against distributions saved by --save-logits: mean KL divergence, top-1 agreement.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_json):
+    """Perplexity of MODEL over TEXT_FILE in non-overlapping windows of --ctx tokens."""
+    from .load import load
+    from .perplexity import evaluate
+    _set_threads(threads)
+    llm, tokenizer = load(model)
+    with open(text_file, encoding="utf-8") as f:
+        text = f.read()
+    result = evaluate(llm, tokenizer, text, ctx=ctx, chunks=chunks, save_logits=save_logits,
+                      kl_base=kl_base, progress=lambda done, total: click.echo(
+                          f"\r[{done}/{total}]", nl=False, err=True))
+    click.echo(err=True)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+    else:
+        click.echo(result.summary())

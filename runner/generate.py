@@ -1,0 +1,111 @@
+"""Generation as a stack of generators: ids -> responses (text deltas with timings) -> text."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .cache import KVCache
+from .model import ContextFull, Model
+from .sample import Sampler, SamplerSettings, make_sampler
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResponse:
+    text: str                   # the new text since the previous response
+    token: int | None           # the token behind it (None on the final flush)
+    prompt_tokens: int          # tokens prefilled for this call
+    prompt_tps: float           # prefill tokens/s
+    generation_tokens: int      # tokens generated so far
+    generation_tps: float       # decode tokens/s (after the first token)
+    ttft: float                 # seconds from the call to the first token
+    finish_reason: str | None   # None while running; "stop" (eos or stop string), "length", "context"
+
+
+def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache,
+                  sampler: Sampler) -> Iterator[int]:
+    """Prefill the prompt as one batch, then yield sampled ids, one forward pass each.
+
+    Ends when the context is full. The consumer cancels by stopping the iteration; the last
+    yielded id is not in the cache (it was never run).
+    """
+    logits = model.forward(prompt_ids, cache)[-1]
+    while True:
+        token = sampler(logits, cache.tokens)
+        yield token
+        if cache.pos >= cache.size:
+            return
+        logits = model.forward([token], cache)[-1]
+
+
+def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], *,
+                    sampler: Sampler | None = None, max_tokens: int = 512,
+                    stop: Sequence[str] = (), cache: KVCache | None = None,
+                    ) -> Iterator[GenerationResponse]:
+    """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None)."""
+    cache = cache if cache is not None else model.new_cache()
+    room = cache.size - cache.pos
+    if len(prompt_ids) >= room:
+        raise ContextFull(f"the prompt is {len(prompt_ids)} tokens and the context holds {room}: "
+                          "shorten the prompt or raise --ctx-size")
+    if not prompt_ids:
+        raise ContextFull("the prompt is empty")
+    sampler = sampler or make_sampler(SamplerSettings())
+    decoder, stops = tokenizer.decoder(), StopStrings(stop)
+    start = time.perf_counter()
+    n, first, prompt_tps, finish = 0, 0.0, 0.0, None
+
+    def response(text, token):
+        now = time.perf_counter()
+        decode_tps = (n - 1) / (now - first) if n > 1 and now > first else 0.0
+        return GenerationResponse(text, token, len(prompt_ids), prompt_tps, n, decode_tps,
+                                  first - start, finish)
+
+    for token in generate_step(model, prompt_ids, cache, sampler):
+        n += 1
+        if n == 1:
+            first = time.perf_counter()
+            prompt_tps = len(prompt_ids) / (first - start)
+        if token in tokenizer.eos_ids:
+            finish = "stop"
+            break
+        text, stopped = stops.feed(decoder.add(token))
+        if stopped:
+            finish = "stop"
+            yield response(text, token)
+            return
+        if text:
+            yield response(text, token)
+        if n >= max_tokens:
+            finish = "length"
+            break
+    else:
+        finish = "context"
+    text, _ = stops.feed(decoder.flush())
+    yield response(text + stops.flush(), None)
+
+
+class StopStrings:
+    """Holds back text that may be the start of a stop string, and cuts at the first one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit, whether a stop string was reached)"""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        keep = max((k for s in self.stops for k in range(1, len(s))
+                    if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

@@ -1,0 +1,140 @@
+"""Token samplers: small composed filters over (ids, logits) candidate pairs, as llama.cpp does.
+
+The chain is llama.cpp's default: repetition penalty -> top-k -> top-p -> min-p -> temperature
+-> draw. Truncation sees the untempered distribution, so temperature only reshapes what is kept.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from formats.errors import NibbleError
+
+# logits (vocab,) float32, recent token ids (oldest first) -> the next token id
+Sampler = Callable[[np.ndarray, Sequence[int]], int]
+
+# How many top candidates nucleus() tries before falling back to sorting all of them.
+NUCLEUS_GUESS = 256
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """How to pick the next token. The defaults are llama.cpp's; each filter has an "off" value."""
+    temperature: float = 0.8         # 0: greedy (argmax)
+    top_k: int = 40                  # 0: off
+    top_p: float = 0.95              # 1.0: off
+    min_p: float = 0.05              # 0.0: off; keep tokens with p >= min_p * max p
+    repetition_penalty: float = 1.0  # 1.0: off
+    repeat_last_n: int = 64          # how many recent ids the penalty looks at
+    seed: int | None = None          # None: a fresh random seed each run
+
+    def __post_init__(self):
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be 0 (greedy) or positive, got {self.temperature}")
+        _check(self.top_k >= 0, f"top_k must be 0 (off) or positive, got {self.top_k}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be positive (1 is off), got {self.repetition_penalty}")
+        _check(self.repeat_last_n >= 0, f"repeat_last_n must be 0 or more, got {self.repeat_last_n}")
+        _check(self.seed is None or self.seed >= 0, f"seed must be 0 or more, got {self.seed}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise NibbleError(f"Bad sampler setting: {message}.")
+
+
+def make_sampler(settings: SamplerSettings) -> Sampler:
+    """Build `sample(logits, recent_ids) -> token id` from `settings`.
+
+    The sampler owns a `np.random.Generator`, so two samplers with the same seed, fed the same
+    logits, draw the same tokens. `logits` is never modified.
+    """
+    s = settings
+    rng = np.random.default_rng(s.seed)
+
+    def sample(logits: np.ndarray, recent_ids: Sequence[int] = ()) -> int:
+        if s.repetition_penalty != 1.0 and s.repeat_last_n > 0:
+            logits = apply_repetition_penalty(logits, recent_ids[-s.repeat_last_n:], s.repetition_penalty)
+        if s.temperature == 0:
+            return int(np.argmax(logits))
+        ids, cand = top_k(logits, s.top_k)
+        ids, cand = top_p_min_p(ids, cand, s.top_p, s.min_p)
+        return int(ids[draw(cand / s.temperature, rng)])
+
+    return sample
+
+
+def apply_repetition_penalty(logits: np.ndarray, recent_ids: Sequence[int], penalty: float) -> np.ndarray:
+    """A copy of `logits` with each distinct recent id made less likely (HF / llama.cpp rule).
+
+    Positive logits are divided by the penalty and negative ones multiplied, so both move down.
+    """
+    if len(recent_ids) == 0:
+        return logits
+    ids = np.unique(np.asarray(recent_ids, dtype=np.int64))
+    seen = logits[ids]
+    out = logits.copy()
+    out[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return out
+
+
+def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (ids, logits) with the `k` highest logits, unordered; every id when k is 0."""
+    if k <= 0 or k >= logits.shape[0]:
+        return np.arange(logits.shape[0]), logits
+    # argpartition is O(vocab): a full sort of 49k logits costs ~15x more.
+    ids = np.argpartition(logits, -k)[-k:]
+    return ids, logits[ids]
+
+
+def top_p_min_p(ids: np.ndarray, logits: np.ndarray, top_p: float,
+                min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Nucleus then min-p filtering, in llama.cpp's order.
+
+    Both filters keep a prefix of the candidates sorted by logit, so min-p can run first as a cheap
+    threshold (p >= min_p * p_max is logit >= max + log(min_p)) and shrink what top-p sorts;
+    top-p still normalises over every candidate, exactly as if it had run first.
+    """
+    if top_p < 1.0:
+        log_z = logsumexp(logits)
+    if min_p > 0.0:
+        keep = np.flatnonzero(logits >= logits.max() + math.log(min_p))
+        ids, logits = ids[keep], logits[keep]
+    if top_p < 1.0:
+        ids, logits = nucleus(ids, logits, top_p, log_z)
+    return ids, logits
+
+
+def nucleus(ids: np.ndarray, logits: np.ndarray, top_p: float, log_z: float) -> tuple[np.ndarray, np.ndarray]:
+    """The fewest highest-logit candidates whose probability exp(logit - log_z) reaches top_p."""
+    if logits.shape[0] > NUCLEUS_GUESS:
+        # A few hundred tokens usually hold the mass: when they do, sort only those.
+        guess = np.argpartition(logits, -NUCLEUS_GUESS)[-NUCLEUS_GUESS:]
+        if probabilities(logits[guess], log_z).sum() >= top_p:
+            ids, logits = ids[guess], logits[guess]
+    order = np.argsort(-logits)
+    cum = np.cumsum(probabilities(logits[order], log_z))
+    n = min(int(np.searchsorted(cum, top_p)) + 1, cum.shape[0])  # at least one token
+    return ids[order[:n]], logits[order[:n]]
+
+
+def logsumexp(logits: np.ndarray) -> float:
+    top = float(logits.max())
+    return top + math.log(probabilities(logits, top).sum())
+
+
+def probabilities(logits: np.ndarray, log_z: float) -> np.ndarray:
+    # float64: a float32 running sum over 49k tokens drifts enough to move the top-p cut.
+    return np.exp(logits.astype(np.float64) - log_z)
+
+
+def draw(logits: np.ndarray, rng: np.random.Generator) -> int:
+    """An index into `logits`, drawn with probability softmax(logits)."""
+    weights = np.exp(logits - logits.max(), dtype=np.float64)
+    cum = np.cumsum(weights)
+    return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), len(cum) - 1)

@@ -1,0 +1,61 @@
+"""Text in, ids out: the model's tokenizer, chat template and stop ids in one place."""
+from __future__ import annotations
+
+from functools import cached_property
+
+import tokenizers
+
+from formats.model_dir import ModelDir
+from .chat import ChatTemplate, build_messages
+from .detokenize import StreamDecoder
+
+
+class Tokenizer:
+    def __init__(self, model_dir: ModelDir):
+        self.tokenizer: tokenizers.Tokenizer = model_dir.tokenizer
+        self.config = model_dir.tokenizer_config
+        self._eos = (model_dir.config.eos_ids, model_dir.generation_config.get("eos_token_id"),
+                     self.config.get("eos_token"))
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate:
+        return ChatTemplate.from_tokenizer_config(self.config)
+
+    @cached_property
+    def eos_ids(self) -> frozenset[int]:
+        """Every id that ends a reply: config.json's, generation_config.json's and the eos token's."""
+        config_ids, generation_ids, eos_token = self._eos
+        ids = set(config_ids)
+        ids |= {generation_ids} if isinstance(generation_ids, int) else set(generation_ids or ())
+        if isinstance(eos_token, str) and (i := self.tokenizer.token_to_id(eos_token)) is not None:
+            ids.add(i)
+        return frozenset(ids)
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = self.config.get("bos_token")
+        return self.tokenizer.token_to_id(bos) if isinstance(bos, str) else None
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Ids of `text`; special tokens written in it are parsed as such (the chat template
+        writes them). A BOS id is prepended when the model asks for one and it is not already there."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_bos is None:
+            add_bos = bool(self.config.get("add_bos_token", False))
+        if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """Ids of a conversation through the model's chat template, ready for the reply."""
+        return self.encode(self.chat_template.render(messages))
+
+    def prompt(self, text: str, system: str | None = None, raw: bool = False) -> list[int]:
+        """Ids for a one-shot prompt: raw text, or one user turn through the chat template."""
+        return self.encode(text) if raw else self.chat(build_messages(text, system))
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def decoder(self) -> StreamDecoder:
+        return StreamDecoder(self.tokenizer)

@@ -1,0 +1,67 @@
+"""Every CPU kernel against its numpy twin in tests/reference.py."""
+import numpy as np
+import pytest
+
+from runner.kernels import cpu
+from tests import reference
+
+rng = np.random.default_rng(0)
+f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul(T, accumulate):
+    x, w, out = f32(T, 96), f32(40, 96), f32(T, 40)
+    want = x.astype(np.float64) @ w.T + (out if accumulate else 0)
+    cpu.matmul(x, w, out, accumulate)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_reads_memmapped_weights(tmp_path):
+    w = f32(16, 32)
+    w.tofile(tmp_path / "w.bin")
+    mapped = np.memmap(tmp_path / "w.bin", np.float32, "r", shape=w.shape)
+    x, out = f32(2, 32), np.empty((2, 16), np.float32)
+    cpu.matmul(x, mapped, out, False)
+    np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_swiglu(T):
+    x, wg, wu = f32(T, 64), f32(48, 64), f32(48, 64)
+    out = np.empty((T, 48), np.float32)
+    cpu.swiglu(x, wg, wu, out)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(out, reference.silu(x64 @ wg.T) * (x64 @ wu.T), rtol=1e-4, atol=1e-4)
+
+
+def test_rmsnorm_in_place():
+    x, w = f32(3, 80), f32(80)
+    want = reference.rmsnorm(x, w, 1e-5)
+    cpu.rmsnorm(x, w, 1e-5, x)
+    np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rope():
+    hd, pos0 = 16, 5
+    inv_freq = 1.0 / 10000 ** (np.arange(0, hd, 2) / hd)
+    ang = np.outer(np.arange(64), inv_freq)
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    x = f32(4, 3, hd)
+    want = reference.rotate(x.astype(np.float64), np.arange(pos0, pos0 + 4), inv_freq)
+    cpu.rope(x, cos, sin, pos0)
+    np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,pos0,window", [(1, 9, 0), (6, 0, 0), (4, 3, 0), (6, 2, 3)])
+def test_attention(T, pos0, window):
+    H, Hkv, hd, ctx = 6, 2, 8, 16
+    q = f32(T, H, hd)
+    k_cache, v_cache = f32(Hkv, ctx, hd), f32(Hkv, ctx, hd)
+    out = np.empty_like(q)
+    cpu.attention(q, k_cache, v_cache, pos0, window, out)
+    S = pos0 + T   # keys 0..S-1 are filled
+    want = reference.attention(q.astype(np.float64), k_cache[:, :S].transpose(1, 0, 2),
+                               v_cache[:, :S].transpose(1, 0, 2), np.arange(pos0, S), window)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
