@@ -67,9 +67,13 @@ def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
                                         repetition_penalty=repeat_penalty, seed=seed))
 
 
+def _stdin_is_terminal() -> bool:
+    return sys.stdin is None or sys.stdin.isatty()
+
+
 def _read_prompt(prompt: str | None) -> str:
     if prompt is None:
-        if sys.stdin is None or sys.stdin.isatty():
+        if _stdin_is_terminal():
             raise click.UsageError("no prompt: give one as an argument, with -p, or on stdin")
         prompt = sys.stdin.read()
     if not prompt.strip():
@@ -124,6 +128,7 @@ def _report(r, text: str, as_json: bool, interrupted: bool = False):
     if as_json:
         click.echo(json.dumps({"text": text, "finish_reason": finish, **stats}, ensure_ascii=False))
         return
+    sys.stdout.flush()   # the reply's last newline before the stats line
     ttft = f"{stats['ttft']:.2f} s" if stats["ttft"] is not None else "-"
     click.echo(f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tps']:.1f} tok/s | "
                f"reply {stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s | "
@@ -172,3 +177,7 @@ def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_
         click.echo(json.dumps(result.as_dict()))
     else:
         click.echo(result.summary())
+
+
+if __name__ == "__main__":
+    main()

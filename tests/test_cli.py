@@ -1,0 +1,135 @@
+"""The command line, on the tiny model: output streams, stats, and one clean line for bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from runner.cli import main
+
+GREEDY = ["--temp", "0", "-n", "12"]
+
+
+def invoke(*args, input=None, env=None):
+    return CliRunner().invoke(main, list(map(str, args)), input=input, env=env)
+
+
+def assert_one_line_error(result, code=1, match=""):
+    assert result.exit_code == code, result.output
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and match in lines[0], result.stderr
+
+
+def test_run_streams_reply_and_stats(tiny_dir):
+    r = invoke("run", "-m", tiny_dir, *GREEDY, "Hello there")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip()
+    stats = r.stderr.strip().splitlines()[-1]
+    assert stats.startswith("prompt ") and "tok/s" in stats and "first token" in stats
+
+
+def test_prompt_from_argument_option_and_stdin_agree(tiny_dir):
+    a = invoke("run", "-m", tiny_dir, *GREEDY, "Hello there").stdout
+    b = invoke("run", "-m", tiny_dir, *GREEDY, "-p", "Hello there").stdout
+    c = invoke("run", "-m", tiny_dir, *GREEDY, input="Hello there").stdout
+    assert a == b == c != ""
+
+
+def test_seeded_runs_reproduce(tiny_dir):
+    runs = [invoke("run", "-m", tiny_dir, "--seed", 7, "-n", 20, "--top-k", 0, "Hello").stdout for _ in range(2)]
+    assert runs[0] == runs[1] != ""
+
+
+def test_json_output(tiny_dir):
+    r = invoke("run", "-m", tiny_dir, *GREEDY, "--json", "Hello")
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] in ("stop", "length") and out["prompt_tokens"] > 0
+    assert out["text"] == invoke("run", "-m", tiny_dir, *GREEDY, "Hello").stdout.rstrip("\n")
+
+
+def test_raw_prompt_skips_the_template(tiny_dir):
+    raw = json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "--raw", "Hello").stdout)
+    chat = json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "Hello").stdout)
+    assert raw["prompt_tokens"] < chat["prompt_tokens"]
+
+
+def test_stop_string_cuts_the_reply(tiny_dir):
+    full = invoke("run", "-m", tiny_dir, "--temp", 0, "-n", 40, "--raw", "The quick").stdout.rstrip("\n")
+    stop = full[len(full) // 2:][:3]
+    cut = invoke("run", "-m", tiny_dir, "--temp", 0, "-n", 40, "--raw", "--stop", stop, "The quick").stdout
+    assert cut.rstrip("\n") == full[:full.index(stop)]
+
+
+def test_empty_prompt(tiny_dir):
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "   "), match="prompt is empty")
+    assert_one_line_error(invoke("run", "-m", tiny_dir, input=""), match="prompt is empty")
+
+
+def test_no_prompt_and_a_terminal_on_stdin(tiny_dir, monkeypatch):
+    monkeypatch.setattr("runner.cli._stdin_is_terminal", lambda: True)
+    r = invoke("run", "-m", tiny_dir)
+    assert r.exit_code == 2 and "no prompt" in r.stderr
+
+
+def test_prompt_longer_than_context_names_both_numbers(tiny_dir):
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "-c", 8, "Hello there, how are you today?"),
+                          match="and the context holds 8")
+
+
+def test_bad_sampler_setting(tiny_dir):
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "--top-p", 2, "Hi"), match="top_p")
+
+
+def test_bad_model_references(tmp_path):
+    assert_one_line_error(invoke("run", "-m", tmp_path / "nowhere", "Hi"), match="no model at")
+    (tmp_path / "broken.safetensors").write_bytes(b"\x05\x00")
+    assert_one_line_error(invoke("run", "-m", tmp_path / "broken.safetensors", "Hi"))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text('{"model_type": "gpt2"}')
+    assert_one_line_error(invoke("run", "-m", tmp_path / "d", "Hi"), match="unsupported architecture 'gpt2'")
+
+
+def test_truncated_weights_file(tiny_dir, tmp_path):
+    import shutil
+    d = shutil.copytree(tiny_dir, tmp_path / "m")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(invoke("run", "-m", d, "Hi"), match="model.safetensors")
+
+
+def test_hub_offline_names_the_variable(tmp_path):
+    r = invoke("run", "-m", "nibble-test/no-such-model", "Hi",
+               env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})
+    assert_one_line_error(r, match="HF_HUB_OFFLINE")
+
+
+def test_import_writes_a_model_dir(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+    from formats.model_dir import read_model_dir
+    gguf = tmp_path / "x.gguf"
+    w = GGUFWriter(str(gguf), "gpt2")   # an architecture nibble does not run
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert_one_line_error(invoke("import", gguf, "-o", tmp_path / "out"), match="gpt2")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir):
+    """A real SIGINT while the real model writes a long reply."""
+    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "run", "-m", str(smollm2_dir), "-n", "2000",
+                             "--seed", "1", "Write a very long story about a dragon."],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = proc.stdout.read(20)   # the reply has started
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert len(first + out) > 20 and "Traceback" not in err.decode()
+    assert err.decode().strip().splitlines()[-1].endswith("| interrupted")
