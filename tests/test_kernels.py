@@ -9,10 +9,10 @@ rng = np.random.default_rng(0)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("T,K,N", [(1, 96, 40), (7, 96, 42), (70, 33, 21)])   # tiles and their edges
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_matmul(T, accumulate):
-    x, w, out = f32(T, 96), f32(40, 96), f32(T, 40)
+def test_matmul(T, K, N, accumulate):
+    x, w, out = f32(T, K), f32(N, K), f32(T, N)
     want = x.astype(np.float64) @ w.T + (out if accumulate else 0)
     cpu.matmul(x, w, out, accumulate)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,297 @@
+"""GGUF import: a llama.cpp model file read into an in-memory ModelDir.
+
+Tensors are dequantized to float32 by the `gguf` package and renamed to Hugging Face names, with
+llama.cpp's q/k row permutation undone; the config, tokenizer and chat template are rebuilt from
+the metadata. The tokenizer gives llama.cpp's ids. Its CONTROL tokens are `special` added tokens,
+so setting `tokenizer.encode_special_tokens = True` reproduces llama.cpp's parse_special=False
+mode, in which their text is tokenized as plain text.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import tokenizers
+from gguf import GGMLQuantizationType as QType
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from .config import ModelConfig
+from .errors import FormatError
+from .model_dir import ModelDir
+
+SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
+                   QType.Q4_K, QType.Q6_K)
+ARCHITECTURES = ("llama", "qwen2")  # general.architecture values nibble imports
+_DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporaries
+
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+# tokenizer.ggml.pre -> the regexes llama-vocab.cpp splits text with, applied one after another.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_TOKENIZERS = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
+    "gpt-2": [_GPT2],
+    "smollm": [r"\p{N}", _GPT2],
+    "starcoder": [r"\p{N}", _GPT2],
+    "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "llama-bpe": [_LLAMA3],
+    "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2],
+}
+# llama.cpp looks whole pre-tokens up in the vocabulary before merging, and adds BOS by default.
+_LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe"}
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader over a plain ndarray view of its memmap.
+
+    GGUFReader slices its data once per metadata string, and np.memmap slices are slow enough
+    that a 49k-token vocabulary takes about 5 s to parse; over a plain view of the same mapping,
+    about 1.5 s.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray):
+        self._data = value.view(np.ndarray)
+
+
+def import_gguf(path: str | Path) -> ModelDir:
+    """Read a llama or qwen2 GGUF file into a ModelDir with float32 tensors under HF names.
+
+    Raises FormatError for a file that is not GGUF, another architecture, a tensor type outside
+    SUPPORTED_TYPES, or a tokenizer other than byte-level BPE ("gpt2").
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FormatError(f"{path}: no such GGUF file")
+    try:
+        reader = _Reader(path)
+    except (ValueError, KeyError, IndexError) as e:
+        raise FormatError(f"{path} is not a readable GGUF file ({e})") from None
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise FormatError(f"{path.name}: unsupported GGUF architecture {arch!r}; nibble imports "
+                          f"{', '.join(ARCHITECTURES)}")
+    _check_types(reader.tensors)
+    raw = {t.name: t for t in reader.tensors}
+    rope_freqs = raw.pop("rope_freqs.weight", None)
+    hf_names = {name: _hf_name(name) for name in raw}   # every name checked before the slow part
+    tokenizer, tokenizer_config = _tokenizer(meta)
+    config = _config(meta, arch, tie="output.weight" not in raw,
+                     rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs))
+    tensors = {}
+    for name, t in raw.items():
+        w = _dequantize(t)
+        # llama.cpp reorders llama's q/k rows for its rope kernel; qwen2 files are left as in HF.
+        kind = name.split(".")[-2]
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+            w = _unpermute(w, n_head, name)
+        w.flags.writeable = False
+        tensors[hf_names[name]] = w
+    generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    return ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
+                    tokenizer_config=tokenizer_config,
+                    generation_config={k: v for k, v in generation_config.items() if v is not None})
+
+
+def _check_types(tensors) -> None:
+    """Fail before dequantizing anything if one tensor has a type nibble cannot read."""
+    for t in tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            known = ", ".join(q.name for q in SUPPORTED_TYPES)
+            raise FormatError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which nibble "
+                              f"cannot read (it reads {known}); use a file quantized to one of those")
+
+
+def _dequantize(t) -> np.ndarray:
+    """float32 array in numpy order: GGUF lists ne[0], the fastest-varying dim, first."""
+    shape = tuple(int(n) for n in reversed(t.shape))
+    if t.tensor_type in (QType.F32, QType.F16):
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+    # gguf.quants.dequantize works 16 rows at a time, twice as slow as these larger steps.
+    blocks = getattr(gguf.quants, t.tensor_type.name)
+    rows = t.data.reshape(-1, t.data.shape[-1])
+    out = np.empty((rows.shape[0], shape[-1]), np.float32)
+    step = max(1, _DEQUANT_STEP // shape[-1])
+    for i in range(0, len(rows), step):
+        out[i:i + step] = blocks.dequantize_rows(rows[i:i + step])
+    return out.reshape(shape)
+
+
+def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
+    """Invert convert_hf_to_gguf.py's permute(), which interleaves each head's two rope halves.
+
+    permute: [n_head, 2, rows/n_head/2, ...] -> swap axes 1, 2; so the inverse reads the rows as
+    [n_head, rows/n_head/2, 2, ...] and swaps back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise FormatError(f"GGUF tensor {name} has {rows} rows, not a multiple of 2 x {n_head} heads")
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def _hf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _BLOCK_NAME.fullmatch(name)
+    if m is None or m[2] not in _BLOCK_NAMES:
+        raise FormatError(f"GGUF tensor {name} has no Hugging Face counterpart nibble knows")
+    return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+
+
+def _need(meta: dict, key: str):
+    if key not in meta:
+        raise FormatError(f"GGUF metadata lacks {key}; the file is incomplete or not a model")
+    return meta[key]
+
+
+def _f32(v: float) -> float:
+    """The shortest decimal that is this float32: metadata 1e-5 reads back 1e-05, not 9.99e-06."""
+    return float(str(np.float32(v)))
+
+
+def _config(meta: dict, arch: str, tie: bool, rope_freqs: np.ndarray | None) -> ModelConfig:
+    a = arch + "."
+    hidden = _need(meta, a + "embedding_length")
+    n_head = _need(meta, a + "attention.head_count")
+    head_dim = meta.get(a + "attention.key_length", hidden // n_head)
+    rope_dim = meta.get(a + "rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise FormatError(f"GGUF rope.dimension_count {rope_dim} differs from the head size "
+                          f"{head_dim}; nibble has no partial rotary embeddings")
+    theta = _f32(meta.get(a + "rope.freq_base", 10000.0))
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if k in meta]
+    eos = list(dict.fromkeys(eos))  # unique, in order; one id is written as an int, as HF does
+    return ModelConfig(
+        model_type=arch,
+        hidden_size=hidden,
+        intermediate_size=_need(meta, a + "feed_forward_length"),
+        num_hidden_layers=_need(meta, a + "block_count"),
+        num_attention_heads=n_head,
+        num_key_value_heads=meta.get(a + "attention.head_count_kv", n_head),
+        head_dim=head_dim,
+        vocab_size=len(_need(meta, "tokenizer.ggml.tokens")),
+        rms_norm_eps=_f32(_need(meta, a + "attention.layer_norm_rms_epsilon")),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(meta, a, theta, head_dim, rope_freqs),
+        max_position_embeddings=meta.get(a + "context_length", 2048),
+        tie_word_embeddings=tie,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos[0] if len(eos) == 1 else eos or None,
+    )
+
+
+def _rope_scaling(meta: dict, a: str, theta: float, head_dim: int,
+                  rope_freqs: np.ndarray | None) -> dict | None:
+    """HF rope_scaling from the metadata, or from llama.cpp's per-frequency factors (Llama 3.x)."""
+    if rope_freqs is not None:
+        return _llama3_scaling(rope_freqs.astype(np.float64), theta, head_dim)
+    kind = meta.get(a + "rope.scaling.type", "none")
+    factor = _f32(meta.get(a + "rope.scaling.factor", 1.0))
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        orig = meta.get(a + "rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
+    raise FormatError(f"GGUF rope scaling type {kind!r} is not supported (nibble reads linear, yarn)")
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
+    """Recover HF's llama3 rope_scaling from the rope_freqs tensor convert_hf_to_gguf.py wrote.
+
+    The file keeps only the per-frequency divisors, so check them against the settings every
+    Llama 3.x release uses, with the largest divisor as `factor`.
+    """
+    factor, low, high, old_ctx = _f32(factors.max()), 1.0, 4.0, 8192
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = np.clip((old_ctx * inv_freq / (2 * np.pi) - low) / (high - low), 0.0, 1.0)
+    expected = 1.0 / ((1 - smooth) / factor + smooth)
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise FormatError("GGUF rope_freqs.weight does not match Llama 3's rope scaling; nibble "
+                          "cannot rebuild it: use the Hugging Face release of this model")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
+
+
+def _tokenizer(meta: dict) -> tuple[tokenizers.Tokenizer, dict]:
+    """A byte-level BPE tokenizer equal to llama.cpp's, and its tokenizer_config entries."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise FormatError(f"GGUF tokenizer model {kind!r} is not supported: nibble rebuilds only "
+                          "byte-level BPE ('gpt2') tokenizers")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise FormatError(f"GGUF pre-tokenizer {pre!r} is not supported; nibble knows "
+                          f"{', '.join(_PRE_TOKENIZERS)}")
+    tokens = _need(meta, "tokenizer.ggml.tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise FormatError("GGUF vocabulary has duplicate tokens; llama.cpp refuses it too")
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [_split_merge(m) for m in _need(meta, "tokenizer.ggml.merges")]
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges,
+                                          ignore_merges=pre in _LLAMA3_STYLE))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # llama.cpp matches CONTROL, UNKNOWN and USER_DEFINED tokens before BPE; only the first two
+    # are skipped when special tokens are not parsed, hence `special` for them alone.
+    tok.add_tokens([AddedToken(tokens[i], special=types[i] != _USER_DEFINED, normalized=False)
+                    for i in range(len(tokens)) if types[i] in (_UNKNOWN, _CONTROL, _USER_DEFINED)])
+
+    config = {"add_bos_token": meta.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_STYLE),
+              "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False)}
+    for key, id_key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        i = meta.get(f"tokenizer.ggml.{id_key}")
+        if i is not None and i < len(tokens):
+            config[key] = tokens[i]
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    tok.post_processor = _post_processor(config, tok)
+    return tok, config
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    """Split a merge "a b" into ("a", "b") as llama.cpp does: at the first space after index 0."""
+    i = merge.find(" ", 1)
+    if i < 0:
+        raise FormatError(f"GGUF tokenizer merge {merge!r} is not two tokens separated by a space")
+    return merge[:i], merge[i + 1:]
+
+
+def _post_processor(config: dict, tok: tokenizers.Tokenizer):
+    """Add BOS/EOS on encode(add_special_tokens=True) as llama.cpp's add_bos/add_eos do."""
+    before = [config["bos_token"]] if config["add_bos_token"] and "bos_token" in config else []
+    after = [config["eos_token"]] if config["add_eos_token"] and "eos_token" in config else []
+    if not before and not after:
+        return None
+    return processors.TemplateProcessing(
+        single=" ".join(before + ["$A"] + after),
+        pair=" ".join(before + ["$A"] + after + before + ["$B:1"] + after),
+        special_tokens=[(t, tok.token_to_id(t)) for t in dict.fromkeys(before + after)])

