@@ -23,12 +23,6 @@ class KVCache:
     def size(self) -> int:
         return self.k.shape[2]
 
-    def store(self, layer: int, k: np.ndarray, v: np.ndarray):
-        """Write k, v [T, Hkv, hd] of the positions pos.. (advanced by `advance`)."""
-        T = k.shape[0]
-        self.k[layer, :, self.pos:self.pos + T] = k.transpose(1, 0, 2)
-        self.v[layer, :, self.pos:self.pos + T] = v.transpose(1, 0, 2)
-
     def advance(self, tokens):
         self.pos += len(tokens)
         self.tokens.extend(int(t) for t in tokens)

@@ -22,14 +22,20 @@ class Layer:
     wq: np.ndarray           # [H*hd, D]
     wk: np.ndarray           # [Hkv*hd, D]
     wv: np.ndarray           # [Hkv*hd, D]
-    bq: np.ndarray | None    # [H*hd] (qwen2)
-    bk: np.ndarray | None    # [Hkv*hd]
-    bv: np.ndarray | None    # [Hkv*hd]
+    bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
+    bk: np.ndarray           # [Hkv*hd]
+    bv: np.ndarray           # [Hkv*hd]
     wo: np.ndarray           # [D, H*hd]
     post_norm: np.ndarray    # [D]
     w_gate: np.ndarray       # [F, D]
     w_up: np.ndarray         # [F, D]
     w_down: np.ndarray       # [D, F]
+
+    @property
+    def weights(self) -> tuple:
+        """In the order cpu.decoder_layer unpacks them."""
+        return (self.input_norm, self.wq, self.wk, self.wv, self.bq, self.bk, self.bv, self.wo,
+                self.post_norm, self.w_gate, self.w_up, self.w_down)
 
 
 class Model:
@@ -46,15 +52,15 @@ class Model:
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            bias = c.attention_bias
+            bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
             self.layers.append(Layer(
                 input_norm=get(p + "input_layernorm.weight", (D,)),
                 wq=get(p + "self_attn.q_proj.weight", (q_dim, D)),
                 wk=get(p + "self_attn.k_proj.weight", (kv_dim, D)),
                 wv=get(p + "self_attn.v_proj.weight", (kv_dim, D)),
-                bq=get(p + "self_attn.q_proj.bias", (q_dim,)) if bias else None,
-                bk=get(p + "self_attn.k_proj.bias", (kv_dim,)) if bias else None,
-                bv=get(p + "self_attn.v_proj.bias", (kv_dim,)) if bias else None,
+                bq=bias(p + "self_attn.q_proj.bias", (q_dim,)),
+                bk=bias(p + "self_attn.k_proj.bias", (kv_dim,)),
+                bv=bias(p + "self_attn.v_proj.bias", (kv_dim,)),
                 wo=get(p + "self_attn.o_proj.weight", (D, q_dim)),
                 post_norm=get(p + "post_attention_layernorm.weight", (D,)),
                 w_gate=get(p + "mlp.gate_proj.weight", (F, D)),
@@ -74,43 +80,18 @@ class Model:
         T, pos0 = len(tokens), cache.pos
         if pos0 + T > cache.size:
             raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
-        H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps, window = c.rms_norm_eps, c.sliding_window or 0
-
         x = np.asarray(self.embed[np.asarray(tokens)], dtype=np.float32)   # [T, D] residual stream
-        h = np.empty_like(x)                                                # [T, D] normed
-        attn = np.empty((T, H, hd), np.float32)                             # [T, H, hd]
-        mlp = np.empty((T, c.intermediate_size), np.float32)                # [T, F]
-        for i, L in enumerate(self.layers):
-            # attention block
-            cpu.rmsnorm(x, L.input_norm, eps, h)
-            q = _linear(h, L.wq, L.bq).reshape(T, H, hd)
-            k = _linear(h, L.wk, L.bk).reshape(T, Hkv, hd)
-            v = _linear(h, L.wv, L.bv).reshape(T, Hkv, hd)
-            cpu.rope(q, self.cos, self.sin, pos0)
-            cpu.rope(k, self.cos, self.sin, pos0)
-            cache.store(i, k, v)
-            cpu.attention(q, cache.k[i], cache.v[i], pos0, window, attn)
-            cpu.matmul(attn.reshape(T, H * hd), L.wo, x, True)   # residual: x += attn @ wo.T
-            # feed-forward block
-            cpu.rmsnorm(x, L.post_norm, eps, h)
-            cpu.swiglu(h, L.w_gate, L.w_up, mlp)
-            cpu.matmul(mlp, L.w_down, x, True)                   # residual: x += mlp @ w_down.T
+        for i, layer in enumerate(self.layers):
+            cpu.decoder_layer(x, layer.weights, cache.k[i], cache.v[i], pos0, self.cos, self.sin,
+                              c.rms_norm_eps, c.sliding_window or 0)
         cache.advance(tokens)
 
         if not all_logits:
             x = x[-1:]   # generation needs only the next token's distribution
-        cpu.rmsnorm(x, self.norm, eps, x)
-        return _linear(x, self.lm_head)
-
-
-def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x[T, K] @ w[N, K].T (+ bias) -> [T, N]"""
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    cpu.matmul(x, w, out, False)
-    if bias is not None:
-        out += bias
-    return out
+        cpu.rmsnorm(x, self.norm, c.rms_norm_eps, x)
+        logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
+        cpu.matmul(x, self.lm_head, logits, False)
+        return logits
 
 
 class _TensorGetter:

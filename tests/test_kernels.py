@@ -65,3 +65,12 @@ def test_attention(T, pos0, window):
     want = reference.attention(q.astype(np.float64), k_cache[:, :S].transpose(1, 0, 2),
                                v_cache[:, :S].transpose(1, 0, 2), np.arange(pos0, S), window)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_project_qkv(T):
+    x, wq, wk, wv = f32(T, 32), f32(24, 32), f32(8, 32), f32(8, 32)
+    q, k, v = np.empty((T, 24), np.float32), np.empty((T, 8), np.float32), np.empty((T, 8), np.float32)
+    cpu.project_qkv(x, wq, wk, wv, q, k, v)
+    for got, w in ((q, wq), (k, wk), (v, wv)):
+        np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)

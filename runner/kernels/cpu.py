@@ -91,6 +91,29 @@ def _dots(x, w, out, t0, t1, n0, n1, accumulate):
 
 
 @njit(parallel=True, **_jit)
+def project_qkv(x, wq, wk, wv, q, k, v):
+    """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T; for decode all rows in one parallel region."""
+    if x.shape[0] > 1:
+        matmul(x, wq, q, False)
+        matmul(x, wk, k, False)
+        matmul(x, wv, v, False)
+        return
+    nq, nk = wq.shape[0], wk.shape[0]
+    for task in prange(nq + nk + wv.shape[0]):
+        n = np.int64(task)   # prange's index is unsigned: n - nq would type as float
+        if n < nq:
+            w, out, row = wq, q, n
+        elif n < nq + nk:
+            w, out, row = wk, k, n - nq
+        else:
+            w, out, row = wv, v, n - nq - nk
+        acc = np.float32(0.0)
+        for i in range(x.shape[1]):
+            acc += x[0, i] * w[row, i]
+        out[0, row] = acc
+
+
+@njit(parallel=True, **_jit)
 def swiglu(x, w_gate, w_up, out):
     """out[T, F] = silu(x @ w_gate.T) * (x @ w_up.T); for decode both matrices in one pass."""
     T, K = x.shape
@@ -112,11 +135,14 @@ def swiglu(x, w_gate, w_up, out):
         out[0, f] = g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-@njit(parallel=True, **_jit)
+@njit(**_jit)
 def rmsnorm(x, weight, eps, out):
-    """out[T, D] = x / sqrt(mean(x^2) + eps) * weight"""
+    """out[T, D] = x / sqrt(mean(x^2) + eps) * weight
+
+    Serial, as is rope: too little work to pay for a parallel region (~5 us each here).
+    """
     T, D = x.shape
-    for t in prange(T):
+    for t in range(T):
         ss = np.float32(0.0)
         for d in range(D):
             ss += x[t, d] * x[t, d]
@@ -125,7 +151,7 @@ def rmsnorm(x, weight, eps, out):
             out[t, d] = x[t, d] * scale * weight[d]
 
 
-@njit(parallel=True, **_jit)
+@njit(**_jit)
 def rope(x, cos, sin, pos0):
     """Rotate x[T, H, hd] in place for positions pos0.. (the rotate-half layout of HF models).
 
@@ -133,7 +159,7 @@ def rope(x, cos, sin, pos0):
     """
     T, H, hd = x.shape
     half = hd // 2
-    for t in prange(T):
+    for t in range(T):
         c = cos[pos0 + t]
         s = sin[pos0 + t]
         for h in range(H):
@@ -182,3 +208,44 @@ def attention(q, k_cache, v_cache, pos0, window, out):
             for i in range(hd):
                 out[t, h, i] += p * v_cache[kv, j, i]
 
+
+
+@njit(**_jit)
+def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window):
+    """One transformer block on the residual stream x[T, D], in place; k/v of the new positions
+    are written into k_cache, v_cache [Hkv, ctx, hd]. One call per layer keeps Python out of the
+    token loop's inner steps.
+
+    weights: (input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down), biases
+    zeros when the model has none.
+    """
+    input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
+    T = x.shape[0]
+    Hkv, _, hd = k_cache.shape
+    H = wq.shape[0] // hd
+    h = np.empty_like(x)                                     # [T, D]
+    # attention block
+    rmsnorm(x, input_norm, eps, h)
+    q = np.empty((T, H * hd), np.float32)
+    k = np.empty((T, Hkv * hd), np.float32)
+    v = np.empty((T, Hkv * hd), np.float32)
+    project_qkv(h, wq, wk, wv, q, k, v)
+    q += bq
+    k += bk
+    v += bv
+    q = q.reshape(T, H, hd)
+    k = k.reshape(T, Hkv, hd)
+    v = v.reshape(T, Hkv, hd)
+    rope(q, cos, sin, pos0)
+    rope(k, cos, sin, pos0)
+    for t in range(T):
+        k_cache[:, pos0 + t] = k[t]
+        v_cache[:, pos0 + t] = v[t]
+    attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
+    attention(q, k_cache, v_cache, pos0, window, attn.reshape(T, H, hd))
+    matmul(attn, wo, x, True)                               # residual: x += attn @ wo.T
+    # feed-forward block
+    rmsnorm(x, post_norm, eps, h)
+    mlp = np.empty((T, w_gate.shape[0]), np.float32)        # [T, F]
+    swiglu(h, w_gate, w_up, mlp)
+    matmul(mlp, w_down, x, True)                            # residual: x += mlp @ w_down.T
