@@ -179,5 +179,29 @@ def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_
         click.echo(result.summary())
 
 
+@main.command()
+@model_option
+@click.option("-p", "--prompt-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Prompt length, prefilled as one batch.")
+@click.option("-n", "--gen-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to decode (greedy; the end-of-text token is ignored).")
+@click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def bench(model, prompt_tokens, gen_tokens, repeats, threads, as_json):
+    """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
+    from .bench import PROMPT_TEXT, run_bench
+    from .load import load
+    _set_threads(threads)
+    llm, tokenizer = load(model)
+    ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
+    ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
+    if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:
+        raise NibbleError(f"{prompt_tokens} + {gen_tokens} tokens do not fit in the model's context "
+                          f"of {llm.config.max_position_embeddings}")
+    result = run_bench(llm, ids, gen_tokens, repeats)
+    click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
+
+
 if __name__ == "__main__":
     main()

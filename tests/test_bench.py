@@ -1,0 +1,34 @@
+"""`nibble bench` on the tiny model: figures present and consistent (speed is not asserted)."""
+import json
+
+from runner.bench import memory_bandwidth, weight_bytes_per_token
+from runner.load import from_model_dir
+from tests.test_cli import assert_one_line_error, invoke
+from tests.tiny import tiny_model_dir
+
+
+def test_bench_json(tiny_dir):
+    r = invoke("bench", "-m", tiny_dir, "-p", 16, "-n", 8, "-r", 1, "--json")
+    assert r.exit_code == 0, r.output
+    f = json.loads(r.stdout)
+    assert f["prompt_tokens"] == 16 and f["gen_tokens"] == 8
+    assert f["prefill_tps"] > 0 and f["decode_tps"] > 0 and f["bandwidth_gbs"] > 0
+    want = f["decode_tps"] * f["weight_bytes_per_token"] / (f["bandwidth_gbs"] * 1e9)
+    assert abs(f["decode_fraction"] - want) < 1e-9
+
+
+def test_weight_bytes_count_every_matrix_once():
+    model, _ = from_model_dir(tiny_model_dir())
+    c = model.config
+    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    per_layer = (2 * D + (c.num_attention_heads + 2 * c.num_key_value_heads) * hd * (D + 1)
+                 + c.num_attention_heads * hd * D + 3 * D * F)
+    assert weight_bytes_per_token(model) == 4 * (c.num_hidden_layers * per_layer + c.vocab_size * D + 2 * D)
+
+
+def test_memory_bandwidth_is_measured():
+    assert memory_bandwidth(1 << 24, repeats=1) > 0
+
+
+def test_bench_too_long_for_the_context(tiny_dir):
+    assert_one_line_error(invoke("bench", "-m", tiny_dir, "-p", 200, "-n", 100), match="do not fit")
