@@ -5,7 +5,17 @@ Two calls run a model:
     model, tokenizer = runner.load("smollm2")
     for r in runner.stream_generate(model, tokenizer, tokenizer.prompt("Hi")): print(r.text, end="")
 """
-from .generate import GenerationResponse, generate_step, stream_generate
-from .load import load
+import importlib
 
-__all__ = ["GenerationResponse", "generate_step", "load", "stream_generate"]
+_EXPORTS = {"load": ".loader", "stream_generate": ".generate", "generate_step": ".generate",
+            "GenerationResponse": ".generate"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    # Imported on first use, so that `nibble --help` does not wait for Numba.
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

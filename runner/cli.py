@@ -97,7 +97,7 @@ def run(prompt, prompt_option, model, system, max_tokens, temp, top_k, top_p, mi
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     _set_threads(threads)
     from .generate import stream_generate
-    from .load import load
+    from .loader import load
     llm, tokenizer = load(model)
     ids = tokenizer.prompt(text, system=system, raw=raw)
     cache = llm.new_cache(ctx_size)
@@ -163,7 +163,7 @@ def import_(gguf_file, output, force):
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_json):
     """Perplexity of MODEL over TEXT_FILE in non-overlapping windows of --ctx tokens."""
-    from .load import load
+    from .loader import load
     from .perplexity import evaluate
     _set_threads(threads)
     llm, tokenizer = load(model)
@@ -191,7 +191,7 @@ def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_
 def bench(model, prompt_tokens, gen_tokens, repeats, threads, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
     from .bench import PROMPT_TEXT, run_bench
-    from .load import load
+    from .loader import load
     _set_threads(threads)
     llm, tokenizer = load(model)
     ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)

@@ -2,7 +2,7 @@
 import json
 
 from runner.bench import memory_bandwidth, weight_bytes_per_token
-from runner.load import from_model_dir
+from runner.loader import from_model_dir
 from tests.test_cli import assert_one_line_error, invoke
 from tests.tiny import tiny_model_dir
 

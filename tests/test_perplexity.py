@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from formats.model_dir import write_model_dir
-from runner.load import from_model_dir
+from runner.loader import from_model_dir
 from runner.perplexity import evaluate
 from tests import reference
 from tests.test_cli import assert_one_line_error, invoke

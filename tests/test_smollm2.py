@@ -10,7 +10,7 @@ import numpy as np
 import pydoc_data.topics
 import pytest
 
-from runner.load import load
+from runner.loader import load
 from runner.perplexity import evaluate
 
 REFERENCE = next(p for p in (Path(__file__).parents[2] / "shared" / "reference",
@@ -45,6 +45,18 @@ def test_greedy_matches_llamacpp_f32(smollm2, case):
         logits = model.forward([want], cache)[-1]
     assert ties == 0   # on these prompts nibble's float path and llama.cpp's F32 agree outright
     assert tok.decode(case["greedy_ids"]) == case["greedy_text"]
+
+
+def test_streamed_reply_is_llamacpps_text(smollm2):
+    """The whole pipeline: chat template, prefill, greedy decode, streaming detokenizer, eos."""
+    from runner.generate import stream_generate
+    from runner.sample import SamplerSettings, make_sampler
+    model, tok = smollm2
+    case = GREEDY_F32[1]
+    rs = list(stream_generate(model, tok, tok.prompt(case["prompt"]), max_tokens=64,
+                              sampler=make_sampler(SamplerSettings(temperature=0))))
+    assert "".join(r.text for r in rs) == case["greedy_text"]
+    assert rs[-1].finish_reason == "stop" and rs[-1].generation_tokens == len(case["greedy_ids"])
 
 
 def test_perplexity_matches_llamacpp_f32(smollm2):
