@@ -22,6 +22,9 @@ class _Group(click.Group):
             raise click.ClickException(str(e)) from None
         except OSError as e:
             raise click.ClickException(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+        except KeyboardInterrupt:   # Ctrl-C outside generation (loading, importing): no traceback
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -132,3 +132,11 @@ def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir):
     assert proc.returncode == 130
     assert len(first + out) > 20 and "Traceback" not in err.decode()
     assert err.decode().strip().splitlines()[-1].endswith("| interrupted")
+
+
+def test_ctrl_c_while_loading_is_one_line(tiny_dir, monkeypatch):
+    def interrupted(ref):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("runner.loader.load", interrupted)
+    r = invoke("run", "-m", tiny_dir, "Hi")
+    assert r.exit_code == 130 and "Traceback" not in r.stderr and r.stderr.strip() == "interrupted"
