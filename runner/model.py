@@ -74,8 +74,13 @@ class Model:
         ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
         return KVCache.allocate(self.config, ctx)
 
-    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Run tokens at positions cache.pos.. and return logits [T, V] (all_logits) or [1, V]."""
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False,
+                act_sq: np.ndarray | None = None) -> np.ndarray:
+        """Run tokens at positions cache.pos.. and return logits [T, V] (all_logits) or [1, V].
+
+        act_sq [layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of each
+        layer's projections (see cpu.decoder_layer).
+        """
         c = self.config
         T, pos0 = len(tokens), cache.pos
         if pos0 + T > cache.size:
@@ -83,7 +88,8 @@ class Model:
         x = np.asarray(self.embed[np.asarray(tokens)], dtype=np.float32)   # [T, D] residual stream
         for i, layer in enumerate(self.layers):
             cpu.decoder_layer(x, layer.weights, cache.k[i], cache.v[i], pos0, self.cos, self.sin,
-                              c.rms_norm_eps, c.sliding_window or 0)
+                              c.rms_norm_eps, c.sliding_window or 0,
+                              _NOT_COLLECTING if act_sq is None else act_sq[i])
         cache.advance(tokens)
 
         if not all_logits:
@@ -92,6 +98,9 @@ class Model:
         logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
         cpu.matmul(x, self.lm_head, logits, False)
         return logits
+
+
+_NOT_COLLECTING = np.zeros((0, 0))
 
 
 class _TensorGetter:

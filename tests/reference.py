@@ -62,8 +62,9 @@ def attention(q, k, v, positions, window=0):
     return np.einsum("hts,shd->thd", p, v)
 
 
-def forward(config: ModelConfig, tensors: dict, tokens) -> np.ndarray:
-    """logits [T, V] for the whole sequence, float64."""
+def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = None) -> np.ndarray:
+    """logits [T, V] for the whole sequence, float64. `inputs`, if given, receives the input
+    activations [T, K] of every linear layer under its weight's name."""
     c = config
     W = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
     H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -73,15 +74,24 @@ def forward(config: ModelConfig, tensors: dict, tokens) -> np.ndarray:
     x = W["model.embed_tokens.weight"][np.asarray(tokens)]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        lin = lambda h, n: h @ W[p + n + ".weight"].T + W.get(p + n + ".bias", 0.0)
+        def lin(h, n):
+            if inputs is not None:
+                inputs[p + n + ".weight"] = h
+            return h @ W[p + n + ".weight"].T + W.get(p + n + ".bias", 0.0)
         h = rmsnorm(x, W[p + "input_layernorm.weight"], c.rms_norm_eps)
         q = rotate(lin(h, "self_attn.q_proj").reshape(T, H, hd), pos, inv_freq)
         k = rotate(lin(h, "self_attn.k_proj").reshape(T, Hkv, hd), pos, inv_freq)
         v = lin(h, "self_attn.v_proj").reshape(T, Hkv, hd)
         a = attention(q, k, v, pos, c.sliding_window or 0).reshape(T, H * hd)
-        x = x + a @ W[p + "self_attn.o_proj.weight"].T
+        x = x + lin(a, "self_attn.o_proj")
         h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        x = x + (silu(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj")) @ W[p + "mlp.down_proj.weight"].T
+        x = x + lin(silu(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj"), "mlp.down_proj")
     x = rmsnorm(x, W["model.norm.weight"], c.rms_norm_eps)
     head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
     return x @ head.T
+
+
+def projection_inputs(config: ModelConfig, tensors: dict, tokens) -> dict[str, np.ndarray]:
+    inputs = {}
+    forward(config, tensors, tokens, inputs)
+    return inputs

@@ -211,13 +211,15 @@ def attention(q, k_cache, v_cache, pos0, window, out):
 
 
 @njit(**_jit)
-def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window):
+def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window, act_sq):
     """One transformer block on the residual stream x[T, D], in place; k/v of the new positions
     are written into k_cache, v_cache [Hkv, ctx, hd]. One call per layer keeps Python out of the
     token loop's inner steps.
 
     weights: (input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down), biases
-    zeros when the model has none.
+    zeros when the model has none. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
+    the q/k/v, o, gate/up and down projections (for the importance matrix of quantization), or
+    shape (0, 0) when not collecting.
     """
     input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
     T = x.shape[0]
@@ -226,6 +228,9 @@ def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window):
     h = np.empty_like(x)                                     # [T, D]
     # attention block
     rmsnorm(x, input_norm, eps, h)
+    collect = act_sq.shape[0] > 0
+    if collect:
+        _add_squares(h, act_sq[0])
     q = np.empty((T, H * hd), np.float32)
     k = np.empty((T, Hkv * hd), np.float32)
     v = np.empty((T, Hkv * hd), np.float32)
@@ -243,9 +248,22 @@ def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window):
         v_cache[:, pos0 + t] = v[t]
     attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
     attention(q, k_cache, v_cache, pos0, window, attn.reshape(T, H, hd))
+    if collect:
+        _add_squares(attn, act_sq[1])
     matmul(attn, wo, x, True)                               # residual: x += attn @ wo.T
     # feed-forward block
     rmsnorm(x, post_norm, eps, h)
     mlp = np.empty((T, w_gate.shape[0]), np.float32)        # [T, F]
     swiglu(h, w_gate, w_up, mlp)
+    if collect:
+        _add_squares(h, act_sq[2])
+        _add_squares(mlp, act_sq[3])
     matmul(mlp, w_down, x, True)                            # residual: x += mlp @ w_down.T
+
+
+@njit(**_jit)
+def _add_squares(x, acc):
+    """acc[:K] += sum over tokens of x[T, K]^2"""
+    for t in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            acc[k] += np.float64(x[t, k]) * x[t, k]

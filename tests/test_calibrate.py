@@ -1,0 +1,21 @@
+"""The importance matrix against squared activations computed by the numpy reference."""
+import numpy as np
+
+from runner.calibrate import collect_imatrix
+from runner.model import Model
+from tests import reference
+from tests.tiny import tiny_config, tiny_tensors
+
+
+def test_imatrix_matches_reference_activations():
+    config = tiny_config()
+    tensors = tiny_tensors(config)
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, 24)
+    got = collect_imatrix(Model(config, tensors), tokens, ctx=10)   # windows of 10, 10 and 4
+    want = {}
+    for start in (0, 10, 20):
+        for name, x in reference.projection_inputs(config, tensors, tokens[start:start + 10]).items():
+            want[name] = want.get(name, 0) + (x ** 2).sum(0)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name] / len(tokens), rtol=1e-4, err_msg=name)
