@@ -4,20 +4,32 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from formats.config import ModelConfig
+from formats.errors import NibbleError
+
+KV_TYPES = {"f32": np.float32, "int8": np.int8}
 
 
 @dataclass
 class KVCache:
-    k: np.ndarray   # [layers, Hkv, ctx, hd]
-    v: np.ndarray   # [layers, Hkv, ctx, hd]
-    pos: int = 0    # positions filled
+    k: np.ndarray         # [layers, Hkv, ctx, hd] float32, or int8 rows ...
+    v: np.ndarray         # [layers, Hkv, ctx, hd]
+    k_scale: np.ndarray   # [layers, Hkv, ctx] ... times these scales (ones for float32)
+    v_scale: np.ndarray   # [layers, Hkv, ctx]
+    pos: int = 0          # positions filled
     tokens: list[int] = field(default_factory=list)  # the ids behind those positions
 
     @classmethod
-    def allocate(cls, config: ModelConfig, ctx: int) -> "KVCache":
+    def allocate(cls, config: ModelConfig, ctx: int, kv_type: str = "f32") -> "KVCache":
+        if kv_type not in KV_TYPES:
+            raise NibbleError(f"unknown KV cache type {kv_type!r}: choose {' or '.join(KV_TYPES)}")
         shape = (config.num_hidden_layers, config.num_key_value_heads, ctx, config.head_dim)
         # np.zeros maps untouched pages lazily: memory grows with the positions used.
-        return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        k, v = np.zeros(shape, KV_TYPES[kv_type]), np.zeros(shape, KV_TYPES[kv_type])
+        return cls(k, v, np.ones(shape[:3], np.float32), np.ones(shape[:3], np.float32))
+
+    def layer(self, i: int) -> tuple:
+        """The arrays of layer i, as cpu.decoder_layer takes them."""
+        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
 
     @property
     def size(self) -> int:

@@ -38,6 +38,10 @@ def model_option(f):
                         help="A model directory, .gguf or .safetensors file, hub id (org/name) or alias.")(f)
 
 
+kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, type=click.Choice(["f32", "int8"]),
+                               help="KV cache precision: int8 keeps a quarter of the memory.")
+
+
 def generation_options(f):
     """The sampling and runtime flags shared by `run`, `chat` and `bench`."""
     options = [
@@ -54,6 +58,7 @@ def generation_options(f):
         click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores]."),
         click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(min=1),
                      help="Context size in tokens (at most the model's)."),
+        kv_cache_option,
     ]
     return functools.reduce(lambda g, option: option(g), reversed(options), f)
 
@@ -94,7 +99,7 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and stats.")
 def run(prompt, prompt_option, model, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-        seed, threads, ctx_size, stop, raw, as_json):
+        seed, threads, ctx_size, kv_cache, stop, raw, as_json):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
@@ -103,7 +108,7 @@ def run(prompt, prompt_option, model, system, max_tokens, temp, top_k, top_p, mi
     from .loader import load
     llm, tokenizer = load(model)
     ids = tokenizer.prompt(text, system=system, raw=raw)
-    cache = llm.new_cache(ctx_size)
+    cache = llm.new_cache(ctx_size, kv_cache)
     pieces, last = [], None
     try:
         for last in stream_generate(llm, tokenizer, ids, sampler=sampler, max_tokens=max_tokens,
@@ -163,8 +168,9 @@ def import_(gguf_file, output, force):
               help="Keep this run's next-token distributions in a file, for --kl-base.")
 @click.option("--kl-base", type=click.Path(exists=True, dir_okay=False),
               help="Compare against distributions saved by --save-logits: mean KL divergence, top-1 agreement.")
+@kv_cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_json):
+def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, kv_cache, as_json):
     """Perplexity of MODEL over TEXT_FILE in non-overlapping windows of --ctx tokens."""
     from .loader import load
     from .perplexity import evaluate
@@ -172,7 +178,7 @@ def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_
     llm, tokenizer = load(model)
     with open(text_file, encoding="utf-8") as f:
         tokens = tokenizer.encode(f.read(), add_bos=False)
-    result = evaluate(llm, tokens, ctx=ctx, chunks=chunks, save_logits=save_logits,
+    result = evaluate(llm, tokens, ctx=ctx, chunks=chunks, kv_type=kv_cache, save_logits=save_logits,
                       kl_base=kl_base, progress=lambda done, total: click.echo(
                           f"\r[{done}/{total}]", nl=False, err=True))
     click.echo(err=True)
@@ -190,8 +196,9 @@ def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, as_
               help="Tokens to decode (greedy; the end-of-text token is ignored).")
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@kv_cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench(model, prompt_tokens, gen_tokens, repeats, threads, as_json):
+def bench(model, prompt_tokens, gen_tokens, repeats, threads, kv_cache, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
     from .bench import PROMPT_TEXT, run_bench
     from .loader import load
@@ -202,7 +209,7 @@ def bench(model, prompt_tokens, gen_tokens, repeats, threads, as_json):
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:
         raise NibbleError(f"{prompt_tokens} + {gen_tokens} tokens do not fit in the model's context "
                           f"of {llm.config.max_position_embeddings}")
-    result = run_bench(llm, ids, gen_tokens, repeats)
+    result = run_bench(llm, ids, gen_tokens, repeats, kv_cache)
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 
 

@@ -70,9 +70,9 @@ class Model:
         get.raise_if_missing()
         self.cos, self.sin = rope_tables(c, c.max_position_embeddings)     # [ctx, hd/2]
 
-    def new_cache(self, ctx: int | None = None) -> KVCache:
+    def new_cache(self, ctx: int | None = None, kv_type: str = "f32") -> KVCache:
         ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        return KVCache.allocate(self.config, ctx)
+        return KVCache.allocate(self.config, ctx, kv_type)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
                 act_sq: np.ndarray | None = None) -> np.ndarray:
@@ -87,7 +87,7 @@ class Model:
             raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
         x = np.asarray(self.embed[np.asarray(tokens)], dtype=np.float32)   # [T, D] residual stream
         for i, layer in enumerate(self.layers):
-            cpu.decoder_layer(x, layer.weights, cache.k[i], cache.v[i], pos0, self.cos, self.sin,
+            cpu.decoder_layer(x, layer.weights, cache.layer(i), pos0, self.cos, self.sin,
                               c.rms_norm_eps, c.sliding_window or 0,
                               _NOT_COLLECTING if act_sq is None else act_sq[i])
         cache.advance(tokens)

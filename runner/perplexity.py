@@ -53,7 +53,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def evaluate(model: Model, tokens, ctx: int = 512, chunks: int | None = None,
-             save_logits: str | None = None, kl_base: str | None = None,
+             save_logits: str | None = None, kl_base: str | None = None, kv_type: str = "f32",
              progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `tokens` (the text's ids, no BOS) in non-overlapping windows of `ctx`."""
     tokens = np.asarray(tokens, np.int64)
@@ -68,7 +68,7 @@ def evaluate(model: Model, tokens, ctx: int = 512, chunks: int | None = None,
     nll, kl, agree = [], [], []
     try:
         for w in range(windows):
-            logits = model.forward(tokens[w], model.new_cache(ctx), all_logits=True)[:-1]
+            logits = model.forward(tokens[w], model.new_cache(ctx, kv_type), all_logits=True)[:-1]
             logp = log_softmax(logits)                                   # [ctx-1, V]
             nll.append(-logp[np.arange(ctx - 1), tokens[w, 1:]])
             if writer:

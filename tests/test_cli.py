@@ -140,3 +140,10 @@ def test_ctrl_c_while_loading_is_one_line(tiny_dir, monkeypatch):
     monkeypatch.setattr("runner.loader.load", interrupted)
     r = invoke("run", "-m", tiny_dir, "Hi")
     assert r.exit_code == 130 and "Traceback" not in r.stderr and r.stderr.strip() == "interrupted"
+
+
+def test_int8_kv_cache_flag(tiny_dir):
+    r = invoke("run", "-m", tiny_dir, *GREEDY, "--kv-cache", "int8", "Hello there")
+    assert r.exit_code == 0 and r.stdout.strip()
+    r = invoke("run", "-m", tiny_dir, "--kv-cache", "fp8", "Hello")
+    assert r.exit_code == 2 and "'fp8' is not one of 'f32', 'int8'" in r.stderr

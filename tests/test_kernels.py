@@ -60,7 +60,8 @@ def test_attention(T, pos0, window):
     q = f32(T, H, hd)
     k_cache, v_cache = f32(Hkv, ctx, hd), f32(Hkv, ctx, hd)
     out = np.empty_like(q)
-    cpu.attention(q, k_cache, v_cache, pos0, window, out)
+    ones = np.ones((Hkv, ctx), np.float32)
+    cpu.attention(q, k_cache, v_cache, ones, ones, pos0, window, out)
     S = pos0 + T   # keys 0..S-1 are filled
     want = reference.attention(q.astype(np.float64), k_cache[:, :S].transpose(1, 0, 2),
                                v_cache[:, :S].transpose(1, 0, 2), np.arange(pos0, S), window)
@@ -74,3 +75,19 @@ def test_project_qkv(T):
     cpu.project_qkv(x, wq, wk, wv, q, k, v)
     for got, w in ((q, wq), (k, wk), (v, wv)):
         np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_kv_rows_and_attention():
+    """An int8 cache stores each head's row to 1/254 of its largest value; attention over it
+    equals attention over the rows it decodes to."""
+    Hkv, ctx, hd = 2, 8, 16
+    x = f32(ctx, Hkv, hd)
+    cache, scales = np.zeros((Hkv, ctx, hd), np.int8), np.ones((Hkv, ctx), np.float32)
+    for pos in range(ctx):
+        cpu.store_kv(cache, scales, x[pos], pos)
+    decoded = (cache * scales[..., None]).transpose(1, 0, 2)
+    assert np.all(np.abs(decoded - x) <= np.abs(x).max(-1, keepdims=True) / 254 + 1e-7)
+    q, out = f32(3, 4, hd), np.empty((3, 4, hd), np.float32)
+    cpu.attention(q, cache, cache, scales, scales, 5, 0, out)
+    want = reference.attention(q.astype(np.float64), decoded[:8], decoded[:8], np.arange(5, 8))
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)

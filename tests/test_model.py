@@ -67,3 +67,21 @@ def test_missing_and_misshapen_tensors_are_named():
     tensors["model.norm.weight"] = tensors["model.norm.weight"][:10]
     with pytest.raises(FormatError, match=r"model.norm.weight has shape \[10\]"):
         Model(config, tensors)
+
+
+def test_int8_kv_cache_stays_close():
+    config = tiny_config()
+    tensors = tiny_tensors(config)
+    tokens = np.random.default_rng(4).integers(0, config.vocab_size, 12)
+    model = Model(config, tensors)
+    f32 = model.forward(tokens, model.new_cache(16), all_logits=True)
+    int8 = model.forward(tokens, model.new_cache(16, "int8"), all_logits=True)
+    assert np.abs(int8 - f32).max() < 0.05 * np.abs(f32).max()
+    assert (int8.argmax(-1) == f32.argmax(-1)).mean() > 0.9
+
+
+def test_unknown_kv_cache_type():
+    from formats.errors import NibbleError
+    config = tiny_config()
+    with pytest.raises(NibbleError, match="unknown KV cache type 'fp8': choose f32 or int8"):
+        Model(config, tiny_tensors(config)).new_cache(8, "fp8")

@@ -171,13 +171,14 @@ def rope(x, cos, sin, pos0):
 
 
 @njit(parallel=True, **_jit)
-def attention(q, k_cache, v_cache, pos0, window, out):
+def attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, out):
     """Causal grouped-query attention of new queries against the cache.
 
-    q: [T, H, hd] for positions pos0..pos0+T-1; k_cache, v_cache: [Hkv, ctx, hd] already holding
-    positions 0..pos0+T-1; out: [T, H, hd]. window > 0 limits each query to its last `window`
-    positions (Mistral's sliding window). One (token, head) pair per task, with a softmax over a
-    scratch row as long as the context: no T x T matrix is held.
+    q: [T, H, hd] for positions pos0..pos0+T-1; k_cache, v_cache: [Hkv, ctx, hd] (float32, or
+    int8 rows times k_scale, v_scale [Hkv, ctx]) already holding positions 0..pos0+T-1;
+    out: [T, H, hd]. window > 0 limits each query to its last `window` positions (Mistral's
+    sliding window). One (token, head) pair per task, with a softmax over a scratch row as long
+    as the context: no T x T matrix is held.
     """
     T, H, hd = q.shape
     group = H // k_cache.shape[0]
@@ -194,7 +195,7 @@ def attention(q, k_cache, v_cache, pos0, window, out):
             s = np.float32(0.0)
             for i in range(hd):
                 s += q[t, h, i] * k_cache[kv, j, i]
-            s *= scale
+            s *= scale * k_scale[kv, j]
             scores[j - start] = s
             best = max(best, s)
         total = np.float32(0.0)
@@ -204,16 +205,32 @@ def attention(q, k_cache, v_cache, pos0, window, out):
         for i in range(hd):
             out[t, h, i] = 0.0
         for j in range(start, end):
-            p = scores[j - start] / total
+            p = scores[j - start] / total * v_scale[kv, j]
             for i in range(hd):
                 out[t, h, i] += p * v_cache[kv, j, i]
 
 
+@njit(**_jit)
+def store_kv(cache, scales, x, pos):
+    """cache[:, pos] = x [Hkv, hd]. An int8 cache keeps each head's row as round(x / s) with
+    s = max|x| / 127 in scales[:, pos]; a float32 cache keeps x as it is (its scales stay 1)."""
+    for h in range(x.shape[0]):
+        if cache.itemsize == 1:
+            s = np.abs(x[h]).max() / np.float32(127.0)
+            if s == 0:
+                s = np.float32(1.0)
+            scales[h, pos] = s
+            for i in range(x.shape[1]):
+                cache[h, pos, i] = np.int8(np.rint(x[h, i] / s))
+        else:
+            for i in range(x.shape[1]):
+                cache[h, pos, i] = x[h, i]
+
 
 @njit(**_jit)
-def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window, act_sq):
+def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     """One transformer block on the residual stream x[T, D], in place; k/v of the new positions
-    are written into k_cache, v_cache [Hkv, ctx, hd]. One call per layer keeps Python out of the
+    are written into the layer's cache kv = (k, v [Hkv, ctx, hd], k_scale, v_scale [Hkv, ctx]). One call per layer keeps Python out of the
     token loop's inner steps.
 
     weights: (input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down), biases
@@ -222,6 +239,7 @@ def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window, act
     shape (0, 0) when not collecting.
     """
     input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
+    k_cache, v_cache, k_scale, v_scale = kv
     T = x.shape[0]
     Hkv, _, hd = k_cache.shape
     H = wq.shape[0] // hd
@@ -244,10 +262,10 @@ def decoder_layer(x, weights, k_cache, v_cache, pos0, cos, sin, eps, window, act
     rope(q, cos, sin, pos0)
     rope(k, cos, sin, pos0)
     for t in range(T):
-        k_cache[:, pos0 + t] = k[t]
-        v_cache[:, pos0 + t] = v[t]
+        store_kv(k_cache, k_scale, k[t], pos0 + t)
+        store_kv(v_cache, v_scale, v[t], pos0 + t)
     attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
-    attention(q, k_cache, v_cache, pos0, window, attn.reshape(T, H, hd))
+    attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, attn.reshape(T, H, hd))
     if collect:
         _add_squares(attn, act_sq[1])
     matmul(attn, wo, x, True)                               # residual: x += attn @ wo.T
