@@ -1,0 +1,181 @@
+"""MLX's affine scheme: w = scales * q + biases per group of `group_size` consecutive inputs.
+
+A linear `P` is stored as `P.weight` (uint32 [out, in*bits/32], see packing), `P.scales` and
+`P.biases` (float16 [out, in/group_size]). Scales and biases are rounded to float16 before the
+integers are chosen, so the integers fit the values a reader will actually see.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from formats.errors import NibbleError
+
+from .packing import pack, unpack
+from .search import search_affine
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+METHODS = ("rtn", "search")
+_BLOCK = 1 << 18  # weights per block: keeps the search's temporaries in cache
+# numpy releases the GIL inside its loops, so blocks quantize in parallel on threads.
+_WORKERS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class AffineScheme:
+    """How a matrix is quantized: `bits` per weight, one scale and bias per `group_size` inputs."""
+    bits: int
+    group_size: int
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise NibbleError(f"bits must be 4 or 8, got {self.bits!r}")
+        if self.group_size not in GROUP_SIZES:
+            raise NibbleError(f"group size must be 32, 64 or 128, got {self.group_size!r}")
+
+    @property
+    def nmax(self) -> int:
+        """The largest quantized integer."""
+        return (1 << self.bits) - 1
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One quantized matrix, laid out as MLX stores it."""
+    weight: np.ndarray  # uint32 [out, in*bits/32], packed integers
+    scales: np.ndarray  # float16 [out, in/group_size]
+    biases: np.ndarray  # float16 [out, in/group_size]
+
+
+def quantize(w: np.ndarray, scheme: AffineScheme, imatrix: np.ndarray | None = None,
+             method: str = "search") -> QuantizedTensor:
+    """Quantize a float matrix w [out, in] under `scheme`.
+
+    imatrix (f32 [in], the mean squared input activation per input channel) weighs the error of
+    each column; None weighs all alike. method "rtn" is min/max round-to-nearest per group;
+    "search" (the default) searches scales and biases (see quant.search) and, group by group,
+    keeps whichever of the two reconstructs w better, so it is never worse than "rtn".
+    """
+    if method not in METHODS:
+        raise NibbleError(f"unknown quantization method {method!r}: "
+                          f"use one of {', '.join(METHODS)}")
+    w = _check_matrix(w, scheme)
+    imp = _check_imatrix(imatrix, w.shape[1])
+    rows, n = w.shape
+    g = scheme.group_size
+    q = np.empty((rows, n), dtype=np.uint8)                      # [out, in]
+    scales = np.empty((rows, n // g), dtype=np.float16)          # [out, in/g]
+    biases = np.empty((rows, n // g), dtype=np.float16)          # [out, in/g]
+    imp_groups = None if imp is None else imp.reshape(n // g, g)  # [in/g, g]
+    step = max(1, _BLOCK // n)
+
+    def block(r: int) -> None:
+        x = w[r:r + step].astype(np.float32).reshape(-1, n // g, g)  # [step, in/g, g]
+        lq, ls, lb = _quantize_block(x, scheme.nmax, imp_groups, method)
+        q[r:r + step], scales[r:r + step], biases[r:r + step] = lq.reshape(-1, n), ls, lb
+
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        list(pool.map(block, range(0, rows, step)))  # list(): re-raise any error here
+    return QuantizedTensor(pack(q, scheme.bits), scales, biases)
+
+
+def dequantize(qt: QuantizedTensor, scheme: AffineScheme) -> np.ndarray:
+    """The float32 matrix [out, in] that `qt` stands for."""
+    rows, n = qt.weight.shape[0], qt.weight.shape[1] * 32 // scheme.bits
+    g = scheme.group_size
+    w = np.empty((rows, n), dtype=np.float32)                        # [out, in]
+    step = max(1, _BLOCK // n)  # in blocks, so the temporaries stay in cache
+    for r in range(0, rows, step):
+        q = unpack(qt.weight[r:r + step], scheme.bits).reshape(-1, n // g, g)  # [step, in/g, g]
+        block = q.astype(np.float32)
+        block *= qt.scales[r:r + step, :, None].astype(np.float32)  # widen first: mixed-dtype
+        block += qt.biases[r:r + step, :, None].astype(np.float32)  # broadcasts are slow
+        w[r:r + step] = block.reshape(-1, n)
+    return w
+
+
+def reconstruction_error(w: np.ndarray, qt: QuantizedTensor, scheme: AffineScheme,
+                         imatrix: np.ndarray | None = None) -> float:
+    """Relative RMS error |w - dequantize(qt)| / |w|, each column weighted by imatrix if given."""
+    n = w.shape[1]
+    imp = _check_imatrix(imatrix, n)
+    err = np.zeros(n, dtype=np.float64)                              # [in] squared error
+    ref = np.zeros(n, dtype=np.float64)                              # [in] squared weight
+    step = max(1, _BLOCK // n)
+    for r in range(0, w.shape[0], step):
+        part = QuantizedTensor(qt.weight[r:r + step], qt.scales[r:r + step], qt.biases[r:r + step])
+        x = np.asarray(w[r:r + step], dtype=np.float32)
+        d = x - dequantize(part, scheme)
+        err += np.einsum("ij,ij->j", d, d)
+        ref += np.einsum("ij,ij->j", x, x)
+    weights = np.ones(n) if imp is None else imp
+    err, ref = err @ weights, ref @ weights
+    return float(np.sqrt(err / ref)) if ref > 0 else float(np.sqrt(err))
+
+
+def _quantize_block(x: np.ndarray, nmax: int, imp: np.ndarray | None, method: str):
+    """Integers uint8, scales and biases float16 for groups x [rows, in/g, g]."""
+    lo, hi = x.min(axis=-1), x.max(axis=-1)                    # [rows, in/g]
+    q, s, b = _snap(x, (hi - lo) / nmax, lo, nmax)
+    if method == "search":
+        q2, s2, b2 = _snap(x, *search_affine(x, lo, hi, imp, nmax), nmax)
+        # Compare on the float16 values a reader will see; ties keep min/max rounding.
+        better = _group_error(x, q2, s2, b2, imp) < _group_error(x, q, s, b, imp)
+        np.copyto(q, q2, where=better[..., None])
+        s, b = np.where(better, s2, s), np.where(better, b2, b)
+    return q.astype(np.uint8), s, b
+
+
+def _snap(x: np.ndarray, s: np.ndarray, b: np.ndarray, nmax: int):
+    """Round scale and bias to float16, then pick each group's nearest levels (as float32)."""
+    s16, b16 = s.astype(np.float16), b.astype(np.float16)
+    if not (np.isfinite(s16).all() and np.isfinite(b16).all()):
+        raise NibbleError("weights that are not finite, or too large for float16 scales and "
+                          "biases, cannot be stored in MLX's affine format")
+    s32 = s16.astype(np.float32)
+    # A zero scale (constant group) gets inverse 0, so all its integers are 0.
+    inv = np.divide(1, s32, out=np.zeros_like(s32), where=s32 != 0)[..., None]
+    q = x - b16.astype(np.float32)[..., None]
+    q *= inv
+    np.rint(q, out=q)
+    return np.clip(q, 0, nmax, out=q), s16, b16
+
+
+def _group_error(x, q, s16, b16, imp) -> np.ndarray:
+    """sum imp (s q + b - x)^2 per group: [rows, in/g]."""
+    d = q * s16.astype(np.float32)[..., None]
+    d += b16.astype(np.float32)[..., None]
+    d -= x
+    if imp is None:
+        return np.einsum("rgk,rgk->rg", d, d)
+    d *= d
+    return np.einsum("rgk,gk->rg", d, imp)
+
+
+def _check_matrix(w: np.ndarray, scheme: AffineScheme) -> np.ndarray:
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise NibbleError(f"can only quantize matrices, got shape {w.shape}")
+    if w.shape[1] % scheme.group_size:
+        raise NibbleError(f"row length {w.shape[1]} is not a multiple of the group size "
+                          f"{scheme.group_size}")
+    if not np.issubdtype(w.dtype, np.floating):
+        raise NibbleError(f"can only quantize float matrices, got {w.dtype}")
+    return w
+
+
+def _check_imatrix(imatrix: np.ndarray | None, n: int) -> np.ndarray | None:
+    if imatrix is None:
+        return None
+    imp = np.asarray(imatrix, dtype=np.float32)
+    if imp.shape != (n,):
+        raise NibbleError(f"importance matrix has shape {imp.shape}, expected ({n},): "
+                          f"one value per input channel")
+    if not np.isfinite(imp).all() or (imp < 0).any():
+        raise NibbleError("importance matrix must be finite and non-negative")
+    return imp
