@@ -213,5 +213,36 @@ def bench(model, prompt_tokens, gen_tokens, repeats, threads, kv_cache, as_json)
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 
 
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="The directory to write.")
+@click.option("--bits", required=True, type=click.Choice(["4", "8"]), help="Bits per weight.")
+@click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]),
+              help="Weights sharing one scale and bias.")
+@click.option("--embed-bits", type=click.Choice(["4", "8"]),
+              help="Bits of the embedding and output head [default: 8].")
+@click.option("--calib", type=click.Path(exists=True, dir_okay=False),
+              help="Calibration text [default: nibble's own].")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--allow-requantize", is_flag=True, help="Quantize an already quantized model again.")
+def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_requantize):
+    """Quantize MODEL (directory, .gguf, hub id or alias) to int8 or int4 in OUTPUT."""
+    from .quantize import quantize as run_quantize, read_calibration_file
+    calib_text = read_calibration_file(calib) if calib else None
+    report = run_quantize(model, output, int(bits), int(group_size),
+                          embed_bits=int(embed_bits or 8), calib_text=calib_text, force=force,
+                          allow_requantize=allow_requantize, progress=_progress_bar)
+    click.echo(err=True)
+    for name, why in report.kept_float.items():
+        click.echo(f"kept in float: {name} ({why})", err=True)
+    click.echo(f"wrote {output}: {report.bytes_before / 1e6:.1f} MB -> {report.bytes_after / 1e6:.1f} MB, "
+               f"{report.bits_per_weight:.2f} bits per weight", err=True)
+
+
+def _progress_bar(stage: str, done: int, total: int, width: int = 30):
+    filled = width * done // total
+    click.echo(f"\r{stage:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", nl=False, err=True)
+
+
 if __name__ == "__main__":
     main()

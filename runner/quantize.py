@@ -1,0 +1,59 @@
+"""`nibble quantize`: calibrate on text, quantize every linear, write the model directory."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from formats.errors import NibbleError
+from formats.load import open_model
+from formats.model_dir import write_model_dir
+from quant.convert import QuantizeReport, default_calibration_text, is_quantized, quantize_model
+from .calibrate import collect_imatrix
+from .model import Model
+from .tokenizer import Tokenizer
+
+CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a few seconds
+
+
+def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: int | None = None,
+             calib_text: str | None = None, force: bool = False, allow_requantize: bool = False,
+             progress: Callable[[str, int, int], None] | None = None) -> QuantizeReport:
+    """Quantize the model at `ref` into the directory `out`; returns the report.
+
+    The importance of each input channel comes from running the float model on `calib_text`
+    (nibble's own calibration text when None). progress(stage, done, total).
+    """
+    if Path(out).exists() and not force:
+        raise NibbleError(f"{out} already exists: choose another path or pass --force to replace it")
+    model_dir = open_model(ref)
+    if is_quantized(model_dir.config) and not allow_requantize:
+        raise NibbleError(f"{ref} is already quantized: requantizing loses quality; "
+                          "pass --allow-requantize to do it anyway")
+    imatrix = None
+    if not is_quantized(model_dir.config):
+        text = default_calibration_text() if calib_text is None else calib_text
+        if not text.strip():
+            raise NibbleError("the calibration text is empty: give a file with some text in it")
+        tokens = Tokenizer(model_dir).encode(text, add_bos=False)[:CALIBRATION_TOKENS]
+        model = Model(model_dir.config, model_dir.tensors)
+        ctx = min(512, model.config.max_position_embeddings)
+        imatrix = collect_imatrix(model, tokens, ctx, progress=progress and (
+            lambda done, total: progress("calibrating", done, total)))
+    report = quantize_model(model_dir, bits, group_size, imatrix=imatrix, embed_bits=embed_bits,
+                            allow_requantize=allow_requantize, progress=progress and (
+                                lambda name, done, total: progress("quantizing", done, total)))
+    write_model_dir(report.model, out, force=force)
+    return report
+
+
+def read_calibration_file(path: str) -> str:
+    """The text of a --calib file: UTF-8 and not empty."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise NibbleError(f"{path} is not UTF-8 text: give a text file for --calib") from None
+    if "\x00" in text or not text.strip():
+        raise NibbleError(f"{path} is {'empty' if not text.strip() else 'not text'}: "
+                          "give a text file for --calib")
+    return text
