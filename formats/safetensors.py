@@ -89,6 +89,12 @@ def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray]:
     return _merge(files)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike,
                       metadata: dict[str, str] | None = None) -> None:
     """Write tensors to a .safetensors file atomically: a temporary sibling, then a rename.
@@ -107,10 +113,10 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike,
                               f"supported are {known}")
         # The package writes from the raw data pointer: a strided view would be saved scrambled.
         arrays[name] = np.ascontiguousarray(t)
-    # Not mkstemp: its 0600 mode would survive the rename; save_file creates it under the umask.
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         save_file(arrays, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())   # save_file creates it 0600: others could not read the model
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

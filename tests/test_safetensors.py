@@ -233,3 +233,14 @@ def test_write_refuses_unreadable_dtype(tmp_path):
     with pytest.raises(FormatError, match="complex64"):
         write_safetensors({"c": np.zeros(2, np.complex64)}, tmp_path / "c.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_written_file_is_readable_by_others_under_the_umask(tmp_path):
+    import os
+    import stat
+    old = os.umask(0o022)
+    try:
+        write_safetensors({"a": np.zeros(3, np.float32)}, tmp_path / "m.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "m.safetensors").st_mode) == 0o644
