@@ -7,9 +7,14 @@ import numpy as np
 
 from formats.config import ModelConfig
 from formats.errors import FormatError, NibbleError
+from quant.convert import read_linear
 from .cache import KVCache
-from .kernels import cpu
+from .kernels import cpu, quant_cpu
+from .kernels.layer import decoder_layer
+from .kernels.quant_cpu import QuantizedWeight, prepare
 from .rope import rope_tables
+
+Weight = np.ndarray | QuantizedWeight   # a float32 [N, K] matrix or a quantized one
 
 
 class ContextFull(NibbleError):
@@ -19,21 +24,21 @@ class ContextFull(NibbleError):
 @dataclass
 class Layer:
     input_norm: np.ndarray   # [D]
-    wq: np.ndarray           # [H*hd, D]
-    wk: np.ndarray           # [Hkv*hd, D]
-    wv: np.ndarray           # [Hkv*hd, D]
+    wq: Weight               # [H*hd, D]
+    wk: Weight               # [Hkv*hd, D]
+    wv: Weight               # [Hkv*hd, D]
     bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
     bk: np.ndarray           # [Hkv*hd]
     bv: np.ndarray           # [Hkv*hd]
-    wo: np.ndarray           # [D, H*hd]
+    wo: Weight               # [D, H*hd]
     post_norm: np.ndarray    # [D]
-    w_gate: np.ndarray       # [F, D]
-    w_up: np.ndarray         # [F, D]
-    w_down: np.ndarray       # [D, F]
+    w_gate: Weight           # [F, D]
+    w_up: Weight             # [F, D]
+    w_down: Weight           # [D, F]
 
     @property
     def weights(self) -> tuple:
-        """In the order cpu.decoder_layer unpacks them."""
+        """In the order decoder_layer unpacks them."""
         return (self.input_norm, self.wq, self.wk, self.wv, self.bq, self.bk, self.bv, self.wo,
                 self.post_norm, self.w_gate, self.w_up, self.w_down)
 
@@ -44,28 +49,28 @@ class Model:
         c = config
         D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
         q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
-        get = _TensorGetter(tensors)
-        self.embed = get("model.embed_tokens.weight", (c.vocab_size, D))      # [V, D]
+        get = _TensorGetter(tensors, c.quantization)
+        self.embed = get.linear("model.embed_tokens", (c.vocab_size, D))     # [V, D]
         self.norm = get("model.norm.weight", (D,))                            # [D]
         self.lm_head = (self.embed if c.tie_word_embeddings
-                        else get("lm_head.weight", (c.vocab_size, D)))        # [V, D]
+                        else get.linear("lm_head", (c.vocab_size, D)))       # [V, D]
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
             self.layers.append(Layer(
                 input_norm=get(p + "input_layernorm.weight", (D,)),
-                wq=get(p + "self_attn.q_proj.weight", (q_dim, D)),
-                wk=get(p + "self_attn.k_proj.weight", (kv_dim, D)),
-                wv=get(p + "self_attn.v_proj.weight", (kv_dim, D)),
+                wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
+                wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
+                wv=get.linear(p + "self_attn.v_proj", (kv_dim, D)),
                 bq=bias(p + "self_attn.q_proj.bias", (q_dim,)),
                 bk=bias(p + "self_attn.k_proj.bias", (kv_dim,)),
                 bv=bias(p + "self_attn.v_proj.bias", (kv_dim,)),
-                wo=get(p + "self_attn.o_proj.weight", (D, q_dim)),
+                wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
                 post_norm=get(p + "post_attention_layernorm.weight", (D,)),
-                w_gate=get(p + "mlp.gate_proj.weight", (F, D)),
-                w_up=get(p + "mlp.up_proj.weight", (F, D)),
-                w_down=get(p + "mlp.down_proj.weight", (D, F)),
+                w_gate=get.linear(p + "mlp.gate_proj", (F, D)),
+                w_up=get.linear(p + "mlp.up_proj", (F, D)),
+                w_down=get.linear(p + "mlp.down_proj", (D, F)),
             ))
         get.raise_if_missing()
         self.cos, self.sin = rope_tables(c, c.max_position_embeddings)     # [ctx, hd/2]
@@ -79,15 +84,15 @@ class Model:
         """Run tokens at positions cache.pos.. and return logits [T, V] (all_logits) or [1, V].
 
         act_sq [layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of each
-        layer's projections (see cpu.decoder_layer).
+        layer's projections (see decoder_layer).
         """
         c = self.config
         T, pos0 = len(tokens), cache.pos
         if pos0 + T > cache.size:
             raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
-        x = np.asarray(self.embed[np.asarray(tokens)], dtype=np.float32)   # [T, D] residual stream
+        x = self.embedding(np.asarray(tokens, np.int64))                  # [T, D] residual stream
         for i, layer in enumerate(self.layers):
-            cpu.decoder_layer(x, layer.weights, cache.layer(i), pos0, self.cos, self.sin,
+            decoder_layer(x, layer.weights, cache.layer(i), pos0, self.cos, self.sin,
                               c.rms_norm_eps, c.sliding_window or 0,
                               _NOT_COLLECTING if act_sq is None else act_sq[i])
         cache.advance(tokens)
@@ -96,19 +101,41 @@ class Model:
             x = x[-1:]   # generation needs only the next token's distribution
         cpu.rmsnorm(x, self.norm, c.rms_norm_eps, x)
         logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
-        cpu.matmul(x, self.lm_head, logits, False)
+        quant_cpu.linear(x, self.lm_head, logits, False)
         return logits
+
+    def embedding(self, tokens: np.ndarray) -> np.ndarray:
+        """[T] ids -> [T, D] float32 rows of the (possibly quantized) embedding table."""
+        if isinstance(self.embed, QuantizedWeight):
+            return quant_cpu.dequantize_rows(self.embed, tokens)
+        return np.array(self.embed[tokens], np.float32)
 
 
 _NOT_COLLECTING = np.zeros((0, 0))
 
 
 class _TensorGetter:
-    """Fetches float32 weights by HF name, checking shapes and collecting the missing names."""
+    """Fetches weights by HF name, checking shapes and collecting the missing names."""
 
-    def __init__(self, tensors: dict[str, np.ndarray]):
+    def __init__(self, tensors: dict[str, np.ndarray], quantization: dict | None):
         self.tensors = tensors
+        self.quantization = quantization
         self.missing: list[str] = []
+
+    def linear(self, path: str, shape: tuple) -> Weight | None:
+        """The weight of module `path`: float32 [N, K], or quantized as stored (no copy)."""
+        if f"{path}.weight" not in self.tensors:
+            self.missing.append(f"{path}.weight")
+            return None
+        w = read_linear(self.tensors, self.quantization, path)
+        if isinstance(w, np.ndarray):
+            return self(f"{path}.weight", shape)
+        qt, scheme = w
+        if (qt.weight.shape[0], qt.weight.shape[1] * 32 // scheme.bits) != shape:
+            raise FormatError(f"quantized tensor {path}.weight holds a {qt.weight.shape[0]}x"
+                              f"{qt.weight.shape[1] * 32 // scheme.bits} matrix, the config needs "
+                              f"{shape[0]}x{shape[1]}")
+        return prepare(qt.weight, qt.scales, qt.biases, scheme.bits, scheme.group_size)
 
     def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
         t = self.tensors.get(name)

@@ -91,6 +91,14 @@ def _dots(x, w, out, t0, t1, n0, n1, accumulate):
 
 
 @njit(parallel=True, **_jit)
+def silu_mul(g, up):
+    """g[T, F] = silu(g) * up, in place"""
+    for t in prange(g.shape[0]):
+        for f in range(g.shape[1]):
+            g[t, f] = g[t, f] / (np.float32(1.0) + np.exp(-g[t, f])) * up[t, f]
+
+
+@njit(parallel=True, **_jit)
 def project_qkv(x, wq, wk, wv, q, k, v):
     """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T; for decode all rows in one parallel region."""
     if x.shape[0] > 1:
@@ -121,10 +129,7 @@ def swiglu(x, w_gate, w_up, out):
         up = np.empty_like(out)
         matmul(x, w_gate, out, False)
         matmul(x, w_up, up, False)
-        for t in prange(T):
-            for f in range(out.shape[1]):
-                g = out[t, f]
-                out[t, f] = g / (np.float32(1.0) + np.exp(-g)) * up[t, f]
+        silu_mul(out, up)
         return
     for f in prange(w_gate.shape[0]):
         g = np.float32(0.0)
@@ -228,59 +233,7 @@ def store_kv(cache, scales, x, pos):
 
 
 @njit(**_jit)
-def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
-    """One transformer block on the residual stream x[T, D], in place; k/v of the new positions
-    are written into the layer's cache kv = (k, v [Hkv, ctx, hd], k_scale, v_scale [Hkv, ctx]). One call per layer keeps Python out of the
-    token loop's inner steps.
-
-    weights: (input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down), biases
-    zeros when the model has none. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
-    the q/k/v, o, gate/up and down projections (for the importance matrix of quantization), or
-    shape (0, 0) when not collecting.
-    """
-    input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
-    k_cache, v_cache, k_scale, v_scale = kv
-    T = x.shape[0]
-    Hkv, _, hd = k_cache.shape
-    H = wq.shape[0] // hd
-    h = np.empty_like(x)                                     # [T, D]
-    # attention block
-    rmsnorm(x, input_norm, eps, h)
-    collect = act_sq.shape[0] > 0
-    if collect:
-        _add_squares(h, act_sq[0])
-    q = np.empty((T, H * hd), np.float32)
-    k = np.empty((T, Hkv * hd), np.float32)
-    v = np.empty((T, Hkv * hd), np.float32)
-    project_qkv(h, wq, wk, wv, q, k, v)
-    q += bq
-    k += bk
-    v += bv
-    q = q.reshape(T, H, hd)
-    k = k.reshape(T, Hkv, hd)
-    v = v.reshape(T, Hkv, hd)
-    rope(q, cos, sin, pos0)
-    rope(k, cos, sin, pos0)
-    for t in range(T):
-        store_kv(k_cache, k_scale, k[t], pos0 + t)
-        store_kv(v_cache, v_scale, v[t], pos0 + t)
-    attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
-    attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, attn.reshape(T, H, hd))
-    if collect:
-        _add_squares(attn, act_sq[1])
-    matmul(attn, wo, x, True)                               # residual: x += attn @ wo.T
-    # feed-forward block
-    rmsnorm(x, post_norm, eps, h)
-    mlp = np.empty((T, w_gate.shape[0]), np.float32)        # [T, F]
-    swiglu(h, w_gate, w_up, mlp)
-    if collect:
-        _add_squares(h, act_sq[2])
-        _add_squares(mlp, act_sq[3])
-    matmul(mlp, w_down, x, True)                            # residual: x += mlp @ w_down.T
-
-
-@njit(**_jit)
-def _add_squares(x, acc):
+def add_squares(x, acc):
     """acc[:K] += sum over tokens of x[T, K]^2"""
     for t in range(x.shape[0]):
         for k in range(x.shape[1]):

@@ -1,0 +1,144 @@
+"""The quantized CPU kernels against a numpy twin that dequantizes MLX's affine layout from the spec.
+
+The twin unpacks the uint32 words with numpy shifts (element k of a row: word k*bits//32, bit offset
+(k*bits) % 32) and computes in float64; it shares no code with the kernels, which read bytes.
+Decode (T = 1) quantizes the activations to int16 per group, so it is compared at 1e-4 of the
+magnitude bound |x| @ |W|.T; prefill is float32 throughout.
+"""
+import numpy as np
+import pytest
+from numba import njit
+
+from runner.kernels import quant_cpu
+from runner.kernels.quant_cpu import QuantizedWeight, dequantize, dequantize_rows, prepare, qmatmul
+
+rng = np.random.default_rng(0)
+
+
+def mlx_weight(N, K, bits, G):
+    """Random MLX tensors: uint32 words [N, K*bits/32], float16 scales and biases [N, K/G]."""
+    w = rng.integers(0, 2**32, size=(N, K * bits // 32), dtype=np.uint32)
+    scales = (rng.random((N, K // G)) * 0.02 + 1e-3).astype(np.float16)
+    biases = (rng.standard_normal((N, K // G)) * 0.05).astype(np.float16)
+    return w, scales, biases
+
+
+def twin_dequantize(w, scales, biases, bits, G):
+    """float64 [N, K]: w[n, k] = scales[n, k//G] * q[n, k] + biases[n, k//G], per the MLX spec."""
+    N, per_word = w.shape[0], 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint32) * bits           # bit offset of each element
+    q = (w[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)      # [N, K/per_word, per_word]
+    q = q.reshape(N, -1).astype(np.float64)                         # element k = word k//per_word
+    groups = np.arange(q.shape[1]) // G
+    return scales.astype(np.float64)[:, groups] * q + biases.astype(np.float64)[:, groups]
+
+
+def check(out, x, W, before, accumulate):
+    want = x.astype(np.float64) @ W.T + (before if accumulate else 0)
+    bound = np.abs(x) @ np.abs(W).T + np.abs(before)
+    assert np.all(np.abs(out - want) <= 1e-4 * bound + 1e-6), np.abs(out - want).max()
+
+
+def k_for(bits, G):
+    # 4-bit, G = 32: an odd number of groups leaves a last half block (the float tail)
+    return 7 * 32 if (bits, G) == (4, 32) else 3 * G
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("T", [1, 3, 70])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_qmatmul(bits, G, T, accumulate):
+    N, K = 37, k_for(bits, G)          # N odd: rows pair up as (i, i + 19), the last one alone
+    w, s, b = mlx_weight(N, K, bits, G)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    out = rng.standard_normal((T, N)).astype(np.float32)
+    before = out.copy()
+    qmatmul(x, prepare(w, s, b, bits, G), out, accumulate)
+    check(out, x, twin_dequantize(w, s, b, bits, G), before, accumulate)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_on_larger_rows(bits):
+    """Several blocks per group and many rows, the decode path's steady state."""
+    N, K, G = 301, 1536, 128
+    w, s, b = mlx_weight(N, K, bits, G)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    x[0, 5] = 40.0                                   # an outlier channel, as LLM activations have
+    out = np.empty((1, N), np.float32)
+    qmatmul(x, prepare(w, s, b, bits, G), out, False)
+    check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
+
+
+def test_zero_activations():
+    w, s, b = mlx_weight(8, 64, 8, 64)
+    out = np.ones((1, 8), np.float32)
+    qmatmul(np.zeros((1, 64), np.float32), prepare(w, s, b, 8, 64), out, True)
+    np.testing.assert_array_equal(out, 1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_memmapped_weights_are_not_copied(tmp_path, bits):
+    N, K, G = 19, 128, 64
+    w, s, b = mlx_weight(N, K, bits, G)
+    w.tofile(tmp_path / "w.bin")
+    mapped = np.memmap(tmp_path / "w.bin", np.uint32, "r", shape=w.shape)
+    qw = prepare(mapped, s, b, bits, G)
+    assert np.shares_memory(qw.q, mapped) and not qw.q.flags.writeable
+    W = twin_dequantize(w, s, b, bits, G)
+    for T in (1, 5):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        out = np.zeros((T, N), np.float32)
+        qmatmul(x, qw, out, False)
+        check(out, x, W, out * 0, False)
+    np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("G", [32, 128])
+def test_dequantize(bits, G):
+    w, s, b = mlx_weight(23, 2 * G, bits, G)
+    qw, W = prepare(w, s, b, bits, G), twin_dequantize(w, s, b, bits, G)
+    np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-6)
+    ids = np.array([3, 0, 22, 3])
+    np.testing.assert_allclose(dequantize_rows(qw, ids), W[ids], rtol=1e-6, atol=1e-6)
+    with pytest.raises(IndexError):
+        dequantize_rows(qw, np.array([23]))
+
+
+def test_prepare_rejects_what_no_kernel_reads():
+    w, s, b = mlx_weight(4, 64, 8, 32)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        prepare(w, s, b, 3, 32)
+    with pytest.raises(ValueError, match="group_size one of"):
+        prepare(w, s, b, 8, 16)
+    with pytest.raises(ValueError, match="scales and biases must be"):
+        prepare(w, s, b, 8, 64)
+    with pytest.raises(ValueError, match="uint32"):
+        prepare(w.view(np.int32), s, b, 8, 32)
+    with pytest.raises(ValueError, match="out"):
+        qmatmul(np.zeros((1, 64), np.float32), prepare(w, s, b, 8, 32), np.zeros((1, 5), np.float32), False)
+
+
+@njit(cache=True)
+def _block(x, w_in, w_out, h, out):
+    """A toy layer, as the jitted decoder calls its projections: float or quantized alike."""
+    quant_cpu.linear(x, w_in, h, False)
+    quant_cpu.linear(h, w_out, out, True)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_linear_inside_njit_dispatches_on_the_weight_type(T):
+    K, F = 64, 96
+    w, s, b = mlx_weight(F, K, 4, 32)
+    w_in = prepare(w, s, b, 4, 32)                                  # quantized [F, K]
+    w_out = rng.standard_normal((K, F)).astype(np.float32)          # float32 [K, F]
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    h, out = np.empty((T, F), np.float32), np.ones((T, K), np.float32)
+    _block(x, w_in, w_out, h, out)
+    want_h = x.astype(np.float64) @ twin_dequantize(w, s, b, 4, 32).T
+    np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
+    np.testing.assert_allclose(out, 1 + h.astype(np.float64) @ w_out.T, rtol=1e-4, atol=1e-4)
+    assert isinstance(w_in, QuantizedWeight)
+    quant_cpu.linear(x, w_in, h, False)                             # and from Python
+    np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
