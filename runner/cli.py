@@ -34,6 +34,8 @@ def main():
 
 
 def model_option(f):
+    f = click.option("--quant", type=click.Choice(["int8", "int4"]),
+                     help="Quantize a float model in memory when loading it.")(f)
     return click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, envvar="NIBBLE_MODEL",
                         help="A model directory, .gguf or .safetensors file, hub id (org/name) or alias.")(f)
 
@@ -98,7 +100,7 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and stats.")
-def run(prompt, prompt_option, model, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
+def run(prompt, prompt_option, model, quant, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
         seed, threads, ctx_size, kv_cache, stop, raw, as_json):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
@@ -106,7 +108,7 @@ def run(prompt, prompt_option, model, system, max_tokens, temp, top_k, top_p, mi
     _set_threads(threads)
     from .generate import stream_generate
     from .loader import load
-    llm, tokenizer = load(model)
+    llm, tokenizer = load(model, quant)
     ids = tokenizer.prompt(text, system=system, raw=raw)
     cache = llm.new_cache(ctx_size, kv_cache)
     pieces, last = [], None
@@ -170,12 +172,12 @@ def import_(gguf_file, output, force):
               help="Compare against distributions saved by --save-logits: mean KL divergence, top-1 agreement.")
 @kv_cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, kv_cache, as_json):
+def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_base, kv_cache, as_json):
     """Perplexity of MODEL over TEXT_FILE in non-overlapping windows of --ctx tokens."""
     from .loader import load
     from .perplexity import evaluate
     _set_threads(threads)
-    llm, tokenizer = load(model)
+    llm, tokenizer = load(model, quant)
     with open(text_file, encoding="utf-8") as f:
         tokens = tokenizer.encode(f.read(), add_bos=False)
     result = evaluate(llm, tokens, ctx=ctx, chunks=chunks, kv_type=kv_cache, save_logits=save_logits,
@@ -198,12 +200,12 @@ def perplexity(text_file, model, ctx, chunks, threads, save_logits, kl_base, kv_
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
 @kv_cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench(model, prompt_tokens, gen_tokens, repeats, threads, kv_cache, as_json):
+def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
     from .bench import PROMPT_TEXT, run_bench
     from .loader import load
     _set_threads(threads)
-    llm, tokenizer = load(model)
+    llm, tokenizer = load(model, quant)
     ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
     ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:

@@ -1,12 +1,25 @@
 """From a model reference to a runnable model and its tokenizer."""
+from formats.errors import NibbleError
 from formats.load import open_model
 from formats.model_dir import ModelDir
+from quant.convert import is_quantized, quantize_model
 from .model import Model
 from .tokenizer import Tokenizer
 
+QUANT_BITS = {"int8": 8, "int4": 4}
 
-def load(ref: str) -> tuple[Model, Tokenizer]:
-    return from_model_dir(open_model(ref))
+
+def load(ref: str, quant: str | None = None) -> tuple[Model, Tokenizer]:
+    """The model at `ref`; `quant` ("int8" or "int4") quantizes a float model in memory first
+    (round to nearest in groups of 64, embedding at 8 bits: `nibble quantize` does better)."""
+    model_dir = open_model(ref)
+    if quant:
+        if quant not in QUANT_BITS:
+            raise NibbleError(f"unknown quantization {quant!r}: choose int8 or int4")
+        if is_quantized(model_dir.config):
+            raise NibbleError(f"{ref} is already quantized: drop --quant")
+        model_dir = quantize_model(model_dir, QUANT_BITS[quant], 64, embed_bits=8, method="rtn").model
+    return from_model_dir(model_dir)
 
 
 def from_model_dir(model_dir: ModelDir) -> tuple[Model, Tokenizer]:

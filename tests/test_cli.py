@@ -135,7 +135,7 @@ def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir):
 
 
 def test_ctrl_c_while_loading_is_one_line(tiny_dir, monkeypatch):
-    def interrupted(ref):
+    def interrupted(*args):
         raise KeyboardInterrupt
     monkeypatch.setattr("runner.loader.load", interrupted)
     r = invoke("run", "-m", tiny_dir, "Hi")
@@ -147,3 +147,10 @@ def test_int8_kv_cache_flag(tiny_dir):
     assert r.exit_code == 0 and r.stdout.strip()
     r = invoke("run", "-m", tiny_dir, "--kv-cache", "fp8", "Hello")
     assert r.exit_code == 2 and "'fp8' is not one of 'f32', 'int8'" in r.stderr
+
+
+def test_quantize_at_load(tiny_dir):
+    for quant in ("int8", "int4"):
+        r = invoke("run", "-m", tiny_dir, *GREEDY, "--quant", quant, "--json", "Hello")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["prompt_tokens"] > 0
