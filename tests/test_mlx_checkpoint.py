@@ -1,0 +1,82 @@
+"""A checkpoint laid out by hand from MLX's format description runs unchanged.
+
+Nothing of nibble writes it: the packing, the bfloat16 scales, the safetensors bytes and the
+config.json keys are produced here from the spec, as mlx-lm would write them for a llama model.
+"""
+import json
+import struct
+
+import numpy as np
+
+from formats.model_dir import write_model_dir
+from runner.loader import load
+from tests import reference
+from tests.tiny import tiny_model_dir
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def mlx_quantize(w, bits, group):
+    """MLX affine quantization of w [N, K]: (uint32 words low bits first, scales, biases, w as
+    the checkpoint represents it)."""
+    N, K = w.shape
+    g = w.reshape(N, K // group, group)
+    lo, hi = g.min(-1), g.max(-1)
+    scales = _bf16((hi - lo) / (2 ** bits - 1))
+    biases = _bf16(lo)
+    q = np.clip(np.rint((g - biases[..., None]) / scales[..., None]), 0, 2 ** bits - 1).astype(np.uint32)
+    per_word = 32 // bits
+    lanes = q.reshape(N, K // per_word, per_word) << (bits * np.arange(per_word, dtype=np.uint32))
+    words = np.bitwise_or.reduce(lanes, axis=-1).astype(np.uint32)
+    represented = (scales[..., None] * q + biases[..., None]).reshape(N, K).astype(np.float32)
+    return words, scales, biases, represented
+
+
+def _bf16(x):
+    """x rounded to bfloat16 (round to nearest even), kept as float32."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.view(np.float32)
+
+
+def write_safetensors_by_hand(tensors, path):
+    """The safetensors layout: u64 header size, JSON header, then the raw little-endian bytes."""
+    header, blobs, offset = {}, [], 0
+    for name, a in tensors.items():
+        if a.dtype == np.float32 and name.endswith((".scales", ".biases")):
+            dtype, raw = "BF16", (a.view(np.uint32) >> 16).astype("<u2").tobytes()
+        else:
+            dtype, raw = {np.dtype(np.uint32): "U32", np.dtype(np.float32): "F32"}[a.dtype], a.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def test_hand_made_mlx_checkpoint_runs(tmp_path):
+    base = tiny_model_dir()            # tokenizer, template and float weights to start from
+    out = write_model_dir(base, tmp_path / "mlx")
+    tensors, floats = {}, {}
+    for name, w in base.tensors.items():
+        module = name.removesuffix(".weight")
+        if module.endswith(LINEARS) or module == "model.embed_tokens":
+            bits, group = (8, 32) if module == "model.embed_tokens" else (4, 64)
+            words, scales, biases, floats[name] = mlx_quantize(w, bits, group)
+            tensors |= {name: words, module + ".scales": scales, module + ".biases": biases}
+        else:
+            tensors[name] = floats[name] = w
+    write_safetensors_by_hand(tensors, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    quantization = {"group_size": 64, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    config |= {"quantization": quantization, "quantization_config": quantization}
+    (out / "config.json").write_text(json.dumps(config))
+
+    model, tokenizer = load(str(out))
+    tokens = tokenizer.prompt("the quick brown fox")
+    want = reference.forward(model.config, floats, tokens)[-1]
+    got = model.forward(tokens, model.new_cache(64))[-1]
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    assert model.layers[0].w_up.bits == 4 and model.embed.bits == 8 and model.embed.group_size == 32
