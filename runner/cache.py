@@ -1,4 +1,5 @@
 """The KV cache: preallocated once for the whole context, filled left to right."""
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +24,7 @@ class KVCache:
         if kv_type not in KV_TYPES:
             raise NibbleError(f"unknown KV cache type {kv_type!r}: choose {' or '.join(KV_TYPES)}")
         shape = (config.num_hidden_layers, config.num_key_value_heads, ctx, config.head_dim)
-        # np.zeros maps untouched pages lazily: memory grows with the positions used.
-        k, v = np.zeros(shape, KV_TYPES[kv_type]), np.zeros(shape, KV_TYPES[kv_type])
+        k, v = _lazy_zeros(shape, KV_TYPES[kv_type]), _lazy_zeros(shape, KV_TYPES[kv_type])
         return cls(k, v, np.ones(shape[:3], np.float32), np.ones(shape[:3], np.float32))
 
     def layer(self, i: int) -> tuple:
@@ -43,3 +43,11 @@ class KVCache:
         """Forget positions pos.. (their values are overwritten on the next store)."""
         self.pos = min(self.pos, pos)
         del self.tokens[self.pos:]
+
+
+def _lazy_zeros(shape, dtype) -> np.ndarray:
+    """Zeros whose memory is taken page by page as positions are written. Not np.zeros: numpy
+    asks for 2 MB huge pages on large arrays, and one write per (layer, head) would then take
+    the whole context's memory at once (8192 positions of SmolLM2: 360 MB)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype, int(np.prod(shape))).reshape(shape)
