@@ -68,6 +68,20 @@ def test_attention(T, pos0, window):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
 
 
+def test_attention_when_each_key_sets_a_new_maximum():
+    """The online softmax rescales its sums at every new maximum: scores rising along the context
+    (from ~0 to ~40) make it rescale at about every other key, from weights of exp(-40) up."""
+    T, H, Hkv, hd, ctx = 3, 4, 2, 8, 40
+    q = np.abs(f32(T, H, hd)) * 4
+    k_cache = np.abs(f32(Hkv, ctx, hd)) * np.linspace(0.1, 2, ctx, dtype=np.float32)[:, None]
+    v_cache = f32(Hkv, ctx, hd)
+    out, ones = np.empty_like(q), np.ones((Hkv, ctx), np.float32)
+    cpu.attention(q, k_cache, v_cache, ones, ones, ctx - T, 0, out)
+    want = reference.attention(q.astype(np.float64), k_cache.transpose(1, 0, 2),
+                               v_cache.transpose(1, 0, 2), np.arange(ctx - T, ctx))
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_project_qkv(T):
     x, wq, wk, wv = f32(T, 32), f32(24, 32), f32(8, 32), f32(8, 32)

@@ -182,8 +182,9 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, out):
     q: [T, H, hd] for positions pos0..pos0+T-1; k_cache, v_cache: [Hkv, ctx, hd] (float32, or
     int8 rows times k_scale, v_scale [Hkv, ctx]) already holding positions 0..pos0+T-1;
     out: [T, H, hd]. window > 0 limits each query to its last `window` positions (Mistral's
-    sliding window). One (token, head) pair per task, with a softmax over a scratch row as long
-    as the context: no T x T matrix is held.
+    sliding window). One (token, head) pair per task, with an online softmax: one pass over the
+    keys and values, keeping a running maximum, sum and weighted sum of values; no scores are
+    held, neither a T x T matrix nor a row.
     """
     T, H, hd = q.shape
     group = H // k_cache.shape[0]
@@ -194,25 +195,26 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, out):
         kv = h // group
         end = pos0 + t + 1
         start = max(0, end - window) if window > 0 else 0
-        scores = np.empty(end - start, dtype=np.float32)
-        best = np.float32(-np.inf)
+        acc = np.zeros(hd, np.float32)
+        best, total = np.float32(-np.inf), np.float32(0.0)
         for j in range(start, end):
             s = np.float32(0.0)
             for i in range(hd):
                 s += q[t, h, i] * k_cache[kv, j, i]
             s *= scale * k_scale[kv, j]
-            scores[j - start] = s
-            best = max(best, s)
-        total = np.float32(0.0)
-        for j in range(end - start):
-            scores[j] = np.exp(scores[j] - best)
-            total += scores[j]
-        for i in range(hd):
-            out[t, h, i] = 0.0
-        for j in range(start, end):
-            p = scores[j - start] / total * v_scale[kv, j]
+            if s > best:   # a new maximum: rescale what was summed against the old one
+                c = np.exp(best - s)
+                total *= c
+                for i in range(hd):
+                    acc[i] *= c
+                best = s
+            p = np.exp(s - best)
+            total += p
+            p *= v_scale[kv, j]
             for i in range(hd):
-                out[t, h, i] += p * v_cache[kv, j, i]
+                acc[i] += p * v_cache[kv, j, i]
+        for i in range(hd):
+            out[t, h, i] = acc[i] / total
 
 
 @njit(**_jit)
