@@ -143,22 +143,3 @@ def test_linear_inside_njit_dispatches_on_the_weight_type(T):
     quant_cpu.linear(x, w_in, h, False)                             # and from Python
     np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
 
-
-@pytest.mark.parametrize("bits,G", [(8, 64), (4, 32), (4, 128)])
-@pytest.mark.parametrize("T", [1, 5])
-def test_fused_qkv_and_swiglu(bits, G, T):
-    """The decode path's fused regions (one activation, several matrices) against the twin."""
-    K = 2 * G if (bits, G) != (4, 32) else 7 * 32
-    mats = [mlx_weight(N, K, bits, G) for N in (48, 17, 17, 40, 40)]      # q, k, v, gate, up
-    qws = [prepare(*m, bits, G) for m in mats]
-    Ws = [twin_dequantize(*m, bits, G) for m in mats]
-    x = rng.standard_normal((T, K)).astype(np.float32)
-    q, k, v = (np.empty((T, W.shape[0]), np.float32) for W in Ws[:3])
-    quant_cpu.project_qkv(x, *qws[:3], q, k, v)
-    for out, W in zip((q, k, v), Ws[:3]):
-        check(out, x, W, out * 0, False)
-    mlp = np.empty((T, 40), np.float32)
-    quant_cpu.swiglu(x, qws[3], qws[4], mlp)
-    g, u = x.astype(np.float64) @ Ws[3].T, x.astype(np.float64) @ Ws[4].T
-    bound = (np.abs(x) @ np.abs(Ws[3]).T) * (np.abs(x) @ np.abs(Ws[4]).T)
-    assert np.all(np.abs(mlp - g / (1 + np.exp(-g)) * u) <= 1e-4 * bound + 1e-6)

@@ -8,8 +8,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from . import cpu, quant_cpu
-from .quant_cpu import QuantizedWeight, is_quantized_type, linear
+from . import cpu
+from .quant_cpu import QuantizedWeight, linear
 
 
 @njit(**cpu._jit)
@@ -86,10 +86,8 @@ def project_qkv(x, wq, wk, wv, q, k, v):
 def _project_qkv(x, wq, wk, wv, q, k, v):
     if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
         return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
-    if all(is_quantized_type(w) for w in (wq, wk, wv)):
-        return lambda x, wq, wk, wv, q, k, v: quant_cpu.project_qkv(x, wq, wk, wv, q, k, v)
 
-    def each(x, wq, wk, wv, q, k, v):   # float and quantized mixed
+    def each(x, wq, wk, wv, q, k, v):
         linear(x, wq, q, False)
         linear(x, wk, k, False)
         linear(x, wv, v, False)
@@ -108,10 +106,8 @@ def swiglu(x, w_gate, w_up, out):
 def _swiglu(x, w_gate, w_up, out):
     if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
         return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
-    if is_quantized_type(w_gate) and is_quantized_type(w_up):
-        return lambda x, w_gate, w_up, out: quant_cpu.swiglu(x, w_gate, w_up, out)
 
-    def separate(x, w_gate, w_up, out):   # one float, one quantized
+    def separate(x, w_gate, w_up, out):
         up = np.empty_like(out)
         linear(x, w_gate, out, False)
         linear(x, w_up, up, False)

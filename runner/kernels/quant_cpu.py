@@ -243,31 +243,30 @@ def quantize_activation(x, G, bits, xq, dx, xs):
 
 
 @njit(inline="always", **_jit)
-def _pair8(xq, dx, xs, q0, s0, b0, n, q1, s1, b1, m, G):
-    """(row n of W0) . x and (row m of W1) . x for 8 bits: two rows far apart, or of two
-    matrices, are two sequential streams (two adjacent rows read in step defeat the hardware
-    prefetcher: 2-3x slower from DRAM)."""
-    Kb = q0.shape[1]
+def _pair8(xq, dx, xs, q, s, b, n, m, G):
+    """(row n, row m) . x for 8 bits: two rows far apart are two sequential streams (two adjacent
+    rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
+    Kb = q.shape[1]
     f0, f1 = zero_f32(), zero_f32()
     t0, t1 = f32(0.0), f32(0.0)
-    for g in range(s0.shape[1]):
+    for g in range(s.shape[1]):
         a0, a1 = zero_i32(), zero_i32()
         for k in range(g * G, g * G + G, 16):
             xv = load_16x16(xq, k)
-            a0 = vadd(a0, madd(load_u8x16(q0, n * Kb + k), xv))
-            a1 = vadd(a1, madd(load_u8x16(q1, m * Kb + k), xv))
-        f0 = scale_add(f0, a0, s0[n, g] * dx[g], s0[n, g] * dx[g])
-        f1 = scale_add(f1, a1, s1[m, g] * dx[g], s1[m, g] * dx[g])
-        t0 += b0[n, g] * xs[g]
-        t1 += b1[m, g] * xs[g]
+            a0 = vadd(a0, madd(load_u8x16(q, n * Kb + k), xv))
+            a1 = vadd(a1, madd(load_u8x16(q, m * Kb + k), xv))
+        f0 = scale_add(f0, a0, s[n, g] * dx[g], s[n, g] * dx[g])
+        f1 = scale_add(f1, a1, s[m, g] * dx[g], s[m, g] * dx[g])
+        t0 += b[n, g] * xs[g]
+        t1 += b[m, g] * xs[g]
     return hsum(f0) + t0, hsum(f1) + t1
 
 
 @njit(inline="always", **_jit)
-def _block4(a0, a1, q0, i0, q1, i1, xq, c):
-    """Add block c (64 weights) of the 4-bit rows starting at bytes i0 of q0 and i1 of q1:
-    32 bytes = 16 lanes of 4 nibbles; xq is in the matching order."""
-    v0, v1 = load_16x16(q0, i0 + 32 * c), load_16x16(q1, i1 + 32 * c)
+def _block4(a0, a1, q, i0, i1, xq, c):
+    """Add block c (64 weights) of the 4-bit rows starting at bytes i0, i1 of q: 32 bytes = 16
+    lanes of 4 nibbles; xq is in the matching order."""
+    v0, v1 = load_16x16(q, i0 + 32 * c), load_16x16(q, i1 + 32 * c)
     x = load_16x16(xq, 64 * c)
     a0, a1 = vadd(a0, madd(nibble(v0, 0), x)), vadd(a1, madd(nibble(v1, 0), x))
     x = load_16x16(xq, 64 * c + 16)
@@ -279,114 +278,75 @@ def _block4(a0, a1, q0, i0, q1, i1, xq, c):
 
 
 @njit(inline="always", **_jit)
-def _pair4(xq, dx, xs, x, q0, s0, b0, n, q1, s1, b1, m, G):
-    """(row n of W0) . x and (row m of W1) . x for 4 bits. A block of 64 holds one group, half
-    of one, or (G = 32) two: int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
-    Kb = q0.shape[1]
+def _pair4(xq, dx, xs, x, q, s, b, n, m, G):
+    """(row n, row m) . x for 4 bits. A block of 64 holds one group, half of one, or (G = 32) two:
+    int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
+    Kb = q.shape[1]
     K = 2 * Kb
     f0, f1 = zero_f32(), zero_f32()
     t0, t1 = f32(0.0), f32(0.0)
     if G == 32:
         for c in range(K // 64):
-            a0, a1 = _block4(zero_i32(), zero_i32(), q0, n * Kb, q1, m * Kb, xq, c)
+            a0, a1 = _block4(zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, c)
             g = 2 * c
-            f0 = scale_add(f0, a0, s0[n, g] * dx[g], s0[n, g + 1] * dx[g + 1])
-            f1 = scale_add(f1, a1, s1[m, g] * dx[g], s1[m, g + 1] * dx[g + 1])
-            t0 += b0[n, g] * xs[g] + b0[n, g + 1] * xs[g + 1]
-            t1 += b1[m, g] * xs[g] + b1[m, g + 1] * xs[g + 1]
+            f0 = scale_add(f0, a0, s[n, g] * dx[g], s[n, g + 1] * dx[g + 1])
+            f1 = scale_add(f1, a1, s[m, g] * dx[g], s[m, g + 1] * dx[g + 1])
+            t0 += b[n, g] * xs[g] + b[n, g + 1] * xs[g + 1]
+            t1 += b[m, g] * xs[g] + b[m, g + 1] * xs[g + 1]
     else:
         for g in range(K // G):
             a0, a1 = zero_i32(), zero_i32()
             for c in range(g * (G // 64), (g + 1) * (G // 64)):
-                a0, a1 = _block4(a0, a1, q0, n * Kb, q1, m * Kb, xq, c)
-            f0 = scale_add(f0, a0, s0[n, g] * dx[g], s0[n, g] * dx[g])
-            f1 = scale_add(f1, a1, s1[m, g] * dx[g], s1[m, g] * dx[g])
-            t0 += b0[n, g] * xs[g]
-            t1 += b1[m, g] * xs[g]
+                a0, a1 = _block4(a0, a1, q, n * Kb, m * Kb, xq, c)
+            f0 = scale_add(f0, a0, s[n, g] * dx[g], s[n, g] * dx[g])
+            f1 = scale_add(f1, a1, s[m, g] * dx[g], s[m, g] * dx[g])
+            t0 += b[n, g] * xs[g]
+            t1 += b[m, g] * xs[g]
     if K % 64:   # G = 32 and an odd number of groups: the last one in float
         g = K // 32 - 1
         e0, e1 = f32(0.0), f32(0.0)
         for k in range(32 * g, K):
-            e0 += x[k] * f32((q0[n, k >> 1] >> (4 * (k & 1))) & 15)
-            e1 += x[k] * f32((q1[m, k >> 1] >> (4 * (k & 1))) & 15)
-        t0 += s0[n, g] * e0 + b0[n, g] * xs[g]
-        t1 += s1[m, g] * e1 + b1[m, g] * xs[g]
+            e0 += x[k] * f32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
+            e1 += x[k] * f32((q[m, k >> 1] >> (4 * (k & 1))) & 15)
+        t0 += s[n, g] * e0 + b[n, g] * xs[g]
+        t1 += s[m, g] * e1 + b[m, g] * xs[g]
     return hsum(f0) + t0, hsum(f1) + t1
 
 
-class Activation(NamedTuple):
-    """A decode activation row prepared for the integer kernels of one (bits, group_size)."""
-    xq: np.ndarray   # int16 [K], per group of G, in the order of the weights' nibbles for 4 bits
-    dx: np.ndarray   # float32 [K/G]: the scale of each group of xq
-    xs: np.ndarray   # float32 [K/G]: the sum of each group of x (it multiplies the biases)
-    x: np.ndarray    # float32 [K]: x itself (the float tail of odd 4-bit rows)
-
-
-@njit(**_jit)
-def activation(x, qw):
-    """x[K] prepared for the decode kernels of weights shaped like qw."""
-    K, G = x.shape[0], qw.group_size
-    a = Activation(np.empty(K, np.int16), np.empty(K // G, np.float32), np.empty(K // G, np.float32), x)
-    quantize_activation(x, G, qw.bits, a.xq, a.dx, a.xs)
-    return a
-
-
-@njit(inline="always", **_jit)
-def _pair(a, w0, n, w1, m):
-    """(row n of w0) . x and (row m of w1) . x, for two weights of the same bits and group size
-    (G a compile-time constant in each branch, so the inner loops unroll)."""
-    G = w0.group_size
-    if w0.bits == 8:
-        if G == 64:
-            return _pair8(a.xq, a.dx, a.xs, w0.q, w0.scales, w0.biases, n, w1.q, w1.scales, w1.biases, m, 64)
-        if G == 32:
-            return _pair8(a.xq, a.dx, a.xs, w0.q, w0.scales, w0.biases, n, w1.q, w1.scales, w1.biases, m, 32)
-        return _pair8(a.xq, a.dx, a.xs, w0.q, w0.scales, w0.biases, n, w1.q, w1.scales, w1.biases, m, 128)
-    if G == 64:
-        return _pair4(a.xq, a.dx, a.xs, a.x, w0.q, w0.scales, w0.biases, n, w1.q, w1.scales, w1.biases, m, 64)
-    if G == 32:
-        return _pair4(a.xq, a.dx, a.xs, a.x, w0.q, w0.scales, w0.biases, n, w1.q, w1.scales, w1.biases, m, 32)
-    return _pair4(a.xq, a.dx, a.xs, a.x, w0.q, w0.scales, w0.biases, n, w1.q, w1.scales, w1.biases, m, 128)
-
-
-@njit(inline="always", **_jit)
-def _half_rows(a, w, j, out, accumulate):
-    """Rows j and j + ceil(N/2) of out[0] (+)= w . x: each task reads two distant streams."""
-    N = w.q.shape[0]
+@njit(parallel=True, **_jit)
+def _decode8(xq, dx, xs, q, s, b, G, out, accumulate):
+    N = q.shape[0]
     H = (N + 1) // 2
-    m = j + H if j + H < N else j
-    v0, v1 = _pair(a, w, j, w, m)
-    out[0, j] = out[0, j] + v0 if accumulate else v0
-    if m != j:
-        out[0, m] = out[0, m] + v1 if accumulate else v1
-
-
-@njit(parallel=True, **_jit)
-def _decode(a, w, out, accumulate):
-    for j in prange((w.q.shape[0] + 1) // 2):
-        _half_rows(a, w, np.int64(j), out, accumulate)   # prange's index is unsigned
-
-
-@njit(parallel=True, **_jit)
-def _decode_qkv(a, wq, wk, wv, q, k, v):
-    """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T in one parallel region."""
-    hq, hk, hv = (wq.q.shape[0] + 1) // 2, (wk.q.shape[0] + 1) // 2, (wv.q.shape[0] + 1) // 2
-    for task in prange(hq + hk + hv):
-        j = np.int64(task)
-        if j < hq:
-            _half_rows(a, wq, j, q, False)
-        elif j < hq + hk:
-            _half_rows(a, wk, j - hq, k, False)
+    for j in prange(H):        # each thread: a range of rows and the same range + H
+        i = np.int64(j)        # prange's index is unsigned: i + H would type as float
+        m = i + H if i + H < N else i
+        if G == 64:
+            v0, v1 = _pair8(xq, dx, xs, q, s, b, i, m, 64)
+        elif G == 32:
+            v0, v1 = _pair8(xq, dx, xs, q, s, b, i, m, 32)
         else:
-            _half_rows(a, wv, j - hq - hk, v, False)
+            v0, v1 = _pair8(xq, dx, xs, q, s, b, i, m, 128)
+        out[0, i] = out[0, i] + v0 if accumulate else v0
+        if m != i:
+            out[0, m] = out[0, m] + v1 if accumulate else v1
 
 
 @njit(parallel=True, **_jit)
-def _decode_swiglu(a, w_gate, w_up, out):
-    """out = silu(x @ w_gate.T) * (x @ w_up.T) in one parallel region: row f of both at once."""
-    for f in prange(w_gate.q.shape[0]):
-        g, u = _pair(a, w_gate, np.int64(f), w_up, np.int64(f))
-        out[0, f] = g / (f32(1.0) + np.exp(-g)) * u
+def _decode4(xq, dx, xs, x, q, s, b, G, out, accumulate):
+    N = q.shape[0]
+    H = (N + 1) // 2
+    for j in prange(H):
+        i = np.int64(j)
+        m = i + H if i + H < N else i
+        if G == 64:
+            v0, v1 = _pair4(xq, dx, xs, x, q, s, b, i, m, 64)
+        elif G == 32:
+            v0, v1 = _pair4(xq, dx, xs, x, q, s, b, i, m, 32)
+        else:
+            v0, v1 = _pair4(xq, dx, xs, x, q, s, b, i, m, 128)
+        out[0, i] = out[0, i] + v0 if accumulate else v0
+        if m != i:
+            out[0, m] = out[0, m] + v1 if accumulate else v1
 
 
 # ---- prefill: dequantize a tile of rows, then a float register-blocked micro-kernel -------------
@@ -486,51 +446,21 @@ def qmatmul(x, qw, out, accumulate):
     T = 1 quantizes x to int16 per group and takes the integer decode path; T > 1 the float
     prefill path. Callable from Python and from inside other njit functions.
     """
-    _check_shapes(x, qw, out)
-    if x.shape[0] == 1:
-        _decode(activation(x[0], qw), qw, out, accumulate)
+    T, K = x.shape
+    N, G = qw.q.shape[0], qw.group_size
+    if qw.q.shape[1] * 8 != K * qw.bits or out.shape[0] != T or out.shape[1] != N:
+        raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
+    if T == 1:
+        xq = np.empty(K, np.int16)
+        dx = np.empty(K // G, np.float32)
+        xs = np.empty(K // G, np.float32)
+        quantize_activation(x[0], G, qw.bits, xq, dx, xs)
+        if qw.bits == 8:
+            _decode8(xq, dx, xs, qw.q, qw.scales, qw.biases, G, out, accumulate)
+        else:
+            _decode4(xq, dx, xs, x[0], qw.q, qw.scales, qw.biases, G, out, accumulate)
     else:
         _prefill(x, qw, out, accumulate)
-
-
-@njit(**_jit)
-def _check_shapes(x, qw, out):
-    T, K = x.shape
-    if qw.q.shape[1] * 8 != K * qw.bits or out.shape[0] != T or out.shape[1] != qw.q.shape[0]:
-        raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
-
-
-@njit(**_jit)
-def _same_kind(w0, w1):
-    return w0.bits == w1.bits and w0.group_size == w1.group_size
-
-
-@njit(**_jit)
-def project_qkv(x, wq, wk, wv, q, k, v):
-    """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T; decode quantizes x once and runs one parallel
-    region for the three (each parallel region costs a few microseconds, 240 of them a token)."""
-    if x.shape[0] == 1 and _same_kind(wq, wk) and _same_kind(wq, wv):
-        _check_shapes(x, wq, q)
-        _check_shapes(x, wk, k)
-        _check_shapes(x, wv, v)
-        _decode_qkv(activation(x[0], wq), wq, wk, wv, q, k, v)
-    else:
-        qmatmul(x, wq, q, False)
-        qmatmul(x, wk, k, False)
-        qmatmul(x, wv, v, False)
-
-
-@njit(**_jit)
-def swiglu(x, w_gate, w_up, out):
-    """out[T, F] = silu(x @ w_gate.T) * (x @ w_up.T); decode reads both matrices in one pass."""
-    if x.shape[0] == 1 and _same_kind(w_gate, w_up) and w_gate.q.shape == w_up.q.shape:
-        _check_shapes(x, w_gate, out)
-        _decode_swiglu(activation(x[0], w_gate), w_gate, w_up, out)
-    else:
-        up = np.empty_like(out)
-        qmatmul(x, w_gate, out, False)
-        qmatmul(x, w_up, up, False)
-        cpu.silu_mul(out, up)
 
 
 @njit(parallel=True, **_jit)
@@ -571,10 +501,5 @@ def linear(x, w, out, accumulate):
 def _linear_typed(x, w, out, accumulate):
     if isinstance(w, types.Array):
         return lambda x, w, out, accumulate: cpu.matmul(x, w, out, accumulate)
-    if is_quantized_type(w):
+    if isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedWeight:
         return lambda x, w, out, accumulate: qmatmul(x, w, out, accumulate)
-
-
-def is_quantized_type(t) -> bool:
-    """Whether numba type t is a QuantizedWeight."""
-    return isinstance(t, types.BaseNamedTuple) and t.instance_class is QuantizedWeight
