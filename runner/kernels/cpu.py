@@ -5,12 +5,8 @@ thread) and are cached on disk so a second start does not compile again.
 """
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
-
-# `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
-numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 _jit = dict(fastmath=True, cache=True, nogil=True)
 

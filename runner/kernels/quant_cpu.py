@@ -18,7 +18,6 @@ vector operations as intrinsics (no x86-specific intrinsic: ARM gets its own ins
 """
 from typing import NamedTuple
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -26,7 +25,6 @@ from numba.extending import intrinsic, models, overload, register_model
 
 from . import cpu
 
-numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 _jit = dict(fastmath=True, cache=True, nogil=True)
 f32 = np.float32
