@@ -171,8 +171,10 @@ def import_(gguf_file, output, force):
 @click.option("--kl-base", type=click.Path(exists=True, dir_okay=False),
               help="Compare against distributions saved by --save-logits: mean KL divergence, top-1 agreement.")
 @kv_cache_option
+@click.option("--decode", is_flag=True,
+              help="Score one token at a time, through the kernels generation uses (slower).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_base, kv_cache, as_json):
+def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_base, kv_cache, decode, as_json):
     """Perplexity of MODEL over TEXT_FILE in non-overlapping windows of --ctx tokens."""
     from .loader import load
     from .perplexity import evaluate
@@ -181,7 +183,7 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
     with open(text_file, encoding="utf-8") as f:
         tokens = tokenizer.encode(f.read(), add_bos=False)
     result = evaluate(llm, tokens, ctx=ctx, chunks=chunks, kv_type=kv_cache, save_logits=save_logits,
-                      kl_base=kl_base, progress=lambda done, total: click.echo(
+                      kl_base=kl_base, decode=decode, progress=lambda done, total: click.echo(
                           f"\r[{done}/{total}]", nl=False, err=True))
     click.echo(err=True)
     if as_json:

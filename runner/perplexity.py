@@ -54,8 +54,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def evaluate(model: Model, tokens, ctx: int = 512, chunks: int | None = None,
              save_logits: str | None = None, kl_base: str | None = None, kv_type: str = "f32",
-             progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
-    """Perplexity of `tokens` (the text's ids, no BOS) in non-overlapping windows of `ctx`."""
+             decode: bool = False, progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+    """Perplexity of `tokens` (the text's ids, no BOS) in non-overlapping windows of `ctx`.
+
+    decode: run each window one token at a time, through the kernels generation uses (for
+    quantized weights, integer dot products on rounded activations), instead of one batch.
+    """
     tokens = np.asarray(tokens, np.int64)
     windows = len(tokens) // ctx if chunks is None else min(chunks, len(tokens) // ctx)
     if windows == 0:
@@ -68,7 +72,7 @@ def evaluate(model: Model, tokens, ctx: int = 512, chunks: int | None = None,
     nll, kl, agree = [], [], []
     try:
         for w in range(windows):
-            logits = model.forward(tokens[w], model.new_cache(ctx, kv_type), all_logits=True)[:-1]
+            logits = _window_logits(model, tokens[w], model.new_cache(ctx, kv_type), decode)
             logp = log_softmax(logits)                                   # [ctx-1, V]
             nll.append(-logp[np.arange(ctx - 1), tokens[w, 1:]])
             if writer:
@@ -92,6 +96,13 @@ def evaluate(model: Model, tokens, ctx: int = 512, chunks: int | None = None,
         result.kl_mean, result.kl_median = float(kl.mean()), float(np.median(kl))
         result.kl_p99, result.top1_agree = float(np.percentile(kl, 99)), float(np.concatenate(agree).mean())
     return result
+
+
+def _window_logits(model: Model, window: np.ndarray, cache, decode: bool) -> np.ndarray:
+    """[ctx-1, V] logits of the positions that predict window[1:]."""
+    if decode:
+        return np.concatenate([model.forward(window[i:i + 1], cache) for i in range(len(window) - 1)])
+    return model.forward(window, cache, all_logits=True)[:-1]
 
 
 def _fingerprint(tokens: np.ndarray, vocab: int) -> dict:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from formats.model_dir import write_model_dir
+from quant.convert import quantize_model
 from runner.loader import from_model_dir
 from runner.perplexity import evaluate
 from tests import reference
@@ -55,6 +56,19 @@ def test_perplexity_and_kl_match_exact_values(two_models, tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["base.logprobs"]   # no temporary file left
 
 
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_decode_path_scores_like_the_batch_path(two_models, bits):
+    """--decode runs each window one token at a time: the same model, other kernels (for
+    quantized weights, integer dot products on activations rounded to 16 bits)."""
+    model_dir = two_models[0] if bits is None else quantize_model(two_models[0], bits, 32).model
+    model, tok = from_model_dir(model_dir)
+    tokens = np.array(tok.encode(TEXT, add_bos=False))[:2 * CTX]
+    batch = evaluate(model, tokens, ctx=CTX)
+    decode = evaluate(model, tokens, ctx=CTX, decode=True)
+    assert decode.tokens == batch.tokens
+    assert decode.ppl == pytest.approx(batch.ppl, rel=1e-5 if bits is None else 1e-3)
+
+
 def test_cli_perplexity_with_kl_base(two_models, tmp_path):
     base_dir = write_model_dir(two_models[0], tmp_path / "base")
     other_dir = write_model_dir(two_models[1], tmp_path / "other")
@@ -66,6 +80,8 @@ def test_cli_perplexity_with_kl_base(two_models, tmp_path):
     r = invoke("perplexity", text, "-m", other_dir, "--ctx", CTX, "--kl-base", saved, "--json")
     figures = json.loads(r.stdout)
     assert figures["kl_mean"] > 0 and 0 <= figures["top1_agree"] <= 1
+    r = invoke("perplexity", text, "-m", other_dir, "--ctx", CTX, "--kl-base", saved, "--decode", "--json")
+    assert json.loads(r.stdout)["kl_mean"] == pytest.approx(figures["kl_mean"], rel=1e-4)
     # Another --ctx makes other windows: the saved file does not fit them.
     r = invoke("perplexity", text, "-m", other_dir, "--ctx", CTX * 2, "--kl-base", saved)
     assert_one_line_error(r, match="saved from other text")
