@@ -1,5 +1,8 @@
 """Shared fixtures: the tiny random model on disk, and the real SmolLM2 model."""
 import os
+
+# CI has no GPU: the CUDA kernels run in numba's simulator (NUMBA_ENABLE_CUDASIM=0 on a real GPU).
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 import subprocess
 import sys
 import zipfile

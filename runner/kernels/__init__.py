@@ -19,7 +19,8 @@ numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 
 def _kernel_cache_dir() -> Path:
-    sources = sorted(Path(__file__).parent.glob("*.py"))
+    # The CUDA kernels are compiled at run time, never cached: they do not name the folder.
+    sources = sorted(p for p in Path(__file__).parent.glob("*.py") if not p.name.startswith("cuda"))
     digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
     return nibble_home() / "numba" / digest
 
