@@ -26,6 +26,24 @@ PROMPT_TEXT = (
 
 
 @dataclass
+class GPUFigures:
+    gpu_layers: int                 # offloaded layers (the last ones)
+    gpu_weight_bytes_per_token: int  # of the offloaded layers (and the head, when it runs there)
+    gpu_bandwidth_gbs: float        # device-to-device copy, same run
+    kernel_utilization: float       # median: GPU kernel time / wall time of the decode loop
+
+    def decode_fraction(self, decode_tps: float) -> float:
+        """Decode's share of the GPU's measured memory bandwidth (its weights only)."""
+        return decode_tps * self.gpu_weight_bytes_per_token / (self.gpu_bandwidth_gbs * 1e9)
+
+    def summary(self, decode_tps: float) -> str:
+        return (f"GPU: {self.gpu_layers} layers, weights read per token "
+                f"{self.gpu_weight_bytes_per_token / 1e6:.1f} MB | memory bandwidth "
+                f"{self.gpu_bandwidth_gbs:.1f} GB/s | decode at {self.decode_fraction(decode_tps):.0%} of it"
+                f" | kernels busy {self.kernel_utilization:.0%} of decode")
+
+
+@dataclass
 class BenchResult:
     prompt_tokens: int
     gen_tokens: int
@@ -36,6 +54,7 @@ class BenchResult:
     peak_rss_mb: float
     bandwidth_gbs: float       # parallel float32 sum over 1 GiB, same run
     repeats: int
+    gpu: GPUFigures | None = None   # with GPU layers only (the CPU-only output stays as it was)
 
     @property
     def decode_fraction(self) -> float:
@@ -43,9 +62,17 @@ class BenchResult:
         return self.decode_tps * self.weight_bytes_per_token / (self.bandwidth_gbs * 1e9)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "decode_fraction": self.decode_fraction}
+        d = {**asdict(self), "decode_fraction": self.decode_fraction}
+        gpu = d.pop("gpu")
+        if gpu:
+            d |= {**gpu, "gpu_decode_fraction": self.gpu.decode_fraction(self.decode_tps)}
+        return d
 
     def summary(self) -> str:
+        gpu = f"\n{self.gpu.summary(self.decode_tps)}" if self.gpu else ""
+        return self._cpu_summary() + gpu
+
+    def _cpu_summary(self) -> str:
         return (f"prefill {self.prefill_tps:.1f} tok/s ({self.prompt_tokens} tokens) | "
                 f"decode {self.decode_tps:.1f} tok/s ({self.gen_tokens} tokens) | "
                 f"first token {self.ttft_s * 1000:.0f} ms | peak RSS {self.peak_rss_mb:.0f} MB\n"
@@ -62,19 +89,29 @@ def run_bench(model: Model, prompt_ids: list[int], gen_tokens: int = 128, repeat
     runs = [_one_run(model, cache, prompt_ids, gen_tokens) for _ in range(repeats)]
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # before the 1 GiB probe
     med = lambda i: statistics.median(r[i] for r in runs)
+    gpu = GPUFigures(len(model.offload.layers), gpu_weight_bytes_per_token(model), gpu_memory_bandwidth(),
+                     med(3)) if model.offload else None
     return BenchResult(len(prompt_ids), gen_tokens, med(0), med(1), med(2), weight_bytes_per_token(model),
-                       peak_rss, memory_bandwidth(), repeats)
+                       peak_rss, memory_bandwidth(), repeats, gpu)
 
 
 def _one_run(model, cache, prompt_ids, gen_tokens):
+    """-> prefill tok/s, decode tok/s, time to first token, kernel utilization of decode (GPU)."""
     cache.truncate(0)
     start = time.perf_counter()
     token = int(np.argmax(model.forward(prompt_ids, cache)[-1]))
+    if model.offload:   # CUDA events around each pass's launch sequence (Offload._chunk)
+        model.offload.events = []
     first = time.perf_counter()
     for _ in range(gen_tokens):
         token = int(np.argmax(model.forward([token], cache)[-1]))
     end = time.perf_counter()
-    return len(prompt_ids) / (first - start), gen_tokens / (end - first), first - start
+    # Each pass ends by copying its result to the host, so the loop's wall time holds every kernel:
+    # the events' GPU time over it is the share the GPU is busy (the rest: CPU layers, launches).
+    busy = model.offload.kernel_seconds() / (end - first) if model.offload else 0.0
+    if model.offload:
+        model.offload.events = None
+    return len(prompt_ids) / (first - start), gen_tokens / (end - first), first - start, busy
 
 
 def weight_bytes_per_token(model: Model) -> int:
@@ -82,6 +119,34 @@ def weight_bytes_per_token(model: Model) -> int:
     layer_bytes = sum(_nbytes(w) for layer in model.layers for w in layer.weights)
     head = _nbytes(model.lm_head) + model.norm.nbytes
     return layer_bytes + head + _nbytes(model.embed) // model.config.vocab_size
+
+
+def gpu_weight_bytes_per_token(model: Model) -> int:
+    """The share of weight_bytes_per_token that the GPU reads."""
+    off = model.offload
+    layer_bytes = sum(_nbytes(w) for layer in model.layers[off.first:] for w in layer.weights)
+    return layer_bytes + (_nbytes(model.lm_head) + model.norm.nbytes if off.head is not None else 0)
+
+
+def gpu_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of a device-to-device copy of `nbytes` (read + write: 2 x nbytes move). numba's
+    simulator copies numpy arrays in Python: it gets 1 MiB, and a figure of no meaning."""
+    from numba import config, cuda
+    from .offload import free_memory
+    free = free_memory(cuda)
+    # the two buffers take at most half of the free memory (the model is already loaded)
+    nbytes = 1 << 20 if config.ENABLE_CUDASIM else min(nbytes, free // 4 if free else nbytes)
+    src = cuda.device_array(nbytes // 4, np.float32)
+    dst = cuda.device_array(nbytes // 4, np.float32)
+    dst.copy_to_device(src)   # warm-up
+
+    def copy():
+        cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_to_device(src)
+        cuda.synchronize()
+        return time.perf_counter() - start
+    return 2 * nbytes / min(copy() for _ in range(repeats)) / 1e9
 
 
 def _nbytes(w) -> int:

@@ -18,6 +18,7 @@ class KVCache:
     v_scale: np.ndarray   # [layers, Hkv, ctx]
     pos: int = 0          # positions filled
     tokens: list[int] = field(default_factory=list)  # the ids behind those positions
+    device: list | None = None   # GPU-offloaded layers' (k, v) [Hkv, ctx, hd] (runner/offload.py)
 
     @classmethod
     def allocate(cls, config: ModelConfig, ctx: int, kv_type: str = "f32") -> "KVCache":

@@ -74,10 +74,23 @@ class Model:
             ))
         get.raise_if_missing()
         self.cos, self.sin = rope_tables(c, c.max_position_embeddings)     # [ctx, hd/2]
+        self.offload = None      # offload.Offload: the last layers (and maybe the head) on a GPU
+        self.offload_note = ""   # what offload_layers has to tell the user
+
+    def offload_layers(self, gpu_layers: int, ctx: int | None = None, require_gpu: bool = False) -> str:
+        """Run the last `gpu_layers` layers (-1: all) on the GPU, as many as fit in its memory
+        with a KV cache of `ctx` positions (default: the model's). -> one line for the user, or
+        "" (no GPU: the CPU runs everything, and the line says why; NoGPU if `require_gpu`)."""
+        from .offload import setup
+        self.offload, self.offload_note = setup(self, gpu_layers, ctx, require_gpu)
+        return self.offload_note
 
     def new_cache(self, ctx: int | None = None, kv_type: str = "f32") -> KVCache:
         ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        return KVCache.allocate(self.config, ctx, kv_type)
+        cache = KVCache.allocate(self.config, ctx, kv_type)   # the offloaded layers' rows stay untouched
+        if self.offload:
+            cache.device = self.offload.allocate_kv(ctx)
+        return cache
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
                 act_sq: np.ndarray | None = None) -> np.ndarray:
@@ -91,11 +104,16 @@ class Model:
         if pos0 + T > cache.size:
             raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
         x = self.embedding(np.asarray(tokens, np.int64))                  # [T, D] residual stream
-        for i, layer in enumerate(self.layers):
+        on_cpu = self.offload.first if self.offload else len(self.layers)
+        for i, layer in enumerate(self.layers[:on_cpu]):
             decoder_layer(x, layer.weights, cache.layer(i), pos0, self.cos, self.sin,
                               c.rms_norm_eps, c.sliding_window or 0,
                               _NOT_COLLECTING if act_sq is None else act_sq[i])
+        if self.offload:   # the last layers on the GPU: back come the logits or the hidden state
+            x = self.offload.forward(x, cache.device, pos0, all_logits)
         cache.advance(tokens)
+        if self.offload and self.offload.head is not None:
+            return x
 
         if not all_logits:
             x = x[-1:]   # generation needs only the next token's distribution
