@@ -65,6 +65,23 @@ def generation_options(f):
     return functools.reduce(lambda g, option: option(g), reversed(options), f)
 
 
+def gpu_options(f):
+    """-ngl/--gpu-layers and --require-gpu (`run`, `chat`, `bench`)."""
+    f = click.option("--require-gpu", is_flag=True,
+                     help="Exit with an error when there is no usable GPU, instead of running on the CPU.")(f)
+    return click.option("-ngl", "--gpu-layers", default=0, show_default=True, type=click.IntRange(min=-1),
+                        help="Run the last N layers on an NVIDIA GPU (-1: all, and the output head).")(f)
+
+
+def _load(model: str, quant: str | None, gpu_layers: int, require_gpu: bool, ctx_size: int | None = None):
+    """load(), saying in one line on stderr what became of the GPU layers (if anything)."""
+    from .loader import load
+    llm, tokenizer = load(model, quant, gpu_layers, require_gpu, ctx_size)
+    if llm.offload_note:
+        click.echo(llm.offload_note, err=True)
+    return llm, tokenizer
+
+
 def _set_threads(threads: int | None):
     import numba
     if threads:
@@ -97,18 +114,18 @@ def _read_prompt(prompt: str | None) -> str:
 @model_option
 @click.option("-s", "--system", help="System prompt (chat models).")
 @generation_options
+@gpu_options
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and stats.")
 def run(prompt, prompt_option, model, quant, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-        seed, threads, ctx_size, kv_cache, stop, raw, as_json):
+        seed, threads, ctx_size, kv_cache, gpu_layers, require_gpu, stop, raw, as_json):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     _set_threads(threads)
     from .generate import stream_generate
-    from .loader import load
-    llm, tokenizer = load(model, quant)
+    llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size)
     ids = tokenizer.prompt(text, system=system, raw=raw)
     cache = llm.new_cache(ctx_size, kv_cache)
     pieces, last = [], None
@@ -143,6 +160,43 @@ def _report(r, text: str, as_json: bool, interrupted: bool = False):
     click.echo(f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tps']:.1f} tok/s | "
                f"reply {stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s | "
                f"first token {ttft} | {finish}", err=True)
+
+
+@main.command()
+@model_option
+@click.option("-s", "--system", default="", help="System prompt of new chats (editable per chat).")
+@generation_options
+@gpu_options
+def chat(model, quant, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads, ctx_size,
+         kv_cache, gpu_layers, require_gpu):
+    """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
+    if not _in_terminal():
+        raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
+    from .sample import SamplerSettings
+    SamplerSettings(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repeat_penalty, seed=seed)   # bad flags: one line, before the app
+    _fetch_if_needed(model)
+    from tui.app import ChatApp
+    from tui.store import ChatSettings
+    defaults = ChatSettings(system=system, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                            max_tokens=max_tokens, repetition_penalty=repeat_penalty)
+    ChatApp(model, quant=quant, ctx_size=ctx_size, kv_cache=kv_cache, threads=threads, seed=seed,
+            defaults=defaults, gpu_layers=gpu_layers, require_gpu=require_gpu).run()
+
+
+def _in_terminal() -> bool:
+    return _stdin_is_terminal() and sys.stdout.isatty()
+
+
+def _fetch_if_needed(ref: str):
+    """Download an alias's model before the app starts: pip writes its progress to the terminal,
+    which the app would paint over. Failures are left to the app, which says why and offers others."""
+    from formats import hub
+    if ref in hub.ALIASES and not (hub.nibble_home() / "models" / ref / "config.json").is_file():
+        try:
+            hub.resolve(ref)
+        except NibbleError:
+            pass
 
 
 @main.command("import")
@@ -201,13 +255,13 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
 @kv_cache_option
+@gpu_options
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, as_json):
+def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
     from .bench import PROMPT_TEXT, run_bench
-    from .loader import load
     _set_threads(threads)
-    llm, tokenizer = load(model, quant)
+    llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, prompt_tokens + gen_tokens + 1)
     ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
     ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:

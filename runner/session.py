@@ -1,0 +1,200 @@
+"""A multi-turn chat on one KV cache: each turn prefills only the tokens the cache does not hold.
+
+The session keeps no conversation of its own. Each turn the caller passes the whole conversation;
+the session renders it with the model's chat template, keeps the longest prefix the cache already
+holds, runs the rest and streams the reply. Regenerating, editing the last prompt or resuming a
+stored chat are therefore just other conversations: whatever they share with the cache is reused.
+
+A sampled reply is not always the tokenization its text would get again (BPE has one canonical
+split, sampling may pick another). So the session marks the texts that the cache's first n tokens
+spell (each turn's prompt, and prompt plus reply); when a new prompt starts with one, those ids
+are taken from the cache as they are and only the text after them is tokenized.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from .generate import stream_generate
+from .model import ContextFull, Model
+from .sample import SamplerSettings, make_sampler
+from .tokenizer import Tokenizer
+
+# Prompt tokens per forward pass of a long prefill: a stop request is honoured between chunks.
+PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """What one turn cost, and where the context stands."""
+    prompt_tokens: int = 0        # the conversation as rendered for this turn
+    reused: int = 0               # of those, already in the KV cache
+    prefilled: int = 0            # of those, run this turn (prompt_tokens - reused)
+    dropped: int = 0              # oldest messages left out so that the reply fits the context
+    generation_tokens: int = 0
+    prompt_tps: float = 0.0       # prefilled tokens / time to the first token
+    generation_tps: float = 0.0   # decode tokens/s (after the first token)
+    ttft: float = 0.0             # seconds from the call to the first token
+    ctx_used: int = 0             # positions filled in the KV cache
+    ctx_size: int = 0
+    finish_reason: str | None = None   # None while running; "stop", "length", "context" or "stopped"
+
+
+@dataclass(frozen=True)
+class ChatChunk:
+    text: str          # the new reply text since the previous chunk
+    stats: TurnStats
+
+
+class ChatSession:
+    """A model, its tokenizer and one KV cache, reused from turn to turn.
+
+        session = ChatSession(model, tokenizer, ctx=4096)
+        for chunk in session.reply([{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="")
+
+    Not thread-safe: run one reply at a time (in any one thread).
+    """
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, ctx: int | None = None,
+                 kv_type: str = "f32", threads: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = model.new_cache(ctx, kv_type)
+        self.kv_type = kv_type
+        self.threads = threads
+        self._marks: list[tuple[str, int]] = []   # (text, n): cache.tokens[:n] spell text
+        self.last_prompt_ids: list[int] = []                # the ids of the last turn's prompt
+
+    @property
+    def ctx_size(self) -> int:
+        return self.cache.size
+
+
+    def warm_up(self):
+        """Run the kernels once: Numba compiles them (or loads them from its cache) on first use,
+        which would otherwise delay the first reply by a second or more."""
+        if self.threads:
+            _set_threads(self.threads)
+        scratch = self.model.new_cache(4, self.kv_type)
+        self.model.forward([0, 0], scratch)   # the prefill kernels
+        self.model.forward([0], scratch)      # the decode kernels
+
+    def count(self, messages: list[dict]) -> int:
+        """Tokens of `messages` through the chat template, ready for the reply."""
+        return len(self.tokenizer.chat(messages)) if messages else 0
+
+    def fit(self, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
+        """-> (prompt ids, how many of the oldest messages were left out)."""
+        _, ids, dropped = self._fit(messages, max_tokens)
+        return ids, dropped
+
+    def _encode(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """The conversation's prompt text and ids, reusing the ids of what the cache holds."""
+        text = self.tokenizer.chat_template.render(messages)
+        marks = [(t, n) for t, n in self._marks if text.startswith(t)]
+        if not marks:
+            return text, self.tokenizer.encode(text)
+        held, n = max(marks, key=lambda m: m[1])
+        return text, self.cache.tokens[:n] + self.tokenizer.encode(text[len(held):], add_bos=False)
+
+    def _fit(self, messages: list[dict], max_tokens: int) -> tuple[str, list[int], int]:
+        """-> (prompt text, prompt ids, how many of the oldest messages were left out).
+
+        Drops whole turns (a user message and the replies after it), oldest first, never the
+        system message nor the last user turn, until prompt + max_tokens fits the context. Raises
+        ContextFull when even the last turn alone does not fit.
+        """
+        system = messages[:1] if messages and messages[0]["role"] == "system" else []
+        turns = messages[len(system):]
+        dropped = 0
+        while True:
+            text, ids = self._encode(system + turns)
+            if len(ids) + max_tokens <= self.cache.size:
+                break
+            n = 1   # the oldest turn: its user message and what follows up to the next user message
+            while n < len(turns) and turns[n]["role"] != "user":
+                n += 1
+            if n >= len(turns):
+                break   # only the last turn is left: answer in whatever room remains
+            turns, dropped = turns[n:], dropped + n
+        if len(ids) >= self.cache.size:
+            what = "the message and the system prompt take" if system else "the message takes"
+            raise ContextFull(f"{what} {len(ids)} tokens and the context holds {self.cache.size}: "
+                              "shorten it, or start nibble chat with a larger --ctx-size")
+        return text, ids, dropped
+
+    def reply(self, messages: list[dict], settings: SamplerSettings = SamplerSettings(),
+              max_tokens: int = 512, cancel: threading.Event | None = None) -> Iterator[ChatChunk]:
+        """Stream the assistant's reply to `messages` ([{"role", "content"}, ...]).
+
+        The first chunk (empty text) comes before the prefill and says what will be prefilled
+        and dropped; the last one has a finish_reason. Setting `cancel` stops the turn between
+        two tokens (or two prefill chunks): the last chunk then says "stopped".
+        """
+        cancel = cancel or threading.Event()
+        if self.threads:
+            _set_threads(self.threads)   # numba's thread count is per calling thread
+        start = time.perf_counter()
+        text, ids, dropped = self._fit(messages, max_tokens)
+        self.last_prompt_ids = ids
+        cache = self.cache
+        # Keep what the cache shares with the new prompt; the last prompt token always runs,
+        # since its logits choose the reply's first token.
+        reused = min(_common_prefix(cache.tokens, ids), len(ids) - 1)
+        cache.truncate(reused)
+        self._marks = [(t, n) for t, n in self._marks if n <= reused]
+        stats = TurnStats(prompt_tokens=len(ids), reused=reused, prefilled=len(ids) - reused,
+                          dropped=dropped, ctx_used=cache.pos, ctx_size=cache.size)
+        yield ChatChunk("", stats)
+
+        reply = []
+        try:
+            rest = ids[reused:]
+            while len(rest) > PREFILL_CHUNK:
+                if cancel.is_set():
+                    yield ChatChunk("", replace(stats, ctx_used=cache.pos, finish_reason="stopped"))
+                    return
+                self.model.forward(rest[:PREFILL_CHUNK], cache)
+                rest = rest[PREFILL_CHUNK:]
+
+            for r in stream_generate(self.model, self.tokenizer, rest, sampler=make_sampler(settings),
+                                     max_tokens=max_tokens, cache=cache):
+                if stats.generation_tokens == 0:
+                    ttft = time.perf_counter() - start
+                    stats = replace(stats, ttft=ttft, prompt_tps=stats.prefilled / ttft if ttft else 0.0)
+                finish = r.finish_reason or ("stopped" if cancel.is_set() else None)
+                stats = replace(stats, generation_tokens=r.generation_tokens,
+                                generation_tps=r.generation_tps, ctx_used=cache.pos, finish_reason=finish)
+                reply.append(r.text)
+                yield ChatChunk(r.text, stats)
+                if finish:
+                    return
+        finally:
+            self._remember(text, ids, "".join(reply))
+
+    def _remember(self, prompt_text: str, prompt_ids: list[int], reply: str):
+        """Note the text behind the cache's tokens: the prompt, then the reply as far as its
+        tokens ran (the last sampled token never does)."""
+        tokens = self.cache.tokens
+        if tokens[:len(prompt_ids)] != prompt_ids:
+            return   # the prefill was stopped halfway
+        self._marks.append((prompt_text, len(prompt_ids)))
+        said = self.tokenizer.decode(tokens[len(prompt_ids):])
+        if said and reply.startswith(said):
+            self._marks.append((prompt_text + said, len(tokens)))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _set_threads(threads: int):
+    import numba
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))

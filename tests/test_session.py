@@ -1,0 +1,172 @@
+"""Multi-turn chat on one KV cache, on the tiny model: reuse, equality with a fresh cache, stopping,
+and dropping the oldest turns when the context would overflow."""
+import threading
+
+import pytest
+
+from runner import session as session_module
+from runner.loader import load
+from runner.model import ContextFull
+from runner.sample import SamplerSettings
+from runner.session import ChatSession
+
+GREEDY = SamplerSettings(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model, tok = load(str(tiny_dir))
+    tok.eos_ids = frozenset()   # the random model would stop at random: let max_tokens decide
+    return model, tok
+
+
+def run(session, messages, max_tokens=8, **kw):
+    chunks = list(session.reply(messages, GREEDY, max_tokens=max_tokens, **kw))
+    return "".join(c.text for c in chunks), chunks[-1].stats, chunks
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def test_first_chunk_announces_the_prefill_and_the_last_finishes(tiny):
+    s = ChatSession(*tiny, ctx=256)
+    _, last, chunks = run(s, [user("Hello there")])
+    first = chunks[0]
+    assert first.text == "" and first.stats.finish_reason is None
+    assert first.stats.prefilled == first.stats.prompt_tokens > 0 and first.stats.reused == 0
+    assert all(c.stats.finish_reason is None for c in chunks[:-1])
+    assert last.finish_reason == "length" and last.generation_tokens == 8
+    assert last.ctx_used == s.cache.pos == last.prompt_tokens + 7   # the last token never ran
+    assert last.ctx_size == 256
+
+
+def test_turn_two_prefills_only_the_new_tokens(tiny):
+    s = ChatSession(*tiny, ctx=256)
+    template = s.tokenizer.chat_template
+    conv = [{"role": "system", "content": "Be brief."}, user("The quick brown fox")]
+    reply, one, _ = run(s, conv)
+    in_cache = s.tokenizer.decode(s.cache.tokens[one.prompt_tokens:])   # the last token never ran
+    assert reply.startswith(in_cache)
+    before = template.render(conv) + in_cache
+    conv += [assistant(reply), user("jumps over the lazy dog")]
+    _, two, _ = run(s, conv)
+    new_tokens = s.tokenizer.encode(template.render(conv)[len(before):], add_bos=False)
+    assert two.reused == one.prompt_tokens + 7 and two.prefilled == len(new_tokens)
+    assert two.prompt_tokens == two.reused + two.prefilled
+
+
+def test_greedy_reply_with_reuse_equals_a_fresh_cache(tiny):
+    from runner.generate import stream_generate
+    from runner.sample import make_sampler
+    reused = ChatSession(*tiny, ctx=256)
+    conv = [user("What is the capital of France?")]
+    reply, _, _ = run(reused, conv)
+    conv += [assistant(reply), user("And the sea?")]
+    again, stats, _ = run(reused, conv, max_tokens=12)
+    assert stats.reused > 0
+    fresh = list(stream_generate(*tiny, reused.last_prompt_ids, sampler=make_sampler(GREEDY),
+                                 max_tokens=12))
+    assert again == "".join(r.text for r in fresh)
+
+
+def test_an_edited_reply_is_tokenized_afresh(tiny):
+    """When the conversation is not what the cache holds (an edited or resumed chat), the prompt
+    is the template's text tokenized as a fresh session would, and the reply is the same."""
+    s = ChatSession(*tiny, ctx=256)
+    conv = [user("What is the capital of France?")]
+    run(s, conv)
+    conv += [assistant("Paris, on the Seine."), user("And the sea?")]
+    again, stats, _ = run(s, conv, max_tokens=12)
+    fresh, fresh_stats, _ = run(ChatSession(*tiny, ctx=256), conv, max_tokens=12)
+    assert s.last_prompt_ids == s.tokenizer.chat(conv)
+    assert stats.reused > 0 and fresh_stats.reused == 0 and again == fresh
+
+
+def test_regenerate_and_edit_reuse_what_the_cache_holds(tiny):
+    s = ChatSession(*tiny, ctx=256)
+    conv = [user("Numba compiles Python")]
+    first, one, _ = run(s, conv)
+    conv += [assistant(first), user("jumps over the lazy dog")]
+    _, two, _ = run(s, conv)
+    three_ids = list(s.cache.tokens)
+    # Regenerate turn two: its whole prompt, spliced ids included, is still in the cache.
+    again, three, _ = run(s, conv)
+    assert three.reused == two.prompt_tokens - 1 and three.prefilled == 1
+    assert s.last_prompt_ids == three_ids[:two.prompt_tokens]
+    # Edit turn two's message: everything up to it is reused.
+    conv[-1] = user("the sky")
+    _, four, _ = run(s, conv)
+    assert four.reused >= one.prompt_tokens + 7
+
+
+def test_cancel_stops_between_tokens_and_keeps_the_text(tiny):
+    s = ChatSession(*tiny, ctx=256)
+    cancel = threading.Event()
+    text, n = "", 0
+    for chunk in s.reply([user("Hello")], GREEDY, max_tokens=100, cancel=cancel):
+        text += chunk.text
+        if chunk.text:
+            n += 1
+            if n == 2:
+                cancel.set()
+    assert chunk.stats.finish_reason == "stopped"
+    assert text and chunk.stats.generation_tokens < 100
+
+
+def test_cancel_during_a_long_prefill(tiny, monkeypatch):
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 8)
+    s = ChatSession(*tiny, ctx=256)
+    cancel = threading.Event()
+    chunks = s.reply([user("The quick brown fox jumps over the lazy dog. " * 3)], GREEDY, cancel=cancel)
+    first = next(chunks)
+    cancel.set()
+    rest = list(chunks)
+    assert first.stats.prefilled > 8
+    assert [c.text for c in rest] == [""] and rest[-1].stats.finish_reason == "stopped"
+    assert rest[-1].stats.generation_tokens == 0 and s.cache.pos < first.stats.prefilled
+
+
+def test_long_prefill_in_chunks_gives_the_same_reply(tiny, monkeypatch):
+    conv = [user("The quick brown fox jumps over the lazy dog. " * 3)]
+    whole, _, _ = run(ChatSession(*tiny, ctx=256), conv)
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 8)
+    chunked, _, _ = run(ChatSession(*tiny, ctx=256), conv)
+    assert chunked == whole
+
+
+def test_overflow_drops_the_oldest_turns_but_never_the_system_prompt(tiny):
+    s = ChatSession(*tiny, ctx=96)
+    system = {"role": "system", "content": "Be brief."}
+    conv = [system]
+    dropped = []
+    for q in ["The quick brown fox", "jumps over the lazy dog", "Numba compiles Python", "the sky"]:
+        conv.append(user(q))
+        reply, stats, _ = run(s, conv, max_tokens=16)
+        assert stats.prompt_tokens + 16 <= 96
+        dropped.append(stats.dropped)
+        conv.append(assistant(reply))
+    assert dropped[0] == 0 and dropped[-1] > 0 and dropped[-1] % 2 == 0   # whole turns
+    ids, n = s.fit(conv[:-1], 16)
+    text = s.tokenizer.decode(ids)
+    assert "Be brief." in text and "the sky" in text and n == dropped[-1]
+
+
+def test_a_message_longer_than_the_context_is_refused(tiny):
+    s = ChatSession(*tiny, ctx=32)
+    with pytest.raises(ContextFull, match="context holds 32"):
+        list(s.reply([user("The quick brown fox jumps over the lazy dog. " * 4)], GREEDY))
+    # A last turn that fits, but not with max_tokens: answered in the room left.
+    _, stats, _ = run(s, [user("Hello")], max_tokens=500)
+    assert stats.finish_reason == "context" and stats.ctx_used == 32
+
+
+def test_count_and_warm_up(tiny):
+    s = ChatSession(*tiny, ctx=64)
+    s.warm_up()
+    assert s.cache.pos == 0 and s.count([]) == 0
+    assert s.count([user("Hello")]) == len(s.tokenizer.chat([user("Hello")]))

@@ -1,0 +1,515 @@
+"""The chat app, driven headless with Textual pilots on the tiny seeded model."""
+import threading
+import time
+
+import pytest
+
+from formats import hub
+from formats.errors import NibbleError
+from runner import session as session_module
+from runner.loader import load
+from tests.tui_helpers import (GREEDY, db_rows, idle, make_app, notes, ready, send, stored_messages,
+                               wait_for)
+from tui.screens.keys import KeysScreen
+from tui.screens.models import ModelPicker
+from tui.screens.settings import SettingsScreen
+from tui.store import ChatSettings, Message, Store
+
+SIZE = (100, 30)
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"   # Textual runs on asyncio
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model, tok = load(str(tiny_dir))
+    tok.eos_ids = frozenset()   # replies run to max_tokens: their length is known
+    return model, tok
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def slow(monkeypatch):
+    """Generation at about 100 tokens/s, so that a reply can be stopped halfway."""
+    real = session_module.stream_generate
+
+    def slowed(*args, **kwargs):
+        for r in real(*args, **kwargs):
+            time.sleep(0.01)
+            yield r
+    monkeypatch.setattr(session_module, "stream_generate", slowed)
+
+
+def views(app):
+    return app.chat_screen.chat_view.views()
+
+
+async def test_a_message_gets_a_streamed_reply_and_both_are_stored(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hello there")
+        screen = app.chat_screen
+        assert [m.role for m in screen.history] == ["user", "assistant"]
+        reply = screen.history[1]
+        assert reply.content and reply.finish == "length" and reply.stats["generation_tokens"] == 8
+        assert views(app)[1].source == reply.content
+        assert "8 tokens" in str(views(app)[1].query_one(".meta").render())
+        assert screen.prompt.text == ""
+    assert stored_messages(home) == [(1, "user", "Hello there", None), (1, "assistant", reply.content, "length")]
+    assert db_rows(home, "SELECT title FROM chats") == [("Hello there",)]
+
+
+async def test_enter_sends_shift_enter_and_ctrl_j_insert_new_lines(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("a", "shift+enter", "b", "ctrl+j", "c")
+        assert app.chat_screen.prompt.text == "a\nb\nc" and not app.chat_screen.history
+        await pilot.press("enter")
+        await idle(pilot)
+        assert app.chat_screen.history[0].content == "a\nb\nc"
+
+
+async def test_an_empty_prompt_does_nothing(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("enter")
+        await send(pilot, "  \n  ")
+        assert app.chat_screen.history == [] and app.chat_screen.chat is None
+        assert app.store.chats() == []
+
+
+async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, monkeypatch):
+    from tui.screens.chat import ChatScreen
+    times = {}
+    stop, end = ChatScreen.action_stop, ChatScreen._end_turn
+    monkeypatch.setattr(ChatScreen, "action_stop", lambda self: (times.setdefault("esc", time.monotonic()),
+                                                                 stop(self)))
+
+    async def end_turn(self, turn, finish):
+        times.setdefault("end", time.monotonic())
+        await end(self, turn, finish)
+    monkeypatch.setattr(ChatScreen, "_end_turn", end_turn)
+    app = make_app(tiny, defaults=ChatSettings(temperature=0, max_tokens=200))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Tell me a long story", wait=False)
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="text")
+        await pilot.press("escape")
+        await idle(pilot)
+        assert times["end"] - times["esc"] < 0.5   # Esc to the reply stored as stopped
+        reply = screen.history[-1]
+        assert reply.finish == "stopped" and 0 < reply.stats["generation_tokens"] < 200
+        assert views(app)[-1].source == reply.content
+        assert "stopped" in str(views(app)[-1].query_one(".meta").render())
+    assert stored_messages(home)[-1] == (1, "assistant", reply.content, "stopped")
+
+
+async def test_a_message_sent_right_after_esc_goes_after_the_stopped_reply(home, tiny, slow):
+    app = make_app(tiny, defaults=ChatSettings(temperature=0, max_tokens=100))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Tell me a long story", wait=False)
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="text")
+        screen.action_stop()
+        await send(pilot, "Shorter, please", wait=False)   # before the stopped reply is stored
+        await wait_for(pilot, lambda: len(screen.history) == 4 and screen.turn is None, what="two replies")
+        assert [m.role for m in screen.history] == ["user", "assistant", "user", "assistant"]
+        assert screen.history[1].finish == "stopped"
+    assert [r[1:] for r in stored_messages(home)][2] == ("user", "Shorter, please", None)
+    assert [r[1] for r in stored_messages(home)] == ["user", "assistant", "user", "assistant"]
+
+
+async def test_regenerate_replaces_the_last_reply_and_reuses_the_prompt(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hello there")
+        first = app.chat_screen.history[-1]
+        await pilot.press("ctrl+r")
+        await idle(pilot)
+        history = app.chat_screen.history
+        assert [m.role for m in history] == ["user", "assistant"] and history[-1] is not first
+        assert history[-1].content == first.content   # greedy: the same reply again
+        assert history[-1].stats["prefilled"] == 1    # everything but the last prompt token reused
+        assert len(views(app)) == 2
+    assert [r[1] for r in stored_messages(home)] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("key", ["ctrl+l", "up"])
+async def test_edit_and_resend_the_last_prompt(home, tiny, key):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "The quick brown fox")
+        await send(pilot, "jumps")
+        await pilot.press(key)
+        screen = app.chat_screen
+        assert screen.prompt.text == "jumps" and screen.editing is screen.history[2]
+        assert views(app)[2].has_class("editing")
+        await pilot.press("escape")   # Esc cancels the edit
+        assert screen.editing is None and screen.prompt.text == ""
+        await pilot.press(key)
+        await pilot.press("space", "o", "v", "e", "r")
+        await pilot.press("enter")
+        await idle(pilot)
+        assert [m.content for m in screen.history if m.role == "user"] == ["The quick brown fox", "jumps over"]
+        assert len(screen.history) == 4 and len(views(app)) == 4
+    assert [r[2] for r in stored_messages(home) if r[1] == "user"] == ["The quick brown fox", "jumps over"]
+
+
+async def test_copy_the_last_reply_or_a_code_block(home, tiny):
+    store, _ = Store.open()
+    chat = store.create_chat("code", "tiny", GREEDY)
+    store.add_message(chat.id, Message(None, "user", "a function?"))
+    reply = "Here:\n\n```python\ndef f(x):\n    return x**2\n```\n\nand\n\n```sh\nls\n```\n"
+    store.add_message(chat.id, Message(None, "assistant", reply, "stop"))
+    store.close()
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await app.chat_screen.open_chat(chat.id)
+        await pilot.press("ctrl+t")
+        assert app.clipboard == reply
+        await pilot.press("ctrl+f")
+        assert app.clipboard == "ls"
+        await pilot.press("ctrl+f")   # again: the block before
+        assert app.clipboard == "def f(x):\n    return x**2"
+        await pilot.press("ctrl+f")
+        assert app.clipboard == "ls"
+
+
+async def test_turn_two_prefills_only_the_new_tokens_and_says_so(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "The quick brown fox")
+        await send(pilot, "jumps over the lazy dog")
+        one, two = app.chat_screen.history[1].stats, app.chat_screen.history[3].stats
+        assert two["reused"] >= one["prompt_tokens"] and two["prefilled"] < two["prompt_tokens"]
+        meta = str(views(app)[3].query_one(".meta").render())
+        assert f"prefill {two['prefilled']} tokens, {two['reused']} reused" in meta
+        status = app.chat_screen.status
+        assert f"ctx {two['ctx_used']}/256" in str(status.query_one("#status-ctx").render())
+
+
+async def test_a_chat_survives_a_restart(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Remember me")
+        before = [(m.role, m.content) for m in app.chat_screen.history]
+        await pilot.press("ctrl+q")
+    assert not app.is_running
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        chats = app.chat_screen.query_one("#chats")
+        assert [item.chat.title for item in chats.children] == ["Remember me"]
+        await pilot.press("tab", "enter")   # into the chat list, open the newest chat
+        await wait_for(pilot, lambda: app.chat_screen.chat is not None)
+        assert [(m.role, m.content) for m in app.chat_screen.history] == before
+        assert [v.message.content for v in views(app)] == [c for _, c in before]
+        await ready(pilot)
+        await send(pilot, "and again")   # the resumed chat goes on
+        assert len(app.chat_screen.history) == 4
+    assert len(stored_messages(home)) == 4
+
+
+@pytest.mark.parametrize("key", ["ctrl+q", "ctrl+c"])
+async def test_quitting_during_a_reply_keeps_what_was_written(home, tiny, slow, key):
+    app = make_app(tiny, defaults=ChatSettings(temperature=0, max_tokens=200))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Tell me a long story", wait=False)
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="text")
+        partial = screen.turn.text
+        await pilot.press(key)
+    assert not app.is_running
+    rows = stored_messages(home)
+    assert rows[0] == (1, "user", "Tell me a long story", None)
+    assert rows[1][1:] == ("assistant", rows[1][2], "stopped") and rows[1][2].startswith(partial)
+
+
+async def test_quitting_while_idle_or_in_a_dialog(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SettingsScreen)
+        await pilot.press("ctrl+c")
+    assert not app.is_running
+
+
+async def test_sidebar_new_rename_delete_and_resume(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "first chat")
+        await pilot.press("ctrl+n")
+        assert screen.chat is None and screen.history == [] and views(app) == []
+        await send(pilot, "second chat")
+        titles = lambda: [item.chat.title for item in screen.query_one("#chats").children]
+        assert titles() == ["second chat", "first chat"]
+        await pilot.press("f2")
+        await pilot.press("ctrl+u", *"renamed", "enter")   # ctrl+u clears the input
+        assert titles() == ["renamed", "first chat"]
+        await screen.open_chat(1)
+        assert [m.content for m in screen.history][0] == "first chat"
+        await pilot.press("f8")
+        await pilot.press("y")
+        await pilot.pause()
+        assert titles() == ["renamed"] and screen.chat is None
+        # In the list: Delete asks too, and "n" keeps the chat.
+        screen.query_one("#chats").focus()
+        await pilot.press("down", "delete", "n")
+        assert titles() == ["renamed"]
+        await pilot.press("enter")
+        await pilot.pause()
+        assert screen.chat.title == "renamed" and screen.history[0].content == "second chat"
+    assert db_rows(home, "SELECT id, title FROM chats") == [(2, "renamed")]
+    assert {r[0] for r in stored_messages(home)} == {2}
+
+
+async def test_settings_are_edited_and_stored_with_the_chat(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hi")
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        assert isinstance(dialog, SettingsScreen)
+        dialog.query_one("#system").text = "Answer in French."
+        dialog.query_one("#max_tokens").value = "5"
+        dialog.query_one("#top_p").value = "2"
+        await pilot.press("ctrl+s")
+        assert app.screen is dialog and "top_p must be in (0, 1]" in str(dialog.query_one("#error").render())
+        dialog.query_one("#top_p").value = "0.9"
+        await pilot.press("ctrl+s")
+        assert app.screen is app.chat_screen
+        assert app.chat_screen.conversation()[0] == {"role": "system", "content": "Answer in French."}
+        await send(pilot, "Again")
+        assert app.chat_screen.history[-1].stats["generation_tokens"] == 5
+    stored = Store.open()[0].chats()[0].settings
+    assert (stored.system, stored.max_tokens, stored.top_p, stored.temperature) == ("Answer in French.", 5, 0.9, 0)
+
+
+async def test_status_bar_shows_model_speed_context_and_memory(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        status = app.chat_screen.status
+        text = lambda part: str(status.query_one(f"#status-{part}").render())
+        await ready(pilot)
+        assert text("model") == "tiny · f32" and text("state") == "ready"
+        assert text("ctx") == "ctx 0/256" and text("mem").startswith("mem ") and "MB" in text("mem")
+        await send(pilot, "Hello")
+        assert text("speed").endswith("tok/s") and text("ctx") != "ctx 0/256"
+
+
+async def test_overflow_drops_the_oldest_turns_and_says_so(home, tiny):
+    app = make_app(tiny, ctx_size=80, defaults=ChatSettings(temperature=0, max_tokens=16, system="Be brief."))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        for q in ["The quick brown fox", "jumps over the lazy dog", "Numba compiles Python"]:
+            await send(pilot, q)
+        notices = [str(n.render()) for n in app.chat_screen.chat_view.query(".notice")]
+        assert any("oldest messages are left out" in n and "system prompt is kept" in n for n in notices)
+        last = app.chat_screen.history[-1].stats
+        assert last["dropped"] >= 2 and last["prompt_tokens"] + 16 <= 80
+        assert "oldest messages left out" in str(views(app)[-1].query_one(".meta").render())
+
+
+async def test_model_picker_lists_cached_models_and_loads_the_choice(home, tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(hub, "list_cached_models", lambda: [
+        hub.CachedModel("tiny", tmp_path, 1 << 20), hub.CachedModel("other/model", tmp_path, 3 << 30)])
+    loaded = []
+    app = make_app(tiny, load=lambda ref, quant: loaded.append(ref) or tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+o")
+        picker = app.screen
+        assert isinstance(picker, ModelPicker)
+        options = picker.query_one("#models")
+        await wait_for(pilot, lambda: options.option_count == 2 and options.get_option_at_index(0).id)
+        assert "(loaded)" in str(options.get_option_at_index(0).prompt)
+        await pilot.press("down", "enter")
+        assert app.screen is app.chat_screen
+        await wait_for(pilot, lambda: app.model_ref == "other/model", what="the new model")
+        assert app.session is not None and loaded == ["tiny", "other/model"]
+
+
+async def test_f1_lists_every_binding(home, tiny):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f1")
+        assert isinstance(app.screen, KeysScreen)
+        actions = {row[1] for row in app.screen.rows}
+        for binding in app.chat_screen.BINDINGS + app.BINDINGS:
+            assert binding.tooltip in actions
+        assert {"Send the message", "New line in the message"} <= actions
+        await pilot.press("escape")
+        assert app.screen is app.chat_screen
+
+
+async def test_keys_work_while_the_model_loads_and_the_message_waits(home, tiny):
+    release = threading.Event()
+
+    def slow_load(ref, quant):
+        release.wait(10)
+        return tiny
+    app = make_app(tiny, load=slow_load)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("h", "i")
+        status = app.chat_screen.status
+        assert app.chat_screen.prompt.text == "hi"
+        assert str(status.query_one("#status-state").render()).startswith("loading")
+        assert status.query_one("#status-progress").display
+        await pilot.press("enter")
+        assert [m.content for m in app.chat_screen.history] == ["hi"] and app.chat_screen.want_reply
+        assert stored_messages(home) == [(1, "user", "hi", None)]   # stored at once
+        release.set()
+        await ready(pilot)
+        await idle(pilot)
+        assert app.chat_screen.history[-1].role == "assistant"
+        assert not status.query_one("#status-progress").display
+
+
+async def test_a_model_that_fails_to_load_is_named_and_another_can_be_picked(home, tiny, monkeypatch, tmp_path):
+    def load_or_fail(ref, quant):
+        if ref == "broken":
+            raise NibbleError("config.json is missing hidden_size")
+        return tiny
+    monkeypatch.setattr(hub, "list_cached_models", lambda: [hub.CachedModel("tiny", tmp_path, 1)])
+    app = make_app(tiny, model="broken", load=load_or_fail)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loading is None, what="the failure")
+        assert any("Could not load broken: config.json is missing hidden_size" in n for n in notes(app))
+        assert str(app.chat_screen.status.query_one("#status-model").render()) == "no model"
+        await send(pilot, "anyone there?", wait=False)
+        assert any("No model is loaded" in n for n in notes(app))
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: app.screen.query_one("#models").get_option_at_index(0).id == "tiny")
+        await pilot.press("enter")
+        await ready(pilot)
+        await idle(pilot)   # the waiting message is answered once a model is ready
+        assert [m.role for m in app.chat_screen.history] == ["user", "assistant"]
+
+
+async def test_the_real_loader_shows_progress_and_reports_a_bad_path(home, tiny_dir, tmp_path, monkeypatch):
+    from tui.app import ChatApp
+    from tui.widgets.status import StatusBar
+    seen = []
+    set_state = StatusBar.set_state
+    monkeypatch.setattr(StatusBar, "set_state", lambda self, text, progress=None: (
+        seen.append((text, progress)), set_state(self, text, progress)))
+    app = ChatApp(str(tiny_dir), defaults=GREEDY)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert [t for t, _ in seen] == ["loading: starting", "loading: starting the runner",
+                                        "loading: reading the model", "loading: preparing the kernels",
+                                        "ready"]
+        assert [p for _, p in seen] == [(0, 3), (0, 3), (1, 3), (2, 3), None]
+        assert str(app.chat_screen.status.query_one("#status-model").render()) == "llama · f32"
+        app.load_model(str(tmp_path / "nowhere"))
+        await wait_for(pilot, lambda: app.loading is None)
+        assert app.session is None and any("no model at" in n for n in notes(app))
+
+
+async def test_a_corrupt_history_is_kept_aside(home, tiny):
+    (home / "history.db").write_bytes(b"this is not a database" * 100)
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert any("could not be read" in n and "history.db.corrupt-" in n for n in notes(app))
+        await send(pilot, "still works")
+    aside = list(home.glob("history.db.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == b"this is not a database" * 100
+    assert stored_messages(home)[0][2] == "still works"
+
+
+async def test_a_locked_history_is_left_alone(home, tiny, monkeypatch):
+    monkeypatch.setattr("tui.store.BUSY_TIMEOUT", 0.1)
+    Store.open()[0].close()
+    import sqlite3
+    other = sqlite3.connect(home / "history.db", isolation_level=None)
+    other.execute("PRAGMA locking_mode = EXCLUSIVE")
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        app = make_app(tiny)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            assert any("is locked by another program" in n for n in notes(app))
+            await send(pilot, "kept in memory")
+            assert len(app.chat_screen.history) == 2
+    finally:
+        other.rollback()
+        other.close()
+    assert stored_messages(home) == [] and not list(home.glob("history.db.corrupt-*"))
+
+
+@pytest.mark.slow
+async def test_the_real_model_answers(home, smollm2_dir):
+    from tui.app import ChatApp
+    app = ChatApp(str(smollm2_dir), ctx_size=512, defaults=ChatSettings(temperature=0, max_tokens=12))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.session is not None, timeout=120, what="SmolLM2")
+        await send(pilot, "What is the capital of France?")
+        reply = app.chat_screen.history[-1]
+        assert reply.role == "assistant" and reply.content.strip()
+        assert "Paris" in reply.content
+
+
+def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, tiny_dir):
+    from click.testing import CliRunner
+
+    from runner import cli
+    from runner.cli import main
+    from tui.app import ChatApp
+    started = []
+    monkeypatch.setattr(ChatApp, "run", lambda self: started.append(self))
+    r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir)])   # stdin and stdout are not a terminal
+    assert r.exit_code == 2 and "use nibble run" in r.stderr and not started
+    monkeypatch.setattr(cli, "_in_terminal", lambda: True)
+    r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir), "--top-p", "2"])
+    assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr and not started
+    r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir), "--temp", "0.3", "-s", "Be brief.",
+                                  "-n", "64", "-c", "128", "--kv-cache", "int8", "--seed", "7", "-ngl", "0"])
+    assert r.exit_code == 0, r.output
+    app = started[0]
+    assert app.requested_model == str(tiny_dir) and (app.ctx_size, app.kv_cache, app.seed) == (128, "int8", 7)
+    assert (app.gpu_layers, app.require_gpu) == (0, False)
+    assert app.defaults == ChatSettings(system="Be brief.", temperature=0.3, max_tokens=64)
+
+
+def test_nibble_help_does_not_import_the_app():
+    import subprocess
+    import sys
+    code = ("import sys; from click.testing import CliRunner; from runner.cli import main; "
+            "CliRunner().invoke(main, ['--help']); CliRunner().invoke(main, ['chat', '--help']); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'textual', 'tui', 'numba'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_updates_are_spaced_by_what_drawing_costs():
+    from tui import turn
+    ui = turn.UIClock()
+    start = time.monotonic()
+    while time.monotonic() - start < 0.1:
+        pass   # this thread, the "UI" here, busy all the time
+    busy = ui.next_frame(turn.FRAME)
+    time.sleep(0.1)
+    assert busy > 2 * turn.FRAME and ui.next_frame(turn.FRAME_MAX) < turn.FRAME_MAX

@@ -1,0 +1,97 @@
+"""The chat history database: where it lives, what it keeps, and what it does with a bad file."""
+import sqlite3
+
+import pytest
+
+from tui import store as store_module
+from tui.store import ChatSettings, Message, Store, data_dir
+
+
+def test_data_dir_follows_nibble_home_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert data_dir() == tmp_path / "home"
+    monkeypatch.delenv("NIBBLE_HOME")
+    assert data_dir() == tmp_path / "xdg" / "nibble"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert data_dir() == tmp_path / ".local" / "share" / "nibble"
+
+
+def test_chats_and_messages_round_trip(tmp_path):
+    path = tmp_path / "sub" / "history.db"
+    store, warning = Store.open(path)
+    assert warning is None and path.exists()
+    settings = ChatSettings(system="Be brief.", temperature=0.2, max_tokens=64)
+    a = store.create_chat("first", "smollm2", settings)
+    b = store.create_chat("second", "smollm2", ChatSettings())
+    store.add_message(a.id, Message(None, "user", "Hi"))
+    reply = Message(None, "assistant", "Hello!", "stopped", {"generation_tokens": 3})
+    store.add_message(a.id, reply)
+    assert reply.id is not None
+    store.rename_chat(b.id, "renamed")
+    store.close()
+
+    store, _ = Store.open(path)
+    assert [c.title for c in store.chats()] == ["first", "renamed"]   # the latest message first
+    chat = store.chat(a.id)
+    assert chat.settings == settings and chat.model == "smollm2"
+    assert [(m.role, m.content, m.finish, m.stats) for m in store.messages(a.id)] == [
+        ("user", "Hi", None, {}), ("assistant", "Hello!", "stopped", {"generation_tokens": 3})]
+    store.update_settings(b.id, ChatSettings(top_k=5))
+    assert store.chat(b.id).settings.top_k == 5
+
+
+def test_deleting_messages_and_chats(tmp_path):
+    store, _ = Store.open(tmp_path / "h.db")
+    chat = store.create_chat("c", "m", ChatSettings())
+    ids = [store.add_message(chat.id, Message(None, role, text))
+           for role, text in [("user", "1"), ("assistant", "2"), ("user", "3"), ("assistant", "4")]]
+    store.delete_messages_from(chat.id, ids[2])
+    assert [m.content for m in store.messages(chat.id)] == ["1", "2"]
+    store.delete_chat(chat.id)
+    assert store.chats() == [] and store.messages(chat.id) == []
+    assert store.db.execute("SELECT count(*) FROM messages").fetchone() == (0,)
+
+
+def test_settings_from_a_newer_or_broken_record():
+    assert ChatSettings.from_json('{"temperature": 0.1, "future_knob": 3}') == ChatSettings(temperature=0.1)
+    assert ChatSettings.from_json("not json") == ChatSettings()
+
+
+@pytest.mark.parametrize("content", [b"garbage " * 200, b"SQLite format 3\x00" + b"\xff" * 4000])
+def test_a_corrupt_file_is_moved_aside_not_overwritten(tmp_path, content):
+    path = tmp_path / "history.db"
+    path.write_bytes(content)
+    store, warning = Store.open(path)
+    aside = list(tmp_path.glob("history.db.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == content
+    assert "could not be read" in warning and aside[0].name in warning
+    store.create_chat("fresh", "m", ChatSettings())
+    assert [c.title for c in Store.open(path)[0].chats()] == ["fresh"]
+
+
+def test_a_locked_file_is_left_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT", 0.05)
+    path = tmp_path / "history.db"
+    first, _ = Store.open(path)
+    first.create_chat("kept", "m", ChatSettings())
+    first.close()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("PRAGMA locking_mode = EXCLUSIVE")
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        store, warning = Store.open(path)
+        assert "locked" in warning and store.path is None
+        store.create_chat("in memory", "m", ChatSettings())
+    finally:
+        other.rollback()
+        other.close()
+    assert [c.title for c in Store.open(path)[0].chats()] == ["kept"]
+    assert not list(tmp_path.glob("history.db.corrupt-*"))
+
+
+def test_an_unwritable_data_dir_keeps_chats_in_memory(tmp_path):
+    (tmp_path / "file").write_text("")
+    store, warning = Store.open(tmp_path / "file" / "history.db")
+    assert store.path is None and "in memory" in warning

@@ -1,0 +1,64 @@
+"""Helpers for the chat app's pilots: one shared tiny model, waiting, sending, reading the database."""
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+from tui.app import ChatApp
+from tui.store import ChatSettings
+from tui.widgets.prompt import PromptInput
+
+GREEDY = ChatSettings(temperature=0, max_tokens=8)
+
+
+def make_app(tiny, model: str | None = "tiny", load=None, **kwargs) -> ChatApp:
+    """The app on the shared, already loaded tiny model (or on `load`)."""
+    kwargs.setdefault("defaults", GREEDY)
+    return ChatApp(model, load=load or (lambda ref, quant: tiny), **kwargs)
+
+
+async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "condition"):
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.01)
+
+
+async def ready(pilot):
+    await wait_for(pilot, lambda: pilot.app.session is not None, what="the model")
+
+
+async def idle(pilot):
+    """Until no reply runs or is due, and the UI has caught up."""
+    screen = pilot.app.chat_screen
+    await wait_for(pilot, lambda: screen.turn is None and not screen.want_reply, what="the reply")
+    await pilot.pause()
+
+
+async def send(pilot, text: str, wait: bool = True):
+    """Type `text` and press Enter; with wait, until the reply is done. (Without: no pilot.press,
+    which waits for the process to look idle, and a generating process never does.)"""
+    screen = pilot.app.chat_screen
+    screen.prompt.text = text
+    if wait:
+        await pilot.press("enter")
+        await idle(pilot)
+    else:
+        screen.prompt.post_message(PromptInput.Submitted(text))
+        # Sent (or queued) once the box is cleared. (pilot.pause() waits for an idle process too.)
+        await wait_for(pilot, lambda: screen.prompt.text == "", what="the message to be taken")
+
+
+def notes(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def db_rows(home: Path, sql: str, *args) -> list[tuple]:
+    with sqlite3.connect(home / "history.db") as db:
+        return db.execute(sql, args).fetchall()
+
+
+def stored_messages(home: Path) -> list[tuple]:
+    return db_rows(home, "SELECT chat_id, role, content, finish FROM messages ORDER BY id")

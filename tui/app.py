@@ -1,0 +1,202 @@
+"""`nibble chat`: the Textual app. It owns the history database and the model; the chat screen
+owns the conversation.
+
+The model loads in a background thread (importing Numba, reading the weights, warming the kernels
+up) while the window already takes keys; a message sent meanwhile is answered once it is ready.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from textual.app import App
+from textual.binding import Binding
+from textual.message import Message
+
+from .screens.chat import ChatScreen
+from .screens.keys import KeysScreen, key_rows
+from .screens.models import ModelPicker
+from .store import ChatSettings, Store
+
+LOAD_STEPS = 3
+
+
+@dataclass
+class LoadProgress(Message):
+    ref: str
+    step: int
+    text: str
+
+
+@dataclass
+class ModelLoaded(Message):
+    ref: str
+    session: object   # runner.session.ChatSession
+    seconds: float
+
+
+@dataclass
+class LoadNote(Message):
+    text: str   # what became of the GPU layers
+
+
+@dataclass
+class LoadFailed(Message):
+    ref: str
+    error: str
+
+
+def model_label(ref: str, config, quant: str | None) -> str:
+    """"name · quantization" for the status bar, e.g. "smollm2 · f32" or "SmolLM2-q4 · int4"."""
+    name = Path(ref).name if Path(ref).expanduser().exists() else ref
+    q = config.quantization
+    bits = f"int{q['bits']}" if q and "bits" in q else quant or "f32"
+    return f"{name} · {bits}"
+
+
+class ChatApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "nibble chat"
+    ENABLE_COMMAND_PALETTE = False   # F1 lists the keys; the footer stays short
+    BINDINGS = [
+        Binding("ctrl+o", "pick_model", "Model", tooltip="Pick a model"),
+        Binding("f1", "show_keys", "Keys", tooltip="Show every key"),
+        Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="Quit (a reply being written is kept)"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True,
+                tooltip="Quit (a reply being written is kept)"),
+    ]
+
+    def __init__(self, model: str | None = "smollm2", *, quant: str | None = None, ctx_size: int = 4096,
+                 kv_cache: str = "f32", threads: int | None = None, seed: int | None = None,
+                 defaults: ChatSettings | None = None, store_path: Path | None = None,
+                 load: Callable | None = None, gpu_layers: int = 0, require_gpu: bool = False):
+        """`model` is loaded at start (None: none until one is picked with ctrl+o).
+        `load(ref, quant) -> (model, tokenizer)` replaces runner.loader.load (tests share one
+        loaded model this way)."""
+        super().__init__()
+        self.requested_model = model
+        self.quant, self.ctx_size, self.kv_cache = quant, ctx_size, kv_cache
+        self.threads, self.seed = threads, seed
+        self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
+        self.defaults = defaults or ChatSettings()
+        self.store_path = store_path
+        self._load_fn = load
+        self.store: Store | None = None
+        self.session = None                 # runner.session.ChatSession once a model is loaded
+        self.model_ref: str | None = None   # the loaded model
+        self.loading: str | None = None     # the model being loaded
+
+    async def on_mount(self):
+        self.store, warning = Store.open(self.store_path)
+        self.chat_screen = ChatScreen(self.defaults)
+        await self.push_screen(self.chat_screen)
+        if warning:
+            self.notify(warning, title="History", severity="warning", markup=False, timeout=20)
+        if self.requested_model:
+            self.load_model(self.requested_model)
+        else:
+            self.chat_screen.status.set_state("no model: ctrl+o picks one")
+
+    def on_unmount(self):
+        if self.store is not None:
+            self.store.close()
+
+    # The model
+
+    def load_model(self, ref: str):
+        """Load `ref` in the background; the current model is let go at once."""
+        if self.chat_screen.turn is not None:
+            self.chat_screen.turn.cancel.set()   # the reply so far is kept
+        self.session, self.model_ref, self.loading = None, None, ref
+        self.chat_screen.status.set_model(ref)
+        self.chat_screen.status.set_speed(None)
+        self.chat_screen.status.set_state("loading: starting", (0, LOAD_STEPS))
+        self._load(ref)
+
+    def _load(self, ref: str):
+        # A daemon thread rather than a Textual worker: those run in asyncio's executor, whose
+        # threads the interpreter waits for on exit, and a load cannot be interrupted. Quitting
+        # while a model loads (or downloads) must not wait for it.
+        threading.Thread(target=self._load_thread, args=(ref,), name=f"load {ref}", daemon=True).start()
+
+    def _post(self, message: Message):
+        try:
+            self.post_message(message)
+        except RuntimeError:   # the app has closed its event loop: nobody is listening
+            pass
+
+    def _load_thread(self, ref: str):
+        start = time.perf_counter()
+        try:
+            self._post(LoadProgress(ref, 0, "starting the runner"))
+            # Imported here: Numba's import alone takes a second, and must not hold up the window.
+            from runner.session import ChatSession
+            load = self._load_fn
+            if load is None:
+                from runner.loader import load
+            self._post(LoadProgress(ref, 1, "reading the model"))
+            gpu = (dict(gpu_layers=self.gpu_layers, require_gpu=self.require_gpu, ctx_size=self.ctx_size)
+                   if self.gpu_layers else {})
+            model, tokenizer = load(ref, self.quant, **gpu)
+            if note := getattr(model, "offload_note", ""):
+                self._post(LoadNote(note))
+            tokenizer.chat_template   # a broken template is a load error, not a first-reply one
+            self._post(LoadProgress(ref, 2, "preparing the kernels"))
+            session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
+                                  threads=self.threads)
+            session.warm_up()
+        except Exception as e:   # any failure becomes a notification; the app stays usable
+            from formats.errors import NibbleError
+            self._post(LoadFailed(ref, str(e) if isinstance(e, NibbleError) else f"{type(e).__name__}: {e}"))
+            return
+        self._post(ModelLoaded(ref, session, time.perf_counter() - start))
+
+    def on_load_progress(self, m: LoadProgress):
+        if m.ref == self.loading:
+            self.chat_screen.status.set_state(f"loading: {m.text}", (m.step, LOAD_STEPS))
+
+    async def on_model_loaded(self, m: ModelLoaded):
+        if m.ref != self.loading:
+            return   # another model was picked meanwhile
+        self.session, self.model_ref, self.loading = m.session, m.ref, None
+        status = self.chat_screen.status
+        status.set_model(model_label(m.ref, m.session.model.config, self.quant))
+        status.set_state("ready")
+        self.chat_screen.update_context()
+        await self.chat_screen.maybe_reply()
+
+    def on_load_note(self, m: LoadNote):
+        self.notify(m.text, title="Model", markup=False, timeout=10)
+
+    def on_load_failed(self, m: LoadFailed):
+        if m.ref != self.loading:
+            return
+        self.loading = None
+        self.chat_screen.status.set_model("no model")
+        self.chat_screen.status.set_state("ctrl+o picks a model")
+        self.notify(f"Could not load {m.ref}: {m.error}\nPress ctrl+o to pick another model.",
+                    title="Model", severity="error", markup=False, timeout=30)
+
+    def action_pick_model(self):
+        if isinstance(self.screen, ModelPicker):
+            return
+
+        def done(ref: str | None):
+            if ref:
+                self.load_model(ref)
+        self.push_screen(ModelPicker(self.model_ref or self.loading), done)
+
+    # Keys and quitting
+
+    def action_show_keys(self):
+        if not isinstance(self.screen, KeysScreen):
+            self.push_screen(KeysScreen(key_rows(ChatScreen.BINDINGS, self.BINDINGS)))
+
+    async def action_quit(self):
+        """Quit at any time: a reply being written is stopped and kept as it is."""
+        if self.store is not None:
+            self.chat_screen.save_partial()
+        self.exit()

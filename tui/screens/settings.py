@@ -1,0 +1,88 @@
+"""Per-chat settings: the system prompt and the sampling settings, stored with the chat."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from textual.app import ComposeResult
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, TextArea
+
+from formats.errors import NibbleError
+from runner.sample import SamplerSettings
+
+from ..store import ChatSettings
+
+# field -> (label, input type, help)
+FIELDS = {
+    "temperature": ("Temperature", "number", "0 is greedy"),
+    "top_p": ("Top-p", "number", "1 is off"),
+    "top_k": ("Top-k", "integer", "0 is off"),
+    "min_p": ("Min-p", "number", "0 is off"),
+    "max_tokens": ("Max tokens", "integer", "per reply"),
+    "repetition_penalty": ("Repeat penalty", "number", "1 is off"),
+}
+
+
+class SettingsScreen(ModalScreen[ChatSettings | None]):
+    """Edit a chat's settings. Ctrl+S or Save keeps them, Esc cancels."""
+
+    BINDINGS = [("escape", "dismiss(None)", "Cancel"), ("ctrl+s", "save", "Save")]
+
+    def __init__(self, settings: ChatSettings, chat_title: str):
+        super().__init__(classes="dialog")
+        self.settings = settings
+        self.chat_title = chat_title
+
+    def compose(self) -> ComposeResult:
+        values = asdict(self.settings)
+        with Vertical():
+            yield Label(f"Settings of {self.chat_title}", classes="dialog-title", markup=False)
+            yield Label("System prompt (empty: the model's own)")
+            yield TextArea(self.settings.system, id="system", soft_wrap=True, compact=True)
+            with Grid(id="sampling"):
+                for name, (label, kind, hint) in FIELDS.items():
+                    yield Label(label)
+                    yield Input(str(values[name]), type=kind, id=name, compact=True)
+                    yield Label(hint, classes="hint")
+            yield Label("", id="error", markup=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed):
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)
+
+    def on_input_submitted(self, event: Input.Submitted):
+        self.action_save()
+
+    def action_save(self):
+        try:
+            settings = self.read()
+        except (ValueError, NibbleError) as e:
+            self.query_one("#error", Label).update(str(e))
+            return
+        self.dismiss(settings)
+
+    def read(self) -> ChatSettings:
+        """The settings in the form, checked as the sampler checks them."""
+        values = {"system": self.query_one("#system", TextArea).text.strip()}
+        for name, (label, kind, _) in FIELDS.items():
+            text = self.query_one(f"#{name}", Input).value.strip()
+            try:
+                values[name] = int(text) if kind == "integer" else float(text)
+            except ValueError:
+                raise ValueError(f"{label}: {text!r} is not a {'whole ' if kind == 'integer' else ''}number") from None
+        if values["max_tokens"] < 1:
+            raise ValueError("Max tokens: give at least 1")
+        settings = ChatSettings(**values)
+        sampler_settings(settings)   # raises NibbleError naming a bad value
+        return settings
+
+
+def sampler_settings(settings: ChatSettings, seed: int | None = None) -> SamplerSettings:
+    return SamplerSettings(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                           min_p=settings.min_p, repetition_penalty=settings.repetition_penalty, seed=seed)

@@ -1,0 +1,241 @@
+"""Conversations kept in SQLite: chats with their settings, and their messages.
+
+One file, `history.db` in nibble's data directory. Every write is its own transaction, so a chat
+is on disk as soon as a message is sent or a reply ends. A file that cannot be read is moved
+aside (never overwritten) and a new history started; a file another program keeps locked is
+left alone and this session's chats are kept in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+# Seconds to wait for another nibble chat's write before calling the file locked.
+BUSY_TIMEOUT = 2.0
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS chats (
+    id       INTEGER PRIMARY KEY,
+    title    TEXT NOT NULL,
+    model    TEXT NOT NULL DEFAULT '',      -- the model the chat was started with
+    settings TEXT NOT NULL DEFAULT '{}',    -- ChatSettings as JSON
+    created  REAL NOT NULL,
+    updated  REAL NOT NULL                  -- the sidebar lists the latest first
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id      INTEGER PRIMARY KEY,
+    chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+    role    TEXT NOT NULL,                  -- system, user or assistant
+    content TEXT NOT NULL,
+    finish  TEXT,                           -- a reply's end: stop, length, context or stopped
+    stats   TEXT,                           -- a reply's TurnStats as JSON
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
+PRAGMA user_version = 1;
+"""
+
+
+def data_dir() -> Path:
+    """nibble's data: $NIBBLE_HOME, else $XDG_DATA_HOME/nibble, else ~/.local/share/nibble."""
+    if home := os.environ.get("NIBBLE_HOME"):
+        return Path(home).expanduser()
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "nibble"
+
+
+@dataclass
+class ChatSettings:
+    """A chat's system prompt and sampling settings (runner.sample.SamplerSettings' names)."""
+    system: str = ""              # "": the chat template's own
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    max_tokens: int = 512
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def from_json(cls, text: str | None, default: ChatSettings | None = None) -> ChatSettings:
+        """Stored settings over `default`; unknown keys (a newer nibble's) are ignored."""
+        base = asdict(default or cls())
+        try:
+            stored = json.loads(text or "{}")
+        except ValueError:
+            stored = {}
+        names = {f.name for f in fields(cls)}
+        return cls(**{**base, **{k: v for k, v in stored.items() if k in names}})
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass
+class Chat:
+    id: int
+    title: str
+    model: str
+    settings: ChatSettings
+    created: float
+    updated: float
+
+
+@dataclass
+class Message:
+    id: int | None
+    role: str
+    content: str
+    finish: str | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class Store:
+    """The history database. Methods raise sqlite3.Error; the app turns it into a notification."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path | None):
+        self.db = db
+        self.path = path            # None: in memory only
+
+    @classmethod
+    def open(cls, path: Path | None = None) -> tuple[Store, str | None]:
+        """-> (store, a warning to show or None). Never raises: the app must start."""
+        path = path or data_dir() / "history.db"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return cls(_connect(path), path), None
+        except sqlite3.OperationalError as e:
+            if _is_locked(e):
+                return cls.memory(), (f"{path} is locked by another program (another nibble chat?): "
+                                      "this session's chats are kept in memory only. Close the other "
+                                      "program and restart to keep them.")
+            why = e
+        except sqlite3.DatabaseError as e:   # not a database, malformed, ...
+            why = e
+        except OSError as e:
+            return cls.memory(), (f"cannot create {path.parent} ({e.strerror}): this session's chats "
+                                  "are kept in memory only; set NIBBLE_HOME to a writable folder.")
+        aside = _move_aside(path)
+        if aside is None:
+            return cls.memory(), (f"{path} cannot be read ({why}) nor moved aside: this session's "
+                                  "chats are kept in memory only.")
+        try:
+            return cls(_connect(path), path), (f"{path.name} could not be read ({why}): it was kept "
+                                               f"as {aside.name} and a new history was started.")
+        except sqlite3.Error as e:
+            return cls.memory(), f"cannot create {path} ({e}): chats are kept in memory only."
+
+    @classmethod
+    def memory(cls) -> Store:
+        return cls(_connect(":memory:"), None)
+
+    def close(self):
+        self.db.close()
+
+    # Chats
+
+    def chats(self) -> list[Chat]:
+        rows = self.db.execute("SELECT id, title, model, settings, created, updated FROM chats "
+                               "ORDER BY updated DESC, id DESC").fetchall()
+        return [self._chat(r) for r in rows]
+
+    def chat(self, chat_id: int) -> Chat | None:
+        row = self.db.execute("SELECT id, title, model, settings, created, updated FROM chats "
+                              "WHERE id = ?", (chat_id,)).fetchone()
+        return self._chat(row) if row else None
+
+    def create_chat(self, title: str, model: str, settings: ChatSettings) -> Chat:
+        now = time.time()
+        with self.db:
+            cur = self.db.execute("INSERT INTO chats (title, model, settings, created, updated) "
+                                  "VALUES (?, ?, ?, ?, ?)", (title, model, settings.to_json(), now, now))
+        return Chat(cur.lastrowid, title, model, settings, now, now)
+
+    def rename_chat(self, chat_id: int, title: str):
+        with self.db:
+            self.db.execute("UPDATE chats SET title = ? WHERE id = ?", (title, chat_id))
+
+    def update_settings(self, chat_id: int, settings: ChatSettings):
+        with self.db:
+            self.db.execute("UPDATE chats SET settings = ? WHERE id = ?", (settings.to_json(), chat_id))
+
+    def delete_chat(self, chat_id: int):
+        with self.db:
+            self.db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+
+    # Messages
+
+    def messages(self, chat_id: int) -> list[Message]:
+        rows = self.db.execute("SELECT id, role, content, finish, stats FROM messages "
+                               "WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
+        return [Message(i, role, content, finish, json.loads(stats) if stats else {})
+                for i, role, content, finish, stats in rows]
+
+    def add_message(self, chat_id: int, message: Message) -> int:
+        """Store `message` at the end of the chat; sets and returns its id."""
+        now = time.time()
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO messages (chat_id, role, content, finish, stats, created) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (chat_id, message.role, message.content, message.finish,
+                 json.dumps(message.stats) if message.stats else None, now))
+            self.db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
+        message.id = cur.lastrowid
+        return message.id
+
+    def delete_messages_from(self, chat_id: int, message_id: int):
+        """Delete the message and every later one of the chat (regenerate, edit and resend)."""
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE chat_id = ? AND id >= ?", (chat_id, message_id))
+
+    @staticmethod
+    def _chat(row) -> Chat:
+        i, title, model, settings, created, updated = row
+        return Chat(i, title, model, ChatSettings.from_json(settings), created, updated)
+
+
+def _connect(path: Path | str) -> sqlite3.Connection:
+    """Open, check and (re)create the schema; raises sqlite3 errors for a bad or locked file."""
+    db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT)
+    try:
+        db.execute("PRAGMA foreign_keys = ON")
+        ok = db.execute("PRAGMA quick_check").fetchone()[0]
+        if ok != "ok":
+            raise sqlite3.DatabaseError(f"integrity check: {ok}")
+        if path != ":memory:":
+            # WAL: a second nibble chat can read while this one writes.
+            db.execute("PRAGMA journal_mode = WAL")
+        db.executescript(SCHEMA)
+        db.execute("SELECT id, title, model, settings, created, updated FROM chats LIMIT 1").fetchall()
+        db.execute("SELECT id, chat_id, role, content, finish, stats FROM messages LIMIT 1").fetchall()
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _is_locked(e: sqlite3.OperationalError) -> bool:
+    return "locked" in str(e) or "busy" in str(e)
+
+
+def _move_aside(path: Path) -> Path | None:
+    """Rename a bad database (and its WAL files) to <name>.corrupt-<time>; None if impossible."""
+    if not path.exists():
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.corrupt-{stamp}-{n}"), n + 1
+    try:
+        os.rename(path, aside)
+        for suffix in ("-wal", "-shm"):
+            side = path.with_name(path.name + suffix)
+            if side.exists():
+                os.rename(side, aside.with_name(aside.name + suffix))
+    except OSError:
+        return None
+    return aside

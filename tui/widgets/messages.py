@@ -1,0 +1,168 @@
+"""The conversation: one widget per message; a reply streams in as Markdown.
+
+Textual lays the whole screen out again whenever a widget changes size, at a cost that grows with
+the number of widgets; its Markdown widget makes several per paragraph or list item. So a message
+here is a few Statics holding Rich Markdown, and a streaming reply re-renders only its last,
+unfinished block: finished blocks are frozen into Statics of their own as they complete.
+"""
+from __future__ import annotations
+
+import re
+
+from markdown_it import MarkdownIt
+from rich.markdown import Markdown as RichMarkdown
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Static
+
+from ..store import Message
+
+ROLES = {"user": "You", "assistant": "nibble", "system": "System"}
+FINISH = {"stop": "", "length": "max tokens reached", "context": "context full", "stopped": "stopped",
+          "error": "failed"}
+WELCOME = ("Ask anything: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops a reply.\n"
+           "F1 shows every key.")
+# Messages shown when a chat opens; older ones stay in the history (and in what the model sees).
+SHOWN = 60
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def describe(stats: dict, finish: str | None) -> str:
+    """The line under a reply: tokens and speed, what the prompt cost, and why it ended."""
+    parts = []
+    if n := stats.get("generation_tokens"):
+        parts.append(f"{n} tokens")
+    if tps := stats.get("generation_tps"):
+        parts.append(f"{tps:.1f} tok/s")
+    if "prefilled" in stats:
+        reused = f", {stats['reused']} reused" if stats.get("reused") else ""
+        parts.append(f"prefill {stats['prefilled']} tokens{reused}")
+    if stats.get("dropped"):
+        parts.append(f"{stats['dropped']} oldest messages left out")
+    if why := FINISH.get(finish, finish or ""):
+        parts.append(why)
+    return " · ".join(parts)
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The fenced and indented code blocks of a Markdown text, in order."""
+    tokens = MarkdownIt("commonmark").parse(markdown)
+    return [t.content.rstrip("\n") for t in tokens if t.type in ("fence", "code_block")]
+
+
+def frozen_length(source: str, start: int) -> int:
+    """How much of `source` (from `start`, a block boundary) holds only finished blocks: up to the
+    last blank line outside a code fence, or the end of a closed fence, that more text follows."""
+    end, fence = start, None
+    pos = start
+    for line in source[start:].splitlines(keepends=True):
+        pos += len(line)
+        if not line.endswith("\n"):
+            break   # the line being written
+        if fence is not None:
+            if line.strip().startswith(fence) and line.strip().strip(fence[0]) == "":
+                fence, end = None, pos
+        elif m := _FENCE.match(line):
+            fence = m[1]
+        elif not line.strip():
+            end = pos
+    return end
+
+
+class MarkdownBody(Vertical):
+    """A reply's Markdown: finished blocks in frozen Statics, the last one re-rendered per update."""
+
+    def __init__(self, source: str, streaming: bool = False):
+        super().__init__(classes="body")
+        self.source = source
+        self.streaming = streaming
+        self._frozen = 0          # source[:_frozen] is in frozen Statics
+
+    def compose(self) -> ComposeResult:
+        yield Static(self._markdown(self.source), classes="tail")
+
+    def _markdown(self, text: str):
+        theme = "monokai" if self.app.current_theme.dark else "friendly"
+        return RichMarkdown(text, code_theme=theme, hyperlinks=False)
+
+    async def append(self, text: str):
+        self.source += text
+        tail = self.query_one(".tail", Static)
+        end = frozen_length(self.source, self._frozen)
+        if end > self._frozen:
+            await self.mount(Static(self._markdown(self.source[self._frozen:end]), classes="frozen"),
+                             before=tail)
+            self._frozen = end
+        tail.update(self._markdown(self.source[self._frozen:]))
+
+    async def finish(self):
+        """One Static for the whole reply, rendered as one document."""
+        self.streaming = False
+        await self.query(".frozen").remove()
+        self._frozen = 0
+        self.query_one(".tail", Static).update(self._markdown(self.source))
+
+
+class MessageView(Vertical):
+    """A message: who, the text (Markdown for replies), and a line of stats under replies."""
+
+    def __init__(self, message: Message):
+        super().__init__(classes=f"message {message.role}")
+        self.message = message
+
+    def compose(self) -> ComposeResult:
+        m = self.message
+        yield Label(ROLES.get(m.role, m.role), classes="role")
+        if m.role == "assistant":
+            yield MarkdownBody(m.content)
+        else:
+            yield Static(m.content, markup=False, classes="body")
+        yield Static(describe(m.stats, m.finish), classes="meta", markup=False)
+
+    async def append(self, text: str):
+        await self.query_one(MarkdownBody).append(text)
+
+    async def finish(self, stats: dict, finish: str | None):
+        await self.query_one(MarkdownBody).finish()
+        self.set_meta(describe(stats, finish))
+
+    def set_meta(self, text: str):
+        self.query_one(".meta", Static).update(text, layout=False)   # one line, always
+
+    @property
+    def source(self) -> str:
+        body = self.query(MarkdownBody)
+        return body.first().source if body else self.message.content
+
+    def code_blocks(self) -> list[str]:
+        return code_blocks(self.source)
+
+
+class ChatView(VerticalScroll):
+    """The messages of one chat, kept scrolled to the newest unless the user scrolls up."""
+
+    async def show(self, messages: list[Message]):
+        await self.remove_children()
+        if messages:
+            hidden = max(0, len(messages) - SHOWN)
+            if hidden:
+                await self.mount(Static(f"{hidden} earlier messages are not shown here.",
+                                        classes="notice"))
+            await self.mount_all([MessageView(m) for m in messages[hidden:]])
+        else:
+            await self.mount(Static(WELCOME, classes="notice welcome"))
+        self.anchor()
+
+    async def add(self, message: Message) -> MessageView:
+        await self.query(".welcome").remove()
+        view = MessageView(message)
+        await self.mount(view)
+        self.anchor()
+        return view
+
+    async def notice(self, text: str, before: MessageView | None = None):
+        await self.mount(Static(text, classes="notice", markup=False), before=before)
+        self.anchor()
+
+    def views(self) -> list[MessageView]:
+        return list(self.query(MessageView))
