@@ -314,7 +314,7 @@ async def test_status_bar_shows_model_speed_context_and_memory(home, tiny):
         text = lambda part: str(status.query_one(f"#status-{part}").render())
         await ready(pilot)
         assert text("model") == "tiny · f32" and text("state") == "ready"
-        assert text("ctx") == "ctx 0/256" and text("mem").startswith("mem ") and "MB" in text("mem")
+        assert text("ctx") == "ctx 0/256" and text("mem").startswith("mem ") and text("mem").endswith(("MB", "GB"))
         await send(pilot, "Hello")
         assert text("speed").endswith("tok/s") and text("ctx") != "ctx 0/256"
 

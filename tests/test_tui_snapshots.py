@@ -1,7 +1,8 @@
 """Snapshots of the chat app's main screens (pytest-textual-snapshot; `--snapshot-update` redraws).
 
 Deterministic by construction: the conversation comes from the database rather than the model,
-memory is a fixed figure, and the cursor does not blink.
+memory is a fixed figure, and the cursor does not blink. The code block's colours come from
+Pygments: the conversation snapshot is drawn with the version `.ci/run` installs (2.21).
 """
 import threading
 
