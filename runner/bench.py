@@ -31,6 +31,7 @@ class GPUFigures:
     gpu_weight_bytes_per_token: int  # of the offloaded layers (and the head, when it runs there)
     gpu_bandwidth_gbs: float        # device-to-device copy, same run
     kernel_utilization: float       # median: GPU kernel time / wall time of the decode loop
+    graph_error: str                # why decode launched its kernels one by one; "": as a CUDA graph
 
     def decode_fraction(self, decode_tps: float) -> float:
         """Decode's share of the GPU's measured memory bandwidth (its weights only)."""
@@ -40,7 +41,9 @@ class GPUFigures:
         return (f"GPU: {self.gpu_layers} layers, weights read per token "
                 f"{self.gpu_weight_bytes_per_token / 1e6:.1f} MB | memory bandwidth "
                 f"{self.gpu_bandwidth_gbs:.1f} GB/s | decode at {self.decode_fraction(decode_tps):.0%} of it"
-                f" | kernels busy {self.kernel_utilization:.0%} of decode")
+                f" | kernels busy {self.kernel_utilization:.0%} of decode | "
+                + (f"kernels launched one by one: {self.graph_error}" if self.graph_error
+                   else "one CUDA graph per token"))
 
 
 @dataclass
@@ -90,7 +93,7 @@ def run_bench(model: Model, prompt_ids: list[int], gen_tokens: int = 128, repeat
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # before the 1 GiB probe
     med = lambda i: statistics.median(r[i] for r in runs)
     gpu = GPUFigures(len(model.offload.layers), gpu_weight_bytes_per_token(model), gpu_memory_bandwidth(),
-                     med(3)) if model.offload else None
+                     med(3), model.offload.graph_error) if model.offload else None
     return BenchResult(len(prompt_ids), gen_tokens, med(0), med(1), med(2), weight_bytes_per_token(model),
                        peak_rss, memory_bandwidth(), repeats, gpu)
 
@@ -100,14 +103,15 @@ def _one_run(model, cache, prompt_ids, gen_tokens):
     cache.truncate(0)
     start = time.perf_counter()
     token = int(np.argmax(model.forward(prompt_ids, cache)[-1]))
-    if model.offload:   # CUDA events around each pass's launch sequence (Offload._chunk)
+    if model.offload:   # CUDA events around each kernel or each graph launch (Offload._decode)
         model.offload.events = []
     first = time.perf_counter()
     for _ in range(gen_tokens):
         token = int(np.argmax(model.forward([token], cache)[-1]))
     end = time.perf_counter()
     # Each pass ends by copying its result to the host, so the loop's wall time holds every kernel:
-    # the events' GPU time over it is the share the GPU is busy (the rest: CPU layers, launches).
+    # the events' GPU time over it is the share the GPU is busy (the rest: CPU layers, launches,
+    # copies, sampling).
     busy = model.offload.kernel_seconds() / (end - first) if model.offload else 0.0
     if model.offload:
         model.offload.events = None

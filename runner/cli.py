@@ -77,9 +77,14 @@ def _load(model: str, quant: str | None, gpu_layers: int, require_gpu: bool, ctx
     """load(), saying in one line on stderr what became of the GPU layers (if anything)."""
     from .loader import load
     llm, tokenizer = load(model, quant, gpu_layers, require_gpu, ctx_size)
-    if llm.offload_note:
-        click.echo(llm.offload_note, err=True)
+    _say(llm.offload_note)
     return llm, tokenizer
+
+
+def _say(note: str):
+    """A line for the user on stderr, if there is one."""
+    if note:
+        click.echo(note, err=True)
 
 
 def _set_threads(threads: int | None):
@@ -256,14 +261,26 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
 @kv_cache_option
 @gpu_options
+@click.option("--shapes", metavar="NAME",
+              help="Instead of a model: random weights with the shapes of NAME (llama-2-7b, "
+                   "llama-3-8b), quantized as --quant says [default: int4]. Speed only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu, as_json):
+def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu,
+          shapes, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
     from .bench import PROMPT_TEXT, run_bench
     _set_threads(threads)
-    llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, prompt_tokens + gen_tokens + 1)
-    ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
-    ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
+    ctx = prompt_tokens + gen_tokens + 1
+    if shapes:
+        from .loader import QUANT_BITS
+        from .synthetic import random_model
+        llm = random_model(shapes, QUANT_BITS[quant or "int4"])
+        _say(llm.offload_layers(gpu_layers, ctx, require_gpu))
+        ids = list(range(1, prompt_tokens + 1))       # the speed does not depend on which tokens
+    else:
+        llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx)
+        ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
+        ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:
         raise NibbleError(f"{prompt_tokens} + {gen_tokens} tokens do not fit in the model's context "
                           f"of {llm.config.max_position_embeddings}")

@@ -9,6 +9,7 @@ as on the CPU: later passes overwrite the device positions.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,8 +61,8 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
     c = model.config
     kv = 2 * c.num_key_value_heads * ctx * c.head_dim * 4                        # k, v float32
     per_layer = kv + sum(_nbytes(w) for w in model.layers[-1].weights)
-    work = CHUNK * 4 * (2 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads)
-                        * c.head_dim + c.intermediate_size)                     # Workspace
+    work = CHUNK * 4 * (3 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads)
+                        * c.head_dim + c.intermediate_size)                     # Workspace and x
     fixed = model.cos.nbytes + model.sin.nbytes + work
     head = _nbytes(model.lm_head) + model.norm.nbytes + CHUNK * c.vocab_size * 4
     budget = int(free * HEADROOM) - fixed
@@ -79,7 +80,13 @@ def _nbytes(w) -> int:
 
 
 class Offload:
-    """The device side of a Model: layers [first, L) and, if `head`, the output head."""
+    """The device side of a Model: layers [first, L) and, if `head`, the output head.
+
+    Decode (one token) reads its hidden state and position from fixed device buffers, so after
+    one pass launched kernel by kernel the pass is recorded as a CUDA graph (kernels.cuda.Replay)
+    and each later token is one graph launch; per KV cache, since the graph holds its addresses.
+    Where recording fails (numba's simulator, an old numba-cuda, NIBBLE_CUDA_GRAPHS=0) kernels
+    are launched one by one and `graph_error` says why."""
 
     def __init__(self, model, p: Plan):
         from .kernels import cuda as gpu
@@ -94,9 +101,21 @@ class Offload:
         self.norm = self.cuda.to_device(model.norm) if p.head else None                   # [D]
         self.head = gpu.upload(model.lm_head) if p.head else None                          # [V, D]
         self.work = gpu.Workspace.allocate(self.layers[0], CHUNK)
+        self.x = self.cuda.device_array((CHUNK, c.hidden_size), np.float32)   # the hidden state in
         self.normed = self.cuda.device_array((CHUNK, c.hidden_size), np.float32) if p.head else None
         self.logits = self.cuda.device_array((CHUNK, c.vocab_size), np.float32) if p.head else None
-        self.events: list | None = None   # (start, end) CUDA events per pass, when timing (bench)
+        self.pos = self.cuda.device_array(1, np.int32)                        # the first position
+        self.stream = self.cuda.stream()
+        self.launch = gpu.Launcher(self.stream)
+        # one token's way in and out: page-locked, so the copies are plain DMA on the stream
+        self.x1 = self.x[:1]
+        self.out1 = self.logits[:1] if p.head else self.x1
+        self.x1_host = self.cuda.pinned_array((1, c.hidden_size), np.float32)
+        self.out1_host = self.cuda.pinned_array(self.out1.shape, np.float32)
+        self.pos_host = self.cuda.pinned_array(1, np.int32)
+        self.replay, self.replay_kv = None, None
+        self.graph_error = _graphs_off()   # "" while CUDA graphs may be used
+        self.events: list | None = None    # (start, end) CUDA events around kernels, when timing (bench)
 
     def allocate_kv(self, ctx: int) -> list[tuple]:
         """k, v [Hkv, ctx, hd] on the device for each offloaded layer."""
@@ -111,48 +130,102 @@ class Offload:
     def forward(self, x: np.ndarray, kv: list[tuple], pos0: int, all_logits: bool) -> np.ndarray:
         """Run x [T, D] (host) through the offloaded layers at positions pos0..; -> logits
         [T or 1, V] when the head is here, else the hidden state [T or 1, D] for the host's head."""
+        if len(x) == 1:
+            return self._decode(x, kv, pos0)
         out = []
         for s in range(0, len(x), CHUNK):
-            last = s + CHUNK >= len(x)
-            if all_logits or last:
-                out.append(self._chunk(x[s:s + CHUNK], kv, pos0 + s, keep_all=all_logits))
-            else:
-                self._chunk(x[s:s + CHUNK], kv, pos0 + s, keep_all=False)
+            want = all_logits or s + CHUNK >= len(x)   # the rows asked for, or the last one
+            rows = self._chunk(x[s:s + CHUNK], kv, pos0 + s, all_logits, head=want)
+            if want:
+                out.append(rows.copy_to_host(stream=self.stream))
+        self.stream.synchronize()
         return np.concatenate(out)
 
-    def _chunk(self, x: np.ndarray, kv, pos0: int, keep_all: bool) -> np.ndarray:
-        h = self.cuda.to_device(np.ascontiguousarray(x))                    # [T, D] crosses once
-        start = self._event()   # after the copy: the events time the kernels only
+    def _decode(self, x: np.ndarray, kv, pos0: int) -> np.ndarray:
+        self.x1_host[:] = x
+        self.pos_host[0] = pos0
+        self.x1.copy_to_device(self.x1_host, stream=self.stream)   # the hidden state crosses once
+        self.pos.copy_to_device(self.pos_host, stream=self.stream)
+        if self.replay is not None and self.replay_kv is kv:
+            start = self._event()
+            self.replay()
+            self._record(start)
+        else:
+            self.launch.events = self.events
+            self._decode_pass(kv, self.launch)
+            self.launch.events = None
+            self._record_replay(kv)    # for the next tokens: the kernels are loaded now
+        self.out1.copy_to_host(self.out1_host, stream=self.stream)
+        self.stream.synchronize()
+        return self.out1_host.copy()
+
+    def _decode_pass(self, kv, launch):
         for weights, layer_kv in zip(self.layers, kv):
-            self.gpu.decoder_layer(h, weights, layer_kv, pos0, self.cos, self.sin, self.eps,
-                                   self.window, self.work)
-        rows = h if keep_all else h[-1:]
+            self.gpu.decoder_layer(self.x1, weights, layer_kv, self.pos, self.cos, self.sin,
+                                   self.eps, self.window, self.work, launch)
         if self.head is not None:
-            T = rows.shape[0]
-            self.gpu.rmsnorm(rows, self.norm, self.eps, self.normed[:T])
-            self.gpu.linear(self.normed[:T], self.head, self.logits[:T])           # [T or 1, V]
-            rows = self.logits[:T]
-        self._record(start)
-        return rows.copy_to_host()
+            self.gpu.linear(self.x1, self.head, self.out1, norm=self.norm, eps=self.eps, launch=launch)
+
+    def _record_replay(self, kv):
+        if self.graph_error:
+            return
+        try:
+            self.replay, self.replay_kv = self.gpu.Replay(lambda launch: self._decode_pass(kv, launch),
+                                                          self.stream), kv
+        except Exception as e:   # cuda.core missing or too old, a driver that refuses: launch one by one
+            self.replay, self.replay_kv = None, None
+            self.graph_error = f"CUDA graphs unavailable ({type(e).__name__}: {e})"
+            self.stream = self.cuda.stream()   # a failed capture can leave the stream unusable
+            self.launch = self.gpu.Launcher(self.stream)
+
+    def _chunk(self, x: np.ndarray, kv, pos0: int, keep_all: bool, head: bool):
+        """Queue up to CHUNK tokens through the layers, and the head if `head` -> the device rows
+        of the result: every token's (keep_all) or the last one's."""
+        T = len(x)
+        h = self.x[:T]
+        # pageable host memory: the copies take the values before they return
+        h.copy_to_device(np.ascontiguousarray(x), stream=self.stream)
+        self.pos.copy_to_device(np.array([pos0], np.int32), stream=self.stream)
+        for weights, layer_kv in zip(self.layers, kv):
+            self.gpu.decoder_layer(h, weights, layer_kv, self.pos, self.cos, self.sin, self.eps,
+                                   self.window, self.work, self.launch)
+        rows = h if keep_all else h[-1:]
+        if self.head is None or not head:
+            return rows
+        T = rows.shape[0]
+        self.gpu.linear(rows, self.head, self.logits[:T], norm=self.norm, eps=self.eps,
+                        scratch=self.normed[:T], launch=self.launch)          # [T or 1, V]
+        return self.logits[:T]
 
     def _event(self):
         if self.events is None:
             return None
         e = self.cuda.event()
-        e.record()
+        e.record(self.stream)
         return e
 
     def _record(self, start):
         if start is not None:
             end = self.cuda.event()
-            end.record()
+            end.record(self.stream)
             self.events.append((start, end))
 
     def kernel_seconds(self) -> float:
-        """GPU seconds between the recorded events, summed (waits for the last)."""
+        """GPU seconds between the recorded events, summed (waits for the last): each kernel
+        launched one by one, or each replayed graph (its kernels and the GPU's gaps between them)."""
         if self.events:
             self.events[-1][1].synchronize()
         return sum(start.elapsed_time(end) for start, end in self.events or ()) / 1000
+
+
+def _graphs_off() -> str:
+    """Why decode passes cannot be replayed as CUDA graphs here, or ""."""
+    from numba import config
+    if config.ENABLE_CUDASIM:
+        return "numba's CUDA simulator has no graphs"
+    if os.environ.get("NIBBLE_CUDA_GRAPHS") == "0":
+        return "NIBBLE_CUDA_GRAPHS=0"
+    return ""
 
 
 def setup(model, gpu_layers: int, ctx: int | None, require_gpu: bool) -> tuple[Offload | None, str]:

@@ -1,6 +1,9 @@
 """`nibble bench` on the tiny model: figures present and consistent (speed is not asserted)."""
 import json
 
+import numpy as np
+
+from runner import synthetic
 from runner.bench import memory_bandwidth, weight_bytes_per_token
 from runner.loader import from_model_dir
 from tests.test_cli import assert_one_line_error, invoke
@@ -32,3 +35,30 @@ def test_memory_bandwidth_is_measured():
 
 def test_bench_too_long_for_the_context(tiny_dir):
     assert_one_line_error(invoke("bench", "-m", tiny_dir, "-p", 200, "-n", 100), match="do not fit")
+
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+
+
+def test_random_model_has_the_shapes_and_quantization():
+    model = synthetic.random_model(SMALL, bits=4)
+    c = model.config
+    assert (c.num_hidden_layers, c.vocab_size, c.quantization["bits"]) == (2, 96, 4)
+    assert model.layers[0].w_gate.q.nbytes * 8 / (128 * 64) == 4          # bits a weight
+    assert model.layers[0].w_gate.q is not model.layers[1].w_gate.q
+    logits = model.forward([1, 2, 3], model.new_cache(8))
+    assert logits.shape == (1, 96) and np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_bench_with_shapes(monkeypatch):
+    monkeypatch.setitem(synthetic.SHAPES, "small", SMALL)
+    r = invoke("bench", "--shapes", "small", "--quant", "int8", "-p", 4, "-n", 2, "-r", 1, "--json")
+    assert r.exit_code == 0, r.output
+    f = json.loads(r.stdout)
+    assert f["decode_tps"] > 0
+    assert f["weight_bytes_per_token"] == weight_bytes_per_token(synthetic.random_model(SMALL, bits=8))
+
+
+def test_bench_with_unknown_shapes():
+    assert_one_line_error(invoke("bench", "--shapes", "llama-9b"), match="unknown shapes 'llama-9b'")

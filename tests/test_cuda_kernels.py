@@ -31,9 +31,14 @@ def quantized(N, K, bits, G):
     return prepare(w, s, b, bits, G), twin_dequantize(w, s, b, bits, G)
 
 
-def run_linear(x, weight, out, accumulate):
+def device_pos(p):
+    """The position as the kernels read it: int32 [1] in device memory."""
+    return cuda.to_device(np.array([p], np.int32))
+
+
+def run_linear(x, weight, out, accumulate, **normed):
     x_dev, out_dev = on_device(x, out)
-    gpu.linear(x_dev, gpu.upload(weight), out_dev, accumulate)
+    gpu.linear(x_dev, gpu.upload(weight), out_dev, accumulate, **normed)
     return out_dev.copy_to_host()
 
 
@@ -84,10 +89,25 @@ def test_swiglu_of_interleaved_gate_and_up(T, kind):
     w = gpu._stacked([gate, up], gpu._interleave)
     x = f32(T, D)
     x_dev, out = cuda.to_device(x), cuda.device_array((T, F), np.float32)
-    gpu._product(x_dev, w, out, gpu.SWIGLU)
+    gpu._product(gpu.DEFAULT, x_dev, w, out, gpu.SWIGLU)
     x64 = x.astype(np.float64)
     want = reference.silu(x64 @ gate_W.T) * (x64 @ up_W.T)
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 2])   # the norm inside the matrix-vector kernel, or before
+@pytest.mark.parametrize("kind", ["int8", "float"])
+def test_linear_of_the_normalized_input(T, kind):
+    """linear(norm=...) = rmsnorm(x) @ W.T: the output head, and every decode projection of a
+    normalized residual. K spans two slabs of x for the matrix-vector kernel."""
+    N, K = 5, SLAB + 128
+    weight, W = quantized(N, K, 8, 64) if kind == "int8" else (f32(N, K), None)
+    W = W if W is not None else weight
+    x, norm = f32(T, K) * 3, 1 + 0.1 * f32(K)
+    got = run_linear(x, weight, np.zeros((T, N), np.float32), False, norm=cuda.to_device(norm),
+                     eps=1e-5, scratch=cuda.device_array((T, K), np.float32))
+    want = reference.rmsnorm(x, norm, 1e-5).astype(np.float64) @ W.T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_linear_checks_shapes():
@@ -119,7 +139,7 @@ def test_rope_and_kv_store():
     qkv, bias = f32(T, (H + 2 * Hkv) * hd), f32((H + 2 * Hkv) * hd)
     k_cache, v_cache = gpu.allocate_kv(Hkv, ctx, hd)
     qkv_dev = cuda.to_device(qkv)
-    gpu._rope_store(qkv_dev, *on_device(bias, cos, sin), pos0, k_cache, v_cache)
+    gpu.rope_store(qkv_dev, *on_device(bias, cos, sin), device_pos(pos0), (k_cache, v_cache))
     heads = (qkv + bias).astype(np.float64).reshape(T, H + 2 * Hkv, hd)
     positions = np.arange(pos0, pos0 + T)
     q, k, v = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
@@ -136,7 +156,7 @@ def check_attention(q, k_cache, v_cache, pos0, window):
     Hkv = k_cache.shape[0]
     qkv = np.concatenate([q.reshape(T, H * hd), np.zeros((T, 2 * Hkv * hd), np.float32)], 1)
     out = cuda.device_array((T, H * hd), np.float32)
-    gpu._attention(*on_device(qkv, k_cache, v_cache), pos0, window, out)
+    gpu.attention(cuda.to_device(qkv), on_device(k_cache, v_cache), device_pos(pos0), window, out)
     S = pos0 + T
     want = reference.attention(q.astype(np.float64), k_cache[:, :S].transpose(1, 0, 2),
                                v_cache[:, :S].transpose(1, 0, 2), np.arange(pos0, S), window)
@@ -163,6 +183,29 @@ def test_attention_when_scores_keep_rising():
     q = np.abs(f32(T, H, hd)) * 4
     k_cache = np.abs(f32(Hkv, ctx, hd)) * np.linspace(0.1, 2, ctx, dtype=np.float32)[:, None]
     check_attention(q, k_cache, f32(Hkv, ctx, hd), ctx - T, 0)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_attention_is_rope_store_then_attention(window):
+    """One token: the fused kernel leaves the caches and the output as the two kernels do,
+    with a KV group of two query heads writing the same k and v."""
+    H, Hkv, hd, ctx, pos0 = 4, 2, 16, 12, 7
+    _, cos, sin = rope_tables(hd, ctx)
+    qkv, bias = f32(1, (H + 2 * Hkv) * hd), f32((H + 2 * Hkv) * hd)
+    k_cache, v_cache = f32(Hkv, ctx, hd), f32(Hkv, ctx, hd)    # positions before pos0: history
+    tables, pos = on_device(bias, cos, sin), device_pos(pos0)
+    results = []
+    for fused in (True, False):
+        kv, q_dev, out = on_device(k_cache, v_cache), cuda.to_device(qkv), cuda.device_array((1, H * hd), np.float32)
+        if fused:
+            gpu.decode_attention(q_dev, *tables, pos, kv, window, out)
+        else:
+            gpu.rope_store(q_dev, *tables, pos, kv)
+            gpu.attention(q_dev, kv, pos, window, out)
+        results.append([out.copy_to_host(), *(a.copy_to_host() for a in kv)])
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(results[0][1][:, pos0], k_cache[:, pos0])   # the new k was stored
 
 
 # ---- uploads --------------------------------------------------------------------------------------
@@ -219,7 +262,7 @@ def test_decoder_layer_matches_the_cpu(kind, window, tol):
         x = f32(T, D)
         x_dev = cuda.to_device(x)
         cpu_layer.decoder_layer(x, weights, kv_cpu, pos0, cos, sin, eps, window, np.zeros((0, 0)))
-        gpu.decoder_layer(x_dev, on_gpu, kv_gpu, pos0, cos_dev, sin_dev, eps, window, work)
+        gpu.decoder_layer(x_dev, on_gpu, kv_gpu, device_pos(pos0), cos_dev, sin_dev, eps, window, work)
         np.testing.assert_allclose(x_dev.copy_to_host(), x, rtol=tol, atol=tol * np.abs(x).max())
         pos0 += T
     k_gpu = kv_gpu[0].copy_to_host()[:, :pos0]

@@ -1,19 +1,24 @@
 """Decoder blocks on an NVIDIA GPU with numba-cuda: weights uploaded once and still quantized, the
-KV cache and the activations on the device, one host call per layer (the kernels: cuda_kernels.py).
+KV cache and the activations on the device, no host round trip inside a pass (the kernels:
+cuda_kernels.py).
 
-A layer is 8 launches and no host round trip: RMSNorm, the q/k/v product (one stacked weight),
-RoPE + KV store, attention, the output product (+ residual), RMSNorm, the gate/up product with
-SwiGLU (one interleaved weight), the down product (+ residual). One token takes the matrix-vector
-kernels, several the tiled matrix-matrix ones. Same math as layer.decoder_layer on the CPU.
+One token (decode) is 5 launches a layer: RMSNorm + the q/k/v product (one stacked weight), RoPE
++ KV store + attention, the output product (+ residual), RMSNorm + the gate/up product with
+SwiGLU (one interleaved weight), the down product (+ residual). Several tokens (prefill) take the
+tiled matrix-matrix kernels and 8 launches: the norms, RoPE and the KV store on their own. Same
+math as layer.decoder_layer on the CPU. The position comes from device memory, so one decode
+pass can be recorded once and replayed for every token (Replay: a CUDA graph).
 
 Setup (once):   weights = upload_layer(model.layers[i].weights); kv = allocate_kv(Hkv, ctx, hd)
                 cos, sin = cuda.to_device(model.cos), cuda.to_device(model.sin)
-                work = Workspace.allocate(weights, max_tokens)
+                work = Workspace.allocate(weights, max_tokens); pos = cuda.to_device(int32 [1])
 Per pass:       x = cuda.to_device(hidden)               # [T, D], once per device boundary
-                decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, work)  # for each layer
-                rmsnorm(x[-1:], norm, eps, h); linear(h, head, logits)           # the output head
+                decoder_layer(x, weights, kv, pos, cos, sin, eps, window, work)  # for each layer
+                linear(x[-1:], head, logits, norm=norm, eps=eps)               # the output head
 """
-from typing import NamedTuple
+import functools
+import warnings
+from typing import Callable, NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -23,6 +28,10 @@ from .cuda_kernels import ADD, STORE, SWIGLU
 from .quant_cpu import QuantizedWeight
 
 FLOAT = 32   # DeviceWeight.bits of a float32 weight
+
+# numba-cuda warns about every launch of fewer than 128 blocks; a model's small matrices and its
+# attention heads make such grids, by design, and the warning would land in the user's terminal
+warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU under-utilization")
 
 
 class DeviceWeight(NamedTuple):
@@ -125,59 +134,131 @@ class Workspace(NamedTuple):
         return Workspace(*(a[:T] for a in self))
 
 
-def decoder_layer(x, weights: LayerWeights, kv: tuple, pos0: int, cos, sin, eps: float,
-                  window: int, work: Workspace | None = None):
+class Launcher:
+    """Issues kernel launches on one stream, in order. When `events` is a list, each launch is
+    bracketed by a pair of CUDA events appended to it: the GPU time of every kernel, without the
+    gaps while the host prepares the next launch (nibble bench's kernel utilization)."""
+
+    def __init__(self, stream=0):
+        self.stream = stream
+        self.events: list | None = None
+
+    def __call__(self, kernel, grid, block, *args):
+        if self.events is None:
+            kernel[grid, block, self.stream](*args)
+            return
+        start, end = cuda.event(), cuda.event()
+        start.record(self.stream)
+        kernel[grid, block, self.stream](*args)
+        end.record(self.stream)
+        self.events.append((start, end))
+
+
+DEFAULT = Launcher()   # the default stream
+
+
+class Replay:
+    """The launches `issue(launcher)` makes, recorded once on `stream` as a CUDA graph and replayed
+    with one launch per call: decode is ~5 small kernels a layer, and a launch from Python costs
+    more than most of them take to run. Every launch must read its changing inputs (the hidden
+    state, the position) from device memory: the graph keeps the argument values it recorded.
+
+    Needs cuda.core (a dependency of numba-cuda) and a real GPU; raises whatever the capture
+    raises otherwise (the caller then launches one by one). Issue the launches once outside the
+    capture first: compiling and loading a kernel is not allowed while capturing."""
+
+    def __init__(self, issue: Callable[[Launcher], None], stream):
+        from cuda.core import Stream
+        self.stream = Stream.from_handle(int(stream.handle))
+        builder = self.stream.create_graph_builder().begin_building()
+        try:
+            issue(Launcher(stream))   # the same stream: its launches go into the graph
+        finally:
+            builder.end_building()
+        self.graph = builder.complete()
+        self.graph.upload(self.stream)
+
+    def __call__(self):
+        self.graph.launch(self.stream)
+
+
+def decoder_layer(x, weights: LayerWeights, kv: tuple, pos, cos, sin, eps: float, window: int,
+                  work: Workspace, launch: Launcher = DEFAULT):
     """One transformer block on the residual stream x [T, D] (a device array), in place; k and v
-    of positions pos0.. go into kv = (k, v) [Hkv, ctx, hd]. cos, sin: [ctx, hd/2] device tables;
-    window > 0: sliding-window attention. work: buffers for at least T tokens (else allocated)."""
+    of positions pos[0].. (pos: int32 [1] on the device) go into kv = (k, v) [Hkv, ctx, hd].
+    cos, sin: [ctx, hd/2] device tables; window > 0: sliding-window attention; work: buffers for
+    at least T tokens."""
     T = x.shape[0]
-    k_cache, v_cache = kv
-    if work is None or work.h.shape[0] < T:
-        work = Workspace.allocate(weights, T)
+    if work.h.shape[0] < T:
+        raise ValueError(f"the workspace holds {work.h.shape[0]} tokens, the pass has {T}")
     w = work.first(T)
     # attention block
-    rmsnorm(x, weights.input_norm, eps, w.h)
-    _product(w.h, weights.qkv, w.qkv, STORE)
-    _rope_store(w.qkv, weights.qkv_bias, cos, sin, pos0, k_cache, v_cache)
-    _attention(w.qkv, k_cache, v_cache, pos0, window, w.attn)
-    _product(w.attn, weights.wo, x, ADD)                    # residual: x += attn @ wo.T
-    # feed-forward block
-    rmsnorm(x, weights.post_norm, eps, w.h)
-    _product(w.h, weights.gate_up, w.mlp, SWIGLU)           # mlp = silu(h @ w_gate.T) * (h @ w_up.T)
-    _product(w.mlp, weights.down, x, ADD)                   # residual: x += mlp @ w_down.T
+    _product(launch, x, weights.qkv, w.qkv, STORE, weights.input_norm, eps, w.h)
+    if T == 1:
+        decode_attention(w.qkv, weights.qkv_bias, cos, sin, pos, kv, window, w.attn, launch)
+    else:
+        rope_store(w.qkv, weights.qkv_bias, cos, sin, pos, kv, launch)
+        attention(w.qkv, kv, pos, window, w.attn, launch)
+    _product(launch, w.attn, weights.wo, x, ADD)                      # residual: x += attn @ wo.T
+    # feed-forward block: mlp = silu(h @ w_gate.T) * (h @ w_up.T), h = rmsnorm(x)
+    _product(launch, x, weights.gate_up, w.mlp, SWIGLU, weights.post_norm, eps, w.h)
+    _product(launch, w.mlp, weights.down, x, ADD)                     # residual: x += mlp @ w_down.T
 
 
-def linear(x, w: DeviceWeight, out, accumulate: bool = False):
-    """out[T, N] (+)= x[T, K] @ W.T on the device (the output head: N = vocabulary)."""
+def linear(x, w: DeviceWeight, out, accumulate: bool = False, *, norm=None, eps: float = 0.0,
+           scratch=None, launch: Launcher = DEFAULT):
+    """out[T, N] (+)= x[T, K] @ W.T on the device, or rmsnorm(x) @ W.T with the norm's weight
+    `norm` [K] (the output head: N = vocabulary); scratch [T, K]: the normalized x when T > 1."""
     if x.shape[1] != w.cols or tuple(out.shape) != (x.shape[0], w.rows):
         raise ValueError(f"linear: x must be [T, {w.cols}] and out [T, {w.rows}], "
                          f"got {tuple(x.shape)} and {tuple(out.shape)}")
-    _product(x, w, out, ADD if accumulate else STORE)
+    _product(launch, x, w, out, ADD if accumulate else STORE, norm, eps, scratch)
 
 
-def rmsnorm(x, weight, eps: float, out):
+def rmsnorm(x, weight, eps: float, out, launch: Launcher = DEFAULT):
     """out[T, D] = x / sqrt(mean(x^2) + eps) * weight on the device; out may be x."""
-    kernels.rmsnorm[x.shape[0], kernels.NORM_THREADS](x, weight, eps, out)
+    launch(kernels.rmsnorm, x.shape[0], kernels.NORM_THREADS, x, weight, eps, out)
 
 
-def _product(x, w: DeviceWeight, out, mode: int):
-    """out (op)= x @ W.T with the epilogue `mode` (STORE, ADD or SWIGLU)."""
+def rope_store(qkv, bias, cos, sin, pos, kv: tuple, launch: Launcher = DEFAULT):
+    """qkv [T, (H + 2 Hkv) hd] += bias; q rotated in place, k rotated and v stored in kv at
+    positions pos[0].. (see cuda_kernels.rope_store)."""
+    threads = qkv.shape[0] * qkv.shape[1] // 2
+    launch(kernels.rope_store, -(-threads // kernels.ROPE_THREADS), kernels.ROPE_THREADS,
+           qkv, bias, cos, sin, pos, *kv)
+
+
+def attention(qkv, kv: tuple, pos, window: int, out, launch: Launcher = DEFAULT):
+    """out [T, H hd] = causal attention of qkv's (rotated) queries over kv, tokens at pos[0].."""
+    H = out.shape[1] // kv[0].shape[2]
+    launch(kernels.attention, (H, qkv.shape[0]), kernels.ATT_THREADS, qkv, *kv, pos, window, out)
+
+
+def decode_attention(qkv, bias, cos, sin, pos, kv: tuple, window: int, out, launch: Launcher = DEFAULT):
+    """rope_store then attention for one token, in one launch."""
+    H = out.shape[1] // kv[0].shape[2]
+    launch(kernels.decode_attention, H, kernels.ATT_THREADS, qkv, bias, cos, sin, pos, *kv, window, out)
+
+
+def _product(launch, x, w: DeviceWeight, out, mode: int, norm=None, eps: float = 0.0, scratch=None):
+    """out (op)= x @ W.T with the epilogue `mode` (STORE, ADD or SWIGLU), of rmsnorm(x) when a
+    norm weight is given: inside the matrix-vector kernel for one token, else into scratch first."""
     T, N = x.shape[0], w.rows
-    args = (x, w.words, w.scales, w.biases, w.group_size, out, mode)
     if T == 1:
         blocks = -(-N // (kernels.MV_ROWS * kernels.MV_WARPS))
-        kernels.MATVEC[w.bits][blocks, (32, kernels.MV_WARPS)](*args)
-    else:
-        grid = (-(-N // kernels.MM_N), -(-T // kernels.MM_T))
-        kernels.MATMUL[w.bits][grid, (kernels.MM_THREADS, kernels.MM_THREADS)](*args)
+        launch(kernels.MATVEC[w.bits], blocks, (32, kernels.MV_WARPS),
+               x, _no_norm() if norm is None else norm, eps, w.words, w.scales, w.biases,
+               w.group_size, out, mode)
+        return
+    if norm is not None:
+        rmsnorm(x, norm, eps, scratch, launch)
+        x = scratch
+    grid = (-(-N // kernels.MM_N), -(-T // kernels.MM_T))
+    launch(kernels.MATMUL[w.bits], grid, (kernels.MM_THREADS, kernels.MM_THREADS),
+           x, w.words, w.scales, w.biases, w.group_size, out, mode)
 
 
-def _rope_store(qkv, bias, cos, sin, pos0, k_cache, v_cache):
-    threads = qkv.shape[0] * qkv.shape[1] // 2
-    blocks = -(-threads // kernels.ROPE_THREADS)
-    kernels.rope_store[blocks, kernels.ROPE_THREADS](qkv, bias, cos, sin, pos0, k_cache, v_cache)
-
-
-def _attention(qkv, k_cache, v_cache, pos0, window, out):
-    H = out.shape[1] // k_cache.shape[2]
-    kernels.attention[(H, qkv.shape[0]), kernels.ATT_THREADS](qkv, k_cache, v_cache, pos0, window, out)
+@functools.cache
+def _no_norm():
+    """The empty norm weight: the matrix-vector kernel takes x as it is."""
+    return cuda.device_array(0, np.float32)

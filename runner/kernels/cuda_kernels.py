@@ -51,16 +51,24 @@ MV_ROWS = 8                   # rows per warp: each x value read from shared mem
 SLAB = 4096                   # x elements staged at a time (16 KB)
 _XS_SIZE = SLAB + 32          # + the padding column: one element per element of a chunk
 _SUMS_SHAPE = (MV_ROWS, MV_WARPS, 32)
+_MV_THREADS = 32 * MV_WARPS
 _WORDS_SHAPE = (WORDS, MV_ROWS)
 
 
 @cuda.jit(device=True)
-def _stage_transposed(x, s0, per_chunk, pitch, xs):
-    """xs[e * pitch + c] = x[0, s0 + c * per_chunk + e] for the slab starting at s0."""
+def _stage_transposed(x, norm, s0, per_chunk, pitch, xs):
+    """xs[e * pitch + c] = x[0, k] (times norm[k] when norm is not empty) for k = s0 + c * per_chunk
+    + e in the slab starting at s0; -> this thread's share of the sum of x[0, k]^2 over the slab."""
     tid = cuda.threadIdx.y * 32 + cuda.threadIdx.x
+    squares = float32(0.0)
     for i in range(tid, min(SLAB, x.shape[1] - s0), 32 * MV_WARPS):
-        xs[(i % per_chunk) * pitch + i // per_chunk] = x[0, s0 + i]
+        v = x[0, s0 + i]
+        squares += v * v
+        if norm.shape[0] > 0:
+            v *= norm[s0 + i]
+        xs[(i % per_chunk) * pitch + i // per_chunk] = v
     cuda.syncthreads()
+    return squares
 
 
 def _quantized_chunk(bits):
@@ -105,22 +113,29 @@ def _float_chunk(w, scales, biases, G, r0, gc, xs, c, pitch, acc):
 
 
 def _matvec(chunk, per_chunk):
-    """Kernel out[0] (op)= x[0] @ W.T; grid: ceil(N / (MV_ROWS * MV_WARPS)) blocks of (32, MV_WARPS)."""
+    """Kernel out[0] (op)= rmsnorm(x[0]) @ W.T, or x[0] @ W.T when norm is empty; grid:
+    ceil(N / (MV_ROWS * MV_WARPS)) blocks of (32, MV_WARPS).
+
+    The RMSNorm costs no launch of its own: staging x, a block multiplies it by the norm's weight
+    and sums its squares, and since the product is linear in x, the 1 / rms factor multiplies
+    each row's total at the end."""
     chunks = SLAB // per_chunk
     pitch = chunks + 1
 
     @cuda.jit
-    def matvec(x, w, scales, biases, G, out, mode):
+    def matvec(x, norm, eps, w, scales, biases, G, out, mode):
         lane, warp = cuda.threadIdx.x, cuda.threadIdx.y
         N, K = w.shape[0], x.shape[1]
         r0 = (cuda.blockIdx.x * MV_WARPS + warp) * MV_ROWS    # past N: loads clamp, writes skip
         xs = cuda.shared.array(_XS_SIZE, float32)
         sums = cuda.shared.array(_SUMS_SHAPE, float32)
+        squares = cuda.shared.array(_MV_THREADS, float32)
         acc = cuda.local.array(MV_ROWS, float32)
         for j in range(MV_ROWS):
             acc[j] = float32(0.0)
+        my_squares = float32(0.0)
         for s0 in range(0, K, SLAB):
-            _stage_transposed(x, s0, per_chunk, pitch, xs)
+            my_squares += _stage_transposed(x, norm, s0, per_chunk, pitch, xs)
             for c in range(lane, min(chunks, (K - s0 + per_chunk - 1) // per_chunk), 32):
                 chunk(w, scales, biases, G, r0, s0 // per_chunk + c, xs, c, pitch, acc)
             if s0 + SLAB < K:
@@ -128,12 +143,19 @@ def _matvec(chunk, per_chunk):
         # the 32 lanes' partial sums: one barrier, then lane j adds up row j (32 broadcast reads)
         for j in range(MV_ROWS):
             sums[j, warp, lane] = acc[j]
+        squares[warp * 32 + lane] = my_squares
         cuda.syncthreads()
         if lane < MV_ROWS:
-            value = _lane_total(sums, lane, warp)
+            scale = float32(1.0)
+            if norm.shape[0] > 0:
+                total = float32(0.0)
+                for i in range(_MV_THREADS):
+                    total += squares[i]
+                scale = float32(1.0) / math.sqrt(total / float32(K) + float32(eps))
+            value = _lane_total(sums, lane, warp) * scale
             following = float32(0.0)
             if mode == SWIGLU and lane % 2 == 0:
-                following = _lane_total(sums, lane + 1, warp)
+                following = _lane_total(sums, lane + 1, warp) * scale
             _emit(out, 0, r0 + lane, value, following, N, mode)
     return matvec
 
@@ -266,11 +288,19 @@ def rmsnorm(x, weight, eps, out):
 ROPE_THREADS = 128
 
 
+@cuda.jit(device=True)
+def _rotated(qkv, bias, t, col, half, c, s):
+    """The pair (col, col + half) of token t's projections plus biases, rotated by (c, s)."""
+    x1 = qkv[t, col] + bias[col]
+    x2 = qkv[t, col + half] + bias[col + half]
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
 @cuda.jit
-def rope_store(qkv, bias, cos, sin, pos0, k_cache, v_cache):
+def rope_store(qkv, bias, cos, sin, pos, k_cache, v_cache):
     """Add the biases to qkv [T, (H + 2 Hkv) hd] (q, k, v heads side by side), rotate q in place
-    and k (rotate-half RoPE at positions pos0..; cos, sin [ctx, hd/2]), and write k and v into the
-    caches [Hkv, ctx, hd]. One thread per (token, head, i < hd/2); 1-D grid of ROPE_THREADS."""
+    and k (rotate-half RoPE at positions pos[0]..; cos, sin [ctx, hd/2]), and write k and v into
+    the caches [Hkv, ctx, hd]. One thread per (token, head, i < hd/2); 1-D grid of ROPE_THREADS."""
     Hkv, _, hd = k_cache.shape
     half, slots = hd // 2, qkv.shape[1] // hd
     H = slots - 2 * Hkv
@@ -278,21 +308,18 @@ def rope_store(qkv, bias, cos, sin, pos0, k_cache, v_cache):
     if idx >= qkv.shape[0] * slots * half:
         return
     t, slot, i = idx // (slots * half), idx // half % slots, idx % half
-    col, pos = slot * hd + i, pos0 + t
-    x1 = qkv[t, col] + bias[col]
-    x2 = qkv[t, col + half] + bias[col + half]
+    col, p = slot * hd + i, pos[0] + t
     if slot >= H + Hkv:                                       # v: stored as it is
-        v_cache[slot - H - Hkv, pos, i] = x1
-        v_cache[slot - H - Hkv, pos, i + half] = x2
+        v_cache[slot - H - Hkv, p, i] = qkv[t, col] + bias[col]
+        v_cache[slot - H - Hkv, p, i + half] = qkv[t, col + half] + bias[col + half]
         return
-    c, s = cos[pos, i], sin[pos, i]
-    r1, r2 = x1 * c - x2 * s, x2 * c + x1 * s
+    r1, r2 = _rotated(qkv, bias, t, col, half, cos[p, i], sin[p, i])
     if slot < H:
         qkv[t, col] = r1
         qkv[t, col + half] = r2
     else:
-        k_cache[slot - H, pos, i] = r1
-        k_cache[slot - H, pos, i + half] = r2
+        k_cache[slot - H, p, i] = r1
+        k_cache[slot - H, p, i + half] = r2
 
 
 # Attention: one block per (head, token), with an online softmax over chunks of ATT_THREADS keys:
@@ -308,21 +335,57 @@ _DIMS = MAX_HEAD_DIM // ATT_THREADS          # head dims per thread
 
 
 @cuda.jit
-def attention(qkv, k_cache, v_cache, pos0, window, out):
-    """out[t, h hd:(h+1) hd] = causal attention of query head h of token t (at position pos0 + t,
-    read from qkv) over the cache [Hkv, ctx, hd] holding positions 0..pos0+T-1; window > 0 keeps
+def attention(qkv, k_cache, v_cache, pos, window, out):
+    """out[t, h hd:(h+1) hd] = causal attention of query head h of token t (at position pos[0] + t,
+    read from qkv) over the cache [Hkv, ctx, hd] holding positions 0..pos[0]+T-1; window > 0 keeps
     the last `window` positions. Grid (H, T) of ATT_THREADS."""
     h, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    Hkv, _, hd = k_cache.shape
-    kv = h // (out.shape[1] // hd // Hkv)
-    end = pos0 + t + 1
-    start = max(0, end - window) if window > 0 else 0
+    hd = k_cache.shape[2]
     q = cuda.shared.array(MAX_HEAD_DIM, float32)
     keys = cuda.shared.array(_KEYS_SIZE, float32)
     scores = cuda.shared.array(ATT_THREADS, float32)
     scale = float32(1.0 / math.sqrt(hd))
     for i in range(tid, hd, ATT_THREADS):
         q[i] = qkv[t, h * hd + i] * scale
+    _attend(q, keys, scores, k_cache, v_cache, pos[0] + t, window, out, t, h)
+
+
+@cuda.jit
+def decode_attention(qkv, bias, cos, sin, pos, k_cache, v_cache, window, out):
+    """rope_store and attention in one launch for one token (T = 1) at position pos[0]: add the
+    biases, rotate q of head h and k of its KV group, store k and v in the caches, then attend.
+    Grid (H,) of ATT_THREADS. Every block of a KV group writes the same k and v (identical
+    values, so the overlapping writes agree) and reads them back after a barrier."""
+    h, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    Hkv, _, hd = k_cache.shape
+    H, half, p = out.shape[1] // hd, hd // 2, pos[0]
+    kv = h // (H // Hkv)
+    q = cuda.shared.array(MAX_HEAD_DIM, float32)
+    keys = cuda.shared.array(_KEYS_SIZE, float32)
+    scores = cuda.shared.array(ATT_THREADS, float32)
+    scale = float32(1.0 / math.sqrt(hd))
+    for i in range(tid, half, ATT_THREADS):
+        c, s = cos[p, i], sin[p, i]
+        r1, r2 = _rotated(qkv, bias, 0, h * hd + i, half, c, s)
+        q[i], q[i + half] = r1 * scale, r2 * scale
+        r1, r2 = _rotated(qkv, bias, 0, (H + kv) * hd + i, half, c, s)
+        k_cache[kv, p, i], k_cache[kv, p, i + half] = r1, r2
+        col = (H + Hkv + kv) * hd + i
+        v_cache[kv, p, i] = qkv[0, col] + bias[col]
+        v_cache[kv, p, i + half] = qkv[0, col + half] + bias[col + half]
+    cuda.syncthreads()                          # a barrier also makes the block's global writes visible
+    _attend(q, keys, scores, k_cache, v_cache, p, window, out, 0, h)
+
+
+@cuda.jit(device=True)
+def _attend(q, keys, scores, k_cache, v_cache, position, window, out, t, h):
+    """out[t, h hd:(h+1) hd] = softmax(q . keys) @ values over the cache positions up to
+    `position` (the last `window` of them when window > 0); q: the scaled query, in shared memory."""
+    tid = cuda.threadIdx.x
+    Hkv, _, hd = k_cache.shape
+    kv = h // (out.shape[1] // hd // Hkv)
+    end = position + 1
+    start = max(0, end - window) if window > 0 else 0
     acc = cuda.local.array(_DIMS, float32)
     for a in range(_DIMS):
         acc[a] = float32(0.0)
@@ -331,7 +394,7 @@ def attention(qkv, k_cache, v_cache, pos0, window, out):
         n = min(ATT_THREADS, end - c0)
         for i in range(tid, n * hd, ATT_THREADS):
             keys[i // hd * (hd + 1) + i % hd] = k_cache[kv, c0 + i // hd, i % hd]
-        cuda.syncthreads()
+        cuda.syncthreads()                      # also orders q's staging before its first read
         if tid < n:
             s = float32(0.0)
             for i in range(hd):
