@@ -164,8 +164,8 @@ class Replay:
     state, the position) from device memory: the graph keeps the argument values it recorded.
 
     Needs cuda.core (a dependency of numba-cuda) and a real GPU; raises whatever the capture
-    raises otherwise (the caller then launches one by one). Issue the launches once outside the
-    capture first: compiling and loading a kernel is not allowed while capturing."""
+    raises otherwise (the caller then launches one by one). Make the same launches once before
+    recording, so that no kernel is compiled or loaded while the stream records."""
 
     def __init__(self, issue: Callable[[Launcher], None], stream):
         from cuda.core import Stream

@@ -9,6 +9,9 @@ Shared arrays are declared at the top of a kernel, before its first barrier: the
 creates one when the first thread reaches it, and two threads arriving together could each make
 their own.
 
+Positions arrive as pos, an int32 [1] device array, never as a kernel argument: a recorded CUDA
+graph replays its arguments as they were (cuda.Replay).
+
 Types: every constant is float32(...) and every integer is cast with float32() before it meets a
 float, or numba would compute in float64 (slow on most GPUs).
 """
