@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats.errors import NibbleError
+from nibble.formats.errors import NibbleError
 
 from .packing import pack, unpack
 from .search import search_affine

@@ -15,9 +15,9 @@ from importlib import resources
 
 import numpy as np
 
-from formats.config import ModelConfig
-from formats.errors import FormatError, NibbleError
-from formats.model_dir import ModelDir
+from nibble.formats.config import ModelConfig
+from nibble.formats.errors import FormatError, NibbleError
+from nibble.formats.model_dir import ModelDir
 
 from .affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
 
@@ -133,7 +133,7 @@ def default_calibration_text() -> str:
 
     About 30 KB of varied English: prose, dialogue, lists, numbers, code and markup.
     """
-    return resources.files("quant").joinpath("calibration.txt").read_text(encoding="utf-8")
+    return resources.files("nibble.quant").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
 def _linear_paths(tensors: dict[str, np.ndarray]) -> list[str]:

@@ -2,8 +2,9 @@
 
 Two calls run a model:
 
-    model, tokenizer = runner.load("smollm2")
-    for r in runner.stream_generate(model, tokenizer, tokenizer.prompt("Hi")): print(r.text, end="")
+    from nibble.runner import load, stream_generate
+    model, tokenizer = load("smollm2")
+    for r in stream_generate(model, tokenizer, tokenizer.prompt("Hi")): print(r.text, end="")
 """
 import importlib
 

@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from formats.config import ModelConfig
-from formats.errors import NibbleError
+from nibble.formats.config import ModelConfig
+from nibble.formats.errors import NibbleError
 
 KV_TYPES = {"f32": np.float32, "int8": np.int8}
 

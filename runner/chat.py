@@ -14,7 +14,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from formats.errors import NibbleError
+from nibble.formats.errors import NibbleError
 
 # The tokenizer_config.json keys transformers passes to every template (its special_tokens_map).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from formats.errors import NibbleError
+from nibble.formats.errors import NibbleError
 
 DEFAULT_MODEL = "smollm2"
 
@@ -181,8 +181,8 @@ def chat(model, quant, system, max_tokens, temp, top_k, top_p, min_p, repeat_pen
     SamplerSettings(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                     repetition_penalty=repeat_penalty, seed=seed)   # bad flags: one line, before the app
     _fetch_if_needed(model)
-    from tui.app import ChatApp
-    from tui.store import ChatSettings
+    from nibble.tui.app import ChatApp
+    from nibble.tui.store import ChatSettings
     defaults = ChatSettings(system=system, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                             max_tokens=max_tokens, repetition_penalty=repeat_penalty)
     ChatApp(model, quant=quant, ctx_size=ctx_size, kv_cache=kv_cache, threads=threads, seed=seed,
@@ -196,7 +196,7 @@ def _in_terminal() -> bool:
 def _fetch_if_needed(ref: str):
     """Download an alias's model before the app starts: pip writes its progress to the terminal,
     which the app would paint over. Failures are left to the app, which says why and offers others."""
-    from formats import hub
+    from nibble.formats import hub
     if ref in hub.ALIASES and not (hub.nibble_home() / "models" / ref / "config.json").is_file():
         try:
             hub.resolve(ref)
@@ -211,8 +211,8 @@ def _fetch_if_needed(ref: str):
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def import_(gguf_file, output, force):
     """Convert a GGUF file into a Hugging Face-style model directory (float32 safetensors)."""
-    from formats.gguf import import_gguf
-    from formats.model_dir import write_model_dir
+    from nibble.formats.gguf import import_gguf
+    from nibble.formats.model_dir import write_model_dir
     model_dir = import_gguf(gguf_file)
     out = write_model_dir(model_dir, output, force=force)
     size = sum(t.nbytes for t in model_dir.tensors.values())

@@ -1,8 +1,8 @@
 """From a model reference to a runnable model and its tokenizer."""
-from formats.errors import NibbleError
-from formats.load import open_model
-from formats.model_dir import ModelDir
-from quant.convert import is_quantized, quantize_model
+from nibble.formats.errors import NibbleError
+from nibble.formats.load import open_model
+from nibble.formats.model_dir import ModelDir
+from nibble.quant.convert import is_quantized, quantize_model
 from .model import Model
 from .tokenizer import Tokenizer
 

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats.config import ModelConfig
-from formats.errors import FormatError, NibbleError
-from quant.convert import read_linear
+from nibble.formats.config import ModelConfig
+from nibble.formats.errors import FormatError, NibbleError
+from nibble.quant.convert import read_linear
 from .cache import KVCache
 from .kernels import cpu, quant_cpu
 from .kernels.layer import decoder_layer

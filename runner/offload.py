@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats.errors import NibbleError
+from nibble.formats.errors import NibbleError
 
 CHUNK = 256           # most tokens sent through the device at once: bounds the workspace
 HEADROOM = 0.9        # share of the free GPU memory to plan for (the rest: CUDA's own needs)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.errors import NibbleError
+from nibble.formats.errors import NibbleError
 from .model import Model
 
 MAGIC = b"NIBBLE-LOGPROBS1"

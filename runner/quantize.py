@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from formats.errors import NibbleError
-from formats.load import open_model
-from formats.model_dir import write_model_dir
-from quant.convert import QuantizeReport, default_calibration_text, is_quantized, quantize_model
+from nibble.formats.errors import NibbleError
+from nibble.formats.load import open_model
+from nibble.formats.model_dir import write_model_dir
+from nibble.quant.convert import QuantizeReport, default_calibration_text, is_quantized, quantize_model
 from .calibrate import collect_imatrix
 from .model import Model
 from .tokenizer import Tokenizer

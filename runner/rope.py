@@ -3,8 +3,8 @@ import math
 
 import numpy as np
 
-from formats.config import ModelConfig
-from formats.errors import FormatError
+from nibble.formats.config import ModelConfig
+from nibble.formats.errors import FormatError
 
 
 def inv_frequencies(config: ModelConfig) -> np.ndarray:

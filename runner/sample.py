@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats.errors import NibbleError
+from nibble.formats.errors import NibbleError
 
 # logits (vocab,) float32, recent token ids (oldest first) -> the next token id
 Sampler = Callable[[np.ndarray, Sequence[int]], int]

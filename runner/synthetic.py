@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from formats.config import ModelConfig
-from formats.errors import NibbleError
+from nibble.formats.config import ModelConfig
+from nibble.formats.errors import NibbleError
 from .model import Model
 
 SHAPES = {

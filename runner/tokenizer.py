@@ -5,7 +5,7 @@ from functools import cached_property
 
 import tokenizers
 
-from formats.model_dir import ModelDir
+from nibble.formats.model_dir import ModelDir
 from .chat import ChatTemplate, build_messages
 from .detokenize import StreamDecoder
 

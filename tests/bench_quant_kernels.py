@@ -21,9 +21,9 @@ import numba
 import numpy as np
 from numba import njit
 
-from runner.bench import memory_bandwidth
-from runner.kernels import cpu
-from runner.kernels.quant_cpu import QuantizedWeight, dequantize, prepare, qmatmul
+from nibble.runner.bench import memory_bandwidth
+from nibble.runner.kernels import cpu
+from nibble.runner.kernels.quant_cpu import QuantizedWeight, dequantize, prepare, qmatmul
 
 LAYERS, G = 30, 64
 SHAPES = {"q": (576, 576), "k": (192, 576), "v": (192, 576), "o": (576, 576),   # (N, K)

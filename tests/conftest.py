@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from formats.model_dir import write_model_dir
+from nibble.formats.model_dir import write_model_dir
 from tests.tiny import tiny_model_dir
 
 
@@ -47,7 +47,7 @@ def smollm2_gguf(request):
 @pytest.fixture(scope="session")
 def smollm2_dir(nibble_home):
     """SmolLM2-135M-Instruct imported to float32 through the `smollm2` alias."""
-    from formats import hub
+    from nibble.formats import hub
     mp = pytest.MonkeyPatch()
     mp.setenv("NIBBLE_HOME", str(nibble_home))
     try:

@@ -5,7 +5,7 @@ whole sequence.
 """
 import numpy as np
 
-from formats.config import ModelConfig
+from nibble.formats.config import ModelConfig
 
 
 def rmsnorm(x, w, eps):

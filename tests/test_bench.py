@@ -3,9 +3,9 @@ import json
 
 import numpy as np
 
-from runner import synthetic
-from runner.bench import memory_bandwidth, weight_bytes_per_token
-from runner.loader import from_model_dir
+from nibble.runner import synthetic
+from nibble.runner.bench import memory_bandwidth, weight_bytes_per_token
+from nibble.runner.loader import from_model_dir
 from tests.test_cli import assert_one_line_error, invoke
 from tests.tiny import tiny_model_dir
 

@@ -1,8 +1,8 @@
 """The importance matrix against squared activations computed by the numpy reference."""
 import numpy as np
 
-from runner.calibrate import collect_imatrix
-from runner.model import Model
+from nibble.runner.calibrate import collect_imatrix
+from nibble.runner.model import Model
 from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
 

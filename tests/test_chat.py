@@ -1,18 +1,13 @@
 """Chat templates rendered as Hugging Face renders them, checked against llama.cpp's SmolLM2 prompts."""
-import json
-from pathlib import Path
 
 import pytest
 
-from formats.errors import NibbleError
-from runner.chat import ChatTemplate, build_messages
+from nibble.formats.errors import NibbleError
+from nibble.runner.chat import ChatTemplate, build_messages
+from tests.llamacpp import SMOLLM2 as REFERENCE
 
-# llama.cpp's run of SmolLM2-135M-Instruct (see /work/shared/reference/README.md): its GGUF
-# metadata holds the model's chat template, and each greedy output the prompt llama.cpp rendered.
-# shared/ sits beside the checkout here, inside it on the device machine.
-REFERENCE_PATH = next(p / "shared/reference/smollm2-llamacpp.json" for p in Path(__file__).parents[1:3]
-                      if (p / "shared/reference/smollm2-llamacpp.json").exists())
-REFERENCE = json.loads(REFERENCE_PATH.read_text())
+# llama.cpp's run of SmolLM2-135M-Instruct (tests/data): its GGUF metadata holds the model's chat
+# template, and each greedy output the prompt llama.cpp rendered.
 SMOLLM2_TEMPLATE = REFERENCE["model_metadata"]["tokenizer.chat_template"]
 SMOLLM2_OUTPUTS = REFERENCE["greedy"]["models"]["SmolLM2-135M-Instruct.F32.gguf"]["outputs"]
 SMOLLM2_CONFIG = {"chat_template": SMOLLM2_TEMPLATE, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}

@@ -9,7 +9,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from runner.cli import main
+from nibble.runner.cli import main
 
 GREEDY = ["--temp", "0", "-n", "12"]
 
@@ -71,7 +71,7 @@ def test_empty_prompt(tiny_dir):
 
 
 def test_no_prompt_and_a_terminal_on_stdin(tiny_dir, monkeypatch):
-    monkeypatch.setattr("runner.cli._stdin_is_terminal", lambda: True)
+    monkeypatch.setattr("nibble.runner.cli._stdin_is_terminal", lambda: True)
     r = invoke("run", "-m", tiny_dir)
     assert r.exit_code == 2 and "no prompt" in r.stderr
 
@@ -122,7 +122,7 @@ def test_import_writes_a_model_dir(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir):
     """A real SIGINT while the real model writes a long reply."""
-    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "run", "-m", str(smollm2_dir), "-n", "2000",
+    proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "run", "-m", str(smollm2_dir), "-n", "2000",
                              "--seed", "1", "Write a very long story about a dragon."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     first = proc.stdout.read(20)   # the reply has started
@@ -137,7 +137,7 @@ def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir):
 def test_ctrl_c_while_loading_is_one_line(tiny_dir, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr("runner.loader.load", interrupted)
+    monkeypatch.setattr("nibble.runner.loader.load", interrupted)
     r = invoke("run", "-m", tiny_dir, "Hi")
     assert r.exit_code == 130 and "Traceback" not in r.stderr and r.stderr.strip() == "interrupted"
 

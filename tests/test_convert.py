@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from formats.errors import FormatError, NibbleError
-from formats.model_dir import read_model_dir, write_model_dir
-from quant.affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
-from quant.convert import default_calibration_text, is_quantized, quantize_model, read_linear
+from nibble.formats.errors import FormatError, NibbleError
+from nibble.formats.model_dir import read_model_dir, write_model_dir
+from nibble.quant.affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
+from nibble.quant.convert import default_calibration_text, is_quantized, quantize_model, read_linear
 from tests.tiny import tiny_model_dir
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -152,7 +152,7 @@ def test_default_calibration_text():
 
 @pytest.mark.slow
 def test_smollm2_embedding(smollm2_gguf):
-    from formats.gguf import import_gguf
+    from nibble.formats.gguf import import_gguf
     w = import_gguf(smollm2_gguf).tensors["model.embed_tokens.weight"]  # [49152, 576]
     s8 = AffineScheme(8, 64)
     assert reconstruction_error(w, quantize(w, s8), s8) < 0.01

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from runner.kernels import cuda as gpu
-from runner.kernels import layer as cpu_layer
-from runner.kernels.cuda_kernels import ATT_THREADS, SLAB
-from runner.kernels.quant_cpu import prepare
+from nibble.runner.kernels import cuda as gpu
+from nibble.runner.kernels import layer as cpu_layer
+from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
+from nibble.runner.kernels.quant_cpu import prepare
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize
 

@@ -1,14 +1,14 @@
 """The generation stack on the tiny model: the README's two calls, finish reasons, stop strings."""
 import pytest
 
-from runner.generate import StopStrings
-from runner.sample import SamplerSettings, make_sampler
+from nibble.runner.generate import StopStrings
+from nibble.runner.sample import SamplerSettings, make_sampler
 
 GREEDY = make_sampler(SamplerSettings(temperature=0))
 
 
 def test_readme_two_calls(tiny_dir):
-    from runner import load, stream_generate
+    from nibble.runner import load, stream_generate
     model, tokenizer = load(str(tiny_dir))
     responses = list(stream_generate(model, tokenizer, tokenizer.prompt("Hi"), sampler=GREEDY, max_tokens=5))
     assert responses[-1].finish_reason in ("stop", "length")
@@ -17,7 +17,7 @@ def test_readme_two_calls(tiny_dir):
 
 
 def test_length_and_context_limits(tiny_dir):
-    from runner import load, stream_generate
+    from nibble.runner import load, stream_generate
     model, tok = load(str(tiny_dir))
     tok.eos_ids = frozenset()   # never stop early: the limits decide
     ids = tok.encode("The quick brown fox")

@@ -6,9 +6,9 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from tokenizers import pre_tokenizers
 
-import formats.gguf as fg
-from formats.errors import FormatError
-from formats.gguf import import_gguf
+import nibble.formats.gguf as fg
+from nibble.formats.errors import FormatError
+from nibble.formats.gguf import import_gguf
 from tests.tiny import tiny_config, tiny_tensors
 
 
@@ -288,7 +288,7 @@ def test_linear_rope_scaling_and_eot(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_config(smollm2):
-    # Figures from /work/shared/reference/README.md (the model llama.cpp was measured on).
+    # Figures from shared/reference/README.md (the model llama.cpp was measured on).
     c = smollm2.config
     assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == ("llama", 30, 576, 9)
     assert (c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size) == (3, 64, 1536, 49152)

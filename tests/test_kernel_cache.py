@@ -6,7 +6,7 @@ from pathlib import Path
 
 RUN_A_KERNEL = """
 import numpy as np
-from runner.kernels import cpu
+from nibble.runner.kernels import cpu
 x = np.ones((1, 8), np.float32)
 cpu.rmsnorm(x, np.ones(8, np.float32), 1e-5, x)
 """

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from runner.kernels import cpu
+from nibble.runner.kernels import cpu
 from tests import reference
 
 rng = np.random.default_rng(0)

@@ -8,8 +8,8 @@ import struct
 
 import numpy as np
 
-from formats.model_dir import write_model_dir
-from runner.loader import load
+from nibble.formats.model_dir import write_model_dir
+from nibble.runner.loader import load
 from tests import reference
 from tests.tiny import tiny_model_dir
 

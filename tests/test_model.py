@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from runner.model import ContextFull, Model
+from nibble.runner.model import ContextFull, Model
 from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
 
@@ -57,7 +57,7 @@ def test_context_full_names_both_numbers():
 
 
 def test_missing_and_misshapen_tensors_are_named():
-    from formats.errors import FormatError
+    from nibble.formats.errors import FormatError
     config = tiny_config()
     tensors = tiny_tensors(config)
     del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -81,7 +81,7 @@ def test_int8_kv_cache_stays_close():
 
 
 def test_unknown_kv_cache_type():
-    from formats.errors import NibbleError
+    from nibble.formats.errors import NibbleError
     config = tiny_config()
     with pytest.raises(NibbleError, match="unknown KV cache type 'fp8': choose f32 or int8"):
         Model(config, tiny_tensors(config)).new_cache(8, "fp8")

@@ -6,11 +6,11 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from formats import model_dir as md
-from formats.config import ModelConfig
-from formats.errors import FormatError
-from formats.model_dir import ModelDir, read_model_dir, write_model_dir
-from formats.safetensors import read_safetensors_metadata
+from nibble.formats import model_dir as md
+from nibble.formats.config import ModelConfig
+from nibble.formats.errors import FormatError
+from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
+from nibble.formats.safetensors import read_safetensors_metadata
 
 CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from numba import config, cuda
 
-from formats.model_dir import write_model_dir
-from runner import offload
-from runner.kernels import cuda as gpu
-from runner.loader import from_model_dir
+from nibble.formats.model_dir import write_model_dir
+from nibble.runner import offload
+from nibble.runner.kernels import cuda as gpu
+from nibble.runner.loader import from_model_dir
 from tests.test_cli import assert_one_line_error, invoke
 from tests.tiny import tiny_config, tiny_model_dir, tiny_tensors
 

@@ -4,10 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from formats.model_dir import write_model_dir
-from quant.convert import quantize_model
-from runner.loader import from_model_dir
-from runner.perplexity import evaluate
+from nibble.formats.model_dir import write_model_dir
+from nibble.quant.convert import quantize_model
+from nibble.runner.loader import from_model_dir
+from nibble.runner.perplexity import evaluate
 from tests import reference
 from tests.test_cli import assert_one_line_error, invoke
 from tests.tiny import TEXT, tiny_model_dir

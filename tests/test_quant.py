@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from formats.errors import NibbleError
-from quant.affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
-from quant.packing import pack, unpack
-from quant.search import search_affine
+from nibble.formats.errors import NibbleError
+from nibble.quant.affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
+from nibble.quant.packing import pack, unpack
+from nibble.quant.search import search_affine
 
 SCHEMES = [AffineScheme(b, g) for b in (4, 8) for g in (32, 64, 128)]
 

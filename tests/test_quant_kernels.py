@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from runner.kernels import quant_cpu
-from runner.kernels.quant_cpu import QuantizedWeight, dequantize, dequantize_rows, prepare, qmatmul
+from nibble.runner.kernels import quant_cpu
+from nibble.runner.kernels.quant_cpu import QuantizedWeight, dequantize, dequantize_rows, prepare, qmatmul
 
 rng = np.random.default_rng(0)
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from formats.model_dir import read_model_dir
+from nibble.formats.model_dir import read_model_dir
 from tests.test_cli import assert_one_line_error, invoke
 
 
@@ -51,7 +51,7 @@ def test_bad_calibration_file(tiny_dir, tmp_path, content, match):
 def test_full_disk_or_interrupt_leaves_nothing(tiny_dir, tmp_path, monkeypatch, error):
     def fail(*args, **kwargs):
         raise error
-    monkeypatch.setattr("formats.model_dir.write_safetensors", fail)
+    monkeypatch.setattr("nibble.formats.model_dir.write_safetensors", fail)
     r = invoke("quantize", tiny_dir, "-o", tmp_path / "out", "--bits", 8)
     assert r.exit_code == (1 if isinstance(error, OSError) else 130)
     assert "Traceback" not in r.stderr

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from formats.model_dir import read_model_dir, write_model_dir
-from quant.affine import dequantize
-from quant.convert import quantize_model, read_linear
-from runner.model import Model
+from nibble.formats.model_dir import read_model_dir, write_model_dir
+from nibble.quant.affine import dequantize
+from nibble.quant.convert import quantize_model, read_linear
+from nibble.runner.model import Model
 from tests import reference
 from tests.tiny import tiny_model_dir
 

@@ -5,8 +5,8 @@ import struct
 import numpy as np
 import pytest
 
-from formats.errors import FormatError
-from formats.safetensors import (read_checkpoint, read_safetensors, read_safetensors_metadata,
+from nibble.formats.errors import FormatError
+from nibble.formats.safetensors import (read_checkpoint, read_safetensors, read_safetensors_metadata,
                                  write_safetensors)
 
 

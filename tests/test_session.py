@@ -4,11 +4,11 @@ import threading
 
 import pytest
 
-from runner import session as session_module
-from runner.loader import load
-from runner.model import ContextFull
-from runner.sample import SamplerSettings
-from runner.session import ChatSession
+from nibble.runner import session as session_module
+from nibble.runner.loader import load
+from nibble.runner.model import ContextFull
+from nibble.runner.sample import SamplerSettings
+from nibble.runner.session import ChatSession
 
 GREEDY = SamplerSettings(temperature=0)
 
@@ -61,8 +61,8 @@ def test_turn_two_prefills_only_the_new_tokens(tiny):
 
 
 def test_greedy_reply_with_reuse_equals_a_fresh_cache(tiny):
-    from runner.generate import stream_generate
-    from runner.sample import make_sampler
+    from nibble.runner.generate import stream_generate
+    from nibble.runner.sample import make_sampler
     reused = ChatSession(*tiny, ctx=256)
     conv = [user("What is the capital of France?")]
     reply, _, _ = run(reused, conv)

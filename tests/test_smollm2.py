@@ -1,21 +1,18 @@
 """The real model, SmolLM2-135M-Instruct imported to float32, against llama.cpp's figures.
 
-Reference figures: ../shared/reference/smollm2-llamacpp.json (llama.cpp's F32 GGUF of the same
+Reference figures: tests/data/smollm2-llamacpp.json (llama.cpp's F32 GGUF of the same
 weights: greedy continuations and perplexity on Python's pydoc topics).
 """
 import json
-from pathlib import Path
 
 import numpy as np
 import pydoc_data.topics
 import pytest
 
-from runner.loader import load
-from runner.perplexity import evaluate
+from nibble.runner.loader import load
+from nibble.runner.perplexity import evaluate
+from tests.llamacpp import SMOLLM2 as LLAMACPP
 
-REFERENCE = next(p for p in (Path(__file__).parents[2] / "shared" / "reference",
-                             Path(__file__).parents[1] / "shared" / "reference") if p.exists())
-LLAMACPP = json.loads((REFERENCE / "smollm2-llamacpp.json").read_text())
 GREEDY_F32 = LLAMACPP["greedy"]["models"]["SmolLM2-135M-Instruct.F32.gguf"]["outputs"]
 
 pytestmark = pytest.mark.slow
@@ -49,8 +46,8 @@ def test_greedy_matches_llamacpp_f32(smollm2, case):
 
 def test_streamed_reply_is_llamacpps_text(smollm2):
     """The whole pipeline: chat template, prefill, greedy decode, streaming detokenizer, eos."""
-    from runner.generate import stream_generate
-    from runner.sample import SamplerSettings, make_sampler
+    from nibble.runner.generate import stream_generate
+    from nibble.runner.sample import SamplerSettings, make_sampler
     model, tok = smollm2
     case = GREEDY_F32[1]
     rs = list(stream_generate(model, tok, tok.prompt(case["prompt"]), max_tokens=64,

@@ -6,7 +6,6 @@ tokens `special`, so `encode_special_tokens = True` gives the second mode.
 """
 import hashlib
 import json
-from pathlib import Path
 
 import gguf
 import jinja2
@@ -15,10 +14,10 @@ import pydoc_data.topics
 import pytest
 import tokenizers
 
-from formats.gguf import import_gguf
+from nibble.formats.gguf import import_gguf
+from tests.llamacpp import DATA, SMOLLM2, TOKENIZER
 from tests.test_gguf import write_gguf
 
-REFERENCE = Path("/work/shared/reference")
 
 
 def encode(tok: tokenizers.Tokenizer, text: str, parse_special: bool) -> list[int]:
@@ -56,7 +55,7 @@ def test_add_bos_token(tmp_path):
 def test_awkward_strings(smollm2):
     # llama.cpp's ids for 14 strings (Unicode, emoji, CRLF, code, special tokens), both modes.
     tok = smollm2.tokenizer
-    for case in json.loads((REFERENCE / "tokenizer-llamacpp.json").read_text())["strings"]:
+    for case in TOKENIZER["strings"]:
         text = case["text"]
         assert encode(tok, text, parse_special=True) == case["ids_parse_special"], text
         assert encode(tok, text, parse_special=False) == case["ids"], text
@@ -67,7 +66,7 @@ def test_awkward_strings(smollm2):
 @pytest.mark.slow
 def test_tokenize_reference(smollm2):
     # `tokenize` of smollm2-llamacpp.json: ids and byte-level pieces, and a string with specials.
-    ref = json.loads((REFERENCE / "smollm2-llamacpp.json").read_text())["tokenize"]
+    ref = SMOLLM2["tokenize"]
     tok = smollm2.tokenizer
     ids = encode(tok, ref["text"], parse_special=True)
     assert ids == ref["ids"]
@@ -79,7 +78,7 @@ def test_tokenize_reference(smollm2):
 @pytest.mark.slow
 def test_chat_prompts(smollm2):
     # `greedy` of smollm2-llamacpp.json: the GGUF's chat template rendered, then tokenized.
-    models = json.loads((REFERENCE / "smollm2-llamacpp.json").read_text())["greedy"]["models"]
+    models = SMOLLM2["greedy"]["models"]
     template = jinja2.Template(smollm2.tokenizer_config["chat_template"])
     for out in models["SmolLM2-135M-Instruct.F32.gguf"]["outputs"]:
         text = template.render(messages=[{"role": "user", "content": out["prompt"]}],
@@ -92,10 +91,10 @@ def test_chat_prompts(smollm2):
 def test_pydoc_corpus(smollm2):
     # The perplexity corpus of smollm2-llamacpp.json; its ids are pydoc-topics-token-ids.npy.
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    ref = json.loads((REFERENCE / "tokenizer-llamacpp.json").read_text())["pydoc_topics"]
+    ref = TOKENIZER["pydoc_topics"]
     if hashlib.sha256(text.encode()).hexdigest() != ref["sha256_text"]:
         pytest.skip("this Python's pydoc topics differ from the corpus llama.cpp tokenized (3.11.7)")
-    expected = np.load(REFERENCE / ref["file"])
+    expected = np.load(DATA / ref["file"])
     ids = encode(smollm2.tokenizer, text, parse_special=True)
     assert len(ids) == ref["n_tokens"] == 112955
     np.testing.assert_array_equal(np.array(ids, np.int32), expected)
@@ -106,6 +105,6 @@ def test_pydoc_corpus(smollm2):
 def test_survives_tokenizer_json(smollm2):
     # hub.py writes the import out as tokenizer.json: the reloaded tokenizer must agree.
     tok = tokenizers.Tokenizer.from_str(smollm2.tokenizer.to_str())
-    for case in json.loads((REFERENCE / "tokenizer-llamacpp.json").read_text())["strings"]:
+    for case in TOKENIZER["strings"]:
         assert encode(tok, case["text"], parse_special=True) == case["ids_parse_special"]
         assert encode(tok, case["text"], parse_special=False) == case["ids"]

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
-from formats import hub  # noqa: E402
-from runner.loader import load  # noqa: E402
+from nibble.formats import hub  # noqa: E402
+from nibble.runner.loader import load  # noqa: E402
 from tests.tui_helpers import make_app, ready, wait_for  # noqa: E402
-from tui.store import ChatSettings, Message, Store  # noqa: E402
+from nibble.tui.store import ChatSettings, Message, Store  # noqa: E402
 
 SIZE = (100, 30)
 REPLY = """Here is a function that checks whether a number is prime:
@@ -36,7 +36,7 @@ def tiny(tiny_dir):
 @pytest.fixture(autouse=True)
 def fixed(monkeypatch, tmp_path):
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
-    monkeypatch.setattr("tui.widgets.status.process_memory", lambda: 512 << 20)
+    monkeypatch.setattr("nibble.tui.widgets.status.process_memory", lambda: 512 << 20)
     monkeypatch.setattr(hub, "list_cached_models", lambda: [
         hub.CachedModel("smollm2", tmp_path, 538 << 20),
         hub.CachedModel("HuggingFaceTB/SmolLM2-360M-Instruct", tmp_path, 1448 << 20)])

@@ -3,8 +3,8 @@ import sqlite3
 
 import pytest
 
-from tui import store as store_module
-from tui.store import ChatSettings, Message, Store, data_dir
+from nibble.tui import store as store_module
+from nibble.tui.store import ChatSettings, Message, Store, data_dir
 
 
 def test_data_dir_follows_nibble_home_then_xdg(monkeypatch, tmp_path):

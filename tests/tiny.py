@@ -3,8 +3,8 @@
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from formats.config import ModelConfig
-from formats.model_dir import ModelDir
+from nibble.formats.config import ModelConfig
+from nibble.formats.model_dir import ModelDir
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

@@ -5,9 +5,9 @@ import sqlite3
 import time
 from pathlib import Path
 
-from tui.app import ChatApp
-from tui.store import ChatSettings
-from tui.widgets.prompt import PromptInput
+from nibble.tui.app import ChatApp
+from nibble.tui.store import ChatSettings
+from nibble.tui.widgets.prompt import PromptInput
 
 GREEDY = ChatSettings(temperature=0, max_tokens=8)
 
@@ -19,11 +19,11 @@ def make_app(tiny, model: str | None = "tiny", load=None, **kwargs) -> ChatApp:
 
 
 async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "condition"):
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
+    for _ in range(int(timeout / 0.01)):   # at least `timeout` seconds of pauses
+        if condition():
+            return
         await pilot.pause(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def ready(pilot):

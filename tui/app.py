@@ -133,10 +133,10 @@ class ChatApp(App):
         try:
             self._post(LoadProgress(ref, 0, "starting the runner"))
             # Imported here: Numba's import alone takes a second, and must not hold up the window.
-            from runner.session import ChatSession
+            from nibble.runner.session import ChatSession
             load = self._load_fn
             if load is None:
-                from runner.loader import load
+                from nibble.runner.loader import load
             self._post(LoadProgress(ref, 1, "reading the model"))
             gpu = (dict(gpu_layers=self.gpu_layers, require_gpu=self.require_gpu, ctx_size=self.ctx_size)
                    if self.gpu_layers else {})
@@ -149,7 +149,7 @@ class ChatApp(App):
                                   threads=self.threads)
             session.warm_up()
         except Exception as e:   # any failure becomes a notification; the app stays usable
-            from formats.errors import NibbleError
+            from nibble.formats.errors import NibbleError
             self._post(LoadFailed(ref, str(e) if isinstance(e, NibbleError) else f"{type(e).__name__}: {e}"))
             return
         self._post(ModelLoaded(ref, session, time.perf_counter() - start))

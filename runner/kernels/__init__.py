@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numba
 
-from formats.hub import nibble_home
+from nibble.formats.hub import nibble_home
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]

@@ -9,8 +9,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
-from formats import hub
-from tui.widgets.status import format_bytes
+from nibble.formats import hub
+from nibble.tui.widgets.status import format_bytes
 
 
 class ModelPicker(ModalScreen[str | None]):

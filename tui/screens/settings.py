@@ -8,8 +8,8 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, TextArea
 
-from formats.errors import NibbleError
-from runner.sample import SamplerSettings
+from nibble.formats.errors import NibbleError
+from nibble.runner.sample import SamplerSettings
 
 from ..store import ChatSettings
 
