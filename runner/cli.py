@@ -4,10 +4,13 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from dataclasses import replace
 
 import click
 
 from nibble.formats.errors import NibbleError
+
+from .settings import MAX_TOKENS, SamplerSettings
 
 DEFAULT_MODEL = "smollm2"
 
@@ -44,19 +47,39 @@ kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, t
                                help="KV cache precision: int8 keeps a quarter of the memory.")
 
 
-def generation_options(f):
-    """The sampling and runtime flags shared by `run`, `chat` and `bench`."""
+def sampling_options(f):
+    """--temp, --top-k, --top-p, --min-p, --repeat-penalty and --seed, with SamplerSettings'
+    defaults, handed to the command as one `sampling: SamplerSettings` (a bad value: one line)."""
+    d = SamplerSettings()
     options = [
-        click.option("-n", "--max-tokens", default=512, show_default=True, type=click.IntRange(min=1),
-                     help="Most tokens to generate."),
-        click.option("--temp", default=0.8, show_default=True, type=float, help="Temperature; 0 is greedy."),
-        click.option("--top-k", default=40, show_default=True, type=int, help="Keep the k likeliest tokens; 0 is off."),
-        click.option("--top-p", default=0.95, show_default=True, type=float, help="Nucleus sampling; 1 is off."),
-        click.option("--min-p", default=0.05, show_default=True, type=float,
+        click.option("--temp", "temperature", default=d.temperature, show_default=True, type=float,
+                     help="Temperature; 0 is greedy."),
+        click.option("--top-k", "top_k", default=d.top_k, show_default=True, type=int,
+                     help="Keep the k likeliest tokens; 0 is off."),
+        click.option("--top-p", "top_p", default=d.top_p, show_default=True, type=float,
+                     help="Nucleus sampling; 1 is off."),
+        click.option("--min-p", "min_p", default=d.min_p, show_default=True, type=float,
                      help="Drop tokens below min-p times the likeliest; 0 is off."),
-        click.option("--repeat-penalty", default=1.0, show_default=True, type=float,
-                     help="Penalise the last 64 tokens; 1 is off."),
-        click.option("--seed", type=click.IntRange(min=0), help="Seed for reproducible sampling."),
+        click.option("--repeat-penalty", "repetition_penalty", default=d.repetition_penalty, show_default=True,
+                     type=float, help=f"Penalise the last {d.repeat_last_n} tokens; 1 is off."),
+        click.option("--seed", "seed", default=d.seed, type=click.IntRange(min=0),
+                     help="Seed for reproducible sampling."),
+    ]
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+    @functools.wraps(f)
+    def command(**kwargs):
+        sampling = SamplerSettings(**{name: kwargs.pop(name) for name in names})
+        return f(sampling=sampling, **kwargs)
+    return functools.reduce(lambda g, option: option(g), reversed(options), command)
+
+
+def generation_options(f):
+    """The sampling and runtime flags shared by `run` and `chat`."""
+    options = [
+        click.option("-n", "--max-tokens", default=MAX_TOKENS, show_default=True, type=click.IntRange(min=1),
+                     help="Most tokens to generate."),
+        sampling_options,
         click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores]."),
         click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(min=1),
                      help="Context size in tokens (at most the model's)."),
@@ -93,12 +116,6 @@ def _set_threads(threads: int | None):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
-def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
-    from .sample import SamplerSettings, make_sampler
-    return make_sampler(SamplerSettings(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                        repetition_penalty=repeat_penalty, seed=seed))
-
-
 def _stdin_is_terminal() -> bool:
     return sys.stdin is None or sys.stdin.isatty()
 
@@ -123,19 +140,19 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and stats.")
-def run(prompt, prompt_option, model, quant, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-        seed, threads, ctx_size, kv_cache, gpu_layers, require_gpu, stop, raw, as_json):
+def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache,
+        gpu_layers, require_gpu, stop, raw, as_json):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
-    sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     _set_threads(threads)
     from .generate import stream_generate
+    from .sample import make_sampler
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size)
     ids = tokenizer.prompt(text, system=system, raw=raw)
     cache = llm.new_cache(ctx_size, kv_cache)
     pieces, last = [], None
     try:
-        for last in stream_generate(llm, tokenizer, ids, sampler=sampler, max_tokens=max_tokens,
+        for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling), max_tokens=max_tokens,
                                     stop=stop, cache=cache):
             pieces.append(last.text)
             if not as_json:
@@ -172,20 +189,16 @@ def _report(r, text: str, as_json: bool, interrupted: bool = False):
 @click.option("-s", "--system", default="", help="System prompt of new chats (editable per chat).")
 @generation_options
 @gpu_options
-def chat(model, quant, system, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads, ctx_size,
-         kv_cache, gpu_layers, require_gpu):
+def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, gpu_layers, require_gpu):
     """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
-    from .sample import SamplerSettings
-    SamplerSettings(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repeat_penalty, seed=seed)   # bad flags: one line, before the app
     _fetch_if_needed(model)
     from nibble.tui.app import ChatApp
     from nibble.tui.store import ChatSettings
-    defaults = ChatSettings(system=system, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                            max_tokens=max_tokens, repetition_penalty=repeat_penalty)
-    ChatApp(model, quant=quant, ctx_size=ctx_size, kv_cache=kv_cache, threads=threads, seed=seed,
+    # The seed is the app's, for every chat; the rest are the defaults of new chats.
+    defaults = ChatSettings(system=system, sampling=replace(sampling, seed=None), max_tokens=max_tokens)
+    ChatApp(model, quant=quant, ctx_size=ctx_size, kv_cache=kv_cache, threads=threads, seed=sampling.seed,
             defaults=defaults, gpu_layers=gpu_layers, require_gpu=require_gpu).run()
 
 

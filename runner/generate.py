@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from .cache import KVCache
 from .model import ContextFull, Model
-from .sample import Sampler, SamplerSettings, make_sampler
+from .sample import Sampler, make_sampler
+from .settings import MAX_TOKENS, SamplerSettings
 from .tokenizer import Tokenizer
 
 
@@ -40,7 +41,7 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache,
 
 
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], *,
-                    sampler: Sampler | None = None, max_tokens: int = 512,
+                    sampler: Sampler | None = None, max_tokens: int = MAX_TOKENS,
                     stop: Sequence[str] = (), cache: KVCache | None = None,
                     ) -> Iterator[GenerationResponse]:
     """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None)."""

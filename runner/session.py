@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 
 from .generate import stream_generate
 from .model import ContextFull, Model
-from .sample import SamplerSettings, make_sampler
+from .sample import make_sampler
+from .settings import MAX_TOKENS, SamplerSettings
 from .tokenizer import Tokenizer
 
 # Prompt tokens per forward pass of a long prefill: a stop request is honoured between chunks.
@@ -127,7 +128,7 @@ class ChatSession:
         return text, ids, dropped
 
     def reply(self, messages: list[dict], settings: SamplerSettings = SamplerSettings(),
-              max_tokens: int = 512, cancel: threading.Event | None = None) -> Iterator[ChatChunk]:
+              max_tokens: int = MAX_TOKENS, cancel: threading.Event | None = None) -> Iterator[ChatChunk]:
         """Stream the assistant's reply to `messages` ([{"role", "content"}, ...]).
 
         The first chunk (empty text) comes before the prefill and says what will be prefilled

@@ -1,6 +1,7 @@
 """The command line, on the tiny model: output streams, stats, and one clean line for bad input."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +80,24 @@ def test_no_prompt_and_a_terminal_on_stdin(tiny_dir, monkeypatch):
 def test_prompt_longer_than_context_names_both_numbers(tiny_dir):
     assert_one_line_error(invoke("run", "-m", tiny_dir, "-c", 8, "Hello there, how are you today?"),
                           match="and the context holds 8")
+
+
+def test_the_flags_defaults_are_the_library_s(tiny_dir, monkeypatch):
+    from nibble.runner import generate, sample
+    from nibble.runner.settings import MAX_TOKENS, SamplerSettings
+    seen = {}
+    monkeypatch.setattr(sample, "make_sampler", lambda settings: seen.setdefault("sampling", settings))
+    monkeypatch.setattr(generate, "stream_generate",
+                        lambda *args, max_tokens, **kwargs: seen.update(max_tokens=max_tokens) or iter(()))
+    r = invoke("run", "-m", tiny_dir, "Hi")
+    assert r.exit_code == 0, r.output
+    assert seen == {"sampling": SamplerSettings(), "max_tokens": MAX_TOKENS}
+    shown, d = " ".join(invoke("run", "--help").stdout.split()), SamplerSettings()
+    for flag, value in [("--temp FLOAT", d.temperature), ("--top-k INTEGER", d.top_k), ("--top-p FLOAT", d.top_p),
+                        ("--min-p FLOAT", d.min_p), ("--repeat-penalty FLOAT", d.repetition_penalty),
+                        ("--max-tokens INTEGER RANGE", MAX_TOKENS)]:
+        assert re.search(rf"{flag} [^[]*\[default: {value}[];]", shown), flag
+    assert f"Penalise the last {d.repeat_last_n} tokens" in shown
 
 
 def test_bad_sampler_setting(tiny_dir):

@@ -2,7 +2,8 @@
 import pytest
 
 from nibble.runner.generate import StopStrings
-from nibble.runner.sample import SamplerSettings, make_sampler
+from nibble.runner.sample import make_sampler
+from nibble.runner.settings import SamplerSettings
 
 GREEDY = make_sampler(SamplerSettings(temperature=0))
 

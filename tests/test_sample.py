@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from nibble.formats.errors import NibbleError
-from nibble.runner.sample import (SamplerSettings, apply_repetition_penalty, draw, make_sampler, top_k,
-                           top_p_min_p)
+from nibble.runner.sample import apply_repetition_penalty, draw, make_sampler, top_k, top_p_min_p
+from nibble.runner.settings import SamplerSettings
 
 VOCAB = 49_152  # SmolLM2's vocabulary
 

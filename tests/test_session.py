@@ -7,7 +7,7 @@ import pytest
 from nibble.runner import session as session_module
 from nibble.runner.loader import load
 from nibble.runner.model import ContextFull
-from nibble.runner.sample import SamplerSettings
+from nibble.runner.settings import SamplerSettings
 from nibble.runner.session import ChatSession
 
 GREEDY = SamplerSettings(temperature=0)

@@ -9,6 +9,7 @@ from nibble.formats import hub
 from nibble.formats.errors import NibbleError
 from nibble.runner import session as session_module
 from nibble.runner.loader import load
+from nibble.runner.settings import SamplerSettings
 from nibble.tui.screens.keys import KeysScreen
 from nibble.tui.screens.models import ModelPicker
 from nibble.tui.screens.settings import SettingsScreen
@@ -105,7 +106,7 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, mon
         tokens.setdefault("end", len(slow))
         await end(self, turn, finish)
     monkeypatch.setattr(ChatScreen, "_end_turn", end_turn)
-    app = make_app(tiny, defaults=ChatSettings(temperature=0, max_tokens=200))
+    app = make_app(tiny, defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=200))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
@@ -122,7 +123,7 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, mon
 
 
 async def test_a_message_sent_right_after_esc_goes_after_the_stopped_reply(home, tiny, slow):
-    app = make_app(tiny, defaults=ChatSettings(temperature=0, max_tokens=100))
+    app = make_app(tiny, defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=100))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
@@ -234,7 +235,7 @@ async def test_a_chat_survives_a_restart(home, tiny):
 
 @pytest.mark.parametrize("key", ["ctrl+q", "ctrl+c"])
 async def test_quitting_during_a_reply_keeps_what_was_written(home, tiny, slow, key):
-    app = make_app(tiny, defaults=ChatSettings(temperature=0, max_tokens=200))
+    app = make_app(tiny, defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=200))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
@@ -308,7 +309,7 @@ async def test_settings_are_edited_and_stored_with_the_chat(home, tiny):
         await send(pilot, "Again")
         assert app.chat_screen.history[-1].stats["generation_tokens"] == 5
     stored = Store.open()[0].chats()[0].settings
-    assert (stored.system, stored.max_tokens, stored.top_p, stored.temperature) == ("Answer in French.", 5, 0.9, 0)
+    assert (stored.system, stored.max_tokens, stored.sampling.top_p, stored.sampling.temperature) == ("Answer in French.", 5, 0.9, 0)
 
 
 async def test_status_bar_shows_model_speed_context_and_memory(home, tiny):
@@ -324,7 +325,8 @@ async def test_status_bar_shows_model_speed_context_and_memory(home, tiny):
 
 
 async def test_overflow_drops_the_oldest_turns_and_says_so(home, tiny):
-    app = make_app(tiny, ctx_size=80, defaults=ChatSettings(temperature=0, max_tokens=16, system="Be brief."))
+    app = make_app(tiny, ctx_size=80, defaults=ChatSettings(system="Be brief.", sampling=SamplerSettings(temperature=0),
+                                                            max_tokens=16))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         for q in ["The quick brown fox", "jumps over the lazy dog", "Numba compiles Python"]:
@@ -467,7 +469,8 @@ async def test_a_locked_history_is_left_alone(home, tiny, monkeypatch):
 @pytest.mark.slow
 async def test_the_real_model_answers(home, smollm2_dir):
     from nibble.tui.app import ChatApp
-    app = ChatApp(str(smollm2_dir), ctx_size=512, defaults=ChatSettings(temperature=0, max_tokens=12))
+    app = ChatApp(str(smollm2_dir), ctx_size=512,
+                  defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=12))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.session is not None, timeout=120, what="SmolLM2")
         await send(pilot, "What is the capital of France?")
@@ -489,13 +492,16 @@ def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, ti
     monkeypatch.setattr(cli, "_in_terminal", lambda: True)
     r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir), "--top-p", "2"])
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr and not started
+    r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir)])
+    assert r.exit_code == 0, r.output
+    assert started[0].defaults == ChatSettings() and started[0].seed is None   # the same defaults
     r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir), "--temp", "0.3", "-s", "Be brief.",
                                   "-n", "64", "-c", "128", "--kv-cache", "int8", "--seed", "7", "-ngl", "0"])
     assert r.exit_code == 0, r.output
-    app = started[0]
+    app = started[1]
     assert app.requested_model == str(tiny_dir) and (app.ctx_size, app.kv_cache, app.seed) == (128, "int8", 7)
     assert (app.gpu_layers, app.require_gpu) == (0, False)
-    assert app.defaults == ChatSettings(system="Be brief.", temperature=0.3, max_tokens=64)
+    assert app.defaults == ChatSettings(system="Be brief.", sampling=SamplerSettings(temperature=0.3), max_tokens=64)
 
 
 def test_nibble_help_does_not_import_the_app():

@@ -1,8 +1,10 @@
 """The chat history database: where it lives, what it keeps, and what it does with a bad file."""
+import json
 import sqlite3
 
 import pytest
 
+from nibble.runner.settings import SamplerSettings
 from nibble.tui import store as store_module
 from nibble.tui.store import ChatSettings, Message, Store, data_dir
 
@@ -22,7 +24,7 @@ def test_chats_and_messages_round_trip(tmp_path):
     path = tmp_path / "sub" / "history.db"
     store, warning = Store.open(path)
     assert warning is None and path.exists()
-    settings = ChatSettings(system="Be brief.", temperature=0.2, max_tokens=64)
+    settings = ChatSettings(system="Be brief.", sampling=SamplerSettings(temperature=0.2), max_tokens=64)
     a = store.create_chat("first", "smollm2", settings)
     b = store.create_chat("second", "smollm2", ChatSettings())
     store.add_message(a.id, Message(None, "user", "Hi"))
@@ -38,8 +40,8 @@ def test_chats_and_messages_round_trip(tmp_path):
     assert chat.settings == settings and chat.model == "smollm2"
     assert [(m.role, m.content, m.finish, m.stats) for m in store.messages(a.id)] == [
         ("user", "Hi", None, {}), ("assistant", "Hello!", "stopped", {"generation_tokens": 3})]
-    store.update_settings(b.id, ChatSettings(top_k=5))
-    assert store.chat(b.id).settings.top_k == 5
+    store.update_settings(b.id, ChatSettings(sampling=SamplerSettings(top_k=5)))
+    assert store.chat(b.id).settings.sampling.top_k == 5
 
 
 def test_deleting_messages_and_chats(tmp_path):
@@ -55,8 +57,25 @@ def test_deleting_messages_and_chats(tmp_path):
 
 
 def test_settings_from_a_newer_or_broken_record():
-    assert ChatSettings.from_json('{"temperature": 0.1, "future_knob": 3}') == ChatSettings(temperature=0.1)
+    assert (ChatSettings.from_json('{"temperature": 0.1, "future_knob": 3}')
+            == ChatSettings(sampling=SamplerSettings(temperature=0.1)))
     assert ChatSettings.from_json("not json") == ChatSettings()
+    assert ChatSettings.from_json('{"top_p": 2}') == ChatSettings()            # a bad value
+    assert ChatSettings.from_json('{"top_k": "many"}') == ChatSettings()       # a bad type
+    assert ChatSettings.from_json("[1]") == ChatSettings()
+
+
+def test_settings_round_trip_under_flat_names(tmp_path):
+    store, _ = Store.open(tmp_path / "h.db")
+    sampling = SamplerSettings(temperature=0.3, top_k=7, top_p=0.5, min_p=0.1, repetition_penalty=1.2,
+                               repeat_last_n=32)
+    settings = ChatSettings("Be brief.", sampling, max_tokens=99)
+    chat = store.create_chat("c", "m", settings)
+    assert store.chat(chat.id).settings == settings
+    # One level of SamplerSettings' names, as nibble has always stored them; the seed is the app's.
+    stored = json.loads(store.db.execute("SELECT settings FROM chats").fetchone()[0])
+    assert stored == {"system": "Be brief.", "temperature": 0.3, "top_k": 7, "top_p": 0.5, "min_p": 0.1,
+                      "repetition_penalty": 1.2, "repeat_last_n": 32, "max_tokens": 99}
 
 
 @pytest.mark.parametrize("content", [b"garbage " * 200, b"SQLite format 3\x00" + b"\xff" * 4000])

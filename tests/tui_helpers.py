@@ -5,11 +5,12 @@ import sqlite3
 import time
 from pathlib import Path
 
+from nibble.runner.settings import SamplerSettings
 from nibble.tui.app import ChatApp
 from nibble.tui.store import ChatSettings
 from nibble.tui.widgets.prompt import PromptInput
 
-GREEDY = ChatSettings(temperature=0, max_tokens=8)
+GREEDY = ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=8)
 
 
 def make_app(tiny, model: str | None = "tiny", load=None, **kwargs) -> ChatApp:

@@ -14,6 +14,9 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from nibble.formats.errors import NibbleError
+from nibble.runner.settings import MAX_TOKENS, SamplerSettings
+
 # Seconds to wait for another nibble chat's write before calling the file locked.
 BUSY_TIMEOUT = 2.0
 
@@ -47,30 +50,46 @@ def data_dir() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "nibble"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatSettings:
-    """A chat's system prompt and sampling settings (runner.sample.SamplerSettings' names)."""
-    system: str = ""              # "": the chat template's own
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    max_tokens: int = 512
-    repetition_penalty: float = 1.0
+    """A chat's system prompt, sampling settings and reply length, stored with the chat."""
+    system: str = ""                                # "": the chat template's own
+    sampling: SamplerSettings = SamplerSettings()   # its seed is unused: the app's (--seed) applies
+    max_tokens: int = MAX_TOKENS
+
+    def flat(self) -> dict:
+        """The settings under one level of names (SamplerSettings' own, but the seed, plus system and
+        max_tokens): as stored, and as the settings screen shows them."""
+        sampling = {k: v for k, v in asdict(self.sampling).items() if k != "seed"}
+        return {"system": self.system, **sampling, "max_tokens": self.max_tokens}
+
+    @classmethod
+    def from_flat(cls, values: dict) -> ChatSettings:
+        """The settings that flat() gave; missing names take their defaults. Raises NibbleError
+        (a bad sampling value) or TypeError (a value of the wrong type)."""
+        names = {f.name for f in fields(SamplerSettings)} - {"seed"}
+        sampling = SamplerSettings(**{k: v for k, v in values.items() if k in names})
+        return cls(values.get("system", ""), sampling, values.get("max_tokens", MAX_TOKENS))
 
     @classmethod
     def from_json(cls, text: str | None, default: ChatSettings | None = None) -> ChatSettings:
-        """Stored settings over `default`; unknown keys (a newer nibble's) are ignored."""
-        base = asdict(default or cls())
+        """Stored settings over `default`; unknown keys (a newer nibble's) are ignored, and a
+        record that cannot be read (hand-edited, broken) gives `default`."""
+        default = default or cls()
         try:
             stored = json.loads(text or "{}")
         except ValueError:
-            stored = {}
-        names = {f.name for f in fields(cls)}
-        return cls(**{**base, **{k: v for k, v in stored.items() if k in names}})
+            return default
+        if not isinstance(stored, dict):
+            return default
+        base = default.flat()
+        try:
+            return cls.from_flat({**base, **{k: v for k, v in stored.items() if k in base}})
+        except (TypeError, NibbleError):
+            return default
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(self.flat())
 
 
 @dataclass

@@ -6,7 +6,7 @@ flag, which the session checks between two tokens, and what was written is kept.
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from textual import work
 from textual.app import ComposeResult
@@ -22,7 +22,7 @@ from ..widgets.prompt import PromptInput
 from ..widgets.sidebar import ChatList
 from ..widgets.status import KeyHints, StatusBar
 from .dialogs import ConfirmDialog, RenameDialog
-from .settings import SettingsScreen, sampler_settings
+from .settings import SettingsScreen
 
 TITLE_LENGTH = 40
 
@@ -157,12 +157,12 @@ class ChatScreen(Screen):
         view.set_meta("…")
         self.turn = Turn(self.chat.id, view)
         self.status.set_state("generating")
-        self._generate(self.turn, session, self.conversation(),
-                       sampler_settings(self.settings, self.app.seed), self.settings.max_tokens)
+        sampling = replace(self.settings.sampling, seed=self.app.seed)
+        self._generate(self.turn, session, self.conversation(), sampling, self.settings.max_tokens)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
-    def _generate(self, turn: Turn, session, messages, sampler, max_tokens: int):
-        run_turn(self.post_message, turn, session, messages, sampler, max_tokens)
+    def _generate(self, turn: Turn, session, messages, sampling, max_tokens: int):
+        run_turn(self.post_message, turn, session, messages, sampling, max_tokens)
 
     async def on_turn_update(self, m: TurnUpdate):
         turn, stats = m.turn, m.stats

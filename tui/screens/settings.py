@@ -1,19 +1,16 @@
 """Per-chat settings: the system prompt and the sampling settings, stored with the chat."""
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from textual.app import ComposeResult
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, TextArea
 
 from nibble.formats.errors import NibbleError
-from nibble.runner.sample import SamplerSettings
 
 from ..store import ChatSettings
 
-# field -> (label, input type, help)
+# ChatSettings.flat() name -> (label, input type, help)
 FIELDS = {
     "temperature": ("Temperature", "number", "0 is greedy"),
     "top_p": ("Top-p", "number", "1 is off"),
@@ -35,7 +32,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         self.chat_title = chat_title
 
     def compose(self) -> ComposeResult:
-        values = asdict(self.settings)
+        values = self.settings.flat()
         with Vertical():
             yield Label(f"Settings of {self.chat_title}", classes="dialog-title", markup=False)
             yield Label("System prompt (empty: the model's own)")
@@ -69,7 +66,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     def read(self) -> ChatSettings:
         """The settings in the form, checked as the sampler checks them."""
-        values = {"system": self.query_one("#system", TextArea).text.strip()}
+        values = {**self.settings.flat(), "system": self.query_one("#system", TextArea).text.strip()}
         for name, (label, kind, _) in FIELDS.items():
             text = self.query_one(f"#{name}", Input).value.strip()
             try:
@@ -78,11 +75,4 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 raise ValueError(f"{label}: {text!r} is not a {'whole ' if kind == 'integer' else ''}number") from None
         if values["max_tokens"] < 1:
             raise ValueError("Max tokens: give at least 1")
-        settings = ChatSettings(**values)
-        sampler_settings(settings)   # raises NibbleError naming a bad value
-        return settings
-
-
-def sampler_settings(settings: ChatSettings, seed: int | None = None) -> SamplerSettings:
-    return SamplerSettings(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                           min_p=settings.min_p, repetition_penalty=settings.repetition_penalty, seed=seed)
+        return ChatSettings.from_flat(values)   # raises NibbleError naming a bad sampling value
