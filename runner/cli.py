@@ -173,7 +173,8 @@ def _report(r, text: str, as_json: bool, interrupted: bool = False):
     finish = "interrupted" if interrupted else (r.finish_reason if r else None)
     stats = dict(prompt_tokens=r.prompt_tokens if r else 0, prompt_tps=r.prompt_tps if r else 0.0,
                  generation_tokens=r.generation_tokens if r else 0,
-                 generation_tps=r.generation_tps if r else 0.0, ttft=r.ttft if r else None)
+                 generation_tps=r.generation_tps if r else 0.0,
+                 ttft=r.ttft if r and r.generation_tokens else None)   # None: stopped in the prefill
     if as_json:
         click.echo(json.dumps({"text": text, "finish_reason": finish, **stats}, ensure_ascii=False))
         return

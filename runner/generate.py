@@ -11,27 +11,41 @@ from .sample import Sampler, make_sampler
 from .settings import MAX_TOKENS, SamplerSettings
 from .tokenizer import Tokenizer
 
+# Prompt tokens per forward pass of a long prefill: the consumer may stop between two chunks.
+PREFILL_CHUNK = 256
+
 
 @dataclass
 class GenerationResponse:
+    """One step of a reply. While a long prompt is prefilled, one response (text "", token None,
+    no tokens generated yet) follows each chunk but the last."""
     text: str                   # the new text since the previous response
-    token: int | None           # the token behind it (None on the final flush)
+    token: int | None           # the token behind it (None while prefilling and on the final flush)
     prompt_tokens: int          # tokens prefilled for this call
-    prompt_tps: float           # prefill tokens/s
+    prompt_tps: float           # prefill tokens/s (0 until the first token)
     generation_tokens: int      # tokens generated so far
     generation_tps: float       # decode tokens/s (after the first token)
-    ttft: float                 # seconds from the call to the first token
+    ttft: float                 # seconds from the call to the first token (0 until then)
     finish_reason: str | None   # None while running; "stop" (eos or stop string), "length", "context"
 
 
-def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache,
-                  sampler: Sampler) -> Iterator[int]:
-    """Prefill the prompt as one batch, then yield sampled ids, one forward pass each.
+def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler,
+                  prefill_chunk: int = PREFILL_CHUNK) -> Iterator[int | None]:
+    """Prefill the prompt in chunks of at most `prefill_chunk` tokens, then yield sampled ids, one
+    forward pass each.
 
-    Ends when the context is full. The consumer cancels by stopping the iteration; the last
-    yielded id is not in the cache (it was never run).
+    Yields None after each prefill chunk but the last, so that a consumer can stop a long prefill;
+    the cache then holds whole chunks. Ends when the context is full. The consumer cancels by
+    stopping the iteration; the last yielded id is not in the cache (it was never run).
     """
-    logits = model.forward(prompt_ids, cache)[-1]
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+    done = 0
+    while len(prompt_ids) - done > prefill_chunk:
+        model.forward(prompt_ids[done:done + prefill_chunk], cache)
+        done += prefill_chunk
+        yield None
+    logits = model.forward(prompt_ids[done:], cache)[-1]
     while True:
         token = sampler(logits, cache.tokens)
         yield token
@@ -43,8 +57,12 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache,
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], *,
                     sampler: Sampler | None = None, max_tokens: int = MAX_TOKENS,
                     stop: Sequence[str] = (), cache: KVCache | None = None,
-                    ) -> Iterator[GenerationResponse]:
-    """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None)."""
+                    prefill_chunk: int = PREFILL_CHUNK) -> Iterator[GenerationResponse]:
+    """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None).
+
+    The consumer cancels by stopping the iteration, between two tokens or two prefill chunks: the
+    cache keeps what ran. The timings are measured here, from the call.
+    """
     cache = cache if cache is not None else model.new_cache()
     room = cache.size - cache.pos
     if len(prompt_ids) >= room:
@@ -61,9 +79,12 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
         now = time.perf_counter()
         decode_tps = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         return GenerationResponse(text, token, len(prompt_ids), prompt_tps, n, decode_tps,
-                                  first - start, finish)
+                                  first - start if n else 0.0, finish)
 
-    for token in generate_step(model, prompt_ids, cache, sampler):
+    for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk):
+        if token is None:   # a prefill chunk ran: a point to stop at
+            yield response("", None)
+            continue
         n += 1
         if n == 1:
             first = time.perf_counter()

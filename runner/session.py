@@ -12,19 +12,14 @@ are taken from the cache as they are and only the text after them is tokenized.
 """
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from .generate import stream_generate
+from .generate import PREFILL_CHUNK, stream_generate
 from .model import ContextFull, Model
 from .sample import make_sampler
 from .settings import MAX_TOKENS, SamplerSettings
 from .tokenizer import Tokenizer
-
-# Prompt tokens per forward pass of a long prefill: a stop request is honoured between chunks.
-PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -37,10 +32,12 @@ class TurnStats:
     generation_tokens: int = 0
     prompt_tps: float = 0.0       # prefilled tokens / time to the first token
     generation_tps: float = 0.0   # decode tokens/s (after the first token)
-    ttft: float = 0.0             # seconds from the call to the first token
+    ttft: float = 0.0             # seconds from the prefill's start to the first token
     ctx_used: int = 0             # positions filled in the KV cache
     ctx_size: int = 0
-    finish_reason: str | None = None   # None while running; "stop", "length", "context" or "stopped"
+    # None while running; "stop", "length" or "context"; "stopped" is the consumer's to set when
+    # it stops the turn (see ChatSession.reply)
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,12 +57,13 @@ class ChatSession:
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx: int | None = None,
-                 kv_type: str = "f32", threads: int | None = None):
+                 kv_type: str = "f32", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache(ctx, kv_type)
         self.kv_type = kv_type
         self.threads = threads
+        self.prefill_chunk = prefill_chunk   # prompt tokens per forward pass of a long prefill
         self._marks: list[tuple[str, int]] = []   # (text, n): cache.tokens[:n] spell text
         self.last_prompt_ids: list[int] = []                # the ids of the last turn's prompt
 
@@ -128,17 +126,17 @@ class ChatSession:
         return text, ids, dropped
 
     def reply(self, messages: list[dict], settings: SamplerSettings = SamplerSettings(),
-              max_tokens: int = MAX_TOKENS, cancel: threading.Event | None = None) -> Iterator[ChatChunk]:
+              max_tokens: int = MAX_TOKENS) -> Iterator[ChatChunk]:
         """Stream the assistant's reply to `messages` ([{"role", "content"}, ...]).
 
         The first chunk (empty text) comes before the prefill and says what will be prefilled
-        and dropped; the last one has a finish_reason. Setting `cancel` stops the turn between
-        two tokens (or two prefill chunks): the last chunk then says "stopped".
+        and dropped; a long prefill then yields an empty chunk after each of its chunks; the last
+        chunk has a finish_reason. The consumer stops the turn by stopping the iteration (closing
+        this generator) between two chunks: the cache and the session keep what ran, and the last
+        chunk's stats with finish_reason "stopped" describe the turn.
         """
-        cancel = cancel or threading.Event()
         if self.threads:
             _set_threads(self.threads)   # numba's thread count is per calling thread
-        start = time.perf_counter()
         text, ids, dropped = self._fit(messages, max_tokens)
         self.last_prompt_ids = ids
         cache = self.cache
@@ -153,27 +151,14 @@ class ChatSession:
 
         reply = []
         try:
-            rest = ids[reused:]
-            while len(rest) > PREFILL_CHUNK:
-                if cancel.is_set():
-                    yield ChatChunk("", replace(stats, ctx_used=cache.pos, finish_reason="stopped"))
-                    return
-                self.model.forward(rest[:PREFILL_CHUNK], cache)
-                rest = rest[PREFILL_CHUNK:]
-
-            for r in stream_generate(self.model, self.tokenizer, rest, sampler=make_sampler(settings),
-                                     max_tokens=max_tokens, cache=cache):
-                if stats.generation_tokens == 0:
-                    ttft = time.perf_counter() - start
-                    stats = replace(stats, ttft=ttft, prompt_tps=stats.prefilled / ttft if ttft else 0.0)
-                finish = r.finish_reason or ("stopped" if cancel.is_set() else None)
-                stats = replace(stats, generation_tokens=r.generation_tokens,
-                                generation_tps=r.generation_tps, ctx_used=cache.pos, finish_reason=finish)
+            for r in stream_generate(self.model, self.tokenizer, ids[reused:], sampler=make_sampler(settings),
+                                     max_tokens=max_tokens, cache=cache, prefill_chunk=self.prefill_chunk):
+                stats = replace(stats, generation_tokens=r.generation_tokens, prompt_tps=r.prompt_tps,
+                                generation_tps=r.generation_tps, ttft=r.ttft, ctx_used=cache.pos,
+                                finish_reason=r.finish_reason)
                 reply.append(r.text)
                 yield ChatChunk(r.text, stats)
-                if finish:
-                    return
-        finally:
+        finally:   # also when the consumer stops the turn: note what the cache now holds
             self._remember(text, ids, "".join(reply))
 
     def _remember(self, prompt_text: str, prompt_ids: list[int], reply: str):

@@ -29,6 +29,38 @@ def test_length_and_context_limits(tiny_dir):
     assert last.finish_reason == "context" and last.generation_tokens == 4   # 3 run + 1 sampled
 
 
+LONG = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def test_a_long_prompt_is_prefilled_in_chunks(tiny_dir, monkeypatch):
+    from nibble.runner import load, stream_generate
+    model, tok = load(str(tiny_dir))
+    tok.eos_ids = frozenset()
+    ids = tok.encode(LONG)
+    whole = "".join(r.text for r in stream_generate(model, tok, ids, sampler=GREEDY, max_tokens=3))
+    sizes = []   # tokens per forward pass
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda tokens, cache: sizes.append(len(tokens)) or forward(tokens, cache))
+    responses = list(stream_generate(model, tok, ids, sampler=GREEDY, max_tokens=3, prefill_chunk=8))
+    full, rest = divmod(len(ids) - 1, 8)   # the last chunk holds 1 to 8 tokens
+    assert full >= 2 and sizes == [8] * full + [rest + 1] + [1, 1]   # then one pass per token that ran
+    prefilling = responses[:full]
+    assert all((r.text, r.token, r.generation_tokens, r.ttft) == ("", None, 0, 0.0) for r in prefilling)
+    assert "".join(r.text for r in responses) == whole
+    assert responses[-1].finish_reason == "length" and responses[-1].prompt_tokens == len(ids)
+
+
+def test_stopping_during_the_prefill_leaves_whole_chunks_in_the_cache(tiny_dir):
+    from nibble.runner import load, stream_generate
+    model, tok = load(str(tiny_dir))
+    cache = model.new_cache(256)
+    responses = stream_generate(model, tok, tok.encode(LONG), sampler=GREEDY, cache=cache, prefill_chunk=8)
+    first = next(responses)
+    responses.close()
+    assert (first.text, first.token, first.finish_reason) == ("", None, None)
+    assert cache.pos == 8
+
+
 @pytest.mark.parametrize("pieces,stops,want", [
     (["Hello ", "wor", "ld! Bye"], ["world"], "Hello "),
     (["ab", "c", "d"], ["cx"], "abcd"),                  # a false start is released

@@ -1,6 +1,6 @@
 """Multi-turn chat on one KV cache, on the tiny model: reuse, equality with a fresh cache, stopping,
 and dropping the oldest turns when the context would overflow."""
-import threading
+from dataclasses import replace
 
 import pytest
 
@@ -104,39 +104,57 @@ def test_regenerate_and_edit_reuse_what_the_cache_holds(tiny):
     assert four.reused >= one.prompt_tokens + 7
 
 
-def test_cancel_stops_between_tokens_and_keeps_the_text(tiny):
+def test_stopping_the_iteration_keeps_the_text_and_what_ran(tiny):
     s = ChatSession(*tiny, ctx=256)
-    cancel = threading.Event()
+    chunks = s.reply([user("Hello")], GREEDY, max_tokens=100)
     text, n = "", 0
-    for chunk in s.reply([user("Hello")], GREEDY, max_tokens=100, cancel=cancel):
+    for chunk in chunks:
         text += chunk.text
-        if chunk.text:
-            n += 1
-            if n == 2:
-                cancel.set()
-    assert chunk.stats.finish_reason == "stopped"
-    assert text and chunk.stats.generation_tokens < 100
+        n += bool(chunk.text)
+        if n == 2:
+            break
+    chunks.close()   # the consumer stops the turn
+    stopped = chunk.stats
+    assert text and stopped.finish_reason is None and stopped.generation_tokens < 100
+    assert s.cache.pos == stopped.ctx_used == stopped.prompt_tokens + stopped.generation_tokens - 1
+    # The next turn reuses the prompt and the reply as far as it ran.
+    _, stats, _ = run(s, [user("Hello"), assistant(text), user("Go on")])
+    assert stats.reused == stopped.ctx_used
 
 
-def test_cancel_during_a_long_prefill(tiny, monkeypatch):
-    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 8)
-    s = ChatSession(*tiny, ctx=256)
-    cancel = threading.Event()
-    chunks = s.reply([user("The quick brown fox jumps over the lazy dog. " * 3)], GREEDY, cancel=cancel)
-    first = next(chunks)
-    cancel.set()
-    rest = list(chunks)
-    assert first.stats.prefilled > 8
-    assert [c.text for c in rest] == [""] and rest[-1].stats.finish_reason == "stopped"
-    assert rest[-1].stats.generation_tokens == 0 and s.cache.pos < first.stats.prefilled
+def test_stopping_during_a_long_prefill_leaves_whole_chunks(tiny):
+    conv = [user("The quick brown fox jumps over the lazy dog. " * 3)]
+    s = ChatSession(*tiny, ctx=256, prefill_chunk=8)
+    chunks = s.reply(conv, GREEDY)
+    first, second, third = next(chunks), next(chunks), next(chunks)
+    chunks.close()
+    assert first.stats.prefilled > 24
+    assert [c.text for c in (second, third)] == ["", ""]
+    assert [c.stats.ctx_used for c in (second, third)] == [8, 16] and s.cache.pos == 16
+    assert third.stats.generation_tokens == 0 and third.stats.finish_reason is None
+    # The next turn goes on from the chunks that ran, and answers as a fresh session does.
+    again, stats, _ = run(s, conv)
+    fresh, _, _ = run(ChatSession(*tiny, ctx=256), conv)
+    assert stats.reused == 16 and again == fresh
 
 
-def test_long_prefill_in_chunks_gives_the_same_reply(tiny, monkeypatch):
+def test_long_prefill_in_chunks_gives_the_same_reply(tiny):
     conv = [user("The quick brown fox jumps over the lazy dog. " * 3)]
     whole, _, _ = run(ChatSession(*tiny, ctx=256), conv)
-    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 8)
-    chunked, _, _ = run(ChatSession(*tiny, ctx=256), conv)
+    chunked, _, _ = run(ChatSession(*tiny, ctx=256, prefill_chunk=8), conv)
     assert chunked == whole
+
+
+def test_timings_come_from_stream_generate(tiny, monkeypatch):
+    """The session reports the generation's own figures, not figures of its own."""
+    from nibble.runner import generate
+
+    def figures(*args, **kwargs):
+        for r in generate.stream_generate(*args, **kwargs):
+            yield replace(r, prompt_tps=111.0, generation_tps=222.0, ttft=3.0)
+    monkeypatch.setattr(session_module, "stream_generate", figures)
+    _, last, _ = run(ChatSession(*tiny, ctx=256), [user("Hello")])
+    assert (last.prompt_tps, last.generation_tps, last.ttft) == (111.0, 222.0, 3.0)
 
 
 def test_overflow_drops_the_oldest_turns_but_never_the_system_prompt(tiny):

@@ -515,6 +515,26 @@ def test_nibble_help_does_not_import_the_app():
     assert out.stdout.strip() == "[]"
 
 
+def test_a_reply_stopped_in_the_prefill_ends_stopped_at_a_chunk(tiny):
+    """The worker's loop stops iterating once its worker is cancelled: here between two prefill chunks."""
+    from nibble.runner.session import ChatSession
+    from nibble.tui.turn import Turn, run_turn
+    session = ChatSession(*tiny, ctx=256, prefill_chunk=8)
+    turn = Turn(1, view=None, worker=types.SimpleNamespace(is_cancelled=False))
+    updates = []
+
+    def post(update):
+        updates.append(update)
+        if len(updates) == 2:   # the first prefill chunk has run: Esc
+            turn.worker.is_cancelled = True
+    messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 3}]
+    run_turn(post, turn, session, messages, GREEDY.sampling, 8)
+    last = updates[-1].stats
+    assert len(updates) == 3 and updates[-1].text == ""
+    assert (last.finish_reason, last.generation_tokens, last.ctx_used) == ("stopped", 0, 16)
+    assert session.cache.pos == 16 < last.prefilled
+
+
 def test_updates_are_spaced_by_what_drawing_costs(monkeypatch):
     from nibble.tui import turn
     now = {"cpu": 0.0, "wall": 0.0}   # the UI thread's CPU time and the wall clock, set by hand

@@ -109,7 +109,7 @@ class ChatApp(App):
     def load_model(self, ref: str):
         """Load `ref` in the background; the current model is let go at once."""
         if self.chat_screen.turn is not None:
-            self.chat_screen.turn.cancel.set()   # the reply so far is kept
+            self.chat_screen.turn.stop()   # the reply so far is kept
         self.session, self.model_ref, self.loading = None, None, ref
         self.chat_screen.status.set_model(ref)
         self.chat_screen.status.set_speed(None)

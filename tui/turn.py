@@ -1,16 +1,18 @@
 """One reply being generated: the worker's loop, and the messages it posts to the chat screen.
 
-The loop runs in a thread. It posts what it has at most every `frame` seconds, not every token,
-and adapts that frame to what drawing costs the UI thread (see UIClock).
+The loop runs in a thread worker. It posts what it has at most every `frame` seconds, not every
+token, and adapts that frame to what drawing costs the UI thread (see UIClock). Cancelling the
+worker stops the reply: the loop stops iterating after the current token (or prefill chunk).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from textual.message import Message as TextualMessage
+from textual.worker import Worker
 
 from .widgets.messages import MessageView
 
@@ -54,11 +56,20 @@ class Turn:
     """A reply being generated, and where it goes."""
     chat_id: int
     view: MessageView
-    cancel: threading.Event = field(default_factory=threading.Event)
+    worker: Worker | None = None   # the thread worker generating it
     text: str = ""                 # what the UI has received so far
     stats: dict = field(default_factory=dict)
     saved: bool = False            # stored already (on quit), or not to be stored (chat deleted)
     noticed: bool = False          # the "oldest messages left out" notice is shown
+
+    def stop(self):
+        """Ask the worker to stop after the current token; what was written is kept."""
+        if self.worker is not None:
+            self.worker.cancel()
+
+    @property
+    def stopping(self) -> bool:
+        return self.worker is not None and self.worker.is_cancelled
 
 
 @dataclass
@@ -75,15 +86,21 @@ class TurnFailed(TextualMessage):
 
 
 def run_turn(post: Callable[[TextualMessage], object], turn: Turn, session, messages: list[dict],
-             sampler, max_tokens: int):
-    """Generate the reply to `messages` with `session` (a runner.session.ChatSession), posting
-    TurnUpdates (the last one with a finish_reason) or a TurnFailed. Runs in a worker thread."""
+             sampling, max_tokens: int):
+    """Generate the reply to `messages` with `session` (a runner.session.ChatSession) and
+    `sampling` (a SamplerSettings), posting TurnUpdates (the last one with a finish_reason,
+    "stopped" once the turn is stopping) or a TurnFailed. Runs in the turn's worker thread."""
     pending, frame, ui = "", FRAME, UIClock()
     last = time.monotonic()
+    chunks = session.reply(messages, sampling, max_tokens)
     try:
-        for chunk in session.reply(messages, sampler, max_tokens, turn.cancel):
+        for chunk in chunks:
             pending += chunk.text
             now, s = time.monotonic(), chunk.stats
+            if turn.stopping and not s.finish_reason:
+                # Stop before the final update: once it is handled, the next reply may start.
+                chunks.close()
+                s = replace(s, finish_reason="stopped")
             if s.finish_reason or s.generation_tokens <= 1 or now - last >= frame:
                 post(TurnUpdate(turn, pending, s))
                 pending, last = "", now

@@ -1,7 +1,7 @@
 """The chat screen: past chats, the conversation, the message box and the status bar.
 
-A reply is generated in one thread worker at a time (tui/turn.py); Esc sets the turn's cancel
-flag, which the session checks between two tokens, and what was written is kept.
+A reply is generated in one thread worker at a time (tui/turn.py); Esc cancels the worker, which
+stops iterating over the reply after the current token, and what was written is kept.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class ChatScreen(Screen):
         if not text:
             return
         if self.turn is not None:
-            if not self.turn.cancel.is_set():
+            if not self.turn.stopping:
                 self.notify("A reply is being written: Esc stops it.", severity="warning")
                 return
             if self.chat is not None and self.turn.chat_id == self.chat.id:
@@ -158,7 +158,8 @@ class ChatScreen(Screen):
         self.turn = Turn(self.chat.id, view)
         self.status.set_state("generating")
         sampling = replace(self.settings.sampling, seed=self.app.seed)
-        self._generate(self.turn, session, self.conversation(), sampling, self.settings.max_tokens)
+        self.turn.worker = self._generate(self.turn, session, self.conversation(), sampling,
+                                          self.settings.max_tokens)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
     def _generate(self, turn: Turn, session, messages, sampling, max_tokens: int):
@@ -180,7 +181,7 @@ class ChatScreen(Screen):
         if turn is self.turn:
             self.status.set_speed(stats.generation_tps)
             self.status.set_context(stats.ctx_used, stats.ctx_size)
-            if not stats.finish_reason and not turn.cancel.is_set():
+            if not stats.finish_reason and not turn.stopping:
                 turn.view.set_meta(
                     f"{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s…"
                     if stats.generation_tokens else
@@ -224,13 +225,13 @@ class ChatScreen(Screen):
     def save_partial(self):
         """On quit: stop the reply and store what has arrived, now."""
         if self.turn is not None and not self.turn.saved:
-            self.turn.cancel.set()
+            self.turn.stop()
             self.turn.saved = True
             self._store_reply(self.turn, "stopped")
 
     def action_stop(self):
-        if self.turn is not None and not self.turn.cancel.is_set():
-            self.turn.cancel.set()
+        if self.turn is not None and not self.turn.stopping:
+            self.turn.stop()
             self.turn.view.set_meta("stopping…")
         elif self.editing is not None:
             self._cancel_edit()
@@ -332,7 +333,7 @@ class ChatScreen(Screen):
 
     def _leave_chat(self):
         if self.turn is not None:
-            self.turn.cancel.set()    # the reply is kept in its chat when the worker stops
+            self.turn.stop()    # the reply is kept in its chat when the worker stops
         self.want_reply = False
         if self._queued is not None:   # not sent yet: back in the box, to send in the next chat
             self.prompt.text, self._queued = self._queued, None
@@ -408,7 +409,7 @@ class ChatScreen(Screen):
                 return
             if self.turn is not None and self.turn.chat_id == chat_id:
                 self.turn.saved = True    # nothing to store into a deleted chat
-                self.turn.cancel.set()
+                self.turn.stop()
             if self._save(lambda: self.store.delete_chat(chat_id), "the deletion"):
                 if self.chat is not None and self.chat.id == chat_id:
                     await self.action_new_chat()
