@@ -48,7 +48,7 @@ def test_streamed_reply_is_llamacpps_text(smollm2):
     """The whole pipeline: chat template, prefill, greedy decode, streaming detokenizer, eos."""
     from nibble.runner.generate import stream_generate
     from nibble.runner.sample import make_sampler
-from nibble.runner.settings import SamplerSettings
+    from nibble.runner.settings import SamplerSettings
     model, tok = smollm2
     case = GREEDY_F32[1]
     rs = list(stream_generate(model, tok, tok.prompt(case["prompt"]), max_tokens=64,
