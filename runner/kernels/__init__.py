@@ -16,6 +16,10 @@ from nibble.formats.hub import nibble_home
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+# Start the thread pool before any cached kernel is loaded: a kernel compiled against cached
+# parallel callees is cached without numba's hook that starts the pool (numba#8578), and loaded
+# into a process without it, its calls into the pool and Python resolve to address 0 (SIGSEGV).
+numba.get_num_threads()
 
 
 def _kernel_cache_dir() -> Path:
