@@ -30,7 +30,10 @@ def test_kernels_are_cached_per_version_of_their_sources(tmp_path):
     stale = tmp_path / "numba" / "0123456789abcdef"           # the cache of older kernel sources
     stale.mkdir(parents=True)
     (stale / "cpu.rmsnorm-1.py311.nbi").write_bytes(b"old")
-    subprocess.run([sys.executable, "-c", RUN_A_KERNEL], env=_env(tmp_path), cwd=ROOT, check=True)
+    run = lambda code: subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), cwd=ROOT, check=True)
+    run("import nibble.runner.kernels")
+    assert list((tmp_path / "numba").iterdir()) == [stale]    # importing leaves the cache alone
+    run(RUN_A_KERNEL)                                           # compiling deletes the older cache
     (current,) = (tmp_path / "numba").iterdir()
     assert current.name != stale.name and len(current.name) == 16
     assert any(p.name.startswith("cpu.rmsnorm") and p.suffix == ".nbi" for p in current.rglob("*"))

@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from nibble.formats.paths import data_home
+
 # Seconds to wait for another nibble chat's write before calling the file locked.
 BUSY_TIMEOUT = 2.0
 
@@ -38,13 +40,6 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
 PRAGMA user_version = 1;
 """
-
-
-def data_dir() -> Path:
-    """nibble's data: $NIBBLE_HOME, else $XDG_DATA_HOME/nibble, else ~/.local/share/nibble."""
-    if home := os.environ.get("NIBBLE_HOME"):
-        return Path(home).expanduser()
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "nibble"
 
 
 @dataclass
@@ -102,7 +97,7 @@ class Store:
     @classmethod
     def open(cls, path: Path | None = None) -> tuple[Store, str | None]:
         """-> (store, a warning to show or None). Never raises: the app must start."""
-        path = path or data_dir() / "history.db"
+        path = path or data_home() / "history.db"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             return cls(_connect(path), path), None
