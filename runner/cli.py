@@ -211,7 +211,8 @@ def _fetch_if_needed(ref: str):
     """Download an alias's model before the app starts: pip writes its progress to the terminal,
     which the app would paint over. Failures are left to the app, which says why and offers others."""
     from nibble.formats import hub
-    if ref in hub.ALIASES and not (hub.nibble_home() / "models" / ref / "config.json").is_file():
+    from nibble.formats.paths import models_dir
+    if ref in hub.ALIASES and not (models_dir() / ref / "config.json").is_file():
         try:
             hub.resolve(ref)
         except NibbleError:

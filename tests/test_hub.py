@@ -99,16 +99,6 @@ def test_unknown_reference(ref):
         hub.resolve(ref)
 
 
-def test_nibble_home(monkeypatch, tmp_path):
-    assert hub.nibble_home() == tmp_path / "nibble"
-    monkeypatch.delenv("NIBBLE_HOME")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert hub.nibble_home() == tmp_path / "xdg" / "nibble"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert hub.nibble_home() == tmp_path / "home" / ".cache" / "nibble"
-
-
 # --- the Hugging Face cache ---
 
 def test_hub_offline_uses_cache(monkeypatch, tmp_path):

@@ -1,8 +1,18 @@
 """Compiled kernels are cached under nibble's cache directory, per version of the kernel sources."""
+import json
+import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+
+from nibble.formats.model_dir import write_model_dir
+from tests.tiny import TEXT, tiny_model_dir
+
+ROOT = Path(__file__).parent.parent
 
 RUN_A_KERNEL = """
 import numpy as np
@@ -12,13 +22,54 @@ cpu.rmsnorm(x, np.ones(8, np.float32), 1e-5, x)
 """
 
 
+def _env(home: Path) -> dict:
+    return {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | {"NIBBLE_HOME": str(home)}
+
+
 def test_kernels_are_cached_per_version_of_their_sources(tmp_path):
     stale = tmp_path / "numba" / "0123456789abcdef"           # the cache of older kernel sources
     stale.mkdir(parents=True)
     (stale / "cpu.rmsnorm-1.py311.nbi").write_bytes(b"old")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | {"NIBBLE_HOME": str(tmp_path)}
-    root = Path(__file__).parent.parent
-    subprocess.run([sys.executable, "-c", RUN_A_KERNEL], env=env, cwd=root, check=True)
+    run = lambda code: subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), cwd=ROOT, check=True)
+    run("import nibble.runner.kernels")
+    assert list((tmp_path / "numba").iterdir()) == [stale]    # importing leaves the cache alone
+    run(RUN_A_KERNEL)                                           # compiling deletes the older cache
     (current,) = (tmp_path / "numba").iterdir()
     assert current.name != stale.name and len(current.name) == 16
     assert any(p.name.startswith("cpu.rmsnorm") and p.suffix == ".nbi" for p in current.rglob("*"))
+
+
+def _write_bf16(tensors: dict[str, np.ndarray], path: Path):
+    """A safetensors file of bfloat16 tensors (float32 truncated), which nibble's writer cannot make."""
+    header, blobs, offset = {}, [], 0
+    for name, a in tensors.items():
+        raw = (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_path):
+    """The decoder layer compiled for qwen2 in a process that loaded the other kernels from the
+    cache was cached without what starts numba's thread pool: every later qwen2 run died with
+    SIGSEGV. Each run here is a fresh process on one shared cache."""
+    models = {"llama f32": write_model_dir(tiny_model_dir("llama"), tmp_path / "llama"),
+              "qwen2 f32": write_model_dir(tiny_model_dir("qwen2"), tmp_path / "qwen2")}
+    qwen2 = tiny_model_dir("qwen2")
+    models["qwen2 bf16"] = write_model_dir(qwen2, tmp_path / "qwen2-bf16")
+    _write_bf16(qwen2.tensors, models["qwen2 bf16"] / "model.safetensors")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT[:len(TEXT) // 2], encoding="utf-8")
+    ppl = {}
+    for name in ["llama f32", "qwen2 f32", "qwen2 bf16", "qwen2 f32", "qwen2 bf16"]:
+        run = subprocess.run([sys.executable, "-m", "nibble.runner.cli", "perplexity", str(text),
+                              "-m", str(models[name]), "--ctx", "32", "--json"],
+                             env=_env(tmp_path / "home"), cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode == 0, f"{name}: exit {run.returncode}\n{run.stderr[-2000:]}"
+        ppl.setdefault(name, []).append(json.loads(run.stdout)["ppl"])
+    assert all(math.isfinite(p) for runs in ppl.values() for p in runs)
+    assert ppl["qwen2 f32"][0] == ppl["qwen2 f32"][1] and ppl["qwen2 bf16"][0] == ppl["qwen2 bf16"][1]
+    assert ppl["qwen2 bf16"][0] != ppl["qwen2 f32"][0]      # the bf16 weights were read as such

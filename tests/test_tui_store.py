@@ -6,18 +6,14 @@ import pytest
 
 from nibble.runner.settings import SamplerSettings
 from nibble.tui import store as store_module
-from nibble.tui.store import ChatSettings, Message, Store, data_dir
+from nibble.tui.store import ChatSettings, Message, Store
 
 
-def test_data_dir_follows_nibble_home_then_xdg(monkeypatch, tmp_path):
+def test_the_history_is_kept_in_nibbles_data_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    assert data_dir() == tmp_path / "home"
-    monkeypatch.delenv("NIBBLE_HOME")
-    assert data_dir() == tmp_path / "xdg" / "nibble"
-    monkeypatch.delenv("XDG_DATA_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert data_dir() == tmp_path / ".local" / "share" / "nibble"
+    store, warning = Store.open()
+    store.close()
+    assert warning is None and store.path == tmp_path / "home" / "history.db" and store.path.is_file()
 
 
 def test_chats_and_messages_round_trip(tmp_path):

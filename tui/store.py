@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from nibble.formats.errors import NibbleError
+from nibble.formats.paths import data_home
 from nibble.runner.settings import MAX_TOKENS, SamplerSettings
 
 # Seconds to wait for another nibble chat's write before calling the file locked.
@@ -41,13 +42,6 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
 PRAGMA user_version = 1;
 """
-
-
-def data_dir() -> Path:
-    """nibble's data: $NIBBLE_HOME, else $XDG_DATA_HOME/nibble, else ~/.local/share/nibble."""
-    if home := os.environ.get("NIBBLE_HOME"):
-        return Path(home).expanduser()
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "nibble"
 
 
 @dataclass(frozen=True)
@@ -121,7 +115,7 @@ class Store:
     @classmethod
     def open(cls, path: Path | None = None) -> tuple[Store, str | None]:
         """-> (store, a warning to show or None). Never raises: the app must start."""
-        path = path or data_dir() / "history.db"
+        path = path or data_home() / "history.db"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             return cls(_connect(path), path), None
