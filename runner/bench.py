@@ -120,16 +120,16 @@ def _one_run(model, cache, prompt_ids, gen_tokens):
 
 def weight_bytes_per_token(model: Model) -> int:
     """Every matrix and norm is read once per decoded token; of the embedding, one row."""
-    layer_bytes = sum(_nbytes(w) for layer in model.layers for w in layer.weights)
-    head = _nbytes(model.lm_head) + model.norm.nbytes
-    return layer_bytes + head + _nbytes(model.embed) // model.config.vocab_size
+    layer_bytes = sum(w.nbytes for layer in model.layers for w in layer.weights)
+    head = model.lm_head.nbytes + model.norm.nbytes
+    return layer_bytes + head + model.embed.nbytes // model.config.vocab_size
 
 
 def gpu_weight_bytes_per_token(model: Model) -> int:
     """The share of weight_bytes_per_token that the GPU reads."""
     off = model.offload
-    layer_bytes = sum(_nbytes(w) for layer in model.layers[off.first:] for w in layer.weights)
-    return layer_bytes + (_nbytes(model.lm_head) + model.norm.nbytes if off.head is not None else 0)
+    layer_bytes = sum(w.nbytes for layer in model.layers[off.first:] for w in layer.weights)
+    return layer_bytes + (model.lm_head.nbytes + model.norm.nbytes if off.head is not None else 0)
 
 
 def gpu_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -151,11 +151,6 @@ def gpu_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         cuda.synchronize()
         return time.perf_counter() - start
     return 2 * nbytes / min(copy() for _ in range(repeats)) / 1e9
-
-
-def _nbytes(w) -> int:
-    """Bytes of a float array or of a quantized weight's arrays (as held in memory)."""
-    return w.nbytes if isinstance(w, np.ndarray) else w.q.nbytes + w.scales.nbytes + w.biases.nbytes
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:

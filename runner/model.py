@@ -7,14 +7,15 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
+from nibble.quant.affine import QuantizedTensor
 from nibble.quant.convert import read_linear
 from .cache import KVCache
 from .kernels import cpu, quant_cpu
 from .kernels.layer import decoder_layer
-from .kernels.quant_cpu import QuantizedWeight, prepare
+from .kernels.quant_cpu import prepare
 from .rope import rope_tables
 
-Weight = np.ndarray | QuantizedWeight   # a float32 [N, K] matrix or a quantized one
+Weight = np.ndarray | QuantizedTensor   # a float32 [N, K] matrix or a quantized one
 
 
 class ContextFull(NibbleError):
@@ -124,7 +125,7 @@ class Model:
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
         """[T] ids -> [T, D] float32 rows of the (possibly quantized) embedding table."""
-        if isinstance(self.embed, QuantizedWeight):
+        if isinstance(self.embed, QuantizedTensor):
             return quant_cpu.dequantize_rows(self.embed, tokens)
         return np.array(self.embed[tokens], np.float32)
 
@@ -145,15 +146,13 @@ class _TensorGetter:
         if f"{path}.weight" not in self.tensors:
             self.missing.append(f"{path}.weight")
             return None
-        w = read_linear(self.tensors, self.quantization, path)
-        if isinstance(w, np.ndarray):
+        qt = read_linear(self.tensors, self.quantization, path)
+        if isinstance(qt, np.ndarray):
             return self(f"{path}.weight", shape)
-        qt, scheme = w
-        if (qt.weight.shape[0], qt.weight.shape[1] * 32 // scheme.bits) != shape:
-            raise FormatError(f"quantized tensor {path}.weight holds a {qt.weight.shape[0]}x"
-                              f"{qt.weight.shape[1] * 32 // scheme.bits} matrix, the config needs "
-                              f"{shape[0]}x{shape[1]}")
-        return prepare(qt.weight, qt.scales, qt.biases, scheme.bits, scheme.group_size)
+        if qt.shape != shape:
+            raise FormatError(f"quantized tensor {path}.weight holds a {qt.shape[0]}x{qt.shape[1]} "
+                              f"matrix, the config needs {shape[0]}x{shape[1]}")
+        return prepare(qt)
 
     def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
         t = self.tensors.get(name)

@@ -60,11 +60,11 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
         return Plan(n, n == L)
     c = model.config
     kv = 2 * c.num_key_value_heads * ctx * c.head_dim * 4                        # k, v float32
-    per_layer = kv + sum(_nbytes(w) for w in model.layers[-1].weights)
+    per_layer = kv + sum(w.nbytes for w in model.layers[-1].weights)
     work = CHUNK * 4 * (3 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads)
                         * c.head_dim + c.intermediate_size)                     # Workspace and x
     fixed = model.cos.nbytes + model.sin.nbytes + work
-    head = _nbytes(model.lm_head) + model.norm.nbytes + CHUNK * c.vocab_size * 4
+    head = model.lm_head.nbytes + model.norm.nbytes + CHUNK * c.vocab_size * 4
     budget = int(free * HEADROOM) - fixed
     if n == L and budget >= n * per_layer + head:
         return Plan(n, True)
@@ -73,10 +73,6 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
         return Plan(n, False)
     return Plan(fit, False, f"offloading {fit} of {n} layers: the others do not fit in "
                             f"{free / 1e6:.0f} MB of free GPU memory")
-
-
-def _nbytes(w) -> int:
-    return w.nbytes if isinstance(w, np.ndarray) else w.q.nbytes + w.scales.nbytes + w.biases.nbytes
 
 
 class Offload:

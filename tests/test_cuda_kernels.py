@@ -11,6 +11,7 @@ from numba import cuda
 from nibble.runner.kernels import cuda as gpu
 from nibble.runner.kernels import layer as cpu_layer
 from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
+from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.quant_cpu import prepare
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize
@@ -26,9 +27,9 @@ def on_device(*arrays):
 
 
 def quantized(N, K, bits, G):
-    """A random MLX weight: (QuantizedWeight, its float64 dequantization [N, K])."""
+    """A random MLX weight: (prepared QuantizedTensor, its float64 dequantization [N, K])."""
     w, s, b = mlx_weight(N, K, bits, G)
-    return prepare(w, s, b, bits, G), twin_dequantize(w, s, b, bits, G)
+    return prepare(QuantizedTensor(w, s, b, bits, G)), twin_dequantize(w, s, b, bits, G)
 
 
 def device_pos(p):
@@ -213,8 +214,8 @@ def test_decode_attention_is_rope_store_then_attention(window):
 def test_upload_keeps_weights_quantized():
     qw, _ = quantized(5, 64, 4, 32)
     w = gpu.upload(qw)
-    assert (w.rows, w.cols, w.bits, w.group_size) == (5, 64, 4, 32)
-    np.testing.assert_array_equal(w.words.copy_to_host().view(np.uint8), qw.q)
+    assert (*w.shape, w.bits, w.group_size) == (5, 64, 4, 32)
+    np.testing.assert_array_equal(w.weight.copy_to_host(), qw.weight)
 
 
 def test_what_the_kernels_cannot_run_is_refused():

@@ -9,7 +9,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from . import cpu
-from .quant_cpu import QuantizedWeight, linear
+from .quant_cpu import linear
 
 
 @njit(**cpu._jit)
@@ -66,14 +66,14 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
 
 def rows(w) -> int:
     """Output size of a float [N, K] or quantized weight."""
-    return w.q.shape[0] if isinstance(w, QuantizedWeight) else w.shape[0]
+    return w.shape[0]
 
 
 @overload(rows)
 def _rows(w):
     if isinstance(w, types.Array):
         return lambda w: w.shape[0]
-    return lambda w: w.q.shape[0]
+    return lambda w: w.weight.shape[0]   # numba sees a named tuple's fields, not its properties
 
 
 def project_qkv(x, wq, wk, wv, q, k, v):

@@ -16,53 +16,38 @@ LLVM's auto-vectorizer flips between good and bad code on these loops with small
 written with explicit 256-bit vectors: a numba type for an LLVM vector and a few portable LLVM
 vector operations as intrinsics (no x86-specific intrinsic: ARM gets its own instructions).
 """
-from typing import NamedTuple
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, models, overload, register_model
 
+from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
 from . import cpu
 
 
 _jit = dict(fastmath=True, cache=True, nogil=True)
 f32 = np.float32
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
 
 
-class QuantizedWeight(NamedTuple):
-    """One quantized linear layer, as numba takes it: a named tuple of arrays.
+def prepare(qt: QuantizedTensor) -> QuantizedTensor:
+    """`qt` as the kernels take it: called once at load.
 
-    q: uint8 [N, K*bits/8], a view of MLX's uint32 [N, K*bits/32] words (no copy);
-    scales, biases: float32 [N, K/G]; bits: 4 or 8; group_size: G.
+    The packed weight is kept, not copied (a read-only np.memmap stays one; the kernels read its
+    uint32 words as little-endian bytes); scales and biases (float16 on disk) become float32,
+    1/16 of the weight's size at 8 bits. Refuses what the kernels would read out of bounds.
     """
-    q: np.ndarray
-    scales: np.ndarray
-    biases: np.ndarray
-    bits: int
-    group_size: int
-
-
-def prepare(weight, scales, biases, bits: int, group_size: int) -> QuantizedWeight:
-    """Wrap MLX's (weight uint32 [N, K*bits/32], scales, biases [N, K/G]) for the kernels.
-
-    Called once at load. The packed weight is viewed, not copied (a read-only np.memmap stays one);
-    scales and biases (float16 on disk) become float32, 1/16 of the weight's size at 8 bits.
-    """
+    bits, group_size, weight = qt.bits, qt.group_size, qt.weight
     if bits not in BITS or group_size not in GROUP_SIZES:
         raise ValueError(f"no kernel for {bits}-bit weights in groups of {group_size}: "
                          f"bits must be one of {BITS} and group_size one of {GROUP_SIZES}")
     if weight.dtype != np.uint32 or weight.ndim != 2 or not weight.flags.c_contiguous:
         raise ValueError(f"weight must be a C-contiguous uint32 matrix, got {weight.dtype} {weight.shape}")
-    N, K = weight.shape[0], weight.shape[1] * 32 // bits
-    if scales.shape != (N, K // group_size) or biases.shape != scales.shape:
-        raise ValueError(f"scales and biases must be [{N}, {K // group_size}] for a {N}x{K} weight in "
-                         f"groups of {group_size}, got {scales.shape} and {biases.shape}")
-    q = weight.view(np.uint8)                               # [N, K*bits/8], little-endian bytes
+    if qt.scales.shape != qt.groups_shape or qt.biases.shape != qt.scales.shape:
+        N, K = qt.shape
+        raise ValueError(f"scales and biases must be {list(qt.groups_shape)} for a {N}x{K} weight in "
+                         f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
     as32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
-    return QuantizedWeight(q, as32(scales), as32(biases), bits, group_size)
+    return qt._replace(scales=as32(qt.scales), biases=as32(qt.biases))
 
 
 # ---- explicit SIMD: an LLVM vector type for numba and the operations the kernels use ----------
@@ -353,19 +338,19 @@ TILE = 24   # rows dequantized at a time: 24 x K float32 (55 KB at K = 576) stay
 
 
 @njit(**_jit)
-def _dequantize_row(qw, n, w):
-    """w[K] = scales * q + biases for row n (slices keep every index provably >= 0, which lets
-    LLVM vectorize)."""
+def _dequantize_row(qw, q, n, w):
+    """w[K] = scales * q + biases for row n of qw, whose words q views as bytes (slices keep
+    every index provably >= 0, which lets LLVM vectorize)."""
     G = qw.group_size
     for g in range(qw.scales.shape[1]):
         s, b = qw.scales[n, g], qw.biases[n, g]
         wg = w[g * G:(g + 1) * G]
         if qw.bits == 8:
-            qg = qw.q[n, g * G:(g + 1) * G]
+            qg = q[n, g * G:(g + 1) * G]
             for k in range(G):
                 wg[k] = s * f32(qg[k]) + b
         else:
-            qg = qw.q[n, g * G // 2:(g + 1) * G // 2]
+            qg = q[n, g * G // 2:(g + 1) * G // 2]
             for j in range(G // 2):
                 wg[2 * j] = s * f32(qg[j] & 15) + b
                 wg[2 * j + 1] = s * f32(qg[j] >> 4) + b
@@ -417,13 +402,14 @@ def _dots(x, w, out, t0, t1, r0, r1, n0, accumulate):
 @njit(parallel=True, **_jit)
 def _prefill(x, qw, out, accumulate):
     T, K = x.shape
-    N = qw.q.shape[0]
+    q = qw.weight.view(np.uint8)                           # [N, K*bits/8]
+    N = q.shape[0]
     for tile in prange((N + TILE - 1) // TILE):
         n0 = tile * TILE
         rows = min(N, n0 + TILE) - n0
         w = np.empty((TILE, K), np.float32)                # [rows, K] dequantized
         for r in range(rows):
-            _dequantize_row(qw, n0 + r, w[r])
+            _dequantize_row(qw, q, n0 + r, w[r])
         t = 0
         while t + 4 <= T:
             r = 0
@@ -439,14 +425,15 @@ def _prefill(x, qw, out, accumulate):
 
 @njit(**_jit)
 def qmatmul(x, qw, out, accumulate):
-    """out[T, N] (+)= x[T, K] @ W.T for a QuantizedWeight W; x, out float32.
+    """out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor W; x, out float32.
 
     T = 1 quantizes x to int16 per group and takes the integer decode path; T > 1 the float
     prefill path. Callable from Python and from inside other njit functions.
     """
     T, K = x.shape
-    N, G = qw.q.shape[0], qw.group_size
-    if qw.q.shape[1] * 8 != K * qw.bits or out.shape[0] != T or out.shape[1] != N:
+    q = qw.weight.view(np.uint8)                           # [N, K*bits/8] little-endian bytes
+    N, G = q.shape[0], qw.group_size
+    if q.shape[1] * 8 != K * qw.bits or out.shape[0] != T or out.shape[1] != N:
         raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
     if T == 1:
         xq = np.empty(K, np.int16)
@@ -454,9 +441,9 @@ def qmatmul(x, qw, out, accumulate):
         xs = np.empty(K // G, np.float32)
         quantize_activation(x[0], G, qw.bits, xq, dx, xs)
         if qw.bits == 8:
-            _decode8(xq, dx, xs, qw.q, qw.scales, qw.biases, G, out, accumulate)
+            _decode8(xq, dx, xs, q, qw.scales, qw.biases, G, out, accumulate)
         else:
-            _decode4(xq, dx, xs, x[0], qw.q, qw.scales, qw.biases, G, out, accumulate)
+            _decode4(xq, dx, xs, x[0], q, qw.scales, qw.biases, G, out, accumulate)
     else:
         _prefill(x, qw, out, accumulate)
 
@@ -464,32 +451,34 @@ def qmatmul(x, qw, out, accumulate):
 @njit(parallel=True, **_jit)
 def dequantize(qw):
     """W as float32 [N, K]."""
-    N, K = qw.q.shape[0], qw.q.shape[1] * 8 // qw.bits
+    q = qw.weight.view(np.uint8)
+    N, K = q.shape[0], q.shape[1] * 8 // qw.bits
     w = np.empty((N, K), np.float32)
     for n in prange(N):
-        _dequantize_row(qw, n, w[n])
+        _dequantize_row(qw, q, n, w[n])
     return w
 
 
 @njit(**_jit)
 def dequantize_rows(qw, ids):
     """W[ids] as float32 [len(ids), K]: the embedding lookup of a quantized embedding table."""
-    N, K = qw.q.shape[0], qw.q.shape[1] * 8 // qw.bits
+    q = qw.weight.view(np.uint8)
+    N, K = q.shape[0], q.shape[1] * 8 // qw.bits
     w = np.empty((len(ids), K), np.float32)
     for i in range(len(ids)):
         if ids[i] < 0 or ids[i] >= N:
             raise IndexError("dequantize_rows: token id out of range")
-        _dequantize_row(qw, ids[i], w[i])
+        _dequantize_row(qw, q, ids[i], w[i])
     return w
 
 
 def linear(x, w, out, accumulate):
-    """out (+)= x @ w.T for a float32 [N, K] weight or a QuantizedWeight.
+    """out (+)= x @ w.T for a float32 [N, K] weight or a QuantizedTensor.
 
     Inside njit code the choice is made at compile time from w's numba type (the overload below),
     so one jitted decoder layer serves float and quantized models.
     """
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, QuantizedTensor):
         qmatmul(x, w, out, accumulate)
     else:
         cpu.matmul(x, w, out, accumulate)
@@ -499,5 +488,5 @@ def linear(x, w, out, accumulate):
 def _linear_typed(x, w, out, accumulate):
     if isinstance(w, types.Array):
         return lambda x, w, out, accumulate: cpu.matmul(x, w, out, accumulate)
-    if isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedWeight:
+    if isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor:
         return lambda x, w, out, accumulate: qmatmul(x, w, out, accumulate)
