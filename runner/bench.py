@@ -120,7 +120,7 @@ def _one_run(model, cache, prompt_ids, gen_tokens):
 
 def weight_bytes_per_token(model: Model) -> int:
     """Every matrix and norm is read once per decoded token; of the embedding, one row."""
-    layer_bytes = sum(w.nbytes for layer in model.layers for w in layer.weights)
+    layer_bytes = sum(layer.nbytes for layer in model.layers)
     head = model.lm_head.nbytes + model.norm.nbytes
     return layer_bytes + head + model.embed.nbytes // model.config.vocab_size
 
@@ -128,7 +128,7 @@ def weight_bytes_per_token(model: Model) -> int:
 def gpu_weight_bytes_per_token(model: Model) -> int:
     """The share of weight_bytes_per_token that the GPU reads."""
     off = model.offload
-    layer_bytes = sum(w.nbytes for layer in model.layers[off.first:] for w in layer.weights)
+    layer_bytes = sum(layer.nbytes for layer in model.layers[off.first:])
     return layer_bytes + (model.lm_head.nbytes + model.norm.nbytes if off.head is not None else 0)
 
 

@@ -1,8 +1,6 @@
 """The Llama-family transformer (llama, mistral, qwen2): weights and the forward pass."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from nibble.formats.config import ModelConfig
@@ -11,37 +9,13 @@ from nibble.quant.affine import QuantizedTensor
 from nibble.quant.convert import read_linear
 from .cache import KVCache
 from .kernels import cpu, quant_cpu
-from .kernels.layer import decoder_layer
+from .kernels.layer import LayerWeights, Weight, decoder_layer
 from .kernels.quant_cpu import prepare
 from .rope import rope_tables
-
-Weight = np.ndarray | QuantizedTensor   # a float32 [N, K] matrix or a quantized one
 
 
 class ContextFull(NibbleError):
     """The tokens do not fit in what is left of the context."""
-
-
-@dataclass
-class Layer:
-    input_norm: np.ndarray   # [D]
-    wq: Weight               # [H*hd, D]
-    wk: Weight               # [Hkv*hd, D]
-    wv: Weight               # [Hkv*hd, D]
-    bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
-    bk: np.ndarray           # [Hkv*hd]
-    bv: np.ndarray           # [Hkv*hd]
-    wo: Weight               # [D, H*hd]
-    post_norm: np.ndarray    # [D]
-    w_gate: Weight           # [F, D]
-    w_up: Weight             # [F, D]
-    w_down: Weight           # [D, F]
-
-    @property
-    def weights(self) -> tuple:
-        """In the order decoder_layer unpacks them."""
-        return (self.input_norm, self.wq, self.wk, self.wv, self.bq, self.bk, self.bv, self.wo,
-                self.post_norm, self.w_gate, self.w_up, self.w_down)
 
 
 class Model:
@@ -59,7 +33,7 @@ class Model:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
-            self.layers.append(Layer(
+            self.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (D,)),
                 wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
                 wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
@@ -107,7 +81,7 @@ class Model:
         x = self.embedding(np.asarray(tokens, np.int64))                  # [T, D] residual stream
         on_cpu = self.offload.first if self.offload else len(self.layers)
         for i, layer in enumerate(self.layers[:on_cpu]):
-            decoder_layer(x, layer.weights, cache.layer(i), pos0, self.cos, self.sin,
+            decoder_layer(x, layer, cache.layer(i), pos0, self.cos, self.sin,
                               c.rms_norm_eps, c.sliding_window or 0,
                               _NOT_COLLECTING if act_sq is None else act_sq[i])
         if self.offload:   # the last layers on the GPU: back come the logits or the hidden state

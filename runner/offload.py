@@ -60,7 +60,7 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
         return Plan(n, n == L)
     c = model.config
     kv = 2 * c.num_key_value_heads * ctx * c.head_dim * 4                        # k, v float32
-    per_layer = kv + sum(w.nbytes for w in model.layers[-1].weights)
+    per_layer = kv + model.layers[-1].nbytes
     work = CHUNK * 4 * (3 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads)
                         * c.head_dim + c.intermediate_size)                     # Workspace and x
     fixed = model.cos.nbytes + model.sin.nbytes + work
@@ -92,7 +92,7 @@ class Offload:
         self.first = len(model.layers) - p.layers
         self.kv_shape = (c.num_key_value_heads, c.head_dim)
         gpu.allocate_kv(c.num_key_value_heads, 1, c.head_dim)   # refuses a head_dim it cannot take: now
-        self.layers = [gpu.upload_layer(l.weights) for l in model.layers[self.first:]]
+        self.layers = [gpu.upload_layer(l) for l in model.layers[self.first:]]
         self.cos, self.sin = self.cuda.to_device(model.cos), self.cuda.to_device(model.sin)   # [ctx, hd/2]
         self.norm = self.cuda.to_device(model.norm) if p.head else None                   # [D]
         self.head = gpu.upload(model.lm_head) if p.head else None                          # [V, D]

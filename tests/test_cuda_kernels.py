@@ -10,6 +10,7 @@ from numba import cuda
 
 from nibble.runner.kernels import cuda as gpu
 from nibble.runner.kernels import layer as cpu_layer
+from nibble.runner.kernels.layer import LayerWeights
 from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.quant_cpu import prepare
@@ -229,16 +230,16 @@ def test_what_the_kernels_cannot_run_is_refused():
 # ---- the whole block ------------------------------------------------------------------------------
 
 def tiny_layer(kind, D, H, Hkv, hd, F):
-    """A random layer as model.Layer.weights: float with q/k/v biases (qwen2), or int4 without."""
+    """A random layer's LayerWeights: float with q/k/v biases (qwen2), or int4 without."""
     def linear(N, K):
         if kind == "float":
             return f32(N, K) / np.sqrt(K)
         return quantized(N, K, 4, 32)[0]
     bias = (lambda n: f32(n) * 0.1) if kind == "float" else (lambda n: np.zeros(n, np.float32))
     norm = lambda: 1 + 0.1 * f32(D)
-    return (norm(), linear(H * hd, D), linear(Hkv * hd, D), linear(Hkv * hd, D),
-            bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), linear(D, H * hd),
-            norm(), linear(F, D), linear(F, D), linear(D, F))
+    return LayerWeights(norm(), linear(H * hd, D), linear(Hkv * hd, D), linear(Hkv * hd, D),
+                        bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), linear(D, H * hd),
+                        norm(), linear(F, D), linear(F, D), linear(D, F))
 
 
 @pytest.mark.parametrize("kind,window,tol", [

@@ -9,7 +9,7 @@ tiled matrix-matrix kernels and 8 launches: the norms, RoPE and the KV store on 
 math as layer.decoder_layer on the CPU. The position comes from device memory, so one decode
 pass can be recorded once and replayed for every token (Replay: a CUDA graph).
 
-Setup (once):   weights = upload_layer(model.layers[i].weights); kv = allocate_kv(Hkv, ctx, hd)
+Setup (once):   weights = upload_layer(model.layers[i]); kv = allocate_kv(Hkv, ctx, hd)
                 cos, sin = cuda.to_device(model.cos), cuda.to_device(model.sin)
                 work = Workspace.allocate(weights, max_tokens); pos = cuda.to_device(int32 [1])
 Per pass:       x = cuda.to_device(hidden)               # [T, D], once per device boundary
@@ -25,6 +25,7 @@ from numba import cuda
 
 from . import cuda_kernels as kernels
 from .cuda_kernels import ADD, STORE, SWIGLU
+from .layer import LayerWeights
 from nibble.quant.affine import QuantizedTensor
 
 # numba-cuda warns about every launch of fewer than 128 blocks; a model's small matrices and its
@@ -46,7 +47,7 @@ def upload(w: np.ndarray | QuantizedTensor) -> DeviceWeight:
     return cuda.to_device(np.ascontiguousarray(w, np.float32))
 
 
-class LayerWeights(NamedTuple):
+class DeviceLayer(NamedTuple):
     """One decoder block on the device."""
     input_norm: object        # [D]
     qkv: DeviceWeight         # [(H + 2 Hkv) hd, D]: the rows of wq, wk, wv, one product
@@ -57,14 +58,12 @@ class LayerWeights(NamedTuple):
     down: DeviceWeight        # [D, F]
 
 
-def upload_layer(weights: tuple) -> LayerWeights:
-    """Upload a block given as model.Layer.weights: (input_norm, wq, wk, wv, bq, bk, bv, wo,
-    post_norm, w_gate, w_up, w_down)."""
-    input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
+def upload_layer(w: LayerWeights) -> DeviceLayer:
+    """Upload a block of the model, joining q/k/v and gate/up into one product each."""
     vector = lambda a: cuda.to_device(np.ascontiguousarray(a, np.float32))
-    return LayerWeights(vector(input_norm), _stacked([wq, wk, wv], np.concatenate),
-                        vector(np.concatenate([bq, bk, bv])), upload(wo), vector(post_norm),
-                        _stacked([w_gate, w_up], _interleave), upload(w_down))
+    return DeviceLayer(vector(w.input_norm), _stacked([w.wq, w.wk, w.wv], np.concatenate),
+                       vector(np.concatenate([w.bq, w.bk, w.bv])), upload(w.wo), vector(w.post_norm),
+                       _stacked([w.w_gate, w.w_up], _interleave), upload(w.w_down))
 
 
 def _interleave(arrays):
@@ -106,7 +105,7 @@ class Workspace(NamedTuple):
     mlp: object     # [tokens, F]
 
     @classmethod
-    def allocate(cls, layer: LayerWeights, tokens: int) -> "Workspace":
+    def allocate(cls, layer: DeviceLayer, tokens: int) -> "Workspace":
         widths = (layer.input_norm.shape[0], layer.qkv.shape[0], layer.wo.shape[1], layer.down.shape[1])
         return cls(*(cuda.device_array((tokens, n), np.float32) for n in widths))
 
@@ -162,7 +161,7 @@ class Replay:
         self.graph.launch(self.stream)
 
 
-def decoder_layer(x, weights: LayerWeights, kv: tuple, pos, cos, sin, eps: float, window: int,
+def decoder_layer(x, weights: DeviceLayer, kv: tuple, pos, cos, sin, eps: float, window: int,
                   work: Workspace, launch: Launcher = DEFAULT):
     """One transformer block on the residual stream x [T, D] (a device array), in place; k and v
     of positions pos[0].. (pos: int32 [1] on the device) go into kv = (k, v) [Hkv, ctx, hd].

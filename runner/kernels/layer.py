@@ -4,12 +4,39 @@ Numba compiles it once per combination of weight types; `linear`, `project_qkv` 
 choose their kernels at compile time from those types (float: cpu's fused kernels; quantized:
 quant_cpu's).
 """
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from nibble.quant.affine import QuantizedTensor
 from . import cpu
 from .quant_cpu import linear
+
+Weight = np.ndarray | QuantizedTensor   # a float32 [N, K] matrix or a prepared quantized one
+
+
+class LayerWeights(NamedTuple):
+    """One decoder block's weights, as decoder_layer takes them (numba takes named tuples; at
+    module level, so that the cached kernels can name the type when they are loaded again)."""
+    input_norm: np.ndarray   # [D]
+    wq: Weight               # [H*hd, D]
+    wk: Weight               # [Hkv*hd, D]
+    wv: Weight               # [Hkv*hd, D]
+    bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
+    bk: np.ndarray           # [Hkv*hd]
+    bv: np.ndarray           # [Hkv*hd]
+    wo: Weight               # [D, H*hd]
+    post_norm: np.ndarray    # [D]
+    w_gate: Weight           # [F, D]
+    w_up: Weight             # [F, D]
+    w_down: Weight           # [D, F]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the block's weights: what a decoded token reads of it."""
+        return sum(w.nbytes for w in self)
 
 
 @njit(**cpu._jit)
@@ -18,29 +45,28 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     are written into the layer's cache kv = (k, v [Hkv, ctx, hd], k_scale, v_scale [Hkv, ctx]).
     One call per layer keeps Python out of the token loop's inner steps.
 
-    weights: (input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down), biases
-    zeros when the model has none. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
+    weights: LayerWeights. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
     the q/k/v, o, gate/up and down projections (for the importance matrix of quantization), or
     shape (0, 0) when not collecting.
     """
-    input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
+    w = weights
     k_cache, v_cache, k_scale, v_scale = kv
     T = x.shape[0]
     Hkv, _, hd = k_cache.shape
-    H = bq.shape[0] // hd
+    H = w.bq.shape[0] // hd
     h = np.empty_like(x)                                     # [T, D]
     # attention block
-    cpu.rmsnorm(x, input_norm, eps, h)
+    cpu.rmsnorm(x, w.input_norm, eps, h)
     collect = act_sq.shape[0] > 0
     if collect:
         cpu.add_squares(h, act_sq[0])
     q = np.empty((T, H * hd), np.float32)
     k = np.empty((T, Hkv * hd), np.float32)
     v = np.empty((T, Hkv * hd), np.float32)
-    project_qkv(h, wq, wk, wv, q, k, v)
-    q += bq
-    k += bk
-    v += bv
+    project_qkv(h, w.wq, w.wk, w.wv, q, k, v)
+    q += w.bq
+    k += w.bk
+    v += w.bv
     q = q.reshape(T, H, hd)
     k = k.reshape(T, Hkv, hd)
     v = v.reshape(T, Hkv, hd)
@@ -53,15 +79,15 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     cpu.attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, attn.reshape(T, H, hd))
     if collect:
         cpu.add_squares(attn, act_sq[1])
-    linear(attn, wo, x, True)                               # residual: x += attn @ wo.T
+    linear(attn, w.wo, x, True)                             # residual: x += attn @ wo.T
     # feed-forward block
-    cpu.rmsnorm(x, post_norm, eps, h)
-    mlp = np.empty((T, rows(w_gate)), np.float32)           # [T, F]
-    swiglu(h, w_gate, w_up, mlp)
+    cpu.rmsnorm(x, w.post_norm, eps, h)
+    mlp = np.empty((T, rows(w.w_gate)), np.float32)         # [T, F]
+    swiglu(h, w.w_gate, w.w_up, mlp)
     if collect:
         cpu.add_squares(h, act_sq[2])
         cpu.add_squares(mlp, act_sq[3])
-    linear(mlp, w_down, x, True)                            # residual: x += mlp @ w_down.T
+    linear(mlp, w.w_down, x, True)                          # residual: x += mlp @ w_down.T
 
 
 def rows(w) -> int:
