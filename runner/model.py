@@ -8,9 +8,9 @@ from nibble.formats.errors import FormatError, NibbleError
 from nibble.quant.affine import QuantizedTensor
 from nibble.quant.convert import read_linear
 from .cache import KVCache
-from .kernels import cpu, quant_cpu
-from .kernels.layer import LayerWeights, Weight, decoder_layer
-from .kernels.quant_cpu import prepare
+from .kernels import cpu, linear, quant_prefill
+from .kernels.layer import LayerWeights, decoder_layer
+from .kernels.linear import Weight, prepare
 from .rope import rope_tables
 
 
@@ -94,13 +94,13 @@ class Model:
             x = x[-1:]   # generation needs only the next token's distribution
         cpu.rmsnorm(x, self.norm, c.rms_norm_eps, x)
         logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
-        quant_cpu.linear(x, self.lm_head, logits, False)
+        linear.linear(x, self.lm_head, logits, False)
         return logits
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
         """[T] ids -> [T, D] float32 rows of the (possibly quantized) embedding table."""
         if isinstance(self.embed, QuantizedTensor):
-            return quant_cpu.dequantize_rows(self.embed, tokens)
+            return quant_prefill.dequantize_rows(self.embed, tokens)
         return np.array(self.embed[tokens], np.float32)
 
 

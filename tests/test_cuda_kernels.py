@@ -13,7 +13,7 @@ from nibble.runner.kernels import layer as cpu_layer
 from nibble.runner.kernels.layer import LayerWeights
 from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
 from nibble.quant.affine import QuantizedTensor
-from nibble.runner.kernels.quant_cpu import prepare
+from nibble.runner.kernels.linear import prepare
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from numba import njit
 
-from nibble.runner.kernels import quant_cpu
+from nibble.runner.kernels import linear
 from nibble.quant.affine import QuantizedTensor
-from nibble.runner.kernels.quant_cpu import dequantize, dequantize_rows, prepare, qmatmul
+from nibble.runner.kernels.linear import prepare, qmatmul
+from nibble.runner.kernels.quant_prefill import dequantize, dequantize_rows
 
 rng = np.random.default_rng(0)
 
@@ -124,8 +125,8 @@ def test_prepare_rejects_what_no_kernel_reads():
 @njit(cache=True)
 def _block(x, w_in, w_out, h, out):
     """A toy layer, as the jitted decoder calls its projections: float or quantized alike."""
-    quant_cpu.linear(x, w_in, h, False)
-    quant_cpu.linear(h, w_out, out, True)
+    linear.linear(x, w_in, h, False)
+    linear.linear(h, w_out, out, True)
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -141,6 +142,6 @@ def test_linear_inside_njit_dispatches_on_the_weight_type(T):
     np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
     np.testing.assert_allclose(out, 1 + h.astype(np.float64) @ w_out.T, rtol=1e-4, atol=1e-4)
     assert isinstance(w_in, QuantizedTensor)
-    quant_cpu.linear(x, w_in, h, False)                             # and from Python
+    linear.linear(x, w_in, h, False)                                # and from Python
     np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
 

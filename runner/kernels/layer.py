@@ -2,19 +2,15 @@
 
 Numba compiles it once per combination of weight types; `linear`, `project_qkv` and `swiglu`
 choose their kernels at compile time from those types (float: cpu's fused kernels; quantized:
-quant_cpu's).
+quant_decode's and quant_prefill's, through linear.py).
 """
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
-from nibble.quant.affine import QuantizedTensor
 from . import cpu
-from .quant_cpu import linear
-
-Weight = np.ndarray | QuantizedTensor   # a float32 [N, K] matrix or a prepared quantized one
+from .linear import Weight, linear, project_qkv, rows, swiglu
 
 
 class LayerWeights(NamedTuple):
@@ -88,54 +84,3 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
         cpu.add_squares(h, act_sq[2])
         cpu.add_squares(mlp, act_sq[3])
     linear(mlp, w.w_down, x, True)                          # residual: x += mlp @ w_down.T
-
-
-def rows(w) -> int:
-    """Output size of a float [N, K] or quantized weight."""
-    return w.shape[0]
-
-
-@overload(rows)
-def _rows(w):
-    if isinstance(w, types.Array):
-        return lambda w: w.shape[0]
-    return lambda w: w.weight.shape[0]   # numba sees a named tuple's fields, not its properties
-
-
-def project_qkv(x, wq, wk, wv, q, k, v):
-    """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T"""
-    for w, out in ((wq, q), (wk, k), (wv, v)):
-        linear(x, w, out, False)
-
-
-@overload(project_qkv)
-def _project_qkv(x, wq, wk, wv, q, k, v):
-    if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
-        return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
-
-    def each(x, wq, wk, wv, q, k, v):
-        linear(x, wq, q, False)
-        linear(x, wk, k, False)
-        linear(x, wv, v, False)
-    return each
-
-
-def swiglu(x, w_gate, w_up, out):
-    """out = silu(x @ w_gate.T) * (x @ w_up.T)"""
-    up = np.empty_like(out)
-    linear(x, w_gate, out, False)
-    linear(x, w_up, up, False)
-    out *= up / (1 + np.exp(-out))
-
-
-@overload(swiglu)
-def _swiglu(x, w_gate, w_up, out):
-    if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
-        return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
-
-    def separate(x, w_gate, w_up, out):
-        up = np.empty_like(out)
-        linear(x, w_gate, out, False)
-        linear(x, w_up, up, False)
-        cpu.silu_mul(out, up)
-    return separate
