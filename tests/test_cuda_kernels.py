@@ -12,6 +12,7 @@ from nibble.runner.kernels import cuda as gpu
 from nibble.runner.kernels import layer as cpu_layer
 from nibble.runner.kernels.layer import LayerWeights
 from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
+from nibble.formats.errors import UnsupportedModel
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.linear import prepare
 from tests import reference
@@ -221,9 +222,9 @@ def test_upload_keeps_weights_quantized():
 
 def test_what_the_kernels_cannot_run_is_refused():
     (wq, _), (wk, _) = quantized(16, 64, 4, 32), quantized(8, 64, 8, 32)
-    with pytest.raises(ValueError, match="one quantization"):
+    with pytest.raises(UnsupportedModel, match="one quantization"):
         gpu._stacked([wq, wk, wk], np.concatenate)
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(UnsupportedModel, match="head_dim"):
         gpu.allocate_kv(2, 8, 256)
 
 

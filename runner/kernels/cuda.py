@@ -26,6 +26,7 @@ from numba import cuda
 from . import cuda_kernels as kernels
 from .cuda_kernels import ADD, STORE, SWIGLU
 from .layer import LayerWeights
+from nibble.formats.errors import UnsupportedModel
 from nibble.quant.affine import QuantizedTensor
 
 # numba-cuda warns about every launch of fewer than 128 blocks; a model's small matrices and its
@@ -76,7 +77,7 @@ def _stacked(weights: list, join) -> DeviceWeight:
     """One device weight made of the rows of host weights of one kind, joined by `join`."""
     kinds = {(w.bits, w.group_size) if isinstance(w, QuantizedTensor) else "float32" for w in weights}
     if len(kinds) > 1:
-        raise ValueError(f"the GPU joins q/k/v and gate/up into one product each, which needs one "
+        raise UnsupportedModel(f"the GPU joins q/k/v and gate/up into one product each, which needs one "
                          f"quantization for all of them, got {sorted(map(str, kinds))}: keep this "
                          f"layer on the CPU or quantize the model again")
     w0 = weights[0]
@@ -90,7 +91,7 @@ def allocate_kv(n_kv_heads: int, ctx: int, head_dim: int) -> tuple:
     """One layer's KV cache on the device: k, v float32 [Hkv, ctx, hd]. Not zeroed: attention
     reads only the positions decoder_layer has written."""
     if head_dim % 2 or head_dim > kernels.MAX_HEAD_DIM:
-        raise ValueError(f"the GPU kernels take an even head_dim of at most "
+        raise UnsupportedModel(f"the GPU kernels take an even head_dim of at most "
                          f"{kernels.MAX_HEAD_DIM}, the model has {head_dim}: run it on the CPU")
     shape = (n_kv_heads, ctx, head_dim)
     return cuda.device_array(shape, np.float32), cuda.device_array(shape, np.float32)
