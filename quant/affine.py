@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,12 +45,36 @@ class AffineScheme:
         return (1 << self.bits) - 1
 
 
-@dataclass(frozen=True)
-class QuantizedTensor:
-    """One quantized matrix, laid out as MLX stores it."""
-    weight: np.ndarray  # uint32 [out, in*bits/32], packed integers
-    scales: np.ndarray  # float16 [out, in/group_size]
-    biases: np.ndarray  # float16 [out, in/group_size]
+class QuantizedTensor(NamedTuple):
+    """One quantized matrix W [N, K], laid out as MLX stores it: W[n, k] = scales[n, k//G] *
+    q[n, k] + biases[n, k//G]. The one type of a quantized weight, from the file to the kernels:
+    a named tuple of arrays, so numba takes it as it is (runner.kernels: host arrays with float32
+    scales; runner.kernels.cuda: the same fields as device arrays)."""
+    weight: np.ndarray  # uint32 [N, K*bits/32], packed integers (see packing)
+    scales: np.ndarray  # [N, K/G] float16 as stored (float32 for the kernels)
+    biases: np.ndarray  # [N, K/G] like scales
+    bits: int           # one of BITS
+    group_size: int     # G, one of GROUP_SIZES
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K), as a float matrix's shape."""
+        return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
+
+    @property
+    def groups_shape(self) -> tuple[int, int]:
+        """(N, K/G): the shape scales and biases must have."""
+        N, K = self.shape
+        return N, K // self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (and read by a product with it), as a float matrix's nbytes."""
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    @property
+    def scheme(self) -> AffineScheme:
+        return AffineScheme(self.bits, self.group_size)
 
 
 def quantize(w: np.ndarray, scheme: AffineScheme, imatrix: np.ndarray | None = None,
@@ -81,17 +106,17 @@ def quantize(w: np.ndarray, scheme: AffineScheme, imatrix: np.ndarray | None = N
 
     with ThreadPoolExecutor(_WORKERS) as pool:
         list(pool.map(block, range(0, rows, step)))  # list(): re-raise any error here
-    return QuantizedTensor(pack(q, scheme.bits), scales, biases)
+    return QuantizedTensor(pack(q, scheme.bits), scales, biases, scheme.bits, scheme.group_size)
 
 
-def dequantize(qt: QuantizedTensor, scheme: AffineScheme) -> np.ndarray:
+def dequantize(qt: QuantizedTensor) -> np.ndarray:
     """The float32 matrix [out, in] that `qt` stands for."""
-    rows, n = qt.weight.shape[0], qt.weight.shape[1] * 32 // scheme.bits
-    g = scheme.group_size
+    rows, n = qt.shape
+    g = qt.group_size
     w = np.empty((rows, n), dtype=np.float32)                        # [out, in]
     step = max(1, _BLOCK // n)  # in blocks, so the temporaries stay in cache
     for r in range(0, rows, step):
-        q = unpack(qt.weight[r:r + step], scheme.bits).reshape(-1, n // g, g)  # [step, in/g, g]
+        q = unpack(qt.weight[r:r + step], qt.bits).reshape(-1, n // g, g)  # [step, in/g, g]
         block = q.astype(np.float32)
         block *= qt.scales[r:r + step, :, None].astype(np.float32)  # widen first: mixed-dtype
         block += qt.biases[r:r + step, :, None].astype(np.float32)  # broadcasts are slow
@@ -99,7 +124,7 @@ def dequantize(qt: QuantizedTensor, scheme: AffineScheme) -> np.ndarray:
     return w
 
 
-def reconstruction_error(w: np.ndarray, qt: QuantizedTensor, scheme: AffineScheme,
+def reconstruction_error(w: np.ndarray, qt: QuantizedTensor,
                          imatrix: np.ndarray | None = None) -> float:
     """Relative RMS error |w - dequantize(qt)| / |w|, each column weighted by imatrix if given."""
     n = w.shape[1]
@@ -108,9 +133,10 @@ def reconstruction_error(w: np.ndarray, qt: QuantizedTensor, scheme: AffineSchem
     ref = np.zeros(n, dtype=np.float64)                              # [in] squared weight
     step = max(1, _BLOCK // n)
     for r in range(0, w.shape[0], step):
-        part = QuantizedTensor(qt.weight[r:r + step], qt.scales[r:r + step], qt.biases[r:r + step])
+        part = qt._replace(weight=qt.weight[r:r + step], scales=qt.scales[r:r + step],
+                           biases=qt.biases[r:r + step])
         x = np.asarray(w[r:r + step], dtype=np.float32)
-        d = x - dequantize(part, scheme)
+        d = x - dequantize(part)
         err += np.einsum("ij,ij->j", d, d)
         ref += np.einsum("ij,ij->j", x, x)
     weights = np.ones(n) if imp is None else imp

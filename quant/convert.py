@@ -86,7 +86,7 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
                 raise NibbleError(f"{name}: {e}") from None
             del out[name]
             out |= {name: qt.weight, f"{path}.scales": qt.scales, f"{path}.biases": qt.biases}
-            errors[name] = reconstruction_error(w, qt, s, imp)
+            errors[name] = reconstruction_error(w, qt, imp)
             if s != scheme:
                 overrides[path] = {"group_size": s.group_size, "bits": s.bits}
         if progress is not None:
@@ -105,11 +105,11 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
 
 
 def read_linear(tensors: dict[str, np.ndarray], quantization: dict | None,
-                path: str) -> np.ndarray | tuple[QuantizedTensor, AffineScheme]:
+                path: str) -> np.ndarray | QuantizedTensor:
     """The weights of the linear (or embedding) at module path `path`, e.g. `lm_head`.
 
     Returns the float matrix `{path}.weight` when the module is not quantized, else its
-    (QuantizedTensor, AffineScheme) as stored. Follows mlx-lm: a per-path entry in
+    QuantizedTensor as stored. Follows mlx-lm: a per-path entry in
     `quantization` decides (a dict of settings, or false for float); otherwise the module is
     quantized with the defaults exactly when `{path}.scales` exists. Raises FormatError naming
     the tensor when pieces are missing or their shapes disagree.
@@ -123,9 +123,9 @@ def read_linear(tensors: dict[str, np.ndarray], quantization: dict | None,
     missing = [name for name in names if name not in tensors]
     if missing:
         raise FormatError(f"quantized module {path} is missing {', '.join(missing)}")
-    qt = QuantizedTensor(*(tensors[name] for name in names))
-    _check_layout(qt, scheme, path)
-    return qt, scheme
+    qt = QuantizedTensor(*(tensors[name] for name in names), scheme.bits, scheme.group_size)
+    _check_layout(qt, path)
+    return qt
 
 
 def default_calibration_text() -> str:
@@ -160,9 +160,9 @@ def _float_tensors(model: ModelDir, allow_requantize: bool) -> dict[str, np.ndar
     for name in model.tensors:
         if name.endswith(".scales"):
             path = name.removesuffix(".scales")
-            qt, scheme = read_linear(model.tensors, q, path)
+            qt = read_linear(model.tensors, q, path)
             del out[f"{path}.scales"], out[f"{path}.biases"]
-            out[f"{path}.weight"] = dequantize(qt, scheme)
+            out[f"{path}.weight"] = dequantize(qt)
     return out
 
 
@@ -202,17 +202,16 @@ def _scheme_for(quantization: dict | None, tensors: dict[str, np.ndarray],
         raise FormatError(f"{path}: {e}; nibble reads 4- and 8-bit affine models") from None
 
 
-def _check_layout(qt: QuantizedTensor, scheme: AffineScheme, path: str) -> None:
+def _check_layout(qt: QuantizedTensor, path: str) -> None:
     w = qt.weight
     if w.dtype != np.uint32 or w.ndim != 2:
         raise FormatError(f"{path}.weight should be a uint32 matrix of packed "
-                          f"{scheme.bits}-bit values, got {w.dtype} of shape {w.shape}")
-    rows, n = w.shape[0], w.shape[1] * 32 // scheme.bits
-    expected = (rows, n // scheme.group_size)
+                          f"{qt.bits}-bit values, got {w.dtype} of shape {w.shape}")
+    expected = qt.groups_shape
     for name, t in (("scales", qt.scales), ("biases", qt.biases)):
         if t.shape != expected:
             raise FormatError(f"{path}.{name} has shape {t.shape}, but {path}.weight {w.shape} "
-                              f"at {scheme.bits} bits and group size {scheme.group_size} needs "
+                              f"at {qt.bits} bits and group size {qt.group_size} needs "
                               f"{expected}")
         if not np.issubdtype(t.dtype, np.floating):
             raise FormatError(f"{path}.{name} should be float16, bfloat16 or float32, "

@@ -92,8 +92,9 @@ def run_bench(model: Model, prompt_ids: list[int], gen_tokens: int = 128, repeat
     runs = [_one_run(model, cache, prompt_ids, gen_tokens) for _ in range(repeats)]
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # before the 1 GiB probe
     med = lambda i: statistics.median(r[i] for r in runs)
-    gpu = GPUFigures(len(model.offload.layers), gpu_weight_bytes_per_token(model), gpu_memory_bandwidth(),
-                     med(3), model.offload.graph_error) if model.offload else None
+    on_gpu = model.gpu_stage
+    gpu = GPUFigures(len(on_gpu.layers), on_gpu.weight_nbytes, gpu_memory_bandwidth(),
+                     med(3), on_gpu.graph_error) if on_gpu else None
     return BenchResult(len(prompt_ids), gen_tokens, med(0), med(1), med(2), weight_bytes_per_token(model),
                        peak_rss, memory_bandwidth(), repeats, gpu)
 
@@ -101,10 +102,11 @@ def run_bench(model: Model, prompt_ids: list[int], gen_tokens: int = 128, repeat
 def _one_run(model, cache, prompt_ids, gen_tokens):
     """-> prefill tok/s, decode tok/s, time to first token, kernel utilization of decode (GPU)."""
     cache.truncate(0)
+    on_gpu = model.gpu_stage
     start = time.perf_counter()
     token = int(np.argmax(model.forward(prompt_ids, cache)[-1]))
-    if model.offload:   # CUDA events around each kernel or each graph launch (Offload._decode)
-        model.offload.events = []
+    if on_gpu:   # CUDA events around each kernel or each graph launch (GPUStage._decode)
+        on_gpu.events = []
     first = time.perf_counter()
     for _ in range(gen_tokens):
         token = int(np.argmax(model.forward([token], cache)[-1]))
@@ -112,24 +114,16 @@ def _one_run(model, cache, prompt_ids, gen_tokens):
     # Each pass ends by copying its result to the host, so the loop's wall time holds every kernel:
     # the events' GPU time over it is the share the GPU is busy (the rest: CPU layers, launches,
     # copies, sampling).
-    busy = model.offload.kernel_seconds() / (end - first) if model.offload else 0.0
-    if model.offload:
-        model.offload.events = None
+    busy = on_gpu.kernel_seconds() / (end - first) if on_gpu else 0.0
+    if on_gpu:
+        on_gpu.events = None
     return len(prompt_ids) / (first - start), gen_tokens / (end - first), first - start, busy
 
 
 def weight_bytes_per_token(model: Model) -> int:
     """Every matrix and norm is read once per decoded token; of the embedding, one row."""
-    layer_bytes = sum(_nbytes(w) for layer in model.layers for w in layer.weights)
-    head = _nbytes(model.lm_head) + model.norm.nbytes
-    return layer_bytes + head + _nbytes(model.embed) // model.config.vocab_size
-
-
-def gpu_weight_bytes_per_token(model: Model) -> int:
-    """The share of weight_bytes_per_token that the GPU reads."""
-    off = model.offload
-    layer_bytes = sum(_nbytes(w) for layer in model.layers[off.first:] for w in layer.weights)
-    return layer_bytes + (_nbytes(model.lm_head) + model.norm.nbytes if off.head is not None else 0)
+    layers_and_head = sum(stage.weight_nbytes for stage in model.stages)
+    return layers_and_head + model.embed.nbytes // model.config.vocab_size
 
 
 def gpu_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -151,11 +145,6 @@ def gpu_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         cuda.synchronize()
         return time.perf_counter() - start
     return 2 * nbytes / min(copy() for _ in range(repeats)) / 1e9
-
-
-def _nbytes(w) -> int:
-    """Bytes of a float array or of a quantized weight's arrays (as held in memory)."""
-    return w.nbytes if isinstance(w, np.ndarray) else w.q.nbytes + w.scales.nbytes + w.biases.nbytes
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -1,46 +1,22 @@
 """The Llama-family transformer (llama, mistral, qwen2): weights and the forward pass."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
+from nibble.quant.affine import QuantizedTensor
 from nibble.quant.convert import read_linear
-from .cache import KVCache
-from .kernels import cpu, quant_cpu
-from .kernels.layer import decoder_layer
-from .kernels.quant_cpu import QuantizedWeight, prepare
+from .cache import KVCache, kv_dtype
+from .kernels import quant_prefill
+from .kernels.layer import LayerWeights
+from .kernels.linear import Weight, prepare
 from .rope import rope_tables
-
-Weight = np.ndarray | QuantizedWeight   # a float32 [N, K] matrix or a quantized one
+from .stages import CPUStage
 
 
 class ContextFull(NibbleError):
     """The tokens do not fit in what is left of the context."""
-
-
-@dataclass
-class Layer:
-    input_norm: np.ndarray   # [D]
-    wq: Weight               # [H*hd, D]
-    wk: Weight               # [Hkv*hd, D]
-    wv: Weight               # [Hkv*hd, D]
-    bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
-    bk: np.ndarray           # [Hkv*hd]
-    bv: np.ndarray           # [Hkv*hd]
-    wo: Weight               # [D, H*hd]
-    post_norm: np.ndarray    # [D]
-    w_gate: Weight           # [F, D]
-    w_up: Weight             # [F, D]
-    w_down: Weight           # [D, F]
-
-    @property
-    def weights(self) -> tuple:
-        """In the order decoder_layer unpacks them."""
-        return (self.input_norm, self.wq, self.wk, self.wv, self.bq, self.bk, self.bv, self.wo,
-                self.post_norm, self.w_gate, self.w_up, self.w_down)
 
 
 class Model:
@@ -58,7 +34,7 @@ class Model:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
-            self.layers.append(Layer(
+            self.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (D,)),
                 wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
                 wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
@@ -74,23 +50,39 @@ class Model:
             ))
         get.raise_if_missing()
         self.cos, self.sin = rope_tables(c, c.max_position_embeddings)     # [ctx, hd/2]
-        self.offload = None      # offload.Offload: the last layers (and maybe the head) on a GPU
+        self.stages = [CPUStage(self, 0, len(self.layers), head=True)]   # see stages.py
         self.offload_note = ""   # what offload_layers has to tell the user
+
+    @property
+    def head_nbytes(self) -> int:
+        """Bytes of the output head's weights: the final norm and lm_head."""
+        return self.norm.nbytes + self.lm_head.nbytes
+
+    @property
+    def gpu_stage(self):
+        """The stage on the GPU (offload.GPUStage), or None."""
+        return next((s for s in self.stages if s.on_gpu), None)
 
     def offload_layers(self, gpu_layers: int, ctx: int | None = None, require_gpu: bool = False) -> str:
         """Run the last `gpu_layers` layers (-1: all) on the GPU, as many as fit in its memory
         with a KV cache of `ctx` positions (default: the model's). -> one line for the user, or
-        "" (no GPU: the CPU runs everything, and the line says why; NoGPU if `require_gpu`)."""
+        "" (no GPU: the CPU runs everything, and the line says why; NoGPU if `require_gpu`).
+        Caches made before hold the old stages' parts: make new ones."""
         from .offload import setup
-        self.offload, self.offload_note = setup(self, gpu_layers, ctx, require_gpu)
+        gpu, self.offload_note = setup(self, gpu_layers, ctx, require_gpu)
+        L = len(self.layers)
+        if gpu is None:
+            self.stages = [CPUStage(self, 0, L, head=True)]
+            return self.offload_note
+        self.stages = ([CPUStage(self, 0, gpu.first, head=False)] if gpu.first else []) + [gpu]
+        if gpu.head is None:   # the output head on the CPU, after the GPU's layers
+            self.stages.append(CPUStage(self, L, L, head=True))
         return self.offload_note
 
     def new_cache(self, ctx: int | None = None, kv_type: str = "f32") -> KVCache:
         ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        cache = KVCache.allocate(self.config, ctx, kv_type)   # the offloaded layers' rows stay untouched
-        if self.offload:
-            cache.device = self.offload.allocate_kv(ctx)
-        return cache
+        dtype = kv_dtype(kv_type)
+        return KVCache([stage.new_cache(ctx, dtype) for stage in self.stages], ctx)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
                 act_sq: np.ndarray | None = None) -> np.ndarray:
@@ -99,37 +91,20 @@ class Model:
         act_sq [layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of each
         layer's projections (see decoder_layer).
         """
-        c = self.config
         T, pos0 = len(tokens), cache.pos
         if pos0 + T > cache.size:
             raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
         x = self.embedding(np.asarray(tokens, np.int64))                  # [T, D] residual stream
-        on_cpu = self.offload.first if self.offload else len(self.layers)
-        for i, layer in enumerate(self.layers[:on_cpu]):
-            decoder_layer(x, layer.weights, cache.layer(i), pos0, self.cos, self.sin,
-                              c.rms_norm_eps, c.sliding_window or 0,
-                              _NOT_COLLECTING if act_sq is None else act_sq[i])
-        if self.offload:   # the last layers on the GPU: back come the logits or the hidden state
-            x = self.offload.forward(x, cache.device, pos0, all_logits)
+        for stage, kv in zip(self.stages, cache.parts):   # the last one returns the logits
+            x = stage.forward(x, kv, pos0, all_logits, act_sq)
         cache.advance(tokens)
-        if self.offload and self.offload.head is not None:
-            return x
-
-        if not all_logits:
-            x = x[-1:]   # generation needs only the next token's distribution
-        cpu.rmsnorm(x, self.norm, c.rms_norm_eps, x)
-        logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
-        quant_cpu.linear(x, self.lm_head, logits, False)
-        return logits
+        return x
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
         """[T] ids -> [T, D] float32 rows of the (possibly quantized) embedding table."""
-        if isinstance(self.embed, QuantizedWeight):
-            return quant_cpu.dequantize_rows(self.embed, tokens)
+        if isinstance(self.embed, QuantizedTensor):
+            return quant_prefill.dequantize_rows(self.embed, tokens)
         return np.array(self.embed[tokens], np.float32)
-
-
-_NOT_COLLECTING = np.zeros((0, 0))
 
 
 class _TensorGetter:
@@ -145,15 +120,13 @@ class _TensorGetter:
         if f"{path}.weight" not in self.tensors:
             self.missing.append(f"{path}.weight")
             return None
-        w = read_linear(self.tensors, self.quantization, path)
-        if isinstance(w, np.ndarray):
+        qt = read_linear(self.tensors, self.quantization, path)
+        if isinstance(qt, np.ndarray):
             return self(f"{path}.weight", shape)
-        qt, scheme = w
-        if (qt.weight.shape[0], qt.weight.shape[1] * 32 // scheme.bits) != shape:
-            raise FormatError(f"quantized tensor {path}.weight holds a {qt.weight.shape[0]}x"
-                              f"{qt.weight.shape[1] * 32 // scheme.bits} matrix, the config needs "
-                              f"{shape[0]}x{shape[1]}")
-        return prepare(qt.weight, qt.scales, qt.biases, scheme.bits, scheme.group_size)
+        if qt.shape != shape:
+            raise FormatError(f"quantized tensor {path}.weight holds a {qt.shape[0]}x{qt.shape[1]} "
+                              f"matrix, the config needs {shape[0]}x{shape[1]}")
+        return prepare(qt)
 
     def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
         t = self.tensors.get(name)

@@ -1,10 +1,10 @@
-"""GPU offload: the last N decoder layers of a Model on an NVIDIA GPU (runner.kernels.cuda).
+"""GPU offload: the last N decoder layers of a Model as a stage on an NVIDIA GPU (runner.kernels.cuda).
 
 The last layers, not the first: the hidden state then crosses to the device once per forward pass
 and, when every layer is offloaded, the output head runs there too and only the logits come back.
-Weights are uploaded once, still quantized; the offloaded layers' KV cache lives on the device
-(KVCache.device) while the host KVCache keeps the positions and tokens, so truncating it works
-as on the CPU: later passes overwrite the device positions.
+Weights are uploaded once, still quantized; the stage's part of a KVCache lives on the device
+while the KVCache keeps the positions and tokens, so truncating it works as on the CPU: later
+passes overwrite the device positions.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nibble.formats.errors import NibbleError
+from nibble.formats.errors import NibbleError, UnsupportedModel
+from .stages import weight_nbytes
 
 CHUNK = 256           # most tokens sent through the device at once: bounds the workspace
 HEADROOM = 0.9        # share of the free GPU memory to plan for (the rest: CUDA's own needs)
@@ -60,11 +61,11 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
         return Plan(n, n == L)
     c = model.config
     kv = 2 * c.num_key_value_heads * ctx * c.head_dim * 4                        # k, v float32
-    per_layer = kv + sum(_nbytes(w) for w in model.layers[-1].weights)
+    per_layer = kv + model.layers[-1].nbytes
     work = CHUNK * 4 * (3 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads)
                         * c.head_dim + c.intermediate_size)                     # Workspace and x
     fixed = model.cos.nbytes + model.sin.nbytes + work
-    head = _nbytes(model.lm_head) + model.norm.nbytes + CHUNK * c.vocab_size * 4
+    head = model.head_nbytes + CHUNK * c.vocab_size * 4
     budget = int(free * HEADROOM) - fixed
     if n == L and budget >= n * per_layer + head:
         return Plan(n, True)
@@ -75,12 +76,9 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
                             f"{free / 1e6:.0f} MB of free GPU memory")
 
 
-def _nbytes(w) -> int:
-    return w.nbytes if isinstance(w, np.ndarray) else w.q.nbytes + w.scales.nbytes + w.biases.nbytes
-
-
-class Offload:
-    """The device side of a Model: layers [first, L) and, if `head`, the output head.
+class GPUStage:
+    """Layers [first, L) of a Model on the GPU and, if `head`, the output head: a stage (see
+    stages.py) whose part of a KVCache is a list of device (k, v) [Hkv, ctx, hd], one per layer.
 
     Decode (one token) reads its hidden state and position from fixed device buffers, so after
     one pass launched kernel by kernel the pass is recorded as a CUDA graph (kernels.cuda.Replay)
@@ -88,15 +86,18 @@ class Offload:
     Where recording fails (numba's simulator, an old numba-cuda, NIBBLE_CUDA_GRAPHS=0) kernels
     are launched one by one and `graph_error` says why."""
 
+    on_gpu = True
+
     def __init__(self, model, p: Plan):
         from .kernels import cuda as gpu
         self.gpu, self.cuda = gpu, cuda_api()
         c = model.config
         self.eps, self.window = c.rms_norm_eps, c.sliding_window or 0
         self.first = len(model.layers) - p.layers
+        self.weight_nbytes = weight_nbytes(model, self.first, len(model.layers), p.head)
         self.kv_shape = (c.num_key_value_heads, c.head_dim)
         gpu.allocate_kv(c.num_key_value_heads, 1, c.head_dim)   # refuses a head_dim it cannot take: now
-        self.layers = [gpu.upload_layer(l.weights) for l in model.layers[self.first:]]
+        self.layers = [gpu.upload_layer(l) for l in model.layers[self.first:]]
         self.cos, self.sin = self.cuda.to_device(model.cos), self.cuda.to_device(model.sin)   # [ctx, hd/2]
         self.norm = self.cuda.to_device(model.norm) if p.head else None                   # [D]
         self.head = gpu.upload(model.lm_head) if p.head else None                          # [V, D]
@@ -117,8 +118,9 @@ class Offload:
         self.graph_error = _graphs_off()   # "" while CUDA graphs may be used
         self.events: list | None = None    # (start, end) CUDA events around kernels, when timing (bench)
 
-    def allocate_kv(self, ctx: int) -> list[tuple]:
-        """k, v [Hkv, ctx, hd] on the device for each offloaded layer."""
+    def new_cache(self, ctx: int, dtype=None) -> list[tuple]:
+        """k, v float32 [Hkv, ctx, hd] on the device for each offloaded layer (whatever the host
+        cache's dtype)."""
         Hkv, hd = self.kv_shape
         from numba.cuda.cudadrv.driver import CudaAPIError
         try:
@@ -127,9 +129,13 @@ class Offload:
             raise NibbleError(f"the GPU has no room for a KV cache of {ctx} positions ({e}): "
                               f"lower --ctx-size or --gpu-layers") from None
 
-    def forward(self, x: np.ndarray, kv: list[tuple], pos0: int, all_logits: bool) -> np.ndarray:
+    def forward(self, x: np.ndarray, kv: list[tuple], pos0: int, all_logits: bool,
+                act_sq: np.ndarray | None = None) -> np.ndarray:
         """Run x [T, D] (host) through the offloaded layers at positions pos0..; -> logits
         [T or 1, V] when the head is here, else the hidden state [T or 1, D] for the host's head."""
+        if act_sq is not None:
+            raise NibbleError("measuring activations (calibration) runs every layer on the CPU: "
+                              "load the model without --gpu-layers")
         if len(x) == 1:
             return self._decode(x, kv, pos0)
         out = []
@@ -230,10 +236,11 @@ def _graphs_off() -> str:
     return ""
 
 
-def setup(model, gpu_layers: int, ctx: int | None, require_gpu: bool) -> tuple[Offload | None, str]:
-    """Offload `gpu_layers` of `model` (-1: all) -> (Offload or None, one line for the user or "").
+def setup(model, gpu_layers: int, ctx: int | None, require_gpu: bool) -> tuple[GPUStage | None, str]:
+    """Offload `gpu_layers` of `model` (-1: all) -> (GPUStage or None, one line for the user or "").
 
-    No usable GPU: run on the CPU and say why, or raise NoGPU when `require_gpu`."""
+    No usable GPU, or a model its kernels cannot run: run on the CPU and say why, or raise NoGPU
+    when `require_gpu`."""
     if gpu_layers == 0 and not require_gpu:
         return None, ""
     try:
@@ -244,16 +251,16 @@ def setup(model, gpu_layers: int, ctx: int | None, require_gpu: bool) -> tuple[O
         if p.layers == 0:
             raise NoGPU(p.note)
         return _build(model, p), p.note
-    except (NoGPU, ValueError) as e:   # ValueError: a model the kernels cannot take (their message)
+    except (NoGPU, UnsupportedModel) as e:
         if require_gpu:
             raise NoGPU(f"no GPU: {e}") from None
         return None, f"no GPU: running on the CPU ({e})"
 
 
-def _build(model, p: Plan) -> Offload:
+def _build(model, p: Plan) -> GPUStage:
     from numba.cuda.cudadrv.driver import CudaAPIError
     try:
-        return Offload(model, p)
+        return GPUStage(model, p)
     except CudaAPIError as e:   # the memory figure was off (or unknown): one line, no traceback
         raise NibbleError(f"the GPU ran out of memory for {p.layers} layers ({e}): "
                           f"lower --gpu-layers") from None

@@ -23,7 +23,9 @@ from numba import njit
 
 from nibble.runner.bench import memory_bandwidth
 from nibble.runner.kernels import cpu
-from nibble.runner.kernels.quant_cpu import QuantizedWeight, dequantize, prepare, qmatmul
+from nibble.quant.affine import QuantizedTensor
+from nibble.runner.kernels.linear import prepare, qmatmul
+from nibble.runner.kernels.quant_prefill import dequantize
 
 LAYERS, G = 30, 64
 SHAPES = {"q": (576, 576), "k": (192, 576), "v": (192, 576), "o": (576, 576),   # (N, K)
@@ -36,8 +38,8 @@ def random_weight(rng, layers, N, K, bits):
     w = rng.integers(0, 2**32, size=(layers, N, K * bits // 32), dtype=np.uint32)
     s = (rng.random((layers, N, K // G)) * 0.01 + 1e-3).astype(np.float16)
     b = (rng.standard_normal((layers, N, K // G)) * 0.02).astype(np.float16)
-    qws = [prepare(w[i], s[i], b[i], bits, G) for i in range(layers)]
-    return (np.stack([q.q for q in qws]), np.stack([q.scales for q in qws]),
+    qws = [prepare(QuantizedTensor(w[i], s[i], b[i], bits, G)) for i in range(layers)]
+    return (np.stack([q.weight for q in qws]), np.stack([q.scales for q in qws]),
             np.stack([q.biases for q in qws]))
 
 
@@ -45,7 +47,7 @@ def random_weight(rng, layers, N, K, bits):
 def _token(x, q3, s3, b3, bits, out):
     """One matrix shape for every layer, as the decoder calls it."""
     for layer in range(q3.shape[0]):
-        qmatmul(x, QuantizedWeight(q3[layer], s3[layer], b3[layer], bits, G), out, False)
+        qmatmul(x, QuantizedTensor(q3[layer], s3[layer], b3[layer], bits, G), out, False)
 
 
 def decode_bench(rng, bits, repeats):
@@ -115,7 +117,7 @@ def prefill_bench(rng, repeats):
             fns, flops = {}, 2.0 * T * N * K
             for bits in (8, 4):
                 (q,), (s,), (b,) = random_weight(rng, 1, N, K, bits)
-                qw = QuantizedWeight(q, s, b, bits, G)
+                qw = QuantizedTensor(q, s, b, bits, G)
                 fns[f"int{bits}"] = lambda qw=qw: qmatmul(x, qw, out, False)
             wf = dequantize(qw)
             fns["float32 cpu.matmul"] = lambda: cpu.matmul(x, wf, out, False)

@@ -45,8 +45,8 @@ def test_random_model_has_the_shapes_and_quantization():
     model = synthetic.random_model(SMALL, bits=4)
     c = model.config
     assert (c.num_hidden_layers, c.vocab_size, c.quantization["bits"]) == (2, 96, 4)
-    assert model.layers[0].w_gate.q.nbytes * 8 / (128 * 64) == 4          # bits a weight
-    assert model.layers[0].w_gate.q is not model.layers[1].w_gate.q
+    assert model.layers[0].w_gate.weight.nbytes * 8 / (128 * 64) == 4          # bits a weight
+    assert model.layers[0].w_gate.weight is not model.layers[1].w_gate.weight
     logits = model.forward([1, 2, 3], model.new_cache(8))
     assert logits.shape == (1, 96) and np.isfinite(logits).all() and logits.std() > 0
 

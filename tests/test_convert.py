@@ -46,10 +46,10 @@ def test_quantized_model_has_the_mlx_layout(q4):
 def test_read_back_weights_are_close(q4):
     model, report, back = q4
     for path in linear_paths(model):
-        qt, scheme = read_linear(back.tensors, back.config.quantization, path)
-        assert scheme == AffineScheme(4, 32)
+        qt = read_linear(back.tensors, back.config.quantization, path)
+        assert qt.scheme == AffineScheme(4, 32)
         w = model.tensors[f"{path}.weight"]
-        err = np.linalg.norm(dequantize(qt, scheme) - w) / np.linalg.norm(w)
+        err = np.linalg.norm(dequantize(qt) - w) / np.linalg.norm(w)
         assert err == pytest.approx(report.errors[f"{path}.weight"], rel=1e-4)
         assert err < 0.1
     assert read_linear(back.tensors, back.config.quantization, "model.norm") is back.tensors[
@@ -74,8 +74,8 @@ def test_embed_bits_overrides_the_embedding_and_head():
                  "model.embed_tokens": {"group_size": 64, "bits": 8},
                  "lm_head": {"group_size": 64, "bits": 8}}
     up = "model.layers.0.mlp.up_proj"
-    assert read_linear(report.model.tensors, q, "lm_head")[1] == AffineScheme(8, 64)
-    assert read_linear(report.model.tensors, q, up)[1] == AffineScheme(4, 64)
+    assert read_linear(report.model.tensors, q, "lm_head").scheme == AffineScheme(8, 64)
+    assert read_linear(report.model.tensors, q, up).scheme == AffineScheme(4, 64)
     assert report.errors["lm_head.weight"] < 0.01 < report.errors[f"{up}.weight"]
     total = len(linear_paths(model))
     assert [c[1:] for c in calls] == [(i, total) for i in range(1, total + 1)]
@@ -90,7 +90,7 @@ def test_rows_not_divisible_by_the_group_stay_float():
     assert reason == "row length 64 is not a multiple of the group size 128"
     tensors, q = report.model.tensors, report.model.config.quantization
     assert isinstance(read_linear(tensors, q, "model.layers.0.self_attn.q_proj"), np.ndarray)
-    assert isinstance(read_linear(tensors, q, "model.layers.0.mlp.down_proj")[0], QuantizedTensor)
+    assert isinstance(read_linear(tensors, q, "model.layers.0.mlp.down_proj"), QuantizedTensor)
 
 
 def test_imatrix_is_used_by_weight_name():
@@ -98,11 +98,11 @@ def test_imatrix_is_used_by_weight_name():
     name = "model.layers.0.mlp.down_proj.weight"
     imatrix = {name: np.random.default_rng(0).gamma(0.5, size=128).astype(np.float32)}
     report = quantize_model(model, 4, 32, imatrix=imatrix)
-    qt, scheme = read_linear(report.model.tensors, report.model.config.quantization, name[:-7])
+    qt = read_linear(report.model.tensors, report.model.config.quantization, name[:-7])
     w = model.tensors[name]
-    blind = quantize(w, scheme)
-    assert report.errors[name] == pytest.approx(reconstruction_error(w, qt, scheme, imatrix[name]))
-    assert report.errors[name] < reconstruction_error(w, blind, scheme, imatrix[name])
+    blind = quantize(w, qt.scheme)
+    assert report.errors[name] == pytest.approx(reconstruction_error(w, qt, imatrix[name]))
+    assert report.errors[name] < reconstruction_error(w, blind, imatrix[name])
     with pytest.raises(NibbleError, match="model.layers.0.mlp.down_proj does not"):
         quantize_model(model, 4, 32, imatrix={"model.layers.0.mlp.down_proj does not": w[0]})
     with pytest.raises(NibbleError, match=f"{name}: importance matrix has shape"):
@@ -119,10 +119,10 @@ def test_bad_settings_and_requantizing(q4):
         quantize_model(back, 8, 64)
     again = quantize_model(back, 8, 64, allow_requantize=True)
     assert again.model.config.quantization == {"group_size": 64, "bits": 8, "mode": "affine"}
-    qt, scheme = read_linear(again.model.tensors, again.model.config.quantization,
+    qt = read_linear(again.model.tensors, again.model.config.quantization,
                              "model.layers.0.mlp.up_proj")
     w = model.tensors["model.layers.0.mlp.up_proj.weight"]
-    assert np.linalg.norm(dequantize(qt, scheme) - w) / np.linalg.norm(w) < 0.1
+    assert np.linalg.norm(dequantize(qt) - w) / np.linalg.norm(w) < 0.1
 
 
 def test_read_linear_rejects_broken_layouts(q4):
@@ -155,8 +155,8 @@ def test_smollm2_embedding(smollm2_gguf):
     from nibble.formats.gguf import import_gguf
     w = import_gguf(smollm2_gguf).tensors["model.embed_tokens.weight"]  # [49152, 576]
     s8 = AffineScheme(8, 64)
-    assert reconstruction_error(w, quantize(w, s8), s8) < 0.01
+    assert reconstruction_error(w, quantize(w, s8)) < 0.01
     part, s4 = w[:8192], AffineScheme(4, 64)
-    rtn = reconstruction_error(part, quantize(part, s4, method="rtn"), s4)
-    found = reconstruction_error(part, quantize(part, s4), s4)
+    rtn = reconstruction_error(part, quantize(part, s4, method="rtn"))
+    found = reconstruction_error(part, quantize(part, s4))
     assert found < 0.95 * rtn < 0.15

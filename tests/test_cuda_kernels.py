@@ -10,8 +10,11 @@ from numba import cuda
 
 from nibble.runner.kernels import cuda as gpu
 from nibble.runner.kernels import layer as cpu_layer
+from nibble.runner.kernels.layer import LayerWeights
 from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
-from nibble.runner.kernels.quant_cpu import prepare
+from nibble.formats.errors import UnsupportedModel
+from nibble.quant.affine import QuantizedTensor
+from nibble.runner.kernels.linear import prepare
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize
 
@@ -26,9 +29,9 @@ def on_device(*arrays):
 
 
 def quantized(N, K, bits, G):
-    """A random MLX weight: (QuantizedWeight, its float64 dequantization [N, K])."""
+    """A random MLX weight: (prepared QuantizedTensor, its float64 dequantization [N, K])."""
     w, s, b = mlx_weight(N, K, bits, G)
-    return prepare(w, s, b, bits, G), twin_dequantize(w, s, b, bits, G)
+    return prepare(QuantizedTensor(w, s, b, bits, G)), twin_dequantize(w, s, b, bits, G)
 
 
 def device_pos(p):
@@ -213,31 +216,31 @@ def test_decode_attention_is_rope_store_then_attention(window):
 def test_upload_keeps_weights_quantized():
     qw, _ = quantized(5, 64, 4, 32)
     w = gpu.upload(qw)
-    assert (w.rows, w.cols, w.bits, w.group_size) == (5, 64, 4, 32)
-    np.testing.assert_array_equal(w.words.copy_to_host().view(np.uint8), qw.q)
+    assert (*w.shape, w.bits, w.group_size) == (5, 64, 4, 32)
+    np.testing.assert_array_equal(w.weight.copy_to_host(), qw.weight)
 
 
 def test_what_the_kernels_cannot_run_is_refused():
     (wq, _), (wk, _) = quantized(16, 64, 4, 32), quantized(8, 64, 8, 32)
-    with pytest.raises(ValueError, match="one quantization"):
+    with pytest.raises(UnsupportedModel, match="one quantization"):
         gpu._stacked([wq, wk, wk], np.concatenate)
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(UnsupportedModel, match="head_dim"):
         gpu.allocate_kv(2, 8, 256)
 
 
 # ---- the whole block ------------------------------------------------------------------------------
 
 def tiny_layer(kind, D, H, Hkv, hd, F):
-    """A random layer as model.Layer.weights: float with q/k/v biases (qwen2), or int4 without."""
+    """A random layer's LayerWeights: float with q/k/v biases (qwen2), or int4 without."""
     def linear(N, K):
         if kind == "float":
             return f32(N, K) / np.sqrt(K)
         return quantized(N, K, 4, 32)[0]
     bias = (lambda n: f32(n) * 0.1) if kind == "float" else (lambda n: np.zeros(n, np.float32))
     norm = lambda: 1 + 0.1 * f32(D)
-    return (norm(), linear(H * hd, D), linear(Hkv * hd, D), linear(Hkv * hd, D),
-            bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), linear(D, H * hd),
-            norm(), linear(F, D), linear(F, D), linear(D, F))
+    return LayerWeights(norm(), linear(H * hd, D), linear(Hkv * hd, D), linear(Hkv * hd, D),
+                        bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), linear(D, H * hd),
+                        norm(), linear(F, D), linear(F, D), linear(D, F))
 
 
 @pytest.mark.parametrize("kind,window,tol", [

@@ -54,7 +54,7 @@ def assert_close(got, want):
 @pytest.mark.parametrize("gpu_layers,head", [(1, False), (-1, True)])
 def test_greedy_tokens_and_logits_match_the_cpu(narrow, gpu_layers, head):
     (cpu_model, cpu_cache), (gpu_model, gpu_cache) = pair(narrow, gpu_layers)
-    assert (gpu_model.offload.head is not None) == head and gpu_model.offload.first == (1 if not head else 0)
+    assert (gpu_model.gpu_stage.head is not None) == head and gpu_model.gpu_stage.first == (1 if not head else 0)
     tokens, step = [], PROMPT
     for _ in range(4):   # prefill, then 3 decode steps
         want, got = cpu_model.forward(step, cpu_cache), gpu_model.forward(step, gpu_cache)
@@ -92,15 +92,15 @@ def test_decode_replays_one_recording_per_kv_cache(narrow, monkeypatch):
     the first token give every later token's logits. A new cache gets a new recording."""
     monkeypatch.setattr(gpu, "Replay", FrozenLaunches)
     (cpu_model, cpu_cache), (gpu_model, gpu_cache) = pair(narrow, -1)
-    off = gpu_model.offload
+    off = gpu_model.gpu_stage
     off.graph_error = ""                      # as on a GPU
     decode_and_compare((cpu_model, cpu_cache), (gpu_model, gpu_cache))
-    assert off.replay_kv is gpu_cache.device
+    assert off.replay_kv is gpu_cache.parts[-1]
     assert len(off.replay.launches) == 5 * len(off.layers) + 1   # 5 a layer, and the head
     first = off.replay
     cache = gpu_model.new_cache(16)
     decode_and_compare((cpu_model, cpu_model.new_cache(16)), (gpu_model, cache))
-    assert off.replay is not first and off.replay_kv is cache.device
+    assert off.replay is not first and off.replay_kv is cache.parts[-1]
 
 
 def test_without_graphs_decode_launches_kernel_by_kernel(narrow, monkeypatch):
@@ -108,9 +108,9 @@ def test_without_graphs_decode_launches_kernel_by_kernel(narrow, monkeypatch):
         raise RuntimeError("no graphs here")
     monkeypatch.setattr(gpu, "Replay", refuse)
     cpu_pair, gpu_pair = pair(narrow, 1)
-    gpu_pair[0].offload.graph_error = ""
+    gpu_pair[0].gpu_stage.graph_error = ""
     decode_and_compare(cpu_pair, gpu_pair)
-    assert gpu_pair[0].offload.graph_error == "CUDA graphs unavailable (RuntimeError: no graphs here)"
+    assert gpu_pair[0].gpu_stage.graph_error == "CUDA graphs unavailable (RuntimeError: no graphs here)"
 
 
 def test_truncate_reuses_the_device_kv(narrow):
@@ -124,11 +124,11 @@ def test_truncate_reuses_the_device_kv(narrow):
 
 def test_offloads_what_fits(narrow, monkeypatch):
     model, _ = from_model_dir(narrow)
-    layer_bytes = sum(offload._nbytes(w) for w in model.layers[-1].weights) + 2 * 16 * 16 * 4   # + k, v
+    layer_bytes = model.layers[-1].nbytes + 2 * 16 * 16 * 4   # + k, v
     free = int((1.5 * layer_bytes + 215_000) / offload.HEADROOM)   # rope tables, workspace, x: 213 kB
     monkeypatch.setattr(offload, "free_memory", lambda cuda: free)
     note = model.offload_layers(-1, 16)
-    assert model.offload.first == 1 and model.offload.head is None
+    assert model.gpu_stage.first == 1 and model.gpu_stage.head is None
     assert note == f"offloading 1 of 2 layers: the others do not fit in {free / 1e6:.0f} MB of free GPU memory"
 
 

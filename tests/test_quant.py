@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from nibble.formats.errors import NibbleError
-from nibble.quant.affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
+from nibble.quant.affine import AffineScheme, dequantize, quantize, reconstruction_error
 from nibble.quant.packing import pack, unpack
 from nibble.quant.search import search_affine
 
@@ -54,8 +54,8 @@ def test_quantize_layout_and_error_bound(scheme):
     groups = w.reshape(256, -1, g)
     step = (groups.max(-1) - groups.min(-1)) / scheme.nmax
     predicted = np.sqrt(np.mean(step**2) / 12) / np.sqrt(np.mean(w**2))
-    err_rtn = reconstruction_error(w, rtn, scheme)
-    err_search = reconstruction_error(w, quantize(w, scheme), scheme)
+    err_rtn = reconstruction_error(w, rtn)
+    err_search = reconstruction_error(w, quantize(w, scheme))
     assert 0.9 * predicted < err_rtn < 1.1 * predicted
     assert err_search < err_rtn
     assert err_search < (0.15 if scheme.bits == 4 else 0.01)
@@ -67,9 +67,9 @@ def test_error_is_measured_against_the_float16_values_stored():
     qt = quantize(w, scheme)
     q = unpack(qt.weight, 4).reshape(64, 4, 32).astype(np.float32)
     w_hat = q * qt.scales.astype(np.float32)[..., None] + qt.biases.astype(np.float32)[..., None]
-    np.testing.assert_allclose(dequantize(qt, scheme), w_hat.reshape(64, 128), rtol=1e-6)
+    np.testing.assert_allclose(dequantize(qt), w_hat.reshape(64, 128), rtol=1e-6)
     expected = np.linalg.norm(w - w_hat.reshape(64, 128)) / np.linalg.norm(w)
-    assert reconstruction_error(w, qt, scheme) == pytest.approx(expected, rel=1e-5)
+    assert reconstruction_error(w, qt) == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("method", ["rtn", "search"])
@@ -82,7 +82,7 @@ def test_a_matrix_on_a_4bit_grid_is_reproduced(method):
     w = (s * q + b).reshape(32, 256)
     scheme = AffineScheme(4, 32)
     qt = quantize(w, scheme, method=method)
-    assert reconstruction_error(w, qt, scheme) < 1e-3
+    assert reconstruction_error(w, qt) < 1e-3
     np.testing.assert_array_equal(unpack(qt.weight, 4), q.reshape(32, 256))
 
 
@@ -90,7 +90,7 @@ def test_constant_groups_are_exact():
     w = np.repeat(np.array([[0.5], [-2.0], [0.0]], dtype=np.float32), 64, axis=1)
     scheme = AffineScheme(4, 64)
     for method in ("rtn", "search"):
-        np.testing.assert_array_equal(dequantize(quantize(w, scheme, method=method), scheme), w)
+        np.testing.assert_array_equal(dequantize(quantize(w, scheme, method=method)), w)
 
 
 def test_search_is_never_worse_than_rtn_and_clearly_better_with_an_imatrix():
@@ -101,9 +101,9 @@ def test_search_is_never_worse_than_rtn_and_clearly_better_with_an_imatrix():
         w = (rng.standard_t(5, (128, 256)) * 0.02).astype(np.float32)
         imatrix = rng.gamma(0.5, size=256).astype(np.float32)  # a few channels dominate
         for scheme in (AffineScheme(4, 64), AffineScheme(8, 32)):
-            rtn = reconstruction_error(w, quantize(w, scheme, imatrix, "rtn"), scheme, imatrix)
-            found = reconstruction_error(w, quantize(w, scheme, imatrix), scheme, imatrix)
-            blind = reconstruction_error(w, quantize(w, scheme), scheme, imatrix)
+            rtn = reconstruction_error(w, quantize(w, scheme, imatrix, "rtn"), imatrix)
+            found = reconstruction_error(w, quantize(w, scheme, imatrix), imatrix)
+            blind = reconstruction_error(w, quantize(w, scheme), imatrix)
             assert found <= rtn and found < blind
             gains.append(1 - found / rtn)
     assert np.mean(gains) > 0.1
@@ -139,5 +139,5 @@ def test_dequantize_accepts_float32_scales():
     w = gaussian(16, 64, seed=3)
     scheme = AffineScheme(8, 64)
     qt = quantize(w, scheme)
-    wide = QuantizedTensor(qt.weight, qt.scales.astype(np.float32), qt.biases.astype(np.float32))
-    np.testing.assert_array_equal(dequantize(wide, scheme), dequantize(qt, scheme))
+    wide = qt._replace(scales=qt.scales.astype(np.float32), biases=qt.biases.astype(np.float32))
+    np.testing.assert_array_equal(dequantize(wide), dequantize(qt))

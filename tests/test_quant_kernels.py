@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from numba import njit
 
-from nibble.runner.kernels import quant_cpu
-from nibble.runner.kernels.quant_cpu import QuantizedWeight, dequantize, dequantize_rows, prepare, qmatmul
+from nibble.runner.kernels import linear
+from nibble.quant.affine import QuantizedTensor
+from nibble.runner.kernels.linear import prepare, qmatmul
+from nibble.runner.kernels.quant_prefill import dequantize, dequantize_rows
 
 rng = np.random.default_rng(0)
 
@@ -54,7 +56,7 @@ def test_qmatmul(bits, G, T, accumulate):
     x = rng.standard_normal((T, K)).astype(np.float32)
     out = rng.standard_normal((T, N)).astype(np.float32)
     before = out.copy()
-    qmatmul(x, prepare(w, s, b, bits, G), out, accumulate)
+    qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, accumulate)
     check(out, x, twin_dequantize(w, s, b, bits, G), before, accumulate)
 
 
@@ -66,14 +68,14 @@ def test_decode_on_larger_rows(bits):
     x = rng.standard_normal((1, K)).astype(np.float32)
     x[0, 5] = 40.0                                   # an outlier channel, as LLM activations have
     out = np.empty((1, N), np.float32)
-    qmatmul(x, prepare(w, s, b, bits, G), out, False)
+    qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, False)
     check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
 
 
 def test_zero_activations():
     w, s, b = mlx_weight(8, 64, 8, 64)
     out = np.ones((1, 8), np.float32)
-    qmatmul(np.zeros((1, 64), np.float32), prepare(w, s, b, 8, 64), out, True)
+    qmatmul(np.zeros((1, 64), np.float32), prepare(QuantizedTensor(w, s, b, 8, 64)), out, True)
     np.testing.assert_array_equal(out, 1)
 
 
@@ -83,8 +85,8 @@ def test_memmapped_weights_are_not_copied(tmp_path, bits):
     w, s, b = mlx_weight(N, K, bits, G)
     w.tofile(tmp_path / "w.bin")
     mapped = np.memmap(tmp_path / "w.bin", np.uint32, "r", shape=w.shape)
-    qw = prepare(mapped, s, b, bits, G)
-    assert np.shares_memory(qw.q, mapped) and not qw.q.flags.writeable
+    qw = prepare(QuantizedTensor(mapped, s, b, bits, G))
+    assert np.shares_memory(qw.weight, mapped) and not qw.weight.flags.writeable
     W = twin_dequantize(w, s, b, bits, G)
     for T in (1, 5):
         x = rng.standard_normal((T, K)).astype(np.float32)
@@ -98,7 +100,7 @@ def test_memmapped_weights_are_not_copied(tmp_path, bits):
 @pytest.mark.parametrize("G", [32, 128])
 def test_dequantize(bits, G):
     w, s, b = mlx_weight(23, 2 * G, bits, G)
-    qw, W = prepare(w, s, b, bits, G), twin_dequantize(w, s, b, bits, G)
+    qw, W = prepare(QuantizedTensor(w, s, b, bits, G)), twin_dequantize(w, s, b, bits, G)
     np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-6)
     ids = np.array([3, 0, 22, 3])
     np.testing.assert_allclose(dequantize_rows(qw, ids), W[ids], rtol=1e-6, atol=1e-6)
@@ -109,29 +111,29 @@ def test_dequantize(bits, G):
 def test_prepare_rejects_what_no_kernel_reads():
     w, s, b = mlx_weight(4, 64, 8, 32)
     with pytest.raises(ValueError, match="bits must be one of"):
-        prepare(w, s, b, 3, 32)
+        prepare(QuantizedTensor(w, s, b, 3, 32))
     with pytest.raises(ValueError, match="group_size one of"):
-        prepare(w, s, b, 8, 16)
+        prepare(QuantizedTensor(w, s, b, 8, 16))
     with pytest.raises(ValueError, match="scales and biases must be"):
-        prepare(w, s, b, 8, 64)
+        prepare(QuantizedTensor(w, s, b, 8, 64))
     with pytest.raises(ValueError, match="uint32"):
-        prepare(w.view(np.int32), s, b, 8, 32)
+        prepare(QuantizedTensor(w.view(np.int32), s, b, 8, 32))
     with pytest.raises(ValueError, match="out"):
-        qmatmul(np.zeros((1, 64), np.float32), prepare(w, s, b, 8, 32), np.zeros((1, 5), np.float32), False)
+        qmatmul(np.zeros((1, 64), np.float32), prepare(QuantizedTensor(w, s, b, 8, 32)), np.zeros((1, 5), np.float32), False)
 
 
 @njit(cache=True)
 def _block(x, w_in, w_out, h, out):
     """A toy layer, as the jitted decoder calls its projections: float or quantized alike."""
-    quant_cpu.linear(x, w_in, h, False)
-    quant_cpu.linear(h, w_out, out, True)
+    linear.linear(x, w_in, h, False)
+    linear.linear(h, w_out, out, True)
 
 
 @pytest.mark.parametrize("T", [1, 4])
 def test_linear_inside_njit_dispatches_on_the_weight_type(T):
     K, F = 64, 96
     w, s, b = mlx_weight(F, K, 4, 32)
-    w_in = prepare(w, s, b, 4, 32)                                  # quantized [F, K]
+    w_in = prepare(QuantizedTensor(w, s, b, 4, 32))                                  # quantized [F, K]
     w_out = rng.standard_normal((K, F)).astype(np.float32)          # float32 [K, F]
     x = rng.standard_normal((T, K)).astype(np.float32)
     h, out = np.empty((T, F), np.float32), np.ones((T, K), np.float32)
@@ -139,7 +141,7 @@ def test_linear_inside_njit_dispatches_on_the_weight_type(T):
     want_h = x.astype(np.float64) @ twin_dequantize(w, s, b, 4, 32).T
     np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
     np.testing.assert_allclose(out, 1 + h.astype(np.float64) @ w_out.T, rtol=1e-4, atol=1e-4)
-    assert isinstance(w_in, QuantizedWeight)
-    quant_cpu.linear(x, w_in, h, False)                             # and from Python
+    assert isinstance(w_in, QuantizedTensor)
+    linear.linear(x, w_in, h, False)                                # and from Python
     np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
 

@@ -15,8 +15,7 @@ def dequantized(tensors, quantization):
     out = {k: v for k, v in tensors.items() if not k.endswith((".scales", ".biases"))}
     for name in list(out):
         if name.endswith(".weight") and name[:-7] + ".scales" in tensors:
-            qt, scheme = read_linear(tensors, quantization, name[:-7])
-            out[name] = dequantize(qt, scheme)
+            out[name] = dequantize(read_linear(tensors, quantization, name[:-7]))
     return out
 
 
@@ -42,4 +41,4 @@ def test_quantized_weights_are_not_copied(tmp_path):
     md = read_model_dir(write_model_dir(quantize_model(tiny_model_dir(), 4, 32).model, tmp_path / "q"))
     model = Model(md.config, md.tensors)
     stored = md.tensors["model.layers.0.mlp.up_proj.weight"]
-    assert np.shares_memory(model.layers[0].w_up.q, stored)
+    assert np.shares_memory(model.layers[0].w_up.weight, stored)

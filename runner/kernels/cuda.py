@@ -9,7 +9,7 @@ tiled matrix-matrix kernels and 8 launches: the norms, RoPE and the KV store on 
 math as layer.decoder_layer on the CPU. The position comes from device memory, so one decode
 pass can be recorded once and replayed for every token (Replay: a CUDA graph).
 
-Setup (once):   weights = upload_layer(model.layers[i].weights); kv = allocate_kv(Hkv, ctx, hd)
+Setup (once):   weights = upload_layer(model.layers[i]); kv = allocate_kv(Hkv, ctx, hd)
                 cos, sin = cuda.to_device(model.cos), cuda.to_device(model.sin)
                 work = Workspace.allocate(weights, max_tokens); pos = cuda.to_device(int32 [1])
 Per pass:       x = cuda.to_device(hidden)               # [T, D], once per device boundary
@@ -25,48 +25,30 @@ from numba import cuda
 
 from . import cuda_kernels as kernels
 from .cuda_kernels import ADD, STORE, SWIGLU
-from .quant_cpu import QuantizedWeight
-
-FLOAT = 32   # DeviceWeight.bits of a float32 weight
+from .layer import LayerWeights
+from nibble.formats.errors import UnsupportedModel
+from nibble.quant.affine import QuantizedTensor
 
 # numba-cuda warns about every launch of fewer than 128 blocks; a model's small matrices and its
 # attention heads make such grids, by design, and the warning would land in the user's terminal
 warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU under-utilization")
 
 
-class DeviceWeight(NamedTuple):
-    """A linear layer's weight [N, K] on the device.
-
-    words: uint32 [N, K*bits/32], MLX's packed words as on disk (a lane loads whole words), or
-    float32 [N, K] when bits is FLOAT; scales, biases: float32 [N, K/G] (w = scales * q + biases),
-    a [1, 1] placeholder for float weights.
-    """
-    words: object
-    scales: object
-    biases: object
-    bits: int
-    group_size: int
-
-    @property
-    def rows(self) -> int:
-        return self.words.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.words.shape[1] * 32 // self.bits
+# A weight [N, K] on the device (for annotations): a float32 device array, or a QuantizedTensor
+# of device arrays (MLX's uint32 words as on disk, a lane loads whole words; float32 scales and
+# biases). Both have .shape (N, K).
+DeviceWeight = object
 
 
-def upload(w: np.ndarray | QuantizedWeight) -> DeviceWeight:
-    """Copy a float32 [N, K] matrix or a QuantizedWeight to the device, as it is."""
-    if isinstance(w, QuantizedWeight):
-        words = np.ascontiguousarray(w.q).view(np.uint32)          # the uint8 view back to words
-        return DeviceWeight(cuda.to_device(words), cuda.to_device(w.scales),
-                            cuda.to_device(w.biases), w.bits, w.group_size)
-    unused = cuda.to_device(np.zeros((1, 1), np.float32))
-    return DeviceWeight(cuda.to_device(np.ascontiguousarray(w, np.float32)), unused, unused, FLOAT, 0)
+def upload(w: np.ndarray | QuantizedTensor) -> DeviceWeight:
+    """Copy a float32 [N, K] matrix or a prepared QuantizedTensor to the device, as it is."""
+    if isinstance(w, QuantizedTensor):
+        return w._replace(weight=cuda.to_device(w.weight), scales=cuda.to_device(w.scales),
+                          biases=cuda.to_device(w.biases))
+    return cuda.to_device(np.ascontiguousarray(w, np.float32))
 
 
-class LayerWeights(NamedTuple):
+class DeviceLayer(NamedTuple):
     """One decoder block on the device."""
     input_norm: object        # [D]
     qkv: DeviceWeight         # [(H + 2 Hkv) hd, D]: the rows of wq, wk, wv, one product
@@ -77,14 +59,12 @@ class LayerWeights(NamedTuple):
     down: DeviceWeight        # [D, F]
 
 
-def upload_layer(weights: tuple) -> LayerWeights:
-    """Upload a block given as model.Layer.weights: (input_norm, wq, wk, wv, bq, bk, bv, wo,
-    post_norm, w_gate, w_up, w_down)."""
-    input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
+def upload_layer(w: LayerWeights) -> DeviceLayer:
+    """Upload a block of the model, joining q/k/v and gate/up into one product each."""
     vector = lambda a: cuda.to_device(np.ascontiguousarray(a, np.float32))
-    return LayerWeights(vector(input_norm), _stacked([wq, wk, wv], np.concatenate),
-                        vector(np.concatenate([bq, bk, bv])), upload(wo), vector(post_norm),
-                        _stacked([w_gate, w_up], _interleave), upload(w_down))
+    return DeviceLayer(vector(w.input_norm), _stacked([w.wq, w.wk, w.wv], np.concatenate),
+                       vector(np.concatenate([w.bq, w.bk, w.bv])), upload(w.wo), vector(w.post_norm),
+                       _stacked([w.w_gate, w.w_up], _interleave), upload(w.w_down))
 
 
 def _interleave(arrays):
@@ -95,15 +75,15 @@ def _interleave(arrays):
 
 def _stacked(weights: list, join) -> DeviceWeight:
     """One device weight made of the rows of host weights of one kind, joined by `join`."""
-    kinds = {(w.bits, w.group_size) if isinstance(w, QuantizedWeight) else FLOAT for w in weights}
+    kinds = {(w.bits, w.group_size) if isinstance(w, QuantizedTensor) else "float32" for w in weights}
     if len(kinds) > 1:
-        raise ValueError(f"the GPU joins q/k/v and gate/up into one product each, which needs one "
+        raise UnsupportedModel(f"the GPU joins q/k/v and gate/up into one product each, which needs one "
                          f"quantization for all of them, got {sorted(map(str, kinds))}: keep this "
                          f"layer on the CPU or quantize the model again")
     w0 = weights[0]
-    if isinstance(w0, QuantizedWeight):
-        parts = [join([getattr(w, name) for w in weights]) for name in ("q", "scales", "biases")]
-        return upload(QuantizedWeight(*parts, w0.bits, w0.group_size))
+    if isinstance(w0, QuantizedTensor):
+        parts = [join([getattr(w, name) for w in weights]) for name in ("weight", "scales", "biases")]
+        return upload(QuantizedTensor(*parts, w0.bits, w0.group_size))
     return upload(join([np.asarray(w, np.float32) for w in weights]))
 
 
@@ -111,7 +91,7 @@ def allocate_kv(n_kv_heads: int, ctx: int, head_dim: int) -> tuple:
     """One layer's KV cache on the device: k, v float32 [Hkv, ctx, hd]. Not zeroed: attention
     reads only the positions decoder_layer has written."""
     if head_dim % 2 or head_dim > kernels.MAX_HEAD_DIM:
-        raise ValueError(f"the GPU kernels take an even head_dim of at most "
+        raise UnsupportedModel(f"the GPU kernels take an even head_dim of at most "
                          f"{kernels.MAX_HEAD_DIM}, the model has {head_dim}: run it on the CPU")
     shape = (n_kv_heads, ctx, head_dim)
     return cuda.device_array(shape, np.float32), cuda.device_array(shape, np.float32)
@@ -126,8 +106,8 @@ class Workspace(NamedTuple):
     mlp: object     # [tokens, F]
 
     @classmethod
-    def allocate(cls, layer: LayerWeights, tokens: int) -> "Workspace":
-        widths = (layer.input_norm.shape[0], layer.qkv.rows, layer.wo.cols, layer.down.cols)
+    def allocate(cls, layer: DeviceLayer, tokens: int) -> "Workspace":
+        widths = (layer.input_norm.shape[0], layer.qkv.shape[0], layer.wo.shape[1], layer.down.shape[1])
         return cls(*(cuda.device_array((tokens, n), np.float32) for n in widths))
 
     def first(self, T: int) -> "Workspace":
@@ -182,7 +162,7 @@ class Replay:
         self.graph.launch(self.stream)
 
 
-def decoder_layer(x, weights: LayerWeights, kv: tuple, pos, cos, sin, eps: float, window: int,
+def decoder_layer(x, weights: DeviceLayer, kv: tuple, pos, cos, sin, eps: float, window: int,
                   work: Workspace, launch: Launcher = DEFAULT):
     """One transformer block on the residual stream x [T, D] (a device array), in place; k and v
     of positions pos[0].. (pos: int32 [1] on the device) go into kv = (k, v) [Hkv, ctx, hd].
@@ -209,8 +189,9 @@ def linear(x, w: DeviceWeight, out, accumulate: bool = False, *, norm=None, eps:
            scratch=None, launch: Launcher = DEFAULT):
     """out[T, N] (+)= x[T, K] @ W.T on the device, or rmsnorm(x) @ W.T with the norm's weight
     `norm` [K] (the output head: N = vocabulary); scratch [T, K]: the normalized x when T > 1."""
-    if x.shape[1] != w.cols or tuple(out.shape) != (x.shape[0], w.rows):
-        raise ValueError(f"linear: x must be [T, {w.cols}] and out [T, {w.rows}], "
+    N, K = w.shape
+    if x.shape[1] != K or tuple(out.shape) != (x.shape[0], N):
+        raise ValueError(f"linear: x must be [T, {K}] and out [T, {N}], "
                          f"got {tuple(x.shape)} and {tuple(out.shape)}")
     _product(launch, x, w, out, ADD if accumulate else STORE, norm, eps, scratch)
 
@@ -243,19 +224,27 @@ def decode_attention(qkv, bias, cos, sin, pos, kv: tuple, window: int, out, laun
 def _product(launch, x, w: DeviceWeight, out, mode: int, norm=None, eps: float = 0.0, scratch=None):
     """out (op)= x @ W.T with the epilogue `mode` (STORE, ADD or SWIGLU), of rmsnorm(x) when a
     norm weight is given: inside the matrix-vector kernel for one token, else into scratch first."""
-    T, N = x.shape[0], w.rows
+    T, N = x.shape[0], w.shape[0]
+    # the kernels take a float weight as words of FLOAT bits with unused scales and biases
+    words, scales, biases, bits, G = w if isinstance(w, QuantizedTensor) else (w, *_no_groups(), kernels.FLOAT, 0)
     if T == 1:
         blocks = -(-N // (kernels.MV_ROWS * kernels.MV_WARPS))
-        launch(kernels.MATVEC[w.bits], blocks, (32, kernels.MV_WARPS),
-               x, _no_norm() if norm is None else norm, eps, w.words, w.scales, w.biases,
-               w.group_size, out, mode)
+        launch(kernels.MATVEC[bits], blocks, (32, kernels.MV_WARPS),
+               x, _no_norm() if norm is None else norm, eps, words, scales, biases, G, out, mode)
         return
     if norm is not None:
         rmsnorm(x, norm, eps, scratch, launch)
         x = scratch
     grid = (-(-N // kernels.MM_N), -(-T // kernels.MM_T))
-    launch(kernels.MATMUL[w.bits], grid, (kernels.MM_THREADS, kernels.MM_THREADS),
-           x, w.words, w.scales, w.biases, w.group_size, out, mode)
+    launch(kernels.MATMUL[bits], grid, (kernels.MM_THREADS, kernels.MM_THREADS),
+           x, words, scales, biases, G, out, mode)
+
+
+@functools.cache
+def _no_groups() -> tuple:
+    """The scales and biases the kernels are given with a float weight: [1, 1], never read."""
+    unused = cuda.to_device(np.zeros((1, 1), np.float32))
+    return unused, unused
 
 
 @functools.cache

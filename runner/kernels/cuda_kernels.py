@@ -258,10 +258,12 @@ def _matmul(stage_weights):
     return matmul
 
 
-# Kernels by DeviceWeight.bits (32: float32 weights). numba compiles each on its first launch.
+# Kernels by a QuantizedTensor's bits, or FLOAT for a float32 weight. numba compiles each on its
+# first launch.
+FLOAT = 32
 MATVEC = {4: _matvec(_quantized_chunk(4), 32), 8: _matvec(_quantized_chunk(8), 16),
-          32: _matvec(_float_chunk, WORDS)}
-MATMUL = {4: _matmul(_quantized_tile(4)), 8: _matmul(_quantized_tile(8)), 32: _matmul(_float_tile)}
+          FLOAT: _matvec(_float_chunk, WORDS)}
+MATMUL = {4: _matmul(_quantized_tile(4)), 8: _matmul(_quantized_tile(8)), FLOAT: _matmul(_float_tile)}
 
 
 # ---- the rest of the block -----------------------------------------------------------------------

@@ -2,14 +2,37 @@
 
 Numba compiles it once per combination of weight types; `linear`, `project_qkv` and `swiglu`
 choose their kernels at compile time from those types (float: cpu's fused kernels; quantized:
-quant_cpu's).
+quant_decode's and quant_prefill's, through linear.py).
 """
+from typing import NamedTuple
+
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from . import cpu
-from .quant_cpu import QuantizedWeight, linear
+from .linear import Weight, linear, project_qkv, rows, swiglu
+
+
+class LayerWeights(NamedTuple):
+    """One decoder block's weights, as decoder_layer takes them (numba takes named tuples; at
+    module level, so that the cached kernels can name the type when they are loaded again)."""
+    input_norm: np.ndarray   # [D]
+    wq: Weight               # [H*hd, D]
+    wk: Weight               # [Hkv*hd, D]
+    wv: Weight               # [Hkv*hd, D]
+    bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
+    bk: np.ndarray           # [Hkv*hd]
+    bv: np.ndarray           # [Hkv*hd]
+    wo: Weight               # [D, H*hd]
+    post_norm: np.ndarray    # [D]
+    w_gate: Weight           # [F, D]
+    w_up: Weight             # [F, D]
+    w_down: Weight           # [D, F]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the block's weights: what a decoded token reads of it."""
+        return sum(w.nbytes for w in self)
 
 
 @njit(**cpu._jit)
@@ -18,29 +41,28 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     are written into the layer's cache kv = (k, v [Hkv, ctx, hd], k_scale, v_scale [Hkv, ctx]).
     One call per layer keeps Python out of the token loop's inner steps.
 
-    weights: (input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down), biases
-    zeros when the model has none. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
+    weights: LayerWeights. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
     the q/k/v, o, gate/up and down projections (for the importance matrix of quantization), or
     shape (0, 0) when not collecting.
     """
-    input_norm, wq, wk, wv, bq, bk, bv, wo, post_norm, w_gate, w_up, w_down = weights
+    w = weights
     k_cache, v_cache, k_scale, v_scale = kv
     T = x.shape[0]
     Hkv, _, hd = k_cache.shape
-    H = bq.shape[0] // hd
+    H = w.bq.shape[0] // hd
     h = np.empty_like(x)                                     # [T, D]
     # attention block
-    cpu.rmsnorm(x, input_norm, eps, h)
+    cpu.rmsnorm(x, w.input_norm, eps, h)
     collect = act_sq.shape[0] > 0
     if collect:
         cpu.add_squares(h, act_sq[0])
     q = np.empty((T, H * hd), np.float32)
     k = np.empty((T, Hkv * hd), np.float32)
     v = np.empty((T, Hkv * hd), np.float32)
-    project_qkv(h, wq, wk, wv, q, k, v)
-    q += bq
-    k += bk
-    v += bv
+    project_qkv(h, w.wq, w.wk, w.wv, q, k, v)
+    q += w.bq
+    k += w.bk
+    v += w.bv
     q = q.reshape(T, H, hd)
     k = k.reshape(T, Hkv, hd)
     v = v.reshape(T, Hkv, hd)
@@ -53,63 +75,12 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     cpu.attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, attn.reshape(T, H, hd))
     if collect:
         cpu.add_squares(attn, act_sq[1])
-    linear(attn, wo, x, True)                               # residual: x += attn @ wo.T
+    linear(attn, w.wo, x, True)                             # residual: x += attn @ wo.T
     # feed-forward block
-    cpu.rmsnorm(x, post_norm, eps, h)
-    mlp = np.empty((T, rows(w_gate)), np.float32)           # [T, F]
-    swiglu(h, w_gate, w_up, mlp)
+    cpu.rmsnorm(x, w.post_norm, eps, h)
+    mlp = np.empty((T, rows(w.w_gate)), np.float32)         # [T, F]
+    swiglu(h, w.w_gate, w.w_up, mlp)
     if collect:
         cpu.add_squares(h, act_sq[2])
         cpu.add_squares(mlp, act_sq[3])
-    linear(mlp, w_down, x, True)                            # residual: x += mlp @ w_down.T
-
-
-def rows(w) -> int:
-    """Output size of a float [N, K] or quantized weight."""
-    return w.q.shape[0] if isinstance(w, QuantizedWeight) else w.shape[0]
-
-
-@overload(rows)
-def _rows(w):
-    if isinstance(w, types.Array):
-        return lambda w: w.shape[0]
-    return lambda w: w.q.shape[0]
-
-
-def project_qkv(x, wq, wk, wv, q, k, v):
-    """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T"""
-    for w, out in ((wq, q), (wk, k), (wv, v)):
-        linear(x, w, out, False)
-
-
-@overload(project_qkv)
-def _project_qkv(x, wq, wk, wv, q, k, v):
-    if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
-        return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
-
-    def each(x, wq, wk, wv, q, k, v):
-        linear(x, wq, q, False)
-        linear(x, wk, k, False)
-        linear(x, wv, v, False)
-    return each
-
-
-def swiglu(x, w_gate, w_up, out):
-    """out = silu(x @ w_gate.T) * (x @ w_up.T)"""
-    up = np.empty_like(out)
-    linear(x, w_gate, out, False)
-    linear(x, w_up, up, False)
-    out *= up / (1 + np.exp(-out))
-
-
-@overload(swiglu)
-def _swiglu(x, w_gate, w_up, out):
-    if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
-        return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
-
-    def separate(x, w_gate, w_up, out):
-        up = np.empty_like(out)
-        linear(x, w_gate, out, False)
-        linear(x, w_up, up, False)
-        cpu.silu_mul(out, up)
-    return separate
+    linear(mlp, w.w_down, x, True)                          # residual: x += mlp @ w_down.T

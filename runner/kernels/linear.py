@@ -1,0 +1,124 @@
+"""out (+)= x @ W.T for any weight: the one place that chooses between the float kernels (cpu.py)
+and the quantized ones (quant_decode.py for one token, quant_prefill.py for several).
+
+Inside njit code the choice is made at compile time from the weight's numba type (the overloads
+below), so one jitted decoder layer serves float and quantized models; from Python, by isinstance.
+"""
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
+from . import cpu, quant_decode, quant_prefill
+
+_jit = dict(fastmath=True, cache=True, nogil=True)
+Weight = np.ndarray | QuantizedTensor   # a float32 [N, K] matrix or a prepared quantized one
+
+
+def prepare(qt: QuantizedTensor) -> QuantizedTensor:
+    """`qt` as the kernels take it: called once at load.
+
+    The packed weight is kept, not copied (a read-only np.memmap stays one; the kernels read its
+    uint32 words as little-endian bytes); scales and biases (float16 on disk) become float32,
+    1/16 of the weight's size at 8 bits. Refuses what the kernels would read out of bounds.
+    """
+    bits, group_size, weight = qt.bits, qt.group_size, qt.weight
+    if bits not in BITS or group_size not in GROUP_SIZES:
+        raise ValueError(f"no kernel for {bits}-bit weights in groups of {group_size}: "
+                         f"bits must be one of {BITS} and group_size one of {GROUP_SIZES}")
+    if weight.dtype != np.uint32 or weight.ndim != 2 or not weight.flags.c_contiguous:
+        raise ValueError(f"weight must be a C-contiguous uint32 matrix, got {weight.dtype} {weight.shape}")
+    if qt.scales.shape != qt.groups_shape or qt.biases.shape != qt.scales.shape:
+        N, K = qt.shape
+        raise ValueError(f"scales and biases must be {list(qt.groups_shape)} for a {N}x{K} weight in "
+                         f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
+    as32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
+    return qt._replace(scales=as32(qt.scales), biases=as32(qt.biases))
+
+
+@njit(**_jit)
+def qmatmul(x, qw, out, accumulate):
+    """out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor W; x, out float32.
+
+    T = 1 quantizes x to int16 per group and takes the integer decode path; T > 1 the float
+    prefill path. Callable from Python and from inside other njit functions.
+    """
+    T, K = x.shape
+    N = qw.weight.shape[0]
+    if qw.weight.shape[1] * 32 != K * qw.bits or out.shape[0] != T or out.shape[1] != N:
+        raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
+    if T == 1:
+        quant_decode.matvec(x, qw, out, accumulate)
+    else:
+        quant_prefill.matmul(x, qw, out, accumulate)
+
+
+def linear(x, w, out, accumulate):
+    """out (+)= x @ w.T for a float32 [N, K] weight or a QuantizedTensor.
+
+    Inside njit code the choice is made at compile time from w's numba type (the overload below),
+    so one jitted decoder layer serves float and quantized models.
+    """
+    if isinstance(w, QuantizedTensor):
+        qmatmul(x, w, out, accumulate)
+    else:
+        cpu.matmul(x, w, out, accumulate)
+
+
+@overload(linear)
+def _linear_typed(x, w, out, accumulate):
+    if isinstance(w, types.Array):
+        return lambda x, w, out, accumulate: cpu.matmul(x, w, out, accumulate)
+    if isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor:
+        return lambda x, w, out, accumulate: qmatmul(x, w, out, accumulate)
+
+
+def rows(w) -> int:
+    """Output size of a float [N, K] or quantized weight."""
+    return w.shape[0]
+
+
+@overload(rows)
+def _rows(w):
+    if isinstance(w, types.Array):
+        return lambda w: w.shape[0]
+    return lambda w: w.weight.shape[0]   # numba sees a named tuple's fields, not its properties
+
+
+def project_qkv(x, wq, wk, wv, q, k, v):
+    """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T"""
+    for w, out in ((wq, q), (wk, k), (wv, v)):
+        linear(x, w, out, False)
+
+
+@overload(project_qkv)
+def _project_qkv(x, wq, wk, wv, q, k, v):
+    if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
+        return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
+
+    def each(x, wq, wk, wv, q, k, v):
+        linear(x, wq, q, False)
+        linear(x, wk, k, False)
+        linear(x, wv, v, False)
+    return each
+
+
+def swiglu(x, w_gate, w_up, out):
+    """out = silu(x @ w_gate.T) * (x @ w_up.T)"""
+    up = np.empty_like(out)
+    linear(x, w_gate, out, False)
+    linear(x, w_up, up, False)
+    out *= up / (1 + np.exp(-out))
+
+
+@overload(swiglu)
+def _swiglu(x, w_gate, w_up, out):
+    if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
+        return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
+
+    def separate(x, w_gate, w_up, out):
+        up = np.empty_like(out)
+        linear(x, w_gate, out, False)
+        linear(x, w_up, up, False)
+        cpu.silu_mul(out, up)
+    return separate

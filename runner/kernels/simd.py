@@ -1,0 +1,149 @@
+"""Explicit SIMD for the quantized kernels: a numba type for an LLVM vector and the few portable
+LLVM vector operations they use, as intrinsics.
+
+LLVM's auto-vectorizer flips between good and bad code on the quantized loops with small source
+changes (it vectorized across groups with gathers, or widened int32 sums to int64), so their inner
+loops are written with explicit 256-bit vectors. No x86-specific intrinsic: ARM gets its own
+instructions for the same LLVM operations.
+"""
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, models, register_model
+
+
+class Vec(types.Type):
+    """An LLVM vector <count x dtype>, kept in a register."""
+
+    def __init__(self, dtype, count):
+        self.dtype, self.count = dtype, count
+        super().__init__(name=f"Vec({dtype}x{count})")
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _ll(fe_type))
+
+
+I16, I32, F32 = Vec(types.int16, 16), Vec(types.int32, 8), Vec(types.float32, 8)   # 256 bits each
+_i32 = ir.IntType(32)
+_FAST = ("fast",)
+
+
+def _ll(t):
+    return ir.VectorType(ir.FloatType() if t.dtype == types.float32 else ir.IntType(t.dtype.bitwidth), t.count)
+
+
+def _shuffle(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, len(idx)), list(idx)))
+
+
+def _splat(builder, t, x):
+    v = builder.insert_element(ir.Constant(_ll(t), None), x, ir.Constant(_i32, 0))
+    return _shuffle(builder, v, v, [0] * t.count)
+
+
+def _load(context, builder, sig, args, lltype, align):
+    """Load lltype from the address of element i of a C-contiguous array, counting row-major
+    across rows (indexing with a flat offset creates no row view, hence no reference counting)."""
+    ary = context.make_array(sig.args[0])(context, builder, args[0])
+    ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), lltype.as_pointer())
+    return builder.load(ptr, align=align)
+
+
+@intrinsic
+def load_u8x16(typingctx, arr, i):
+    """uint8 arr.flat[i:i+16] zero-extended to 16 int16 lanes."""
+    def codegen(context, builder, sig, args):
+        return builder.zext(_load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 16), 1), _ll(I16))
+    return I16(arr, i), codegen
+
+
+@intrinsic
+def load_16x16(typingctx, arr, i):
+    """16 lanes of 16 bits from arr.flat[i:]: int16 activations, or 32 bytes of packed 4-bit weights."""
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig, args, _ll(I16), 1)
+    return I16(arr, i), codegen
+
+
+@intrinsic
+def load_f32x8(typingctx, arr, i):
+    """float32 arr.flat[i:i+8]."""
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig, args, _ll(F32), 4)
+    return F32(arr, i), codegen
+
+
+@intrinsic(prefer_literal=True)
+def nibble(typingctx, v, t):
+    """(v >> 4t) & 15 in each 16-bit lane; t a literal 0..3."""
+    if not isinstance(t, types.IntegerLiteral):
+        return None
+    shift = 4 * t.literal_value
+
+    def codegen(context, builder, sig, args):
+        v = builder.lshr(args[0], ir.Constant(_ll(I16), [shift] * 16)) if shift else args[0]
+        return v if shift == 12 else builder.and_(v, ir.Constant(_ll(I16), [15] * 16))
+    return I16(v, t), codegen
+
+
+@intrinsic
+def madd(typingctx, a, b):
+    """int32 lanes a[2i]*b[2i] + a[2i+1]*b[2i+1]: LLVM emits vpmaddwd on x86."""
+    def codegen(context, builder, sig, args):
+        wide = ir.VectorType(_i32, 16)
+        m = builder.mul(builder.sext(args[0], wide), builder.sext(args[1], wide))
+        return builder.add(_shuffle(builder, m, m, range(0, 16, 2)), _shuffle(builder, m, m, range(1, 16, 2)))
+    return I32(a, b), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return I32(a, b), codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c lane by lane (float32)."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(builder.fmul(args[0], args[1], flags=_FAST), args[2], flags=_FAST)
+    return F32(a, b, c), codegen
+
+
+@intrinsic
+def zero_i32(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_ll(I32), None)
+    return I32(), codegen
+
+
+@intrinsic
+def zero_f32(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_ll(F32), None)
+    return F32(), codegen
+
+
+@intrinsic
+def scale_add(typingctx, acc, a, s0, s1):
+    """acc + float(a) * [s0 s0 s0 s0 s1 s1 s1 s1]: a group's integer sums into the float sum
+    (s1 for the upper lanes, which hold the next group when a 4-bit block spans two)."""
+    def codegen(context, builder, sig, args):
+        s = _shuffle(builder, _splat(builder, F32, args[2]), _splat(builder, F32, args[3]), [0, 1, 2, 3, 12, 13, 14, 15])
+        return builder.fadd(args[0], builder.fmul(builder.sitofp(args[1], _ll(F32)), s, flags=_FAST), flags=_FAST)
+    return F32(acc, a, s0, s1), codegen
+
+
+@intrinsic
+def hsum(typingctx, v):
+    """Sum of the 8 float lanes."""
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        v = builder.fadd(_shuffle(builder, v, v, range(4)), _shuffle(builder, v, v, range(4, 8)), flags=_FAST)
+        v = builder.fadd(_shuffle(builder, v, v, range(2)), _shuffle(builder, v, v, range(2, 4)), flags=_FAST)
+        lane = lambda i: builder.extract_element(v, ir.Constant(_i32, i))
+        return builder.fadd(lane(0), lane(1), flags=_FAST)
+    return types.float32(v), codegen

@@ -1,0 +1,59 @@
+"""A model runs as a list of stages, each a run of consecutive layers on one device that owns
+those layers' weights and its part of the KV cache; the last stage also runs the output head.
+
+Every stage has the same face, so Model.forward runs them in order without asking where they run:
+
+    new_cache(ctx, dtype) -> its part of a KVCache (None when it has no layers)
+    forward(x, kv, pos0, all_logits, act_sq) -> the hidden state [T, D] for the next stage, or,
+        from the stage with the head, logits [T, V] (all_logits) or [1, V]
+    weight_nbytes -> bytes of the weights a decoded token reads there
+
+CPUStage is here; offload.GPUStage is the same on an NVIDIA GPU (`-ngl`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .cache import HostKV
+from .kernels import cpu, linear
+from .kernels.layer import decoder_layer
+
+_NOT_COLLECTING = np.zeros((0, 0))
+
+
+def weight_nbytes(model, first: int, last: int, head: bool) -> int:
+    """Bytes of layers [first, last) of `model`, and of its head if `head`."""
+    return sum(layer.nbytes for layer in model.layers[first:last]) + (model.head_nbytes if head else 0)
+
+
+class CPUStage:
+    """Layers [first, last) of `model` on the CPU (Numba kernels), then the head if `head`."""
+    on_gpu = False
+
+    def __init__(self, model, first: int, last: int, head: bool):
+        self.model, self.first, self.last, self.head = model, first, last, head
+        self.weight_nbytes = weight_nbytes(model, first, last, head)
+
+    def new_cache(self, ctx: int, dtype) -> HostKV | None:
+        c = self.model.config
+        if self.last == self.first:
+            return None
+        return HostKV.allocate(self.last - self.first, c.num_key_value_heads, ctx, c.head_dim, dtype)
+
+    def forward(self, x: np.ndarray, kv: HostKV | None, pos0: int, all_logits: bool,
+                act_sq: np.ndarray | None = None) -> np.ndarray:
+        """act_sq [model layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of
+        each layer's projections (see decoder_layer)."""
+        m, c = self.model, self.model.config
+        for i in range(self.first, self.last):
+            decoder_layer(x, m.layers[i], kv.layer(i - self.first), pos0, m.cos, m.sin,
+                          c.rms_norm_eps, c.sliding_window or 0,
+                          _NOT_COLLECTING if act_sq is None else act_sq[i])
+        if not self.head:
+            return x
+        if not all_logits:
+            x = x[-1:]   # generation needs only the next token's distribution
+        cpu.rmsnorm(x, m.norm, c.rms_norm_eps, x)
+        logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
+        linear.linear(x, m.lm_head, logits, False)
+        return logits
