@@ -1,4 +1,4 @@
-"""The one exception type that user-facing layers turn into a clean message."""
+"""NibbleError, which user-facing layers turn into a clean message, and its kinds."""
 
 
 class NibbleError(Exception):

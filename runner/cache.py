@@ -44,6 +44,7 @@ class HostKV:
 @dataclass
 class KVCache:
     parts: list           # per stage of the model, in order: what its new_cache gave
+    stages: list          # the model's stages it was made for (Model.stages)
     size: int             # positions the context holds
     pos: int = 0          # positions filled
     tokens: list[int] = field(default_factory=list)  # the ids behind those positions

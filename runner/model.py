@@ -67,7 +67,7 @@ class Model:
         """Run the last `gpu_layers` layers (-1: all) on the GPU, as many as fit in its memory
         with a KV cache of `ctx` positions (default: the model's). -> one line for the user, or
         "" (no GPU: the CPU runs everything, and the line says why; NoGPU if `require_gpu`).
-        Caches made before hold the old stages' parts: make new ones."""
+        Caches made before no longer fit the model: forward refuses them."""
         from .offload import setup
         gpu, self.offload_note = setup(self, gpu_layers, ctx, require_gpu)
         L = len(self.layers)
@@ -82,7 +82,7 @@ class Model:
     def new_cache(self, ctx: int | None = None, kv_type: str = "f32") -> KVCache:
         ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
         dtype = kv_dtype(kv_type)
-        return KVCache([stage.new_cache(ctx, dtype) for stage in self.stages], ctx)
+        return KVCache([stage.new_cache(ctx, dtype) for stage in self.stages], self.stages, ctx)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
                 act_sq: np.ndarray | None = None) -> np.ndarray:
@@ -92,6 +92,9 @@ class Model:
         layer's projections (see decoder_layer).
         """
         T, pos0 = len(tokens), cache.pos
+        if cache.stages is not self.stages:
+            raise NibbleError("this KV cache is another model's, or from before offload_layers moved "
+                              "this one's layers: make a new one with model.new_cache()")
         if pos0 + T > cache.size:
             raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
         x = self.embedding(np.asarray(tokens, np.int64))                  # [T, D] residual stream

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from nibble.formats.errors import NibbleError
 from nibble.runner.model import ContextFull, Model
 from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
@@ -45,7 +46,8 @@ def test_rope_scaling_matches_reference(scaling):
     config = tiny_config("llama", rope_scaling=scaling)
     tensors = tiny_tensors(config)
     tokens = np.arange(40) % config.vocab_size
-    got = Model(config, tensors).forward(tokens, Model(config, tensors).new_cache(), all_logits=True)
+    model = Model(config, tensors)
+    got = model.forward(tokens, model.new_cache(), all_logits=True)
     np.testing.assert_allclose(got, reference.forward(config, tensors, tokens), rtol=1e-4, atol=1e-4)
 
 
@@ -85,3 +87,12 @@ def test_unknown_kv_cache_type():
     config = tiny_config()
     with pytest.raises(NibbleError, match="unknown KV cache type 'fp8': choose f32 or int8"):
         Model(config, tiny_tensors(config)).new_cache(8, "fp8")
+
+
+def test_a_cache_made_before_the_layers_moved_is_refused():
+    model = Model(tiny_config(), tiny_tensors(tiny_config()))
+    cache = model.new_cache(8)
+    model.offload_layers(0)   # the stages are laid out anew (all on the CPU here)
+    with pytest.raises(NibbleError, match="new_cache"):
+        model.forward([1, 2], cache)
+    model.forward([1, 2], model.new_cache(8))
