@@ -21,9 +21,9 @@ import numba
 import numpy as np
 from numba import njit
 
+from nibble.quant.affine import QuantizedTensor
 from nibble.runner.bench import memory_bandwidth
 from nibble.runner.kernels import cpu
-from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.linear import prepare, qmatmul
 from nibble.runner.kernels.quant_prefill import dequantize
 

@@ -288,7 +288,7 @@ def test_linear_rope_scaling_and_eot(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_config(smollm2):
-    # Figures from shared/reference/README.md (the model llama.cpp was measured on).
+    # Figures of the model llama.cpp was measured on (tests/data/README.md).
     c = smollm2.config
     assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == ("llama", 30, 576, 9)
     assert (c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size) == (3, 64, 1536, 49152)

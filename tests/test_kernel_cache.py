@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from nibble.formats.model_dir import write_model_dir
+from tests.hand_safetensors import write_safetensors_by_hand
 from tests.tiny import TEXT, tiny_model_dir
 
 ROOT = Path(__file__).parent.parent
@@ -39,19 +39,6 @@ def test_kernels_are_cached_per_version_of_their_sources(tmp_path):
     assert any(p.name.startswith("cpu.rmsnorm") and p.suffix == ".nbi" for p in current.rglob("*"))
 
 
-def _write_bf16(tensors: dict[str, np.ndarray], path: Path):
-    """A safetensors file of bfloat16 tensors (float32 truncated), which nibble's writer cannot make."""
-    header, blobs, offset = {}, [], 0
-    for name, a in tensors.items():
-        raw = (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
-
-
 def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_path):
     """The decoder layer compiled for qwen2 in a process that loaded the other kernels from the
     cache was cached without what starts numba's thread pool: every later qwen2 run died with
@@ -60,7 +47,7 @@ def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_p
               "qwen2 f32": write_model_dir(tiny_model_dir("qwen2"), tmp_path / "qwen2")}
     qwen2 = tiny_model_dir("qwen2")
     models["qwen2 bf16"] = write_model_dir(qwen2, tmp_path / "qwen2-bf16")
-    _write_bf16(qwen2.tensors, models["qwen2 bf16"] / "model.safetensors")
+    write_safetensors_by_hand(qwen2.tensors, models["qwen2 bf16"] / "model.safetensors", bf16=lambda name: True)
     text = tmp_path / "text.txt"
     text.write_text(TEXT[:len(TEXT) // 2], encoding="utf-8")
     ppl = {}

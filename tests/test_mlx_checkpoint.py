@@ -4,13 +4,13 @@ Nothing of nibble writes it: the packing, the bfloat16 scales, the safetensors b
 config.json keys are produced here from the spec, as mlx-lm would write them for a llama model.
 """
 import json
-import struct
 
 import numpy as np
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.loader import load
 from tests import reference
+from tests.hand_safetensors import write_safetensors_by_hand
 from tests.tiny import tiny_model_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -40,22 +40,6 @@ def _bf16(x):
     return u.view(np.float32)
 
 
-def write_safetensors_by_hand(tensors, path):
-    """The safetensors layout: u64 header size, JSON header, then the raw little-endian bytes."""
-    header, blobs, offset = {}, [], 0
-    for name, a in tensors.items():
-        if a.dtype == np.float32 and name.endswith((".scales", ".biases")):
-            dtype, raw = "BF16", (a.view(np.uint32) >> 16).astype("<u2").tobytes()
-        else:
-            dtype, raw = {np.dtype(np.uint32): "U32", np.dtype(np.float32): "F32"}[a.dtype], a.tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
-
-
 def test_hand_made_mlx_checkpoint_runs(tmp_path):
     base = tiny_model_dir()            # tokenizer, template and float weights to start from
     out = write_model_dir(base, tmp_path / "mlx")
@@ -68,7 +52,7 @@ def test_hand_made_mlx_checkpoint_runs(tmp_path):
             tensors |= {name: words, module + ".scales": scales, module + ".biases": biases}
         else:
             tensors[name] = floats[name] = w
-    write_safetensors_by_hand(tensors, out / "model.safetensors")
+    write_safetensors_by_hand(tensors, out / "model.safetensors", bf16=lambda name: name.endswith((".scales", ".biases")))
     config = json.loads((out / "config.json").read_text())
     quantization = {"group_size": 64, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
     config |= {"quantization": quantization, "quantization_config": quantization}
