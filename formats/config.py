@@ -1,4 +1,11 @@
-"""The model configuration, with Hugging Face's field names so config.json flows in untouched."""
+"""The model configuration, with Hugging Face's field names so config.json flows in untouched.
+
+config.json comes in two spellings. transformers 4 wrote `rope_theta` and `rope_scaling` at the
+top level; transformers 5 writes one `rope_parameters` block ({"rope_theta": ..., "rope_type":
+...}). Both become `rope_theta` + `rope_scaling` here (None for plain RoPE). `dtype`
+(`torch_dtype` before transformers 5) stays in `extra`: it names the dtype the weights were saved
+in, which every tensor carries itself, and nibble computes in float32 whatever it says.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +15,32 @@ from .errors import FormatError
 
 # model_type -> the architecture that runs it (mlx-lm's alias table).
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
+
+# rope_type -> the rope_parameters fields it needs (transformers' _validate_*_rope_parameters).
+ROPE_TYPES = {
+    "default": (),
+    "dynamic": ("factor",),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Fields transformers' llama, mistral and qwen2 read that nibble does not implement: accepted with
+# the values that leave the computation as nibble runs it, refused otherwise. Any other unknown
+# key is one those classes ignore too (architectures, transformers_version, dtype, use_cache,
+# initializer_range, pretraining_tp, attention_dropout: dropout is off at inference), so it
+# cannot change their numbers; it stays in `extra`.
+FIXED_FIELDS = {
+    "hidden_act": ("silu", "swish"),   # the same function under two names
+    "mlp_bias": (False, None),
+    "partial_rotary_factor": (1.0, None),
+    # Gemma 2's soft caps: a config that sets them expects them applied
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+}
 
 
 @dataclass
@@ -22,11 +55,14 @@ class ModelConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None        # with "rope_type"; None for plain RoPE
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    layer_types: list[str] | None = None    # per layer: "full_attention" or "sliding_attention"
+    use_sliding_window: bool | None = None  # qwen2: false (its default) turns sliding_window off
+    max_window_layers: int | None = None    # qwen2 without layer_types: the layers from here on slide
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     quantization: dict | None = None
@@ -44,10 +80,13 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
             )
+        self.rope_scaling = _checked_rope_scaling(self)
+        self.windows = _layer_windows(self)   # [layers]: each one's sliding window, 0 for full attention
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a config.json dict; unknown keys are kept in `extra`, missing ones named."""
+        """Build from a config.json dict of either spelling; unknown keys are kept in `extra`,
+        missing ones named, and fields that would change the numbers unheeded refused."""
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             known = ", ".join(sorted(ARCHITECTURES))
@@ -58,6 +97,11 @@ class ModelConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise FormatError(f"config.json is missing {', '.join(missing)}")
+        for key, accepted in FIXED_FIELDS.items():
+            if key in d and d[key] not in accepted:
+                raise FormatError(f"config.json: nibble cannot run {key}={d[key]!r} "
+                                  f"(it runs {' or '.join(map(repr, accepted))})")
+        d = {k: v for k, v in d.items() if k != "rope_parameters"} | _rope_fields(d)
         try:
             return cls(**{k: v for k, v in d.items() if k in names},
                        extra={k: v for k, v in d.items() if k not in names})
@@ -72,3 +116,77 @@ class ModelConfig:
     def eos_ids(self) -> list[int]:
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+
+def _rope_fields(d: dict) -> dict:
+    """rope_theta and rope_scaling from either spelling, with transformers' precedence:
+    `rope_scaling` over `rope_parameters`, a theta inside the block over a top-level one."""
+    block = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(block, dict):
+        raise FormatError(f"config.json: rope_parameters is {block!r}, not an object")
+    nested = [block[k] for k in LAYER_TYPES if k in block]   # newer configs: one block per layer type
+    if nested:
+        if any(b != nested[0] for b in nested):
+            raise FormatError("config.json: rope_parameters differ between layer types; nibble runs "
+                              "one RoPE in every layer")
+        block = nested[0]
+    block = dict(block)
+    theta = block.pop("rope_theta", d.get("rope_theta", 10000.0))
+    partial = block.pop("partial_rotary_factor", None)
+    if partial not in FIXED_FIELDS["partial_rotary_factor"]:
+        raise FormatError(f"config.json: nibble cannot run rope_parameters.partial_rotary_factor="
+                          f"{partial!r} (it rotates whole heads)")
+    return {"rope_theta": theta, "rope_scaling": block or None}
+
+
+def _checked_rope_scaling(c: ModelConfig) -> dict | None:
+    """c.rope_scaling with "rope_type" spelled out (older configs say "type"), None for plain
+    RoPE; an unknown type or a missing field is a FormatError naming it."""
+    s = dict(c.rope_scaling or {})
+    kind = s.pop("type", None)
+    kind = s.setdefault("rope_type", kind or "default")
+    if kind not in ROPE_TYPES:
+        raise FormatError(f"config.json: unsupported rope_type {kind!r}: nibble runs "
+                          f"{', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return None
+    if kind in ("llama3", "yarn", "longrope"):   # transformers' default for it
+        s.setdefault("original_max_position_embeddings", c.max_position_embeddings)
+    missing = [k for k in ROPE_TYPES[kind] if s.get(k) is None]
+    if missing:
+        raise FormatError(f"config.json: rope_type {kind!r} needs {', '.join(missing)} in "
+                          f"rope_parameters")
+    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
+        if len(s[key]) != c.head_dim // 2:
+            raise FormatError(f"config.json: rope_parameters.{key} has {len(s[key])} values, "
+                              f"the head size needs {c.head_dim // 2}")
+    return s
+
+
+def _layer_windows(c: ModelConfig) -> list[int]:
+    """Each layer's sliding window (0: full attention), as transformers runs each model type:
+    qwen2 slides in the "sliding_attention" layers and only with use_sliding_window, mistral in
+    every layer, llama in none."""
+    L, window, types = c.num_hidden_layers, c.sliding_window or 0, c.layer_types
+    if types is not None:
+        if len(types) != L:
+            raise FormatError(f"config.json: layer_types has {len(types)} entries for {L} layers")
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise FormatError(f"config.json: layer_types {', '.join(map(repr, unknown))} are not run "
+                              f"by nibble (it runs {', '.join(LAYER_TYPES)})")
+    if c.model_type == "qwen2":
+        if not c.use_sliding_window:
+            window = 0
+        if types is None:
+            first = 28 if c.max_window_layers is None else c.max_window_layers   # Qwen2Config's default
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
+        return [window if t == "sliding_attention" else 0 for t in types]
+    if c.model_type == "llama":
+        window = 0   # transformers' LlamaModel has no sliding window, whatever the config says
+    runs = "sliding_attention" if window else "full_attention"
+    if types is not None and any(t != runs for t in types):
+        raise FormatError(f"config.json: layer_types asks for {'full' if window else 'sliding'} "
+                          f"attention in some layers, but transformers runs {c.model_type} with "
+                          f"{'sliding_window in every layer' if window else 'full attention'}")
+    return [window] * L

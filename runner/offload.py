@@ -92,8 +92,9 @@ class GPUStage:
         from .kernels import cuda as gpu
         self.gpu, self.cuda = gpu, cuda_api()
         c = model.config
-        self.eps, self.window = c.rms_norm_eps, c.sliding_window or 0
+        self.eps = c.rms_norm_eps
         self.first = len(model.layers) - p.layers
+        self.windows = c.windows[self.first:]   # each offloaded layer's sliding window (0: none)
         self.weight_nbytes = weight_nbytes(model, self.first, len(model.layers), p.head)
         self.kv_shape = (c.num_key_value_heads, c.head_dim)
         gpu.allocate_kv(c.num_key_value_heads, 1, c.head_dim)   # refuses a head_dim it cannot take: now
@@ -168,9 +169,9 @@ class GPUStage:
         return self.out1_host.copy()
 
     def _decode_pass(self, kv, launch):
-        for weights, layer_kv in zip(self.layers, kv):
+        for weights, layer_kv, window in zip(self.layers, kv, self.windows):
             self.gpu.decoder_layer(self.x1, weights, layer_kv, self.pos, self.cos, self.sin,
-                                   self.eps, self.window, self.work, launch)
+                                   self.eps, window, self.work, launch)
         if self.head is not None:
             self.gpu.linear(self.x1, self.head, self.out1, norm=self.norm, eps=self.eps, launch=launch)
 
@@ -194,9 +195,9 @@ class GPUStage:
         # pageable host memory: the copies take the values before they return
         h.copy_to_device(np.ascontiguousarray(x), stream=self.stream)
         self.pos.copy_to_device(np.array([pos0], np.int32), stream=self.stream)
-        for weights, layer_kv in zip(self.layers, kv):
+        for weights, layer_kv, window in zip(self.layers, kv, self.windows):
             self.gpu.decoder_layer(h, weights, layer_kv, self.pos, self.cos, self.sin, self.eps,
-                                   self.window, self.work, self.launch)
+                                   window, self.work, self.launch)
         rows = h if keep_all else h[-1:]
         if self.head is None or not head:
             return rows

@@ -47,7 +47,7 @@ class CPUStage:
         m, c = self.model, self.model.config
         for i in range(self.first, self.last):
             decoder_layer(x, m.layers[i], kv.layer(i - self.first), pos0, m.cos, m.sin,
-                          c.rms_norm_eps, c.sliding_window or 0,
+                          c.rms_norm_eps, c.windows[i],
                           _NOT_COLLECTING if act_sq is None else act_sq[i])
         if not self.head:
             return x

@@ -17,13 +17,15 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def inv_frequencies(c: ModelConfig):
-    """Written as HF's _compute_llama3_parameters does it, independently of runner/rope.py."""
-    inv_freq = 1.0 / c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim)
-    s = c.rope_scaling or {}
-    kind = s.get("rope_type", s.get("type", "default"))
+def inv_frequencies(c: ModelConfig, seq_len: int):
+    """[hd/2] inverse frequencies and the factor on cos and sin for a sequence of seq_len tokens,
+    written as HF's _compute_*_parameters do it, independently of runner/rope.py."""
+    dim, base = c.head_dim, c.rope_theta
+    inv_freq = 1.0 / base ** (np.arange(0, dim, 2) / dim)
+    s = c.rope_scaling or {"rope_type": "default"}
+    kind = s["rope_type"]
     if kind == "linear":
-        return inv_freq / s["factor"]
+        return inv_freq / s["factor"], 1.0
     if kind == "llama3":
         low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
         high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
@@ -33,14 +35,59 @@ def inv_frequencies(c: ModelConfig):
             s["high_freq_factor"] - s["low_freq_factor"])
         smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled)
-    return inv_freq
+        return np.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(s, dim, base)
+    if kind == "longrope":
+        original = s["original_max_position_embeddings"]
+        factor = s.get("factor") or c.max_position_embeddings / original
+        attention_factor = s.get("attention_factor") or (
+            1.0 if factor <= 1.0 else np.sqrt(1 + np.log(factor) / np.log(original)))
+        ext_factors = np.array(s["long_factor"] if seq_len > original else s["short_factor"])
+        return 1.0 / (ext_factors * base ** (np.arange(0, dim, 2) / dim)), attention_factor
+    return inv_freq, 1.0
 
 
-def rotate(x, positions, inv_freq):
-    """x [T, H, hd] rotate-half RoPE at the given positions."""
-    ang = np.outer(positions, inv_freq)                 # [T, hd/2]
-    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+def _yarn(s: dict, dim: int, base: float):
+    factor = s["factor"]
+    original = s["original_max_position_embeddings"]
+
+    def get_mscale(scale, mscale=1):
+        return 1.0 if scale <= 1 else 0.1 * mscale * np.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = get_mscale(factor, s["mscale"]) / get_mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = get_mscale(factor)
+
+    def find_correction_dim(num_rotations):
+        return (dim * np.log(original / (num_rotations * 2 * np.pi))) / (2 * np.log(base))
+
+    low = find_correction_dim(s.get("beta_fast") or 32)
+    high = find_correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low + (low == high) * 0.001), 0, 1)
+    pos_freqs = base ** (np.arange(0, dim, 2) / dim)
+    extrapolation = 1 - ramp
+    return (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation, attention_factor
+
+
+def rope_frequencies(c: ModelConfig, positions):
+    """[T, hd/2] inverse frequencies of each position and the factor on cos and sin: for position
+    p, what HF uses when the sequence is p + 1 long (longrope switches factors there)."""
+    per_position = [inv_frequencies(c, p + 1) for p in positions]
+    return np.array([f for f, _ in per_position]), per_position[0][1]
+
+
+def rotate(x, positions, inv_freq, scale=1.0):
+    """x [T, H, hd] rotate-half RoPE at the given positions; inv_freq [hd/2] or [T, hd/2];
+    cos and sin multiplied by `scale` (HF's attention_scaling)."""
+    ang = positions[:, None] * inv_freq                 # [T, hd/2]
+    cos, sin = scale * np.cos(ang)[:, None], scale * np.sin(ang)[:, None]
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
@@ -70,7 +117,7 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
     H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     T = len(tokens)
     pos = np.arange(T)
-    inv_freq = inv_frequencies(c)
+    inv_freq, scale = rope_frequencies(c, pos)
     x = W["model.embed_tokens.weight"][np.asarray(tokens)]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -79,10 +126,10 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
                 inputs[p + n + ".weight"] = h
             return h @ W[p + n + ".weight"].T + W.get(p + n + ".bias", 0.0)
         h = rmsnorm(x, W[p + "input_layernorm.weight"], c.rms_norm_eps)
-        q = rotate(lin(h, "self_attn.q_proj").reshape(T, H, hd), pos, inv_freq)
-        k = rotate(lin(h, "self_attn.k_proj").reshape(T, Hkv, hd), pos, inv_freq)
+        q = rotate(lin(h, "self_attn.q_proj").reshape(T, H, hd), pos, inv_freq, scale)
+        k = rotate(lin(h, "self_attn.k_proj").reshape(T, Hkv, hd), pos, inv_freq, scale)
         v = lin(h, "self_attn.v_proj").reshape(T, Hkv, hd)
-        a = attention(q, k, v, pos, c.sliding_window or 0).reshape(T, H * hd)
+        a = attention(q, k, v, pos, c.windows[i]).reshape(T, H * hd)
         x = x + lin(a, "self_attn.o_proj")
         h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         x = x + lin(silu(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj"), "mlp.down_proj")

@@ -41,6 +41,13 @@ def test_prefill_then_decode_matches_reference(model_type):
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 16},
     {"type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16,
+     "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+    # 40 tokens: the short factors below position 16, the long ones from there on
+    {"rope_type": "longrope", "original_max_position_embeddings": 16,
+     "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0], "long_factor": [1, 2, 3, 4, 5, 6, 7, 8]},
 ])
 def test_rope_scaling_matches_reference(scaling):
     config = tiny_config("llama", rope_scaling=scaling)
@@ -49,6 +56,21 @@ def test_rope_scaling_matches_reference(scaling):
     model = Model(config, tensors)
     got = model.forward(tokens, model.new_cache(), all_logits=True)
     np.testing.assert_allclose(got, reference.forward(config, tensors, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_and_full_layers_match_reference():
+    """qwen2 with a window of 4 in its second layer only, as layer_types says."""
+    config = tiny_config("qwen2", sliding_window=4, use_sliding_window=True,
+                         layer_types=["full_attention", "sliding_attention"])
+    assert config.windows == [0, 4]
+    tensors = tiny_tensors(config)
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, 20)
+    model = Model(config, tensors)
+    cache = model.new_cache(32)
+    got = [model.forward(tokens[:12], cache, all_logits=True)]
+    got += [model.forward([t], cache) for t in tokens[12:]]
+    np.testing.assert_allclose(np.concatenate(got), reference.forward(config, tensors, tokens),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_context_full_names_both_numbers():

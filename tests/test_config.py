@@ -1,0 +1,105 @@
+"""config.json as transformers 4 and 5 write it, read into one ModelConfig."""
+import pytest
+
+from nibble.formats.config import ModelConfig
+from nibble.formats.errors import FormatError
+
+BASE = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 256}
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def config(**fields) -> ModelConfig:
+    return ModelConfig.from_dict(BASE | fields)
+
+
+def test_both_spellings_give_the_same_config():
+    old = config(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **LLAMA3}, torch_dtype="float32")
+    new = config(rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", **LLAMA3}, dtype="float32")
+    assert (new.rope_theta, new.rope_scaling) == (500000.0, {"rope_type": "llama3", **LLAMA3})
+    assert (old.rope_theta, old.rope_scaling) == (new.rope_theta, new.rope_scaling)
+    assert new.extra == {"dtype": "float32"} and "rope_parameters" not in new.to_dict()
+    assert ModelConfig.from_dict(new.to_dict()) == new
+
+
+def test_plain_rope_and_the_old_type_key():
+    assert config(rope_parameters={"rope_theta": 1e6, "rope_type": "default"}).rope_scaling is None
+    assert config(rope_scaling={"type": "linear", "factor": 2.0}).rope_scaling == {
+        "rope_type": "linear", "factor": 2.0}
+    # transformers: rope_scaling over rope_parameters, the block's theta over the top-level one
+    c = config(rope_theta=1.0, rope_parameters={"rope_theta": 2.0, "rope_type": "default"},
+               rope_scaling={"rope_type": "linear", "factor": 3.0})
+    assert (c.rope_theta, c.rope_scaling) == (1.0, {"rope_type": "linear", "factor": 3.0})
+
+
+def test_scaled_types_default_their_original_context():
+    c = config(rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert c.rope_scaling["original_max_position_embeddings"] == 256
+
+
+def test_rope_per_layer_type():
+    block = {"rope_theta": 1e6, "rope_type": "default"}
+    same = config(rope_parameters={"full_attention": block, "sliding_attention": block})
+    assert (same.rope_theta, same.rope_scaling) == (1e6, None)
+    with pytest.raises(FormatError, match="rope_parameters differ between layer types"):
+        config(rope_parameters={"full_attention": block,
+                                "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}})
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},
+     "unsupported rope_type 'su': nibble runs default, dynamic, linear, llama3, yarn, longrope"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_type 'llama3' needs low_freq_factor, high_freq_factor in rope_parameters"),
+    ({"rope_scaling": {"type": "yarn"}}, "rope_type 'yarn' needs factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 3}},
+     "rope_parameters.long_factor has 3 values, the head size needs 8"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor=0.5"),
+    ({"partial_rotary_factor": 0.25}, "partial_rotary_factor=0.25"),
+    ({"hidden_act": "gelu"}, "nibble cannot run hidden_act='gelu' \\(it runs 'silu' or 'swish'\\)"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ({"rope_parameters": [10000.0]}, "rope_parameters is \\[10000.0\\], not an object"),
+])
+def test_fields_that_would_change_the_numbers_are_named(fields, message):
+    with pytest.raises(FormatError, match=message):
+        config(**fields)
+
+
+def test_harmless_fields_are_kept():
+    fields = {"hidden_act": "silu", "mlp_bias": False, "attention_dropout": 0.1, "pretraining_tp": 2,
+              "use_cache": True, "transformers_version": "5.0.0", "architectures": ["LlamaForCausalLM"]}
+    assert config(**fields).extra == fields
+
+
+def test_qwen2_windows_follow_layer_types_and_use_sliding_window():
+    qwen2 = {"model_type": "qwen2", "sliding_window": 8}
+    assert config(**qwen2).windows == [0, 0, 0, 0]   # use_sliding_window defaults to false
+    assert config(**qwen2, use_sliding_window=True, max_window_layers=2).windows == [0, 0, 8, 8]
+    assert config(**qwen2, use_sliding_window=True,
+                  layer_types=["sliding_attention", "full_attention"] * 2).windows == [8, 0, 8, 0]
+    assert config(**qwen2, use_sliding_window=False,
+                  layer_types=["sliding_attention"] * 4).windows == [0, 0, 0, 0]
+
+
+def test_mistral_slides_everywhere_and_llama_nowhere():
+    assert config(model_type="mistral", sliding_window=8).windows == [8] * 4
+    assert config(model_type="mistral", sliding_window=None).windows == [0] * 4
+    assert config(model_type="llama", sliding_window=8).windows == [0] * 4
+    with pytest.raises(FormatError, match="layer_types asks for full attention in some layers, but "
+                                          "transformers runs mistral with sliding_window in every layer"):
+        config(model_type="mistral", sliding_window=8, layer_types=["full_attention", "sliding_attention"] * 2)
+    with pytest.raises(FormatError, match="layer_types asks for sliding attention"):
+        config(layer_types=["sliding_attention"] * 4)
+
+
+@pytest.mark.parametrize("layer_types, message", [
+    (["full_attention"] * 3, "layer_types has 3 entries for 4 layers"),
+    (["full_attention", "chunked_attention"] * 2, "layer_types 'chunked_attention' are not run"),
+])
+def test_bad_layer_types_are_named(layer_types, message):
+    with pytest.raises(FormatError, match=message):
+        config(layer_types=layer_types)
