@@ -90,7 +90,11 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             known = ", ".join(sorted(ARCHITECTURES))
-            raise FormatError(f"unsupported architecture {model_type!r}: nibble runs {known}")
+            # a multimodal wrapper: its text model's tensors are prefixed and its head tied or not
+            # by the outer config; nibble does not map those
+            inner = (d.get("text_config") or {}).get("model_type")
+            wraps = f" (a wrapper around a {inner!r} text model in text_config)" if inner else ""
+            raise FormatError(f"unsupported architecture {model_type!r}{wraps}: nibble runs {known}")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

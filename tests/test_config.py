@@ -63,6 +63,9 @@ def test_rope_per_layer_type():
     ({"mlp_bias": True}, "mlp_bias=True"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ({"rope_parameters": [10000.0]}, "rope_parameters is \\[10000.0\\], not an object"),
+    ({"model_type": "mistral3", "text_config": {"model_type": "mistral"}},
+     "unsupported architecture 'mistral3' \\(a wrapper around a 'mistral' text model in text_config\\): "
+     "nibble runs llama, mistral, qwen2"),
 ])
 def test_fields_that_would_change_the_numbers_are_named(fields, message):
     with pytest.raises(FormatError, match=message):
