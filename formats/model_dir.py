@@ -13,6 +13,7 @@ import tokenizers
 
 from .config import ModelConfig
 from .errors import FormatError
+from .half import HalfTensor
 from .safetensors import read_checkpoint, write_safetensors
 
 
@@ -21,7 +22,8 @@ class ModelDir:
     """Everything a model reference resolves to, whatever file format it came from."""
     path: Path | None                 # where it was read from (None: built in memory)
     config: ModelConfig
-    tensors: dict[str, np.ndarray]    # Hugging Face names -> read-only arrays (memmap views when possible)
+    tensors: dict[str, np.ndarray | HalfTensor]   # Hugging Face names -> read-only arrays (memmap
+                                                  # views when possible; bf16: a HalfTensor)
     tokenizer: tokenizers.Tokenizer
     tokenizer_config: dict = field(default_factory=dict)    # chat_template, bos_token, eos_token, add_bos_token
     generation_config: dict = field(default_factory=dict)   # eos_token_id, sampling defaults

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import FormatError
+from .half import HalfTensor
 
 # Safetensors dtype name -> numpy dtype, for the dtypes numpy can view in place.
 DTYPES = {
@@ -25,17 +26,18 @@ DTYPES = {
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
-BF16 = "BF16"  # numpy has no bfloat16: widened to float32 on read (a copy)
+BF16 = "BF16"  # numpy has no bfloat16: read as a HalfTensor of its bits (no copy)
 SUPPORTED = ", ".join(sorted([*DTYPES, BF16]))
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray | HalfTensor]:
     """Read a .safetensors file as read-only arrays keyed by tensor name.
 
-    Every tensor is a view into one read-only memmap of the file, except BF16 tensors, which are
-    widened to float32 copies (also read-only). Raises FormatError for a malformed file.
+    Every tensor is a view into one read-only memmap of the file; a BF16 tensor is a HalfTensor
+    whose bits are such a view (np.asarray widens it to float32). Raises FormatError for a
+    malformed file.
     """
     path = Path(path)
     header, data_start, data_len = _read_header(path)
@@ -50,10 +52,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     for name, (dtype, shape, begin, end) in entries.items():
         raw = data[begin:end]
         if dtype == BF16:
-            # bf16 is the top half of a float32: shift the bits up and reinterpret.
-            wide = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
-            wide.flags.writeable = False
-            tensors[name] = wide
+            tensors[name] = HalfTensor(raw.view("<u2").reshape(shape), bf16=True)
         else:
             tensors[name] = raw.view(DTYPES[dtype]).reshape(shape)
     return tensors
@@ -69,7 +68,7 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     return metadata
 
 
-def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray]:
+def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray | HalfTensor]:
     """Read all weights in a model directory.
 
     Looks for model.safetensors, then shards listed in model.safetensors.index.json, then any
@@ -95,10 +94,11 @@ def _umask() -> int:
     return mask
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike,
+def write_safetensors(tensors: dict[str, np.ndarray | HalfTensor], path: str | os.PathLike,
                       metadata: dict[str, str] | None = None) -> None:
     """Write tensors to a .safetensors file atomically: a temporary sibling, then a rename.
 
+    A HalfTensor is written widened to float32 (the safetensors package cannot write bf16).
     A failure (or KeyboardInterrupt) leaves any existing file at `path` untouched.
     """
     from safetensors.numpy import save_file  # only writers pay for the import
@@ -191,7 +191,7 @@ def _is_uint(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _read_sharded(directory: Path, index: Path) -> dict[str, np.ndarray]:
+def _read_sharded(directory: Path, index: Path) -> dict[str, np.ndarray | HalfTensor]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         shards = sorted(set(weight_map.values()))
@@ -208,7 +208,7 @@ def _read_sharded(directory: Path, index: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _merge(files: list[Path]) -> dict[str, np.ndarray]:
+def _merge(files: list[Path]) -> dict[str, np.ndarray | HalfTensor]:
     tensors, owner = {}, {}
     for f in files:
         for name, t in read_safetensors(f).items():

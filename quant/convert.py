@@ -17,6 +17,7 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
+from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import ModelDir
 
 from .affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
@@ -73,7 +74,7 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
     errors, kept_float, overrides = {}, {}, {}
     for done, path in enumerate(paths, 1):
         name = f"{path}.weight"
-        w = tensors[name]  # [out, in]
+        w = np.asarray(tensors[name])  # [out, in]; bf16 widened to float32, one matrix at a time
         s = embed_scheme if path in (EMBEDDING, HEAD) else scheme
         if w.shape[1] % s.group_size:
             kept_float[name] = (f"row length {w.shape[1]} is not a multiple of the group size "
@@ -104,12 +105,12 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
         params=sum(t.size for t in tensors.values()))
 
 
-def read_linear(tensors: dict[str, np.ndarray], quantization: dict | None,
-                path: str) -> np.ndarray | QuantizedTensor:
+def read_linear(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None,
+                path: str) -> np.ndarray | HalfTensor | QuantizedTensor:
     """The weights of the linear (or embedding) at module path `path`, e.g. `lm_head`.
 
-    Returns the float matrix `{path}.weight` when the module is not quantized, else its
-    QuantizedTensor as stored. Follows mlx-lm: a per-path entry in
+    Returns the float matrix `{path}.weight` (bf16: a HalfTensor) when the module is not
+    quantized, else its QuantizedTensor as stored. Follows mlx-lm: a per-path entry in
     `quantization` decides (a dict of settings, or false for float); otherwise the module is
     quantized with the defaults exactly when `{path}.scales` exists. Raises FormatError naming
     the tensor when pieces are missing or their shapes disagree.
@@ -213,6 +214,6 @@ def _check_layout(qt: QuantizedTensor, path: str) -> None:
             raise FormatError(f"{path}.{name} has shape {t.shape}, but {path}.weight {w.shape} "
                               f"at {qt.bits} bits and group size {qt.group_size} needs "
                               f"{expected}")
-        if not np.issubdtype(t.dtype, np.floating):
+        if not (isinstance(t, HalfTensor) or np.issubdtype(t.dtype, np.floating)):
             raise FormatError(f"{path}.{name} should be float16, bfloat16 or float32, "
                               f"got {t.dtype}")

@@ -5,10 +5,10 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
-from nibble.quant.affine import QuantizedTensor
+from nibble.formats.half import HalfTensor
 from nibble.quant.convert import read_linear
 from .cache import KVCache, kv_dtype
-from .kernels import quant_prefill
+from .kernels import prefill
 from .kernels.layer import LayerWeights
 from .kernels.linear import Weight, prepare
 from .rope import rope_tables
@@ -104,10 +104,11 @@ class Model:
         return x
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
-        """[T] ids -> [T, D] float32 rows of the (possibly quantized) embedding table."""
-        if isinstance(self.embed, QuantizedTensor):
-            return quant_prefill.dequantize_rows(self.embed, tokens)
-        return np.array(self.embed[tokens], np.float32)
+        """[T] ids -> [T, D] float32 rows of the embedding table (float32, quantized or 16-bit:
+        only these rows are made float32)."""
+        if isinstance(self.embed, np.ndarray):
+            return np.array(self.embed[tokens], np.float32)
+        return prefill.dequantize_rows(self.embed, tokens)
 
 
 class _TensorGetter:
@@ -119,30 +120,44 @@ class _TensorGetter:
         self.missing: list[str] = []
 
     def linear(self, path: str, shape: tuple) -> Weight | None:
-        """The weight of module `path`: float32 [N, K], or quantized as stored (no copy)."""
+        """The weight of module `path` as stored (no copy): float32 [N, K], bf16 or f16 as a
+        HalfTensor, or quantized."""
         if f"{path}.weight" not in self.tensors:
             self.missing.append(f"{path}.weight")
             return None
         qt = read_linear(self.tensors, self.quantization, path)
+        if isinstance(qt, np.ndarray) and qt.dtype == np.float16:
+            qt = HalfTensor.of_float16(qt)
         if isinstance(qt, np.ndarray):
             return self(f"{path}.weight", shape)
+        if isinstance(qt, HalfTensor):
+            self._check_shape(f"{path}.weight", qt, shape)
+            return qt
         if qt.shape != shape:
             raise FormatError(f"quantized tensor {path}.weight holds a {qt.shape[0]}x{qt.shape[1]} "
                               f"matrix, the config needs {shape[0]}x{shape[1]}")
         return prepare(qt)
 
     def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
+        """A float32 tensor: norm weights and biases, which are small (1-D), widened if stored
+        in 16 bits (a copy)."""
         t = self.tensors.get(name)
         if t is None:
             self.missing.append(name)
             return None
-        if t.shape != shape:
-            raise FormatError(f"tensor {name} has shape {list(t.shape)}, the config needs {list(shape)}")
+        self._check_shape(name, t, shape)
+        if isinstance(t, HalfTensor):
+            return t.widen()
         if t.dtype != np.float32:
             if t.dtype.kind != "f":
                 raise FormatError(f"tensor {name} is {t.dtype}: the float path needs float weights")
-            t = t.astype(np.float32)   # f16 -> f32, a copy
+            t = t.astype(np.float32)   # f16 (or f64) -> f32, a copy
         return t
+
+    @staticmethod
+    def _check_shape(name: str, t, shape: tuple):
+        if t.shape != shape:
+            raise FormatError(f"tensor {name} has shape {list(t.shape)}, the config needs {list(shape)}")
 
     def raise_if_missing(self):
         if self.missing:

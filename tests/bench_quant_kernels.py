@@ -25,7 +25,7 @@ from nibble.quant.affine import QuantizedTensor
 from nibble.runner.bench import memory_bandwidth
 from nibble.runner.kernels import cpu
 from nibble.runner.kernels.linear import prepare, qmatmul
-from nibble.runner.kernels.quant_prefill import dequantize
+from nibble.runner.kernels.prefill import dequantize
 
 LAYERS, G = 30, 64
 SHAPES = {"q": (576, 576), "k": (192, 576), "v": (192, 576), "o": (576, 576),   # (N, K)

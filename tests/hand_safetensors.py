@@ -1,5 +1,6 @@
 """Safetensors files written byte by byte from the format's description, for what nibble's own
-writer cannot make (bfloat16) and to check that nibble reads what other tools write."""
+writer cannot make (bfloat16) and to check that nibble reads what other tools write, without a
+copy (memmap_backed)."""
 import json
 import struct
 from collections.abc import Callable
@@ -24,3 +25,12 @@ def write_safetensors_by_hand(tensors: dict[str, np.ndarray], path: Path,
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def memmap_backed(a: np.ndarray) -> bool:
+    """Whether `a` is a view of a file's memory map, not a copy."""
+    while a is not None:
+        if isinstance(a, np.memmap):
+            return True
+        a = a.base
+    return False

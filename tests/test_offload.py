@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from numba import config, cuda
 
+from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner import offload
 from nibble.runner.kernels import cuda as gpu
@@ -111,6 +112,14 @@ def test_without_graphs_decode_launches_kernel_by_kernel(narrow, monkeypatch):
     gpu_pair[0].gpu_stage.graph_error = ""
     decode_and_compare(cpu_pair, gpu_pair)
     assert gpu_pair[0].gpu_stage.graph_error == "CUDA graphs unavailable (RuntimeError: no graphs here)"
+
+
+def test_16_bit_weights_run_widened_on_the_gpu(narrow):
+    """The GPU kernels take float32 or quantized weights: bf16 ones are uploaded widened."""
+    bf16 = {k: HalfTensor((t.view(np.uint32) >> 16).astype(np.uint16), True) for k, t in narrow.tensors.items()}
+    cpu_pair, gpu_pair = pair(dataclasses.replace(narrow, tensors=bf16), -1)
+    assert isinstance(gpu_pair[0].lm_head, HalfTensor)
+    decode_and_compare(cpu_pair, gpu_pair)
 
 
 def test_truncate_reuses_the_device_kv(narrow):

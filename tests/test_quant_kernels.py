@@ -12,7 +12,7 @@ from numba import njit
 from nibble.runner.kernels import linear
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.linear import prepare, qmatmul
-from nibble.runner.kernels.quant_prefill import dequantize, dequantize_rows
+from nibble.runner.kernels.prefill import dequantize, dequantize_rows
 
 rng = np.random.default_rng(0)
 

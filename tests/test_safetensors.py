@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from nibble.formats.errors import FormatError
+from nibble.formats.half import HalfTensor
 from nibble.formats.safetensors import (read_checkpoint, read_safetensors, read_safetensors_metadata,
                                  write_safetensors)
+from tests.hand_safetensors import memmap_backed
 
 
 def _tensors(seed=0):
@@ -21,14 +23,6 @@ def _tensors(seed=0):
         "u32": rng.integers(0, 2**32, (2, 2), dtype=np.uint32),
         "empty": np.zeros((0, 3), dtype=np.float32),
     }
-
-
-def _memmap_backed(a: np.ndarray) -> bool:
-    while a is not None:
-        if isinstance(a, np.memmap):
-            return True
-        a = a.base
-    return False
 
 
 def _raw_file(path, header, data=b"", length=None):
@@ -48,7 +42,7 @@ def test_round_trip_is_zero_copy_and_read_only(tmp_path):
     for name, t in tensors.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape
         np.testing.assert_array_equal(got[name], t)
-        assert _memmap_backed(got[name])
+        assert memmap_backed(got[name])
     with pytest.raises(ValueError):
         got["f32"][0, 0] = 1.0
     assert read_safetensors_metadata(path) == {"format": "pt", "note": "hi"}
@@ -89,10 +83,19 @@ def _bf16_file(path, bits: np.ndarray):
     return _raw_file(path, header, bits.tobytes())
 
 
+def test_bf16_is_read_as_its_bits_without_a_copy(tmp_path):
+    bits = np.arange(12).reshape(3, 4)
+    t = read_safetensors(_bf16_file(tmp_path / "bf.safetensors", bits))["w"]
+    assert isinstance(t, HalfTensor) and t.bf16 and t.shape == (3, 4) and t.nbytes == 24
+    assert t.bits.dtype == np.uint16 and not t.bits.flags.writeable
+    np.testing.assert_array_equal(t.bits, bits)
+    assert memmap_backed(t.bits)   # a view of the file
+
+
 def test_bf16_known_values(tmp_path):
     bits = np.array([0x3F80, 0xC000, 0x3FC0, 0x4049, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001])
     known = [1.0, -2.0, 1.5, 3.140625, np.inf, -np.inf, 0.0, -0.0, 2.0**-133]
-    got = read_safetensors(_bf16_file(tmp_path / "bf.safetensors", bits))["w"]
+    got = np.asarray(read_safetensors(_bf16_file(tmp_path / "bf.safetensors", bits))["w"])
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, np.array(known, np.float32))
     assert np.signbit(got[7]) and not got.flags.writeable
@@ -101,7 +104,7 @@ def test_bf16_known_values(tmp_path):
 def test_bf16_widens_exactly(tmp_path):
     ref = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
     bits = ref.view(np.uint32) >> 16  # truncate float32 to bf16
-    got = read_safetensors(_bf16_file(tmp_path / "bf.safetensors", bits))["w"]
+    got = read_safetensors(_bf16_file(tmp_path / "bf.safetensors", bits))["w"].widen()
     assert got.shape == (4, 6)
     # Widening is exact: only the dropped low mantissa bits differ from the float32 source.
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32) & 0xFFFF0000)

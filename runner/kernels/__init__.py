@@ -2,7 +2,7 @@
 
 The cache lives in nibble's cache directory, in a folder named after a hash of these sources:
 numba checks each function against its own file only, and a kernel that inlines another file's
-(decoder_layer inlines cpu's, linear's, quant_decode's and quant_prefill's) would keep the old
+(decoder_layer inlines cpu's, linear's, quant_decode's, half's and prefill's) would keep the old
 code after an upgrade or an edit. The folders of older sources are deleted when this process first compiles a kernel.
 A NUMBA_CACHE_DIR set by the user is left alone.
 """

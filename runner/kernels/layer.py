@@ -1,8 +1,8 @@
-"""The decoder block as one jitted function, for float and quantized weights alike.
+"""The decoder block as one jitted function, for float32, 16-bit float and quantized weights alike.
 
 Numba compiles it once per combination of weight types; `linear`, `project_qkv` and `swiglu`
-choose their kernels at compile time from those types (float: cpu's fused kernels; quantized:
-quant_decode's and quant_prefill's, through linear.py).
+choose their kernels at compile time from those types (float32: cpu's fused kernels; quantized
+and 16-bit: quant_decode's, half's and prefill's, through linear.py).
 """
 from typing import NamedTuple
 

@@ -1,18 +1,22 @@
-"""out (+)= x @ W.T for any weight: the one place that chooses between the float kernels (cpu.py)
-and the quantized ones (quant_decode.py for one token, quant_prefill.py for several).
+"""out (+)= x @ W.T for any weight: the one place that chooses between the float32 kernels
+(cpu.py), the quantized ones (quant_decode.py for one token) and the 16-bit float ones (half.py
+for one token); several tokens through either of the last two go through prefill.py's tiles.
 
 Inside njit code the choice is made at compile time from the weight's numba type (the overloads
-below), so one jitted decoder layer serves float and quantized models; from Python, by isinstance.
+below), so one jitted decoder layer serves float32, bf16/f16 and quantized models; from Python,
+by isinstance.
 """
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from nibble.formats.half import HalfTensor
 from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
-from . import cpu, quant_decode, quant_prefill
+from . import cpu, half, prefill, quant_decode
 
 _jit = dict(fastmath=True, cache=True, nogil=True)
-Weight = np.ndarray | QuantizedTensor   # a float32 [N, K] matrix or a prepared quantized one
+# a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits
+Weight = np.ndarray | QuantizedTensor | HalfTensor
 
 
 def prepare(qt: QuantizedTensor) -> QuantizedTensor:
@@ -37,29 +41,42 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
 
 
 @njit(**_jit)
-def qmatmul(x, qw, out, accumulate):
-    """out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor W; x, out float32.
+def qmatmul(x, w, out, accumulate):
+    """out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor or a HalfTensor W; x, out
+    float32. Callable from Python and from inside other njit functions.
 
-    T = 1 quantizes x to int16 per group and takes the integer decode path; T > 1 the float
-    prefill path. Callable from Python and from inside other njit functions.
+    T = 1 takes the decode path, bound by memory bandwidth (quantized: x quantized to int16 per
+    group, integer dot products; 16-bit: widened on the fly); T > 1 prefill's float tiles.
     """
     T, K = x.shape
-    N = qw.weight.shape[0]
-    if qw.weight.shape[1] * 32 != K * qw.bits or out.shape[0] != T or out.shape[1] != N:
+    N, Kw = prefill.dims(w)
+    if Kw != K or out.shape[0] != T or out.shape[1] != N:
         raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
     if T == 1:
-        quant_decode.matvec(x, qw, out, accumulate)
+        _matvec(x, w, out, accumulate)
     else:
-        quant_prefill.matmul(x, qw, out, accumulate)
+        prefill.matmul(x, w, out, accumulate)
+
+
+def _matvec(x, w, out, accumulate):
+    """out[1, N] (+)= x[1, K] @ W.T (njit code only)."""
+
+
+@overload(_matvec)
+def _matvec_typed(x, w, out, accumulate):
+    if w.instance_class is QuantizedTensor:
+        return lambda x, w, out, accumulate: quant_decode.matvec(x, w, out, accumulate)
+    if w.instance_class is HalfTensor:
+        return lambda x, w, out, accumulate: half.matvec(x, w, out, accumulate)
 
 
 def linear(x, w, out, accumulate):
-    """out (+)= x @ w.T for a float32 [N, K] weight or a QuantizedTensor.
+    """out (+)= x @ w.T for a float32 [N, K] weight, a QuantizedTensor or a HalfTensor.
 
     Inside njit code the choice is made at compile time from w's numba type (the overload below),
-    so one jitted decoder layer serves float and quantized models.
+    so one jitted decoder layer serves float32, 16-bit and quantized models.
     """
-    if isinstance(w, QuantizedTensor):
+    if isinstance(w, (QuantizedTensor, HalfTensor)):
         qmatmul(x, w, out, accumulate)
     else:
         cpu.matmul(x, w, out, accumulate)
@@ -69,12 +86,12 @@ def linear(x, w, out, accumulate):
 def _linear_typed(x, w, out, accumulate):
     if isinstance(w, types.Array):
         return lambda x, w, out, accumulate: cpu.matmul(x, w, out, accumulate)
-    if isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor:
+    if isinstance(w, types.BaseNamedTuple) and w.instance_class in (QuantizedTensor, HalfTensor):
         return lambda x, w, out, accumulate: qmatmul(x, w, out, accumulate)
 
 
 def rows(w) -> int:
-    """Output size of a float [N, K] or quantized weight."""
+    """Output size of a float [N, K], quantized or 16-bit weight."""
     return w.shape[0]
 
 
@@ -82,7 +99,7 @@ def rows(w) -> int:
 def _rows(w):
     if isinstance(w, types.Array):
         return lambda w: w.shape[0]
-    return lambda w: w.weight.shape[0]   # numba sees a named tuple's fields, not its properties
+    return lambda w: prefill.dims(w)[0]   # numba sees a named tuple's fields, not its properties
 
 
 def project_qkv(x, wq, wk, wv, q, k, v):

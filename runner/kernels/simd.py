@@ -1,5 +1,5 @@
-"""Explicit SIMD for the quantized kernels: a numba type for an LLVM vector and the few portable
-LLVM vector operations they use, as intrinsics.
+"""Explicit SIMD for the quantized and 16-bit float kernels: a numba type for an LLVM vector and
+the few portable LLVM vector operations they use, as intrinsics.
 
 LLVM's auto-vectorizer flips between good and bad code on the quantized loops with small source
 changes (it vectorized across groups with gathers, or widened int32 sums to int64), so their inner
@@ -73,6 +73,35 @@ def load_f32x8(typingctx, arr, i):
     def codegen(context, builder, sig, args):
         return _load(context, builder, sig, args, _ll(F32), 4)
     return F32(arr, i), codegen
+
+
+def _widen_half(builder, v, bf16):
+    """i16 bits (a scalar or a vector) -> float32: the top half of a float32 if bf16 (an i1) else
+    IEEE half. Both are made and one selected: bf16 is constant in a loop, and LLVM folds or
+    unswitches the choice."""
+    n = v.type.count if isinstance(v.type, ir.VectorType) else None
+    i32 = ir.VectorType(_i32, n) if n else _i32
+    f32, half = (ir.VectorType(t, n) if n else t for t in (ir.FloatType(), ir.HalfType()))
+    shift = ir.Constant(i32, [16] * n) if n else ir.Constant(i32, 16)
+    as_bf16 = builder.bitcast(builder.shl(builder.zext(v, i32), shift), f32)
+    as_f16 = builder.fpext(builder.bitcast(v, half), f32)
+    return builder.select(bf16, as_bf16, as_f16)
+
+
+@intrinsic
+def load_half_f32x8(typingctx, arr, i, bf16):
+    """uint16 arr.flat[i:i+8], bfloat16 (bf16) or float16 bits, widened to 8 float32 lanes."""
+    def codegen(context, builder, sig, args):
+        return _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8), 2), args[2])
+    return F32(arr, i, bf16), codegen
+
+
+@intrinsic
+def half_to_f32(typingctx, b, bf16):
+    """One uint16, bfloat16 (bf16) or float16 bits, as float32."""
+    def codegen(context, builder, sig, args):
+        return _widen_half(builder, args[0], args[1])
+    return types.float32(b, bf16), codegen
 
 
 @intrinsic(prefer_literal=True)

@@ -1,0 +1,53 @@
+"""Tiny models stored in bf16 and f16: run from the file's memory map (no float32 copy of a
+matrix) and match the numpy reference on the widened weights."""
+import numpy as np
+import pytest
+
+from nibble.formats.half import HalfTensor
+from nibble.formats.safetensors import read_safetensors, write_safetensors
+from nibble.runner.model import Model
+from tests import reference
+from tests.hand_safetensors import memmap_backed, write_safetensors_by_hand
+from tests.tiny import tiny_config, tiny_tensors
+
+
+def half_checkpoint(tmp_path, config, dtype: str) -> dict:
+    """The tiny model's tensors written in `dtype` ("bf16" or "f16") and read back."""
+    path = tmp_path / "model.safetensors"
+    tensors = tiny_tensors(config)
+    if dtype == "bf16":
+        write_safetensors_by_hand(tensors, path, bf16=lambda name: True)
+    else:
+        write_safetensors({k: t.astype(np.float16) for k, t in tensors.items()}, path)
+    return read_safetensors(path)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])   # tied, and untied with biases
+def test_prefill_then_decode_match_reference(tmp_path, dtype, model_type):
+    config = tiny_config(model_type)
+    tensors = half_checkpoint(tmp_path, config, dtype)
+    widened = {k: np.asarray(t, np.float32) for k, t in tensors.items()}
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, 16)
+    want = reference.forward(config, widened, tokens)
+    model = Model(config, tensors)
+    cache = model.new_cache(32)
+    got = [*model.forward(tokens[:9], cache, all_logits=True)]
+    for t in tokens[9:]:
+        got.append(model.forward([t], cache)[0])
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_matrices_stay_in_the_memory_map(tmp_path, dtype):
+    config = tiny_config("qwen2", hidden_size=256, intermediate_size=512, vocab_size=1024)
+    model = Model(config, half_checkpoint(tmp_path, config, dtype))
+    layer = model.layers[0]
+    matrices = [model.embed, model.lm_head, layer.wq, layer.wk, layer.wv, layer.wo,
+                layer.w_gate, layer.w_up, layer.w_down]
+    for w in matrices:
+        assert isinstance(w, HalfTensor) and w.bf16 == (dtype == "bf16")
+        assert memmap_backed(w.bits)   # a view of the file, not a copy
+    # what was widened at load: the norms and biases, a small share of the model
+    widened = sum(a.nbytes for l in model.layers for a in (l.input_norm, l.post_norm, l.bq, l.bk, l.bv))
+    assert widened < 0.01 * sum(l.nbytes for l in model.layers)
