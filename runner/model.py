@@ -54,11 +54,6 @@ class Model:
         self.offload_note = ""   # what offload_layers has to tell the user
 
     @property
-    def head_nbytes(self) -> int:
-        """Bytes of the output head's weights: the final norm and lm_head."""
-        return self.norm.nbytes + self.lm_head.nbytes
-
-    @property
     def gpu_stage(self):
         """The stage on the GPU (offload.GPUStage), or None."""
         return next((s for s in self.stages if s.on_gpu), None)

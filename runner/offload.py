@@ -15,10 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from nibble.formats.errors import NibbleError, UnsupportedModel
+from nibble.formats.half import HalfTensor
 from .stages import weight_nbytes
 
 CHUNK = 256           # most tokens sent through the device at once: bounds the workspace
 HEADROOM = 0.9        # share of the free GPU memory to plan for (the rest: CUDA's own needs)
+
+
+def device_nbytes(w) -> int:
+    """Bytes of a weight on the device: bf16/f16 go up widened to float32 (kernels.cuda.upload)."""
+    return 2 * w.nbytes if isinstance(w, HalfTensor) else w.nbytes
 
 
 class NoGPU(NibbleError):
@@ -61,11 +67,11 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
         return Plan(n, n == L)
     c = model.config
     kv = 2 * c.num_key_value_heads * ctx * c.head_dim * 4                        # k, v float32
-    per_layer = kv + model.layers[-1].nbytes
+    per_layer = kv + weight_nbytes(model, L - 1, L, False, device_nbytes)
     work = CHUNK * 4 * (3 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads)
                         * c.head_dim + c.intermediate_size)                     # Workspace and x
     fixed = model.cos.nbytes + model.sin.nbytes + work
-    head = model.head_nbytes + CHUNK * c.vocab_size * 4
+    head = weight_nbytes(model, L, L, True, device_nbytes) + CHUNK * c.vocab_size * 4
     budget = int(free * HEADROOM) - fixed
     if n == L and budget >= n * per_layer + head:
         return Plan(n, True)
@@ -95,7 +101,7 @@ class GPUStage:
         self.eps = c.rms_norm_eps
         self.first = len(model.layers) - p.layers
         self.windows = c.windows[self.first:]   # each offloaded layer's sliding window (0: none)
-        self.weight_nbytes = weight_nbytes(model, self.first, len(model.layers), p.head)
+        self.weight_nbytes = weight_nbytes(model, self.first, len(model.layers), p.head, device_nbytes)
         self.kv_shape = (c.num_key_value_heads, c.head_dim)
         gpu.allocate_kv(c.num_key_value_heads, 1, c.head_dim)   # refuses a head_dim it cannot take: now
         self.layers = [gpu.upload_layer(l) for l in model.layers[self.first:]]

@@ -21,9 +21,11 @@ from .kernels.layer import decoder_layer
 _NOT_COLLECTING = np.zeros((0, 0))
 
 
-def weight_nbytes(model, first: int, last: int, head: bool) -> int:
-    """Bytes of layers [first, last) of `model`, and of its head if `head`."""
-    return sum(layer.nbytes for layer in model.layers[first:last]) + (model.head_nbytes if head else 0)
+def weight_nbytes(model, first: int, last: int, head: bool, nbytes=lambda w: w.nbytes) -> int:
+    """Bytes of layers [first, last) of `model`, and of its head if `head`, `nbytes` a weight
+    (the GPU counts what it holds: see offload.device_nbytes)."""
+    weights = [w for layer in model.layers[first:last] for w in layer]
+    return sum(map(nbytes, weights + ([model.norm, model.lm_head] if head else [])))
 
 
 class CPUStage:

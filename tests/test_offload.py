@@ -114,10 +114,15 @@ def test_without_graphs_decode_launches_kernel_by_kernel(narrow, monkeypatch):
     assert gpu_pair[0].gpu_stage.graph_error == "CUDA graphs unavailable (RuntimeError: no graphs here)"
 
 
+def as_bf16(model_dir):
+    """The model with every tensor truncated to bfloat16, as the safetensors reader gives them."""
+    bf16 = {k: HalfTensor((t.view(np.uint32) >> 16).astype(np.uint16), True) for k, t in model_dir.tensors.items()}
+    return dataclasses.replace(model_dir, tensors=bf16)
+
+
 def test_16_bit_weights_run_widened_on_the_gpu(narrow):
     """The GPU kernels take float32 or quantized weights: bf16 ones are uploaded widened."""
-    bf16 = {k: HalfTensor((t.view(np.uint32) >> 16).astype(np.uint16), True) for k, t in narrow.tensors.items()}
-    cpu_pair, gpu_pair = pair(dataclasses.replace(narrow, tensors=bf16), -1)
+    cpu_pair, gpu_pair = pair(as_bf16(narrow), -1)
     assert isinstance(gpu_pair[0].lm_head, HalfTensor)
     decode_and_compare(cpu_pair, gpu_pair)
 
@@ -131,9 +136,11 @@ def test_truncate_reuses_the_device_kv(narrow):
     assert_close(got, cpu_model.forward(PROMPT[:2] + [33, 21], cpu_cache, all_logits=True)[2:])
 
 
-def test_offloads_what_fits(narrow, monkeypatch):
-    model, _ = from_model_dir(narrow)
-    layer_bytes = model.layers[-1].nbytes + 2 * 16 * 16 * 4   # + k, v
+@pytest.mark.parametrize("bf16", [False, True])
+def test_offloads_what_fits(narrow, monkeypatch, bf16):
+    model, _ = from_model_dir(as_bf16(narrow) if bf16 else narrow)
+    # float32 on the device, bf16 weights too (uploaded widened)
+    layer_bytes = 4 * sum(w.size for w in model.layers[-1]) + 2 * 16 * 16 * 4   # + k, v
     free = int((1.5 * layer_bytes + 215_000) / offload.HEADROOM)   # rope tables, workspace, x: 213 kB
     monkeypatch.setattr(offload, "free_memory", lambda cuda: free)
     note = model.offload_layers(-1, 16)
