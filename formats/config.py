@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .errors import FormatError
 
 # model_type -> the architecture that runs it (mlx-lm's alias table).
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
 
 # rope_type -> the rope_parameters fields it needs (transformers' _validate_*_rope_parameters).
 ROPE_TYPES = {
@@ -28,7 +28,7 @@ ROPE_TYPES = {
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-# Fields transformers' llama, mistral and qwen2 read that nibble does not implement: accepted with
+# Fields transformers' llama, mistral, qwen2 and qwen3 read that nibble does not implement: accepted with
 # the values that leave the computation as nibble runs it, refused otherwise. Any other unknown
 # key is one those classes ignore too (architectures, transformers_version, dtype, use_cache,
 # initializer_range, pretraining_tp, attention_dropout: dropout is off at inference), so it
@@ -61,8 +61,8 @@ class ModelConfig:
     attention_bias: bool = False
     sliding_window: int | None = None
     layer_types: list[str] | None = None    # per layer: "full_attention" or "sliding_attention"
-    use_sliding_window: bool | None = None  # qwen2: false (its default) turns sliding_window off
-    max_window_layers: int | None = None    # qwen2 without layer_types: the layers from here on slide
+    use_sliding_window: bool | None = None  # qwen2/3: false (its default) turns sliding_window off
+    max_window_layers: int | None = None    # qwen2/3 without layer_types: the layers from here on slide
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     quantization: dict | None = None
@@ -71,8 +71,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim is None:   # Qwen3Config's default is 128, not hidden_size / heads
+            self.head_dim = 128 if self.model_type == "qwen3" else self.hidden_size // self.num_attention_heads
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
         if self.num_attention_heads % self.num_key_value_heads:
@@ -169,8 +169,8 @@ def _checked_rope_scaling(c: ModelConfig) -> dict | None:
 
 def _layer_windows(c: ModelConfig) -> list[int]:
     """Each layer's sliding window (0: full attention), as transformers runs each model type:
-    qwen2 slides in the "sliding_attention" layers and only with use_sliding_window, mistral in
-    every layer, llama in none."""
+    qwen2 and qwen3 slide in the "sliding_attention" layers and only with use_sliding_window,
+    mistral in every layer, llama in none."""
     L, window, types = c.num_hidden_layers, c.sliding_window or 0, c.layer_types
     if types is not None:
         if len(types) != L:
@@ -179,11 +179,11 @@ def _layer_windows(c: ModelConfig) -> list[int]:
         if unknown:
             raise FormatError(f"config.json: layer_types {', '.join(map(repr, unknown))} are not run "
                               f"by nibble (it runs {', '.join(LAYER_TYPES)})")
-    if c.model_type == "qwen2":
+    if c.model_type in ("qwen2", "qwen3"):
         if not c.use_sliding_window:
             window = 0
         if types is None:
-            first = 28 if c.max_window_layers is None else c.max_window_layers   # Qwen2Config's default
+            first = 28 if c.max_window_layers is None else c.max_window_layers   # Qwen2/3Config's default
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
         return [window if t == "sliding_attention" else 0 for t in types]
     if c.model_type == "llama":

@@ -65,7 +65,7 @@ def test_rope_per_layer_type():
     ({"rope_parameters": [10000.0]}, "rope_parameters is \\[10000.0\\], not an object"),
     ({"model_type": "mistral3", "text_config": {"model_type": "mistral"}},
      "unsupported architecture 'mistral3' \\(a wrapper around a 'mistral' text model in text_config\\): "
-     "nibble runs llama, mistral, qwen2"),
+     "nibble runs llama, mistral, qwen2, qwen3"),
 ])
 def test_fields_that_would_change_the_numbers_are_named(fields, message):
     with pytest.raises(FormatError, match=message):
@@ -78,14 +78,22 @@ def test_harmless_fields_are_kept():
     assert config(**fields).extra == fields
 
 
-def test_qwen2_windows_follow_layer_types_and_use_sliding_window():
-    qwen2 = {"model_type": "qwen2", "sliding_window": 8}
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_windows_follow_layer_types_and_use_sliding_window(model_type):
+    qwen2 = {"model_type": model_type, "sliding_window": 8}
     assert config(**qwen2).windows == [0, 0, 0, 0]   # use_sliding_window defaults to false
     assert config(**qwen2, use_sliding_window=True, max_window_layers=2).windows == [0, 0, 8, 8]
     assert config(**qwen2, use_sliding_window=True,
                   layer_types=["sliding_attention", "full_attention"] * 2).windows == [8, 0, 8, 0]
     assert config(**qwen2, use_sliding_window=False,
                   layer_types=["sliding_attention"] * 4).windows == [0, 0, 0, 0]
+
+
+def test_qwen3_head_dim_defaults_to_128():
+    """Qwen3Config's default, not hidden_size / num_attention_heads as for the others."""
+    assert config(model_type="qwen3").head_dim == 128
+    assert config(model_type="qwen3", head_dim=32).head_dim == 32
+    assert config(model_type="qwen2").head_dim == config(model_type="qwen2").hidden_size // 4
 
 
 def test_mistral_slides_everywhere_and_llama_nowhere():
