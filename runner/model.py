@@ -1,4 +1,4 @@
-"""The Llama-family transformer (llama, mistral, qwen2): weights and the forward pass."""
+"""The Llama-family transformer (llama, mistral, qwen2, qwen3): weights and the forward pass."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,6 +34,8 @@ class Model:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
+            # empty for the models without q/k norms: decoder_layer skips them
+            qk_norm = get if c.model_type == "qwen3" else lambda name, shape: np.zeros(0, np.float32)
             self.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (D,)),
                 wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
@@ -42,6 +44,8 @@ class Model:
                 bq=bias(p + "self_attn.q_proj.bias", (q_dim,)),
                 bk=bias(p + "self_attn.k_proj.bias", (kv_dim,)),
                 bv=bias(p + "self_attn.v_proj.bias", (kv_dim,)),
+                q_norm=qk_norm(p + "self_attn.q_norm.weight", (hd,)),
+                k_norm=qk_norm(p + "self_attn.k_norm.weight", (hd,)),
                 wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
                 post_norm=get(p + "post_attention_layernorm.weight", (D,)),
                 w_gate=get.linear(p + "mlp.gate_proj", (F, D)),

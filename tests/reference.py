@@ -126,8 +126,11 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
                 inputs[p + n + ".weight"] = h
             return h @ W[p + n + ".weight"].T + W.get(p + n + ".bias", 0.0)
         h = rmsnorm(x, W[p + "input_layernorm.weight"], c.rms_norm_eps)
-        q = rotate(lin(h, "self_attn.q_proj").reshape(T, H, hd), pos, inv_freq, scale)
-        k = rotate(lin(h, "self_attn.k_proj").reshape(T, Hkv, hd), pos, inv_freq, scale)
+        q, k = lin(h, "self_attn.q_proj").reshape(T, H, hd), lin(h, "self_attn.k_proj").reshape(T, Hkv, hd)
+        if p + "self_attn.q_norm.weight" in W:   # qwen3: RMSNorm over each head, before RoPE
+            q = rmsnorm(q, W[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
+            k = rmsnorm(k, W[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
+        q, k = rotate(q, pos, inv_freq, scale), rotate(k, pos, inv_freq, scale)
         v = lin(h, "self_attn.v_proj").reshape(T, Hkv, hd)
         a = attention(q, k, v, pos, c.windows[i]).reshape(T, H * hd)
         x = x + lin(a, "self_attn.o_proj")

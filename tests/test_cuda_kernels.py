@@ -238,8 +238,9 @@ def tiny_layer(kind, D, H, Hkv, hd, F):
         return quantized(N, K, 4, 32)[0]
     bias = (lambda n: f32(n) * 0.1) if kind == "float" else (lambda n: np.zeros(n, np.float32))
     norm = lambda: 1 + 0.1 * f32(D)
+    none = np.zeros(0, np.float32)   # no q/k norms: the GPU does not run them
     return LayerWeights(norm(), linear(H * hd, D), linear(Hkv * hd, D), linear(Hkv * hd, D),
-                        bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), linear(D, H * hd),
+                        bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), none, none, linear(D, H * hd),
                         norm(), linear(F, D), linear(F, D), linear(D, F))
 
 

@@ -7,7 +7,7 @@ from nibble.runner.model import ContextFull, Model
 from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
 
-TYPES = ["llama", "mistral", "qwen2"]
+TYPES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("model_type", TYPES)

@@ -32,6 +32,8 @@ def tiny_config(model_type="llama", vocab_size=320, **overrides) -> ModelConfig:
              bos_token_id=1, eos_token_id=2)
     if model_type == "mistral":
         d["sliding_window"] = 8
+    if model_type == "qwen3":
+        d["head_dim"] = 32   # explicit, and not hidden_size / heads, as in Qwen3's own configs
     d.update(overrides)
     return ModelConfig.from_dict(d)
 
@@ -53,6 +55,8 @@ def tiny_tensors(config: ModelConfig, seed=0) -> dict[str, np.ndarray]:
               p + "self_attn.v_proj.weight": w(kv_dim, D), p + "self_attn.o_proj.weight": w(D, q_dim),
               p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
               p + "mlp.down_proj.weight": w(D, F)}
+        if c.model_type == "qwen3":
+            t |= {p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
         if c.attention_bias:
             t |= {p + "self_attn.q_proj.bias": w(q_dim), p + "self_attn.k_proj.bias": w(kv_dim),
                   p + "self_attn.v_proj.bias": w(kv_dim)}

@@ -23,6 +23,8 @@ class LayerWeights(NamedTuple):
     bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
     bk: np.ndarray           # [Hkv*hd]
     bv: np.ndarray           # [Hkv*hd]
+    q_norm: np.ndarray       # [hd] (qwen3: RMSNorm of each query head; shape (0,) for models without)
+    k_norm: np.ndarray       # [hd] (each key head)
     wo: Weight               # [D, H*hd]
     post_norm: np.ndarray    # [D]
     w_gate: Weight           # [F, D]
@@ -63,6 +65,9 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     q += w.bq
     k += w.bk
     v += w.bv
+    if w.q_norm.shape[0]:   # qwen3: each head normalized on its own, before RoPE (in place)
+        cpu.rmsnorm(q.reshape(T * H, hd), w.q_norm, eps, q.reshape(T * H, hd))
+        cpu.rmsnorm(k.reshape(T * Hkv, hd), w.k_norm, eps, k.reshape(T * Hkv, hd))
     q = q.reshape(T, H, hd)
     k = k.reshape(T, Hkv, hd)
     v = v.reshape(T, Hkv, hd)
