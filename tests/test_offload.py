@@ -161,6 +161,14 @@ def test_require_gpu_without_one_is_one_line(tiny_dir, monkeypatch):
     assert_one_line_error(invoke("run", "-m", tiny_dir, "-ngl", 1, "--require-gpu", "Hello"), match="no GPU")
 
 
+def test_qk_norms_are_refused_and_run_on_the_cpu():
+    model, _ = from_model_dir(tiny_model_dir("qwen3"))
+    note = model.offload_layers(-1, 16)
+    assert note == ("no GPU: running on the CPU (the GPU kernels do not run qwen3's per-head q/k "
+                    "norms: run it on the CPU)")
+    assert model.gpu_stage is None
+
+
 def no_gpu():
     raise offload.NoGPU("numba.cuda cannot be imported: test")
 

@@ -61,6 +61,8 @@ class DeviceLayer(NamedTuple):
 
 def upload_layer(w: LayerWeights) -> DeviceLayer:
     """Upload a block of the model, joining q/k/v and gate/up into one product each."""
+    if w.q_norm.size:
+        raise UnsupportedModel("the GPU kernels do not run qwen3's per-head q/k norms: run it on the CPU")
     vector = lambda a: cuda.to_device(np.ascontiguousarray(a, np.float32))
     return DeviceLayer(vector(w.input_norm), _stacked([w.wq, w.wk, w.wv], np.concatenate),
                        vector(np.concatenate([w.bq, w.bk, w.bv])), upload(w.wo), vector(w.post_norm),
