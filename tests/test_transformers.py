@@ -13,7 +13,7 @@ from nibble.runner.model import Model
 from tests import reference
 
 DATA = Path(__file__).parent / "data" / "transformers"
-FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope"]
+FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope", "qwen3"]
 
 
 def load(name: str):
