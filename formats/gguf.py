@@ -23,7 +23,7 @@ from .model_dir import ModelDir
 
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
                    QType.Q4_K, QType.Q6_K)
-ARCHITECTURES = ("llama", "qwen2")  # general.architecture values nibble imports
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values nibble imports
 _DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporaries
 
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -32,6 +32,7 @@ _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -73,7 +74,7 @@ class _Reader(gguf.GGUFReader):
 
 
 def import_gguf(path: str | Path) -> ModelDir:
-    """Read a llama or qwen2 GGUF file into a ModelDir with float32 tensors under HF names.
+    """Read a llama, qwen2 or qwen3 GGUF file into a ModelDir with float32 tensors under HF names.
 
     Raises FormatError for a file that is not GGUF, another architecture, a tensor type outside
     SUPPORTED_TYPES, or a tokenizer other than byte-level BPE ("gpt2").
@@ -100,7 +101,7 @@ def import_gguf(path: str | Path) -> ModelDir:
     tensors = {}
     for name, t in raw.items():
         w = _dequantize(t)
-        # llama.cpp reorders llama's q/k rows for its rope kernel; qwen2 files are left as in HF.
+        # llama.cpp reorders llama's q/k rows for its rope kernel; qwen2/3 files are left as in HF.
         kind = name.split(".")[-2]
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads

@@ -16,7 +16,7 @@ from tests.tiny import tiny_config, tiny_tensors
 BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-         "mlp.down_proj": "ffn_down"}
+         "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
 
@@ -64,6 +64,7 @@ def write_gguf(path, tensors, arch="llama", config=None, meta=None, tokenizer="g
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
     w.add_rope_dimension_count(c.head_dim)
     w.add_tokenizer_model(tokenizer)
     w.add_tokenizer_pre("smollm")
@@ -135,6 +136,17 @@ def test_qwen2_is_not_permuted_and_keeps_biases(tmp_path):
         np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
     assert md.config.model_type == "qwen2" and md.config.attention_bias
     assert not md.config.tie_word_embeddings and "lm_head.weight" in md.tensors
+
+
+def test_qwen3_keeps_its_q_k_norms_and_head_dim(tmp_path):
+    config = tiny_config("qwen3", vocab_size=len(TOKENS))
+    hf = tiny_tensors(config)
+    path = write_gguf(tmp_path / "q.gguf", llama_cpp_tensors(hf, config, permuted=False), "qwen3", config)
+    md = import_gguf(path)
+    assert md.tensors.keys() == hf.keys()
+    for name, w in hf.items():
+        np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
+    assert (md.config.model_type, md.config.head_dim, md.config.attention_bias) == ("qwen3", 32, False)
 
 
 def _f16(x):
@@ -229,8 +241,8 @@ def test_unsupported_tokenizer(tmp_path):
 
 
 def test_unknown_tensor(tmp_path):
-    odd = write_gguf(tmp_path / "odd.gguf", {"blk.0.attn_q_norm.weight": np.ones(8, np.float32)})
-    with pytest.raises(FormatError, match="attn_q_norm"):
+    odd = write_gguf(tmp_path / "odd.gguf", {"blk.0.ffn_gate_inp.weight": np.ones(8, np.float32)})
+    with pytest.raises(FormatError, match="ffn_gate_inp"):
         import_gguf(odd)
 
 
