@@ -28,11 +28,11 @@ ROPE_TYPES = {
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-# Fields transformers' llama, mistral, qwen2 and qwen3 read that nibble does not implement: accepted with
-# the values that leave the computation as nibble runs it, refused otherwise. Any other unknown
-# key is one those classes ignore too (architectures, transformers_version, dtype, use_cache,
-# initializer_range, pretraining_tp, attention_dropout: dropout is off at inference), so it
-# cannot change their numbers; it stays in `extra`.
+# Fields transformers' llama, mistral, qwen2 and qwen3 read that nibble does not implement:
+# accepted with the values that leave the computation as nibble runs it, refused otherwise. Any
+# other unknown key is one those classes ignore too (architectures, transformers_version, dtype,
+# use_cache, initializer_range, pretraining_tp, attention_dropout: dropout is off at inference),
+# so it cannot change their numbers; it stays in `extra`.
 FIXED_FIELDS = {
     "hidden_act": ("silu", "swish"),   # the same function under two names
     "mlp_bias": (False, None),
@@ -72,7 +72,8 @@ class ModelConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:   # Qwen3Config's default is 128, not hidden_size / heads
-            self.head_dim = 128 if self.model_type == "qwen3" else self.hidden_size // self.num_attention_heads
+            self.head_dim = (128 if self.model_type == "qwen3"
+                             else self.hidden_size // self.num_attention_heads)
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
         if self.num_attention_heads % self.num_key_value_heads:
