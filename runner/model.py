@@ -1,4 +1,4 @@
-"""The Llama-family transformer (llama, mistral, qwen2, qwen3): weights and the forward pass."""
+"""A decoder-only transformer of any family in runner/models/: its weights, its stages, the forward pass."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +9,8 @@ from nibble.formats.half import HalfTensor
 from nibble.quant.convert import read_linear
 from .cache import KVCache, kv_dtype
 from .kernels import prefill
-from .kernels.layer import LayerWeights
 from .kernels.linear import Weight, prepare
-from .rope import rope_tables
+from .models import family
 from .stages import CPUStage
 
 
@@ -23,37 +22,16 @@ class Model:
     def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]):
         self.config = config
         c = config
-        D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
-        q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        D = c.hidden_size
         get = _TensorGetter(tensors, c.quantization)
+        self.family = family(c)
         self.embed = get.linear("model.embed_tokens", (c.vocab_size, D))     # [V, D]
         self.norm = get("model.norm.weight", (D,))                            # [D]
         self.lm_head = (self.embed if c.tie_word_embeddings
                         else get.linear("lm_head", (c.vocab_size, D)))       # [V, D]
-        self.layers = []
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
-            # empty for the models without q/k norms: decoder_layer skips them
-            qk_norm = get if c.model_type == "qwen3" else lambda name, shape: np.zeros(0, np.float32)
-            self.layers.append(LayerWeights(
-                input_norm=get(p + "input_layernorm.weight", (D,)),
-                wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
-                wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
-                wv=get.linear(p + "self_attn.v_proj", (kv_dim, D)),
-                bq=bias(p + "self_attn.q_proj.bias", (q_dim,)),
-                bk=bias(p + "self_attn.k_proj.bias", (kv_dim,)),
-                bv=bias(p + "self_attn.v_proj.bias", (kv_dim,)),
-                q_norm=qk_norm(p + "self_attn.q_norm.weight", (hd,)),
-                k_norm=qk_norm(p + "self_attn.k_norm.weight", (hd,)),
-                wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
-                post_norm=get(p + "post_attention_layernorm.weight", (D,)),
-                w_gate=get.linear(p + "mlp.gate_proj", (F, D)),
-                w_up=get.linear(p + "mlp.up_proj", (F, D)),
-                w_down=get.linear(p + "mlp.down_proj", (D, F)),
-            ))
+        self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
         get.raise_if_missing()
-        self.cos, self.sin = rope_tables(c, c.max_position_embeddings)     # [ctx, hd/2]
+        self.ropes = self.family.ropes(c, c.max_position_embeddings)   # each layer's (cos, sin)
         self.stages = [CPUStage(self, 0, len(self.layers), head=True)]   # see stages.py
         self.offload_note = ""   # what offload_layers has to tell the user
 

@@ -70,7 +70,8 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
     per_layer = kv + weight_nbytes(model, L - 1, L, False, device_nbytes)
     work = CHUNK * 4 * (3 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads)
                         * c.head_dim + c.intermediate_size)                     # Workspace and x
-    fixed = model.cos.nbytes + model.sin.nbytes + work
+    cos, sin = model.ropes[-1]
+    fixed = cos.nbytes + sin.nbytes + work
     head = weight_nbytes(model, L, L, True, device_nbytes) + CHUNK * c.vocab_size * 4
     budget = int(free * HEADROOM) - fixed
     if n == L and budget >= n * per_layer + head:
@@ -105,7 +106,8 @@ class GPUStage:
         self.kv_shape = (c.num_key_value_heads, c.head_dim)
         gpu.allocate_kv(c.num_key_value_heads, 1, c.head_dim)   # refuses a head_dim it cannot take: now
         self.layers = [gpu.upload_layer(l) for l in model.layers[self.first:]]
-        self.cos, self.sin = self.cuda.to_device(model.cos), self.cuda.to_device(model.sin)   # [ctx, hd/2]
+        cos, sin = _one_rope(model, self.first)
+        self.cos, self.sin = self.cuda.to_device(cos), self.cuda.to_device(sin)   # [ctx, hd/2]
         self.norm = self.cuda.to_device(model.norm) if p.head else None                   # [D]
         self.head = gpu.upload(model.lm_head) if p.head else None                          # [V, D]
         self.work = gpu.Workspace.allocate(self.layers[0], CHUNK)
@@ -241,6 +243,15 @@ def _graphs_off() -> str:
     if os.environ.get("NIBBLE_CUDA_GRAPHS") == "0":
         return "NIBBLE_CUDA_GRAPHS=0"
     return ""
+
+
+def _one_rope(model, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """The RoPE table of layers [first, L): the GPU kernels rotate whole heads with one table."""
+    cos, sin = model.ropes[first]
+    if any(r[0] is not cos for r in model.ropes[first:]) or 2 * cos.shape[1] != model.config.head_dim:
+        raise UnsupportedModel(f"the GPU kernels rotate whole heads with one RoPE table, and "
+                               f"{model.config.model_type}'s layers differ: run it on the CPU")
+    return cos, sin
 
 
 def setup(model, gpu_layers: int, ctx: int | None, require_gpu: bool) -> tuple[GPUStage | None, str]:

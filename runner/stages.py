@@ -16,7 +16,6 @@ import numpy as np
 
 from .cache import HostKV
 from .kernels import cpu, linear
-from .kernels.layer import decoder_layer
 
 _NOT_COLLECTING = np.zeros((0, 0))
 
@@ -48,9 +47,10 @@ class CPUStage:
         each layer's projections (see decoder_layer)."""
         m, c = self.model, self.model.config
         for i in range(self.first, self.last):
-            decoder_layer(x, m.layers[i], kv.layer(i - self.first), pos0, m.cos, m.sin,
-                          c.rms_norm_eps, c.windows[i],
-                          _NOT_COLLECTING if act_sq is None else act_sq[i])
+            cos, sin = m.ropes[i]
+            m.family.block(x, m.layers[i], kv.layer(i - self.first), pos0, cos, sin,
+                           c.rms_norm_eps, c.windows[i],
+                           _NOT_COLLECTING if act_sq is None else act_sq[i])
         if not self.head:
             return x
         if not all_logits:

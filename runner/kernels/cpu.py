@@ -156,10 +156,11 @@ def rmsnorm(x, weight, eps, out):
 def rope(x, cos, sin, pos0):
     """Rotate x[T, H, hd] in place for positions pos0.. (the rotate-half layout of HF models).
 
-    cos, sin: [max_ctx, hd/2] tables built once at load.
+    cos, sin: [max_ctx, r/2] tables built once at load, rotating the first r dims of each head
+    (r = hd but for partial rotary; r = 0: a layer without RoPE).
     """
     T, H, hd = x.shape
-    half = hd // 2
+    half = cos.shape[1]
     for t in range(T):
         c = cos[pos0 + t]
         s = sin[pos0 + t]

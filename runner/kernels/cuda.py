@@ -10,7 +10,7 @@ math as layer.decoder_layer on the CPU. The position comes from device memory, s
 pass can be recorded once and replayed for every token (Replay: a CUDA graph).
 
 Setup (once):   weights = upload_layer(model.layers[i]); kv = allocate_kv(Hkv, ctx, hd)
-                cos, sin = cuda.to_device(model.cos), cuda.to_device(model.sin)
+                cos, sin = map(cuda.to_device, model.ropes[i])
                 work = Workspace.allocate(weights, max_tokens); pos = cuda.to_device(int32 [1])
 Per pass:       x = cuda.to_device(hidden)               # [T, D], once per device boundary
                 decoder_layer(x, weights, kv, pos, cos, sin, eps, window, work)  # for each layer
@@ -61,6 +61,9 @@ class DeviceLayer(NamedTuple):
 
 def upload_layer(w: LayerWeights) -> DeviceLayer:
     """Upload a block of the model, joining q/k/v and gate/up into one product each."""
+    if not isinstance(w, LayerWeights):
+        raise UnsupportedModel(f"the GPU kernels run Llama's block, not {type(w).__name__}: "
+                               f"run the model on the CPU")
     if w.q_norm.size:
         raise UnsupportedModel("the GPU kernels do not run qwen3's per-head q/k norms: run it on the CPU")
     vector = lambda a: cuda.to_device(np.ascontiguousarray(a, np.float32))

@@ -1,0 +1,20 @@
+"""One module per model family, in the style of mlx-lm's models/: each says how a checkpoint's
+tensors become its blocks' weights, which kernel runs a block, and each layer's RoPE tables.
+runner/model.py runs any of them. Which model_type belongs to which family is formats/config.py's
+ARCHITECTURES; a family module has:
+
+    layer(get, config, i) -> the weights of block i (a NamedTuple the block kernel takes), read
+        with get(name, shape) for vectors and get.linear(path, shape) for matrices
+    block(x, weights, kv, pos0, cos, sin, eps, window, act_sq): the jitted kernel of one block
+    ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
+"""
+from types import ModuleType
+
+from nibble.formats.config import ARCHITECTURES, ModelConfig
+from . import llama
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama}
+
+
+def family(config: ModelConfig) -> ModuleType:
+    return FAMILIES[ARCHITECTURES[config.model_type]]

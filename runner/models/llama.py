@@ -1,0 +1,39 @@
+"""Llama and the families that share its block: Mistral (a sliding window), Qwen2 (q/k/v biases)
+and Qwen3 (an RMSNorm over each query and key head before RoPE)."""
+import numpy as np
+
+from nibble.formats.config import ModelConfig
+from ..kernels.layer import LayerWeights, decoder_layer
+from ..rope import rope_tables
+
+block = decoder_layer
+
+
+def layer(get, c: ModelConfig, i: int) -> LayerWeights:
+    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    p = f"model.layers.{i}."
+    bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
+    # empty for the models without q/k norms: decoder_layer skips them
+    qk_norm = get if c.model_type == "qwen3" else lambda name, shape: np.zeros(0, np.float32)
+    return LayerWeights(
+        input_norm=get(p + "input_layernorm.weight", (D,)),
+        wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
+        wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
+        wv=get.linear(p + "self_attn.v_proj", (kv_dim, D)),
+        bq=bias(p + "self_attn.q_proj.bias", (q_dim,)),
+        bk=bias(p + "self_attn.k_proj.bias", (kv_dim,)),
+        bv=bias(p + "self_attn.v_proj.bias", (kv_dim,)),
+        q_norm=qk_norm(p + "self_attn.q_norm.weight", (hd,)),
+        k_norm=qk_norm(p + "self_attn.k_norm.weight", (hd,)),
+        wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
+        post_norm=get(p + "post_attention_layernorm.weight", (D,)),
+        w_gate=get.linear(p + "mlp.gate_proj", (F, D)),
+        w_up=get.linear(p + "mlp.up_proj", (F, D)),
+        w_down=get.linear(p + "mlp.down_proj", (D, F)),
+    )
+
+
+def ropes(c: ModelConfig, ctx: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One table for every layer."""
+    return [rope_tables(c, ctx)] * c.num_hidden_layers
