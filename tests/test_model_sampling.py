@@ -1,7 +1,14 @@
 """A model's sampling defaults: read from its generation_config.json, and used where no one says otherwise."""
+from dataclasses import replace
+
 import pytest
 
+from nibble.runner.generate import stream_generate
+from nibble.runner.loader import from_model_dir, load
+from nibble.runner.sample import make_sampler
+from nibble.runner.session import ChatSession
 from nibble.runner.settings import SamplerSettings, model_sampling
+from tests.tiny import tiny_model_dir
 
 
 @pytest.mark.parametrize("generation_config, want", [
@@ -36,3 +43,26 @@ def test_values_nibble_cannot_use_are_ignored_and_named():
         assert part in note
     assert "repetition_penalty" not in note
     assert model_sampling({"top_k": 2.5})[1].endswith("top_k 2.5 is not a whole number")
+
+
+def test_load_gives_the_tokenizer_the_model_s_defaults(sampled_dir, tiny_dir):
+    _, tokenizer = load(str(sampled_dir))
+    assert tokenizer.sampling == SamplerSettings(temperature=0.3, top_k=5, top_p=0.7)
+    assert tokenizer.sampling_note == ""
+    assert load(str(tiny_dir))[1].sampling == SamplerSettings()
+
+
+def test_generation_without_a_sampler_uses_the_model_s_defaults():
+    """A model whose file says greedy answers as argmax does, in stream_generate and in a chat session."""
+    model, tokenizer = from_model_dir(replace(tiny_model_dir(), generation_config={"eos_token_id": 2,
+                                                                                   "do_sample": False}))
+    ids = tokenizer.prompt("The quick brown fox")
+    argmax = make_sampler(SamplerSettings(temperature=0))
+
+    def text(**kwargs):
+        return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=16, **kwargs))
+    assert text() == text(sampler=argmax) != ""
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    replies = [ChatSession(model, tokenizer, ctx=128).reply(messages, settings, max_tokens=16)
+               for settings in (None, SamplerSettings(temperature=0))]
+    assert "".join(c.text for c in replies[0]) == "".join(c.text for c in replies[1]) != ""
