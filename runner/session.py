@@ -125,9 +125,10 @@ class ChatSession:
                               "shorten it, or start nibble chat with a larger --ctx-size")
         return text, ids, dropped
 
-    def reply(self, messages: list[dict], settings: SamplerSettings = SamplerSettings(),
+    def reply(self, messages: list[dict], settings: SamplerSettings | None = None,
               max_tokens: int = MAX_TOKENS) -> Iterator[ChatChunk]:
-        """Stream the assistant's reply to `messages` ([{"role", "content"}, ...]).
+        """Stream the assistant's reply to `messages` ([{"role", "content"}, ...]), sampled as
+        `settings` say (None: the model's defaults, tokenizer.sampling).
 
         The first chunk (empty text) comes before the prefill and says what will be prefilled
         and dropped; a long prefill then yields an empty chunk after each of its chunks; the last
@@ -149,9 +150,10 @@ class ChatSession:
                           dropped=dropped, ctx_used=cache.pos, ctx_size=cache.size)
         yield ChatChunk("", stats)
 
+        sampler = make_sampler(settings or self.tokenizer.sampling)
         reply = []
         try:
-            for r in stream_generate(self.model, self.tokenizer, ids[reused:], sampler=make_sampler(settings),
+            for r in stream_generate(self.model, self.tokenizer, ids[reused:], sampler=sampler,
                                      max_tokens=max_tokens, cache=cache, prefill_chunk=self.prefill_chunk):
                 stats = replace(stats, generation_tokens=r.generation_tokens, prompt_tps=r.prompt_tps,
                                 generation_tps=r.generation_tps, ttft=r.ttft, ctx_used=cache.pos,

@@ -1,7 +1,8 @@
 """What a reply is asked for: the sampling settings and the longest reply, with their defaults.
 
 The one home of these defaults: the CLI's flags, the chat app's per-chat settings and the library
-take them from here. No numpy and no Numba here, so that `nibble --help` shows them at once.
+take them from here, under what the model's own generation_config.json sets (model_sampling).
+No numpy and no Numba here, so that `nibble --help` shows them at once.
 """
 from __future__ import annotations
 
@@ -13,10 +14,25 @@ from nibble.formats.errors import NibbleError
 # The most tokens a reply may have, unless asked otherwise (nibble run -n, a chat's max tokens).
 MAX_TOKENS = 512
 
+# Each setting's valid values: a test, and how to say it.
+_RULES = {
+    "temperature": (lambda v: math.isfinite(v) and v >= 0, "0 (greedy) or positive"),
+    "top_k": (lambda v: v >= 0, "0 (off) or positive"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1 is off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0 is off)"),
+    "repetition_penalty": (lambda v: math.isfinite(v) and v > 0, "positive (1 is off)"),
+    "repeat_last_n": (lambda v: v >= 0, "0 or more"),
+    "seed": (lambda v: v is None or v >= 0, "0 or more"),
+}
+
+# The sampling fields of generation_config.json: transformers' names, which SamplerSettings shares.
+MODEL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    """How to pick the next token. The defaults are llama.cpp's; each filter has an "off" value."""
+    """How to pick the next token. The defaults are llama.cpp's, for what the model's
+    generation_config.json does not set (see model_sampling); each filter has an "off" value."""
     temperature: float = 0.8         # 0: greedy (argmax)
     top_k: int = 40                  # 0: off
     top_p: float = 0.95              # 1.0: off
@@ -26,17 +42,38 @@ class SamplerSettings:
     seed: int | None = None          # None: a fresh random seed each run
 
     def __post_init__(self):
-        _check(math.isfinite(self.temperature) and self.temperature >= 0,
-               f"temperature must be 0 (greedy) or positive, got {self.temperature}")
-        _check(self.top_k >= 0, f"top_k must be 0 (off) or positive, got {self.top_k}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
-        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be positive (1 is off), got {self.repetition_penalty}")
-        _check(self.repeat_last_n >= 0, f"repeat_last_n must be 0 or more, got {self.repeat_last_n}")
-        _check(self.seed is None or self.seed >= 0, f"seed must be 0 or more, got {self.seed}")
+        for name, (valid, rule) in _RULES.items():
+            value = getattr(self, name)
+            if not valid(value):
+                raise NibbleError(f"Bad sampler setting: {name} must be {rule}, got {value}.")
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise NibbleError(f"Bad sampler setting: {message}.")
+def model_sampling(generation_config: dict) -> tuple[SamplerSettings, str]:
+    """A model's sampling defaults: the MODEL_FIELDS its generation_config.json sets, nibble's
+    defaults for the others; and a line for the user naming the values it ignored ("" if none).
+
+    `"do_sample": false` means greedy whatever the temperature says, as in transformers. A file
+    without do_sample is read like one with `"do_sample": true`, as llama.cpp's GGUF converter and
+    vLLM read it: a publisher who writes a temperature means it to be used (transformers itself
+    warns that such a temperature goes unused). A value nibble cannot use is ignored rather than
+    refused: the file is the publisher's, not the user's, and should not keep the model from running.
+    """
+    values, ignored = {}, []
+    for name in MODEL_FIELDS:
+        value = generation_config.get(name)
+        if value is None:   # unset (transformers writes null for some unset fields)
+            continue
+        valid, rule = _RULES[name]
+        whole = name == "top_k"
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (whole and isinstance(value, float) and not value.is_integer())):
+            ignored.append(f"{name} {value!r} is not a {'whole ' if whole else ''}number")
+        elif not valid(value):
+            ignored.append(f"{name} must be {rule}, got {value}")
+        else:
+            values[name] = int(value) if whole else float(value)
+    if generation_config.get("do_sample") is False:
+        values["temperature"] = 0.0   # greedy; a repetition penalty still applies, as in transformers
+    note = (f"ignored in the model's generation_config.json (nibble's defaults apply): {'; '.join(ignored)}"
+            if ignored else "")
+    return SamplerSettings(**values), note

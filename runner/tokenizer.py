@@ -1,4 +1,4 @@
-"""Text in, ids out: the model's tokenizer, chat template and stop ids in one place."""
+"""Text in, ids out: the model's tokenizer, chat template, stop ids and sampling defaults in one place."""
 from __future__ import annotations
 
 from functools import cached_property
@@ -8,6 +8,7 @@ import tokenizers
 from nibble.formats.model_dir import ModelDir
 from .chat import ChatTemplate, build_messages
 from .detokenize import StreamDecoder
+from .settings import model_sampling
 
 
 class Tokenizer:
@@ -16,6 +17,9 @@ class Tokenizer:
         self.config = model_dir.tokenizer_config
         self._eos = (model_dir.config.eos_ids, model_dir.generation_config.get("eos_token_id"),
                      self.config.get("eos_token"))
+        # The model's sampling defaults (a SamplerSettings: its generation_config.json over nibble's
+        # defaults), and a line for the user naming the values of that file it ignored ("" if none).
+        self.sampling, self.sampling_note = model_sampling(model_dir.generation_config)
 
     @cached_property
     def chat_template(self) -> ChatTemplate:

@@ -10,13 +10,21 @@ import zipfile
 import pytest
 
 from nibble.formats.model_dir import write_model_dir
-from tests.tiny import tiny_model_dir
+from tests.tiny import SAMPLING, tiny_model_dir
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny seeded llama model written as an HF directory."""
     return write_model_dir(tiny_model_dir(), tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def sampled_dir(tmp_path_factory):
+    """The tiny model again, its generation_config.json setting sampling defaults (tiny.SAMPLING)."""
+    model = tiny_model_dir()
+    model.generation_config |= SAMPLING
+    return write_model_dir(model, tmp_path_factory.mktemp("tiny") / "sampled")
 
 
 @pytest.fixture(scope="session")

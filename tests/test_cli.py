@@ -82,24 +82,65 @@ def test_prompt_longer_than_context_names_both_numbers(tiny_dir):
                           match="and the context holds 8")
 
 
-def test_the_flags_defaults_are_the_library_s(tiny_dir, monkeypatch):
+def capture_sampling(monkeypatch) -> dict:
+    """What `nibble run` samples with and how many tokens it asks for, without generating."""
     from nibble.runner import generate, sample
-    from nibble.runner.settings import MAX_TOKENS, SamplerSettings
     seen = {}
     monkeypatch.setattr(sample, "make_sampler", lambda settings: seen.setdefault("sampling", settings))
     monkeypatch.setattr(generate, "stream_generate",
                         lambda *args, max_tokens, **kwargs: seen.update(max_tokens=max_tokens) or iter(()))
-    r = invoke("run", "-m", tiny_dir, "Hi")
+    return seen
+
+
+def test_the_flags_defaults_are_the_model_s_else_the_library_s(tiny_dir, monkeypatch):
+    from nibble.runner.settings import MAX_TOKENS, SamplerSettings
+    seen = capture_sampling(monkeypatch)
+    r = invoke("run", "-m", tiny_dir, "Hi")   # its generation_config.json sets no sampling
     assert r.exit_code == 0, r.output
     assert seen == {"sampling": SamplerSettings(), "max_tokens": MAX_TOKENS}
     shown, d = " ".join(invoke("run", "--help").stdout.split()), SamplerSettings()
     for flag, value in [("--temp FLOAT", d.temperature), ("--top-k INTEGER", d.top_k), ("--top-p FLOAT", d.top_p),
-                        ("--min-p FLOAT", d.min_p), ("--repeat-penalty FLOAT", d.repetition_penalty),
-                        ("--max-tokens INTEGER RANGE", MAX_TOKENS)]:
-        assert re.search(rf"{flag} [^[]*\[default: {value}[];]", shown), flag
+                        ("--min-p FLOAT", d.min_p), ("--repeat-penalty FLOAT", d.repetition_penalty)]:
+        assert re.search(rf"{flag} [^[]*\[default: the model's generation_config.json, else {value}]", shown), flag
+    assert re.search(rf"--max-tokens INTEGER RANGE [^[]*\[default: {MAX_TOKENS}[];]", shown)
     assert f"Penalise the last {d.repeat_last_n} tokens" in shown
 
 
+def test_run_samples_as_the_model_says_unless_a_flag_says_otherwise(sampled_dir, monkeypatch):
+    from nibble.runner.settings import SamplerSettings
+    seen = capture_sampling(monkeypatch)
+    assert invoke("run", "-m", sampled_dir, "Hi").exit_code == 0
+    assert seen["sampling"] == SamplerSettings(temperature=0.3, top_k=5, top_p=0.7)   # tiny.SAMPLING
+    seen.clear()
+    r = invoke("run", "-m", sampled_dir, "--temp", 0.9, "--min-p", 0.2, "--seed", 3, "Hi")
+    assert r.exit_code == 0, r.output
+    assert seen["sampling"] == SamplerSettings(temperature=0.9, top_k=5, top_p=0.7, min_p=0.2, seed=3)
+
+
+def with_generation_config(model_dir, out, **fields):
+    """A copy of `model_dir` whose generation_config.json also sets `fields`."""
+    import shutil
+    d = shutil.copytree(model_dir, out)
+    path = d / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return d
+
+
+def test_a_model_that_says_greedy_answers_greedily(tiny_dir, tmp_path):
+    d = with_generation_config(tiny_dir, tmp_path / "greedy", do_sample=False, temperature=0.9)
+    runs = {invoke("run", "-m", d, "-n", 16, "Hello").stdout for _ in range(2)}
+    assert runs == {invoke("run", "-m", tiny_dir, "-n", 16, "--temp", 0, "Hello").stdout}
+
+
+def test_a_value_the_model_sets_wrong_is_ignored_with_a_note(tiny_dir, tmp_path, monkeypatch):
+    from nibble.runner.settings import SamplerSettings
+    d = with_generation_config(tiny_dir, tmp_path / "odd", temperature=0.5, top_p=2)
+    seen = capture_sampling(monkeypatch)
+    r = invoke("run", "-m", d, "Hi")
+    assert r.exit_code == 0, r.output
+    assert seen["sampling"] == SamplerSettings(temperature=0.5)
+    assert ("ignored in the model's generation_config.json (nibble's defaults apply): "
+            "top_p must be in (0, 1] (1 is off), got 2") in r.stderr.splitlines()
 def test_bad_sampler_setting(tiny_dir):
     assert_one_line_error(invoke("run", "-m", tiny_dir, "--top-p", 2, "Hi"), match="top_p")
 

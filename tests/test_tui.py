@@ -106,7 +106,7 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, mon
         tokens.setdefault("end", len(slow))
         await end(self, turn, finish)
     monkeypatch.setattr(ChatScreen, "_end_turn", end_turn)
-    app = make_app(tiny, defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=200))
+    app = make_app(tiny, max_tokens=200)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
@@ -123,7 +123,7 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, mon
 
 
 async def test_a_message_sent_right_after_esc_goes_after_the_stopped_reply(home, tiny, slow):
-    app = make_app(tiny, defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=100))
+    app = make_app(tiny, max_tokens=100)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
@@ -235,7 +235,7 @@ async def test_a_chat_survives_a_restart(home, tiny):
 
 @pytest.mark.parametrize("key", ["ctrl+q", "ctrl+c"])
 async def test_quitting_during_a_reply_keeps_what_was_written(home, tiny, slow, key):
-    app = make_app(tiny, defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=200))
+    app = make_app(tiny, max_tokens=200)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
@@ -312,6 +312,47 @@ async def test_settings_are_edited_and_stored_with_the_chat(home, tiny):
     assert (stored.system, stored.max_tokens, stored.sampling.top_p, stored.sampling.temperature) == ("Answer in French.", 5, 0.9, 0)
 
 
+async def test_new_chats_take_the_model_s_sampling_under_the_flags(home, sampled_dir):
+    """Even a chat sent while the model loads: its settings were placeholders, not anyone's choice."""
+    from nibble.tui.app import ChatApp
+    gate = threading.Event()
+
+    def slow_load(ref, quant):
+        gate.wait()
+        return load(ref, quant)
+    app = ChatApp(str(sampled_dir), sampling={"min_p": 0.2}, max_tokens=4, load=slow_load)
+    want = SamplerSettings(temperature=0.3, top_k=5, top_p=0.7, min_p=0.2)   # tiny.SAMPLING and the flag
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Hi", wait=False)
+        assert app.chat_screen.settings.sampling == SamplerSettings(min_p=0.2)   # nibble's, until the model is read
+        gate.set()
+        await ready(pilot)
+        await idle(pilot)
+        assert app.chat_screen.settings.sampling == want and app.defaults.sampling == want
+        await pilot.press("ctrl+n", "ctrl+s")
+        shown = {name: app.screen.query_one(f"#{name}").value for name in ("temperature", "top_k", "top_p", "min_p")}
+        assert shown == {"temperature": "0.3", "top_k": "5", "top_p": "0.7", "min_p": "0.2"}
+    assert Store.open()[0].chats()[0].settings.sampling == want
+
+
+async def test_edited_settings_of_a_waiting_chat_are_kept_when_the_model_arrives(home, sampled_dir):
+    from nibble.tui.app import ChatApp
+    gate = threading.Event()
+
+    def slow_load(ref, quant):
+        gate.wait()
+        return load(ref, quant)
+    app = ChatApp(str(sampled_dir), max_tokens=4, load=slow_load)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+s")
+        app.screen.query_one("#temperature").value = "0"
+        await pilot.press("ctrl+s")
+        gate.set()
+        await ready(pilot)
+        assert app.chat_screen.settings.sampling == SamplerSettings(temperature=0)
+        assert app.defaults.sampling == SamplerSettings(temperature=0.3, top_k=5, top_p=0.7)
+
+
 async def test_status_bar_shows_model_speed_context_and_memory(home, tiny):
     app = make_app(tiny)
     async with app.run_test(size=SIZE) as pilot:
@@ -325,8 +366,7 @@ async def test_status_bar_shows_model_speed_context_and_memory(home, tiny):
 
 
 async def test_overflow_drops_the_oldest_turns_and_says_so(home, tiny):
-    app = make_app(tiny, ctx_size=80, defaults=ChatSettings(system="Be brief.", sampling=SamplerSettings(temperature=0),
-                                                            max_tokens=16))
+    app = make_app(tiny, ctx_size=80, system="Be brief.", max_tokens=16)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         for q in ["The quick brown fox", "jumps over the lazy dog", "Numba compiles Python"]:
@@ -421,7 +461,7 @@ async def test_the_real_loader_shows_progress_and_reports_a_bad_path(home, tiny_
     set_state = StatusBar.set_state
     monkeypatch.setattr(StatusBar, "set_state", lambda self, text, progress=None: (
         seen.append((text, progress)), set_state(self, text, progress)))
-    app = ChatApp(str(tiny_dir), defaults=GREEDY)
+    app = ChatApp(str(tiny_dir), sampling={"temperature": 0}, max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert [t for t, _ in seen] == ["loading: starting", "loading: starting the runner",
@@ -469,8 +509,7 @@ async def test_a_locked_history_is_left_alone(home, tiny, monkeypatch):
 @pytest.mark.slow
 async def test_the_real_model_answers(home, smollm2_dir):
     from nibble.tui.app import ChatApp
-    app = ChatApp(str(smollm2_dir), ctx_size=512,
-                  defaults=ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=12))
+    app = ChatApp(str(smollm2_dir), ctx_size=512, sampling={"temperature": 0}, max_tokens=12)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.session is not None, timeout=120, what="SmolLM2")
         await send(pilot, "What is the capital of France?")
@@ -495,6 +534,7 @@ def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, ti
     r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir)])
     assert r.exit_code == 0, r.output
     assert started[0].defaults == ChatSettings() and started[0].seed is None   # the same defaults
+    assert started[0].sampling == {}   # no flags: each model's own sampling defaults apply
     r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir), "--temp", "0.3", "-s", "Be brief.",
                                   "-n", "64", "-c", "128", "--kv-cache", "int8", "--seed", "7", "-ngl", "0"])
     assert r.exit_code == 0, r.output
@@ -502,6 +542,7 @@ def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, ti
     assert app.requested_model == str(tiny_dir) and (app.ctx_size, app.kv_cache, app.seed) == (128, "int8", 7)
     assert (app.gpu_layers, app.require_gpu) == (0, False)
     assert app.defaults == ChatSettings(system="Be brief.", sampling=SamplerSettings(temperature=0.3), max_tokens=64)
+    assert app.sampling == {"temperature": 0.3}   # laid over the model's defaults once it is loaded
 
 
 def test_nibble_help_does_not_import_the_app():

@@ -70,3 +70,7 @@ def tiny_model_dir(model_type="llama", seed=0) -> ModelDir:
                     tokenizer_config={"chat_template": CHATML, "bos_token": "<|im_start|>",
                                       "eos_token": "<|im_end|>", "add_bos_token": False},
                     generation_config={"eos_token_id": 2})
+
+
+# Sampling defaults as a publisher writes them in generation_config.json (the sampled_dir fixture).
+SAMPLING = {"do_sample": True, "temperature": 0.3, "top_k": 5, "top_p": 0.7}

@@ -10,12 +10,14 @@ from nibble.tui.app import ChatApp
 from nibble.tui.store import ChatSettings
 from nibble.tui.widgets.prompt import PromptInput
 
+# make_app's new chats on the tiny model (whose generation_config.json sets no sampling)
 GREEDY = ChatSettings(sampling=SamplerSettings(temperature=0), max_tokens=8)
 
 
 def make_app(tiny, model: str | None = "tiny", load=None, **kwargs) -> ChatApp:
-    """The app on the shared, already loaded tiny model (or on `load`)."""
-    kwargs.setdefault("defaults", GREEDY)
+    """The app on the shared, already loaded tiny model (or on `load`), greedy unless told otherwise."""
+    kwargs.setdefault("sampling", {"temperature": 0})
+    kwargs.setdefault("max_tokens", GREEDY.max_tokens)
     return ChatApp(model, load=load or (lambda ref, quant: tiny), **kwargs)
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from textual.app import App
 from textual.binding import Binding
 from textual.message import Message
+
+from nibble.runner.settings import MAX_TOKENS, SamplerSettings
 
 from .screens.chat import ChatScreen
 from .screens.keys import KeysScreen, key_rows
@@ -40,7 +42,7 @@ class ModelLoaded(Message):
 
 @dataclass
 class LoadNote(Message):
-    text: str   # what became of the GPU layers
+    text: str   # what became of the GPU layers, what of the model's sampling defaults was ignored
 
 
 @dataclass
@@ -71,9 +73,12 @@ class ChatApp(App):
 
     def __init__(self, model: str | None = "smollm2", *, quant: str | None = None, ctx_size: int = 4096,
                  kv_cache: str = "f32", threads: int | None = None, seed: int | None = None,
-                 defaults: ChatSettings | None = None, store_path: Path | None = None,
-                 load: Callable | None = None, gpu_layers: int = 0, require_gpu: bool = False):
+                 system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
+                 store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,
+                 require_gpu: bool = False):
         """`model` is loaded at start (None: none until one is picked with ctrl+o).
+        New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
+        `sampling` ({SamplerSettings field: value}, the command line's flags) laid over them.
         `load(ref, quant) -> (model, tokenizer)` replaces runner.loader.load (tests share one
         loaded model this way)."""
         super().__init__()
@@ -81,7 +86,8 @@ class ChatApp(App):
         self.quant, self.ctx_size, self.kv_cache = quant, ctx_size, kv_cache
         self.threads, self.seed = threads, seed
         self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
-        self.defaults = defaults or ChatSettings()
+        self.system, self.sampling, self.max_tokens = system, dict(sampling or {}), max_tokens
+        self.defaults = self.new_chat_settings(SamplerSettings())   # until a model is loaded
         self.store_path = store_path
         self._load_fn = load
         self.store: Store | None = None
@@ -103,6 +109,10 @@ class ChatApp(App):
     def on_unmount(self):
         if self.store is not None:
             self.store.close()
+
+    def new_chat_settings(self, model_sampling: SamplerSettings) -> ChatSettings:
+        """New chats' settings on a model with these sampling defaults."""
+        return ChatSettings(self.system, replace(model_sampling, **self.sampling), self.max_tokens)
 
     # The model
 
@@ -141,8 +151,9 @@ class ChatApp(App):
             gpu = (dict(gpu_layers=self.gpu_layers, require_gpu=self.require_gpu, ctx_size=self.ctx_size)
                    if self.gpu_layers else {})
             model, tokenizer = load(ref, self.quant, **gpu)
-            if note := getattr(model, "offload_note", ""):
-                self._post(LoadNote(note))
+            for note in (getattr(model, "offload_note", ""), tokenizer.sampling_note):
+                if note:
+                    self._post(LoadNote(note))
             tokenizer.chat_template   # a broken template is a load error, not a first-reply one
             self._post(LoadProgress(ref, 2, "preparing the kernels"))
             session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
@@ -162,6 +173,8 @@ class ChatApp(App):
         if m.ref != self.loading:
             return   # another model was picked meanwhile
         self.session, self.model_ref, self.loading = m.session, m.ref, None
+        self.defaults = self.new_chat_settings(m.session.tokenizer.sampling)
+        self.chat_screen.set_defaults(self.defaults)
         status = self.chat_screen.status
         status.set_model(model_label(m.ref, m.session.model.config, self.quant))
         status.set_state("ready")

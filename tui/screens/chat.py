@@ -339,6 +339,18 @@ class ChatScreen(Screen):
             self.prompt.text, self._queued = self._queued, None
         self._cancel_edit()
 
+    def set_defaults(self, defaults: ChatSettings):
+        """New chats' settings (a model was loaded). The chat on screen takes them too if nothing
+        has answered it yet and its settings are the old defaults (it was sent while loading)."""
+        old, self.defaults = self.defaults, defaults
+        if self.settings != old or any(m.role == "assistant" for m in self.history):
+            return
+        self.settings = defaults
+        if self.chat is not None:
+            chat = self.chat
+            chat.settings = defaults
+            self._save(lambda: self.store.update_settings(chat.id, defaults), "the settings")
+
     async def action_new_chat(self):
         self._leave_chat()
         self.chat, self.settings, self.history = None, self.defaults, []
