@@ -17,6 +17,11 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
+def gelu_tanh(x):
+    """GELU's tanh approximation (PyTorch's approximate="tanh")."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
 def inv_frequencies(c: ModelConfig, seq_len: int):
     """[hd/2] inverse frequencies and the factor on cos and sin for a sequence of seq_len tokens,
     written as HF's _compute_*_parameters do it, independently of runner/rope.py."""
