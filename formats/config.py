@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import FormatError
+from .wrappers import WRAPPERS, text_config
 
 # model_type -> the architecture that runs it (mlx-lm's alias table).
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
@@ -111,11 +112,12 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Build from a config.json dict of either spelling; unknown keys are kept in `extra`,
         missing ones named, and fields that would change the numbers unheeded refused."""
+        if d.get("model_type") in WRAPPERS:
+            d = text_config(d)
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             known = ", ".join(sorted(ARCHITECTURES))
-            # a multimodal wrapper: its text model's tensors are prefixed and its head tied or not
-            # by the outer config; nibble does not map those
+            # a multimodal wrapper that wrappers.py does not unwrap
             inner = (d.get("text_config") or {}).get("model_type")
             wraps = f" (a wrapper around a {inner!r} text model in text_config)" if inner else ""
             raise FormatError(f"unsupported architecture {model_type!r}{wraps}: nibble runs {known}")

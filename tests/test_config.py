@@ -163,3 +163,25 @@ def test_gemma3_fields_nibble_does_not_run_are_named(fields, message):
     with pytest.raises(FormatError, match=message):
         ModelConfig.from_dict(GEMMA3 | fields)
 
+
+WRAPPER = {"model_type": "gemma3", "text_config": GEMMA3, "eos_token_id": [1, 106],
+           "quantization": {"group_size": 64, "bits": 4}, "vision_config": {"model_type": "siglip_vision_model"}}
+
+
+def test_a_gemma3_wrapper_is_read_as_its_text_model():
+    c = ModelConfig.from_dict(WRAPPER)
+    assert c.model_type == "gemma3_text" and c.hidden_size == 64
+    # the outer config's eos and mlx-lm's quantization hold where text_config says nothing
+    assert c.eos_ids == [1, 106] and c.quantization == {"group_size": 64, "bits": 4}
+    assert "vision_config" not in c.extra
+    # transformers 5 ties the head by the outer flag, tied when absent (Gemma3Config's default)
+    assert c.tie_word_embeddings
+    text_untied = WRAPPER | {"text_config": GEMMA3 | {"tie_word_embeddings": False}}
+    assert ModelConfig.from_dict(text_untied).tie_word_embeddings
+    assert not ModelConfig.from_dict(WRAPPER | {"tie_word_embeddings": False}).tie_word_embeddings
+
+
+def test_a_gemma3_wrapper_around_another_text_model_is_refused():
+    with pytest.raises(FormatError, match="a 'gemma3' wrapper around a 'llama' text model in text_config: "
+                                          "nibble runs the 'gemma3_text' in 'gemma3'"):
+        ModelConfig.from_dict(WRAPPER | {"text_config": BASE})
