@@ -2,7 +2,9 @@
 
 config.json comes in two spellings. transformers 4 wrote `rope_theta` and `rope_scaling` at the
 top level; transformers 5 writes one `rope_parameters` block ({"rope_theta": ..., "rope_type":
-...}). Both become `rope_theta` + `rope_scaling` here (None for plain RoPE). `dtype`
+...}), or one per layer type. Both become `rope_theta` + `rope_scaling` here (None for plain
+RoPE); gemma3's sliding layers have a theta of their own, `rope_local_base_freq` (its name in
+older configs), and no scaling. `dtype`
 (`torch_dtype` before transformers 5) stays in `extra`: it names the dtype the weights were saved
 in, which every tensor carries itself, and nibble computes in float32 whatever it says.
 """
@@ -12,9 +14,24 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import FormatError
+from .wrappers import WRAPPERS, text_config
 
 # model_type -> the architecture that runs it (mlx-lm's alias table).
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+                 "gemma3_text": "gemma3"}
+
+# What transformers assumes for the fields a model type's config.json leaves out, where that
+# differs from ModelConfig's defaults: checkpoints saved by transformers 4 omit every field that
+# equals its config class's default (Gemma3TextConfig's, and its default_theta for the RoPE bases).
+DEFAULTS = {
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                        max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2,
+                        eos_token_id=1, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                        sliding_window=4096, sliding_window_pattern=6, rope_theta=1e6,
+                        rope_local_base_freq=1e4),
+}
 
 # rope_type -> the rope_parameters fields it needs (transformers' _validate_*_rope_parameters).
 ROPE_TYPES = {
@@ -28,7 +45,7 @@ ROPE_TYPES = {
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-# Fields transformers' llama, mistral, qwen2 and qwen3 read that nibble does not implement:
+# Fields transformers' llama, mistral, qwen2, qwen3 and gemma3 read that nibble does not implement:
 # accepted with the values that leave the computation as nibble runs it, refused otherwise. Any
 # other unknown key is one those classes ignore too (architectures, transformers_version, dtype,
 # use_cache, initializer_range, pretraining_tp, attention_dropout: dropout is off at inference),
@@ -40,6 +57,8 @@ FIXED_FIELDS = {
     # Gemma 2's soft caps: a config that sets them expects them applied
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
+    "hidden_activation": ("gelu_pytorch_tanh",),   # gemma3's MLP
+    "use_bidirectional_attention": (False, None),   # gemma3: causal attention
 }
 
 
@@ -63,6 +82,9 @@ class ModelConfig:
     layer_types: list[str] | None = None    # per layer: "full_attention" or "sliding_attention"
     use_sliding_window: bool | None = None  # qwen2/3: false (its default) turns sliding_window off
     max_window_layers: int | None = None    # qwen2/3 without layer_types: the layers from here on slide
+    sliding_window_pattern: int | None = None   # gemma3 without layer_types: every n-th layer is global
+    rope_local_base_freq: float | None = None   # gemma3: the sliding layers' theta (their RoPE is unscaled)
+    query_pre_attn_scalar: float | None = None  # gemma3: attention scores are divided by its root
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     quantization: dict | None = None
@@ -81,6 +103,8 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.model_type == "gemma3_text":
+            _gemma3_fields(self)
         self.rope_scaling = _checked_rope_scaling(self)
         self.windows = _layer_windows(self)   # [layers]: each one's sliding window, 0 for full attention
 
@@ -88,14 +112,16 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Build from a config.json dict of either spelling; unknown keys are kept in `extra`,
         missing ones named, and fields that would change the numbers unheeded refused."""
+        if d.get("model_type") in WRAPPERS:
+            d = text_config(d)
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             known = ", ".join(sorted(ARCHITECTURES))
-            # a multimodal wrapper: its text model's tensors are prefixed and its head tied or not
-            # by the outer config; nibble does not map those
+            # a multimodal wrapper that wrappers.py does not unwrap
             inner = (d.get("text_config") or {}).get("model_type")
             wraps = f" (a wrapper around a {inner!r} text model in text_config)" if inner else ""
             raise FormatError(f"unsupported architecture {model_type!r}{wraps}: nibble runs {known}")
+        d = DEFAULTS.get(model_type, {}) | d
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -129,7 +155,13 @@ def _rope_fields(d: dict) -> dict:
     block = d.get("rope_scaling") or d.get("rope_parameters") or {}
     if not isinstance(block, dict):
         raise FormatError(f"config.json: rope_parameters is {block!r}, not an object")
+    local = {}
     nested = [block[k] for k in LAYER_TYPES if k in block]   # newer configs: one block per layer type
+    if nested and d.get("model_type") == "gemma3_text" and "sliding_attention" in block:
+        # the sliding layers' own RoPE (rope_local_base_freq in older configs)
+        local = {"rope_local_base_freq": _plain_theta(block["sliding_attention"],
+                                                      d.get("rope_local_base_freq"))}
+        nested = [block.get("full_attention") or {}]
     if nested:
         if any(b != nested[0] for b in nested):
             raise FormatError("config.json: rope_parameters differ between layer types; nibble runs "
@@ -141,7 +173,15 @@ def _rope_fields(d: dict) -> dict:
     if partial not in FIXED_FIELDS["partial_rotary_factor"]:
         raise FormatError(f"config.json: nibble cannot run rope_parameters.partial_rotary_factor="
                           f"{partial!r} (it rotates whole heads)")
-    return {"rope_theta": theta, "rope_scaling": block or None}
+    return {"rope_theta": theta, "rope_scaling": block or None} | local
+
+
+def _plain_theta(block: dict, default: float) -> float:
+    """The theta of gemma3's sliding_attention rope_parameters, which nibble runs unscaled."""
+    if block.get("rope_type", "default") != "default" or set(block) - {"rope_type", "rope_theta"}:
+        raise FormatError(f"config.json: rope_parameters.sliding_attention is {block!r}: nibble runs "
+                          f"gemma3's sliding layers with plain RoPE (rope_type 'default')")
+    return block.get("rope_theta", default)
 
 
 def _checked_rope_scaling(c: ModelConfig) -> dict | None:
@@ -187,6 +227,8 @@ def _layer_windows(c: ModelConfig) -> list[int]:
             first = 28 if c.max_window_layers is None else c.max_window_layers   # Qwen2/3Config's default
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
         return [window if t == "sliding_attention" else 0 for t in types]
+    if c.model_type == "gemma3_text":
+        return [window if t == "sliding_attention" else 0 for t in types]
     if c.model_type == "llama":
         window = 0   # transformers' LlamaModel has no sliding window, whatever the config says
     runs = "sliding_attention" if window else "full_attention"
@@ -195,3 +237,14 @@ def _layer_windows(c: ModelConfig) -> list[int]:
                           f"attention in some layers, but transformers runs {c.model_type} with "
                           f"{'sliding_window in every layer' if window else 'full attention'}")
     return [window] * L
+
+
+def _gemma3_fields(c: ModelConfig):
+    """Refuses what nibble's gemma3 block does not run; spells out layer_types from
+    sliding_window_pattern as transformers does for older configs."""
+    if c.attention_bias:
+        raise FormatError("config.json: nibble cannot run attention_bias=True for gemma3 (its block "
+                          "has no q/k/v/o biases)")
+    if c.layer_types is None:   # every sliding_window_pattern-th layer is global
+        c.layer_types = ["full_attention" if (i + 1) % c.sliding_window_pattern == 0
+                         else "sliding_attention" for i in range(c.num_hidden_layers)]

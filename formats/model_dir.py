@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .errors import FormatError
 from .half import HalfTensor
 from .safetensors import read_checkpoint, write_safetensors
+from .wrappers import text_tensors
 
 
 @dataclass
@@ -41,7 +42,8 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
         path = path.parent
     if not path.is_dir():
         raise FormatError(f"{path} is not a model directory (expected a folder with config.json)")
-    config = ModelConfig.from_dict(_read_json(path / "config.json"))
+    raw_config = _read_json(path / "config.json")
+    config = ModelConfig.from_dict(raw_config)
     tokenizer_config = _read_json(path / "tokenizer_config.json", optional=True)
     # Special tokens may be AddedToken dicts ({"content": "<s>", "lstrip": ...}): keep the text.
     for key, value in tokenizer_config.items():
@@ -53,7 +55,7 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
     return ModelDir(
         path=path,
         config=config,
-        tensors=read_checkpoint(path),
+        tensors=text_tensors(raw_config, read_checkpoint(path)),
         tokenizer=_read_tokenizer(path / "tokenizer.json"),
         tokenizer_config=tokenizer_config,
         generation_config=_read_json(path / "generation_config.json", optional=True),

@@ -26,7 +26,8 @@ class Model:
         get = _TensorGetter(tensors, c.quantization)
         self.family = family(c)
         self.embed = get.linear("model.embed_tokens", (c.vocab_size, D))     # [V, D]
-        self.norm = get("model.norm.weight", (D,))                            # [D]
+        self.embed_scale = self.family.embed_scale(c, self.embed)           # on the embedded rows
+        self.norm = self.family.norm(get, "model.norm.weight", (D,))         # [D]
         self.lm_head = (self.embed if c.tie_word_embeddings
                         else get.linear("lm_head", (c.vocab_size, D)))       # [V, D]
         self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
@@ -82,10 +83,13 @@ class Model:
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
         """[T] ids -> [T, D] float32 rows of the embedding table (float32, quantized or 16-bit:
-        only these rows are made float32)."""
+        only these rows are made float32), times the family's embed_scale."""
         if isinstance(self.embed, np.ndarray):
-            return np.array(self.embed[tokens], np.float32)
-        return prefill.dequantize_rows(self.embed, tokens)
+            rows = np.array(self.embed[tokens], np.float32)
+        else:
+            rows = prefill.dequantize_rows(self.embed, tokens)
+        rows *= self.embed_scale
+        return rows
 
 
 class _TensorGetter:

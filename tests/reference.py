@@ -3,9 +3,12 @@
 Written from the math (HF's modeling_llama), in float64, with no cache: each call recomputes the
 whole sequence.
 """
+import dataclasses
+
 import numpy as np
 
 from nibble.formats.config import ModelConfig
+from nibble.formats.half import HalfTensor
 
 
 def rmsnorm(x, w, eps):
@@ -15,6 +18,11 @@ def rmsnorm(x, w, eps):
 
 def silu(x):
     return x / (1 + np.exp(-x))
+
+
+def gelu_tanh(x):
+    """GELU's tanh approximation (PyTorch's approximate="tanh")."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
 def inv_frequencies(c: ModelConfig, seq_len: int):
@@ -93,12 +101,13 @@ def rotate(x, positions, inv_freq, scale=1.0):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def attention(q, k, v, positions, window=0):
-    """q [T, H, hd], k/v [S, Hkv, hd] for key positions 0..S-1; causal."""
+def attention(q, k, v, positions, window=0, scale=None):
+    """q [T, H, hd], k/v [S, Hkv, hd] for key positions 0..S-1; causal; scores times `scale`
+    (default: 1 / sqrt(hd))."""
     H, Hkv = q.shape[1], k.shape[1]
     k = np.repeat(k, H // Hkv, axis=1)
     v = np.repeat(v, H // Hkv, axis=1)
-    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1])
+    s = np.einsum("thd,shd->hts", q, k) * (scale or 1 / np.sqrt(q.shape[-1]))
     keys = np.arange(k.shape[0])
     mask = keys[None, :] > positions[:, None]
     if window:
@@ -112,6 +121,8 @@ def attention(q, k, v, positions, window=0):
 def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = None) -> np.ndarray:
     """logits [T, V] for the whole sequence, float64. `inputs`, if given, receives the input
     activations [T, K] of every linear layer under its weight's name."""
+    if config.model_type == "gemma3_text":
+        return gemma3_forward(config, tensors, tokens, inputs)
     c = config
     W = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
     H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -139,6 +150,50 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
     x = rmsnorm(x, W["model.norm.weight"], c.rms_norm_eps)
     head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
     return x @ head.T
+
+
+def gemma3_forward(c: ModelConfig, tensors: dict, tokens, inputs: dict | None = None) -> np.ndarray:
+    """forward() for Gemma 3, from HF's modeling_gemma3: norms scale by (1 + w) and four of them
+    wrap each block's attention and MLP, q/k norms, GELU-gated MLP, embeddings times sqrt(D) in
+    the checkpoint's dtype, scores times query_pre_attn_scalar^-0.5, local RoPE in sliding layers."""
+    W = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    H, Hkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    T = len(tokens)
+    pos = np.arange(T)
+    local = dataclasses.replace(c, rope_theta=c.rope_local_base_freq, rope_scaling=None)
+    freqs = {"full_attention": rope_frequencies(c, pos), "sliding_attention": rope_frequencies(local, pos)}
+    norm = lambda x, name: rmsnorm(x, 1 + W[name], eps)
+    x = W["model.embed_tokens.weight"][np.asarray(tokens)] * _embed_scale(c, tensors)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        def lin(h, n):
+            if inputs is not None:
+                inputs[p + n + ".weight"] = h
+            return h @ W[p + n + ".weight"].T
+        inv_freq, scale = freqs[c.layer_types[i]]
+        h = norm(x, p + "input_layernorm.weight")
+        q = norm(lin(h, "self_attn.q_proj").reshape(T, H, hd), p + "self_attn.q_norm.weight")
+        k = norm(lin(h, "self_attn.k_proj").reshape(T, Hkv, hd), p + "self_attn.k_norm.weight")
+        q, k = rotate(q, pos, inv_freq, scale), rotate(k, pos, inv_freq, scale)
+        v = lin(h, "self_attn.v_proj").reshape(T, Hkv, hd)
+        a = attention(q, k, v, pos, c.windows[i], c.query_pre_attn_scalar ** -0.5).reshape(T, H * hd)
+        x = x + norm(lin(a, "self_attn.o_proj"), p + "post_attention_layernorm.weight")
+        h = norm(x, p + "pre_feedforward_layernorm.weight")
+        mlp = lin(gelu_tanh(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj"), "mlp.down_proj")
+        x = x + norm(mlp, p + "post_feedforward_layernorm.weight")
+    x = norm(x, "model.norm.weight")
+    head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
+    return x @ head.T
+
+
+def _embed_scale(c: ModelConfig, tensors: dict) -> float:
+    """sqrt(hidden_size) rounded as transformers rounds it to the weights' dtype: to 8 significant
+    bits for bf16, 11 for f16, 24 for float32."""
+    embed = tensors["model.embed_tokens.weight"]
+    dtype = ("bfloat16" if embed.bf16 else "float16") if isinstance(embed, HalfTensor) else embed.dtype.name
+    bits = {"bfloat16": 8, "float16": 11}.get(dtype, 24)
+    mantissa, exponent = np.frexp(np.sqrt(c.hidden_size))
+    return np.ldexp(np.round(mantissa * 2 ** bits) / 2 ** bits, exponent)
 
 
 def projection_inputs(config: ModelConfig, tensors: dict, tokens) -> dict[str, np.ndarray]:

@@ -65,7 +65,7 @@ def test_rope_per_layer_type():
     ({"rope_parameters": [10000.0]}, "rope_parameters is \\[10000.0\\], not an object"),
     ({"model_type": "mistral3", "text_config": {"model_type": "mistral"}},
      "unsupported architecture 'mistral3' \\(a wrapper around a 'mistral' text model in text_config\\): "
-     "nibble runs llama, mistral, qwen2, qwen3"),
+     "nibble runs gemma3_text, llama, mistral, qwen2, qwen3"),
 ])
 def test_fields_that_would_change_the_numbers_are_named(fields, message):
     with pytest.raises(FormatError, match=message):
@@ -114,3 +114,74 @@ def test_mistral_slides_everywhere_and_llama_nowhere():
 def test_bad_layer_types_are_named(layer_types, message):
     with pytest.raises(FormatError, match=message):
         config(layer_types=layer_types)
+
+
+GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128,
+          "sliding_window": 8}
+
+
+def test_gemma3_both_spellings_give_the_same_config():
+    """transformers 4: rope_theta and rope_scaling (the global layers'), rope_local_base_freq and
+    sliding_window_pattern; transformers 5: a rope_parameters block per layer type, layer_types."""
+    old = ModelConfig.from_dict(GEMMA3 | {"rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                          "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                          "sliding_window_pattern": 2})
+    new = ModelConfig.from_dict(GEMMA3 | {
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    for c in old, new:
+        assert (c.rope_theta, c.rope_scaling, c.rope_local_base_freq) == (
+            1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
+        assert c.layer_types == ["sliding_attention", "full_attention"] * 2
+        assert c.windows == [8, 0, 8, 0]
+        assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+def test_gemma3_fields_left_out_take_gemma3_text_config_defaults():
+    """Hub configs saved by transformers 4 leave out what equals Gemma3TextConfig's defaults."""
+    c = ModelConfig.from_dict({"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 1})
+    assert (c.head_dim, c.vocab_size, c.tie_word_embeddings, c.query_pre_attn_scalar) == (256, 262208, True, 256)
+    assert (c.rope_theta, c.rope_local_base_freq, c.rope_scaling) == (1e6, 1e4, None)
+    assert c.windows == [4096] * 5 + [0, 4096]   # every 6th layer global
+    assert (c.max_position_embeddings, c.rms_norm_eps, c.eos_ids) == (131072, 1e-6, [1])
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention is .*: nibble runs gemma3's sliding layers with plain RoPE"),
+    ({"attention_bias": True}, "attention_bias=True for gemma3"),
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu' \\(it runs 'gelu_pytorch_tanh'\\)"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+])
+def test_gemma3_fields_nibble_does_not_run_are_named(fields, message):
+    with pytest.raises(FormatError, match=message):
+        ModelConfig.from_dict(GEMMA3 | fields)
+
+
+WRAPPER = {"model_type": "gemma3", "text_config": GEMMA3, "eos_token_id": [1, 106],
+           "quantization": {"group_size": 64, "bits": 4}, "vision_config": {"model_type": "siglip_vision_model"}}
+
+
+def test_a_gemma3_wrapper_is_read_as_its_text_model():
+    c = ModelConfig.from_dict(WRAPPER)
+    assert c.model_type == "gemma3_text" and c.hidden_size == 64
+    # the outer config's eos and mlx-lm's quantization hold where text_config says nothing
+    assert c.eos_ids == [1, 106] and c.quantization == {"group_size": 64, "bits": 4}
+    assert "vision_config" not in c.extra
+    # transformers 5 ties the head by the outer flag, tied when absent (Gemma3Config's default)
+    assert c.tie_word_embeddings
+    text_untied = WRAPPER | {"text_config": GEMMA3 | {"tie_word_embeddings": False}}
+    assert ModelConfig.from_dict(text_untied).tie_word_embeddings
+    assert not ModelConfig.from_dict(WRAPPER | {"tie_word_embeddings": False}).tie_word_embeddings
+
+
+def test_a_gemma3_wrapper_around_another_text_model_is_refused():
+    with pytest.raises(FormatError, match="a 'gemma3' wrapper around a 'llama' text model in text_config: "
+                                          "nibble runs the 'gemma3_text' in 'gemma3'"):
+        ModelConfig.from_dict(WRAPPER | {"text_config": BASE})

@@ -36,6 +36,14 @@ def test_swiglu(T):
     np.testing.assert_allclose(out, reference.silu(x64 @ wg.T) * (x64 @ wu.T), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_gelu_tanh_mul(T):
+    g, up = 3 * f32(T, 40), f32(T, 40)   # wide enough for both tails of the tanh
+    want = reference.gelu_tanh(g.astype(np.float64)) * up
+    cpu.gelu_tanh_mul(g, up)
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
+
 def test_rmsnorm_in_place():
     x, w = f32(3, 80), f32(80)
     want = reference.rmsnorm(x, w, 1e-5)

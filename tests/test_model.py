@@ -7,7 +7,7 @@ from nibble.runner.model import ContextFull, Model
 from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
 
-TYPES = ["llama", "mistral", "qwen2", "qwen3"]
+TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -93,8 +93,9 @@ def test_missing_and_misshapen_tensors_are_named():
         Model(config, tensors)
 
 
-def test_int8_kv_cache_stays_close():
-    config = tiny_config()
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_int8_kv_cache_stays_close(model_type):
+    config = tiny_config(model_type)
     tensors = tiny_tensors(config)
     tokens = np.random.default_rng(4).integers(0, config.vocab_size, 12)
     model = Model(config, tensors)
@@ -118,3 +119,20 @@ def test_a_cache_made_before_the_layers_moved_is_refused():
     with pytest.raises(NibbleError, match="new_cache"):
         model.forward([1, 2], cache)
     model.forward([1, 2], model.new_cache(8))
+
+
+def test_gemma3_embedding_scale_is_in_the_checkpoints_dtype():
+    """transformers multiplies by sqrt(hidden_size) cast to the weights' dtype: sqrt(128) =
+    11.3137 is 11.3125 in bf16 and f16; a quantized embedding takes the dtype config.json names."""
+    from nibble.formats.half import HalfTensor
+    from nibble.quant.affine import AffineScheme, quantize
+    from nibble.runner.models import gemma3
+    config = tiny_config("gemma3_text")
+    bits = np.zeros((2, 64), np.uint16)
+    assert gemma3.embed_scale(config, np.zeros((2, 64), np.float32)) == np.float32(np.sqrt(128))
+    assert gemma3.embed_scale(config, HalfTensor(bits, bf16=True)) == 11.3125
+    assert gemma3.embed_scale(config, HalfTensor(bits, bf16=False)) == 11.3125
+    quantized = quantize(np.ones((2, 64), np.float32), AffineScheme(8, 64))
+    assert gemma3.embed_scale(config, quantized) == np.float32(np.sqrt(128))
+    bf16_config = tiny_config("gemma3_text", torch_dtype="bfloat16")
+    assert gemma3.embed_scale(bf16_config, quantized) == 11.3125

@@ -11,6 +11,7 @@ from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.safetensors import read_safetensors_metadata
+from tests.hand_safetensors import memmap_backed
 
 CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -166,3 +167,33 @@ def test_force_over_the_directory_its_tensors_are_mapped_from(tmp_path):
     write_model_dir(got, out, force=True)
     _check_same(read_model_dir(out), _model())
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+GEMMA3_TEXT = {"model_type": "gemma3_text", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 6}
+
+
+@pytest.mark.parametrize("model, head", [("model.language_model.", "lm_head."),   # transformers 5's modules
+                                         ("language_model.model.", "language_model.lm_head.")])  # as saved
+def test_a_gemma3_wrapper_reads_as_its_text_model(tmp_path, model, head):
+    """Gemma3ForConditionalGeneration: the text model's tensors under their text-only names, the
+    same arrays; the vision tower and the projector left out."""
+    out = write_model_dir(_model(), tmp_path / "m")
+    rng = np.random.default_rng(0)
+    tensors = {model + "embed_tokens.weight": rng.standard_normal((6, 8)).astype(np.float32),
+               head + "weight": rng.standard_normal((6, 8)).astype(np.float32),
+               "vision_tower.vision_model.post_layernorm.weight": np.ones(4, np.float32),
+               "multi_modal_projector.mm_input_projection_weight": np.ones((4, 8), np.float32)}
+    md.write_safetensors(tensors, out / "model.safetensors")
+    wrapper = {"model_type": "gemma3", "text_config": GEMMA3_TEXT, "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(wrapper))
+    got = read_model_dir(out)
+    assert got.config.model_type == "gemma3_text" and not got.config.tie_word_embeddings
+    assert sorted(got.tensors) == ["lm_head.weight", "model.embed_tokens.weight"]
+    np.testing.assert_array_equal(got.tensors["lm_head.weight"], tensors[head + "weight"])
+    assert memmap_backed(got.tensors["lm_head.weight"])
+    (out / "model.safetensors").unlink()
+    md.write_safetensors({"vision_tower.x": np.ones(2, np.float32)}, out / "model.safetensors")
+    with pytest.raises(FormatError, match="holds no text model tensors \\(expected names starting with "
+                                          "model.language_model. or lm_head. or"):
+        read_model_dir(out)

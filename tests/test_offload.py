@@ -169,6 +169,14 @@ def test_qk_norms_are_refused_and_run_on_the_cpu():
     assert model.gpu_stage is None
 
 
+def test_gemma3_is_refused_and_runs_on_the_cpu():
+    model, _ = from_model_dir(tiny_model_dir("gemma3_text"))
+    note = model.offload_layers(1, 16)
+    assert note == ("no GPU: running on the CPU (the GPU kernels run Llama's block, not "
+                    "Gemma3Weights: run the model on the CPU)")
+    assert model.gpu_stage is None
+
+
 def no_gpu():
     raise offload.NoGPU("numba.cuda cannot be imported: test")
 

@@ -19,7 +19,7 @@ def dequantized(tensors, quantization):
     return out
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
 @pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64)])
 def test_quantized_forward_matches_reference(model_type, bits, group, tmp_path):
     q = quantize_model(tiny_model_dir(model_type), bits, group).model

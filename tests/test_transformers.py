@@ -9,17 +9,20 @@ import pytest
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.safetensors import read_checkpoint
+from nibble.formats.wrappers import text_tensors
 from nibble.runner.model import Model
 from tests import reference
 
 DATA = Path(__file__).parent / "data" / "transformers"
-FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope", "qwen3"]
+FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope", "qwen3", "gemma3-text",
+            "gemma3"]
 
 
 def load(name: str):
     folder = DATA / name
-    config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    return config, read_checkpoint(folder), np.load(folder / "tokens.npy"), np.load(folder / "logits.npy")
+    raw = json.loads((folder / "config.json").read_text())
+    tensors = text_tensors(raw, read_checkpoint(folder))
+    return ModelConfig.from_dict(raw), tensors, np.load(folder / "tokens.npy"), np.load(folder / "logits.npy")
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:

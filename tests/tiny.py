@@ -34,6 +34,14 @@ def tiny_config(model_type="llama", vocab_size=320, **overrides) -> ModelConfig:
         d["sliding_window"] = 8
     if model_type == "qwen3":
         d["head_dim"] = 32   # explicit, and not hidden_size / heads, as in Qwen3's own configs
+    if model_type == "gemma3_text":
+        # a window of 4 in layer 0, the global layer 1 with its own theta and a linear scaling;
+        # scores scaled by 1/sqrt(24), not 1/sqrt(head_dim); sqrt(128) = 11.3137 (the embedding
+        # scale) is 11.3125 in bf16 and f16
+        d |= dict(hidden_size=128, head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
+                  sliding_window_pattern=2,
+                  rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                  tie_word_embeddings=True)
     d.update(overrides)
     return ModelConfig.from_dict(d)
 
@@ -55,8 +63,11 @@ def tiny_tensors(config: ModelConfig, seed=0) -> dict[str, np.ndarray]:
               p + "self_attn.v_proj.weight": w(kv_dim, D), p + "self_attn.o_proj.weight": w(D, q_dim),
               p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
               p + "mlp.down_proj.weight": w(D, F)}
-        if c.model_type == "qwen3":
+        if c.model_type in ("qwen3", "gemma3_text"):
             t |= {p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
+        if c.model_type == "gemma3_text":
+            t |= {p + "pre_feedforward_layernorm.weight": norm(D),
+                  p + "post_feedforward_layernorm.weight": norm(D)}
         if c.attention_bias:
             t |= {p + "self_attn.q_proj.bias": w(q_dim), p + "self_attn.k_proj.bias": w(kv_dim),
                   p + "self_attn.v_proj.bias": w(kv_dim)}

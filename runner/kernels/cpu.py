@@ -95,6 +95,17 @@ def silu_mul(g, up):
 
 
 @njit(parallel=True, **_jit)
+def gelu_tanh_mul(g, up):
+    """g[T, F] = gelu(g) * up, in place, with GELU's tanh approximation (gelu_pytorch_tanh)"""
+    c = np.float32(math.sqrt(2 / math.pi))
+    for t in prange(g.shape[0]):
+        for f in range(g.shape[1]):
+            x = g[t, f]
+            inner = c * (x + np.float32(0.044715) * x * x * x)
+            g[t, f] = np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner)) * up[t, f]
+
+
+@njit(parallel=True, **_jit)
 def project_qkv(x, wq, wk, wv, q, k, v):
     """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T; for decode all rows in one parallel region."""
     if x.shape[0] > 1:

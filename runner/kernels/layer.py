@@ -48,36 +48,15 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     shape (0, 0) when not collecting.
     """
     w = weights
-    k_cache, v_cache, k_scale, v_scale = kv
     T = x.shape[0]
-    Hkv, _, hd = k_cache.shape
-    H = w.bq.shape[0] // hd
     h = np.empty_like(x)                                     # [T, D]
     # attention block
     cpu.rmsnorm(x, w.input_norm, eps, h)
     collect = act_sq.shape[0] > 0
     if collect:
         cpu.add_squares(h, act_sq[0])
-    q = np.empty((T, H * hd), np.float32)
-    k = np.empty((T, Hkv * hd), np.float32)
-    v = np.empty((T, Hkv * hd), np.float32)
-    project_qkv(h, w.wq, w.wk, w.wv, q, k, v)
-    q += w.bq
-    k += w.bk
-    v += w.bv
-    if w.q_norm.shape[0]:   # qwen3: each head normalized on its own, before RoPE (in place)
-        cpu.rmsnorm(q.reshape(T * H, hd), w.q_norm, eps, q.reshape(T * H, hd))
-        cpu.rmsnorm(k.reshape(T * Hkv, hd), w.k_norm, eps, k.reshape(T * Hkv, hd))
-    q = q.reshape(T, H, hd)
-    k = k.reshape(T, Hkv, hd)
-    v = v.reshape(T, Hkv, hd)
-    cpu.rope(q, cos, sin, pos0)
-    cpu.rope(k, cos, sin, pos0)
-    for t in range(T):
-        cpu.store_kv(k_cache, k_scale, k[t], pos0 + t)
-        cpu.store_kv(v_cache, v_scale, v[t], pos0 + t)
-    attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
-    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, attn.reshape(T, H, hd))
+    attn = self_attention(h, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, w.q_norm, w.k_norm,
+                          kv, pos0, cos, sin, eps, window)  # [T, H*hd]
     if collect:
         cpu.add_squares(attn, act_sq[1])
     linear(attn, w.wo, x, True)                             # residual: x += attn @ wo.T
@@ -89,3 +68,36 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
         cpu.add_squares(h, act_sq[2])
         cpu.add_squares(mlp, act_sq[3])
     linear(mlp, w.w_down, x, True)                          # residual: x += mlp @ w_down.T
+
+
+@njit(inline="always", **cpu._jit)
+def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, pos0, cos, sin, eps, window):
+    """-> [T, H*hd]: causal attention of the normed input h[T, D] (before the output projection),
+    the new positions' k and v stored in the layer's cache kv (see decoder_layer). Biases of
+    shape (0,) are skipped, and so are q/k norms (RMSNorm of each head, before RoPE)."""
+    k_cache, v_cache, k_scale, v_scale = kv
+    T = h.shape[0]
+    Hkv, _, hd = k_cache.shape
+    H = rows(wq) // hd
+    q = np.empty((T, H * hd), np.float32)
+    k = np.empty((T, Hkv * hd), np.float32)
+    v = np.empty((T, Hkv * hd), np.float32)
+    project_qkv(h, wq, wk, wv, q, k, v)
+    if bq.shape[0]:
+        q += bq
+        k += bk
+        v += bv
+    if q_norm.shape[0]:   # each head normalized on its own, before RoPE (in place)
+        cpu.rmsnorm(q.reshape(T * H, hd), q_norm, eps, q.reshape(T * H, hd))
+        cpu.rmsnorm(k.reshape(T * Hkv, hd), k_norm, eps, k.reshape(T * Hkv, hd))
+    q = q.reshape(T, H, hd)
+    k = k.reshape(T, Hkv, hd)
+    v = v.reshape(T, Hkv, hd)
+    cpu.rope(q, cos, sin, pos0)
+    cpu.rope(k, cos, sin, pos0)
+    for t in range(T):
+        cpu.store_kv(k_cache, k_scale, k[t], pos0 + t)
+        cpu.store_kv(v_cache, v_scale, v[t], pos0 + t)
+    attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
+    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, attn.reshape(T, H, hd))
+    return attn

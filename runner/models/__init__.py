@@ -7,13 +7,15 @@ ARCHITECTURES; a family module has:
         with get(name, shape) for vectors and get.linear(path, shape) for matrices
     block(x, weights, kv, pos0, cos, sin, eps, window, act_sq): the jitted kernel of one block
     ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
+    norm(get, name, shape) -> an RMSNorm's weight as the kernels multiply by it (the final norm's too)
+    embed_scale(config, embed) -> the factor on the embedded rows (embed: the embedding as loaded)
 """
 from types import ModuleType
 
 from nibble.formats.config import ARCHITECTURES, ModelConfig
-from . import llama
+from . import gemma3, llama
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "gemma3": gemma3}
 
 
 def family(config: ModelConfig) -> ModuleType:

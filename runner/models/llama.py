@@ -34,6 +34,16 @@ def layer(get, c: ModelConfig, i: int) -> LayerWeights:
     )
 
 
+def norm(get, name: str, shape: tuple) -> np.ndarray | None:
+    """An RMSNorm's weight, as the kernels multiply by it."""
+    return get(name, shape)
+
+
+def embed_scale(c: ModelConfig, embed) -> float:
+    """The factor on the embedded rows: none."""
+    return 1.0
+
+
 def ropes(c: ModelConfig, ctx: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """One table for every layer."""
     return [rope_tables(c, ctx)] * c.num_hidden_layers

@@ -1,0 +1,55 @@
+"""Multimodal checkpoints whose text model nibble runs on its own: Gemma 3's
+Gemma3ForConditionalGeneration (model_type "gemma3") wraps a gemma3_text model in a vision tower
+and a projector. Its config.json nests the text model's config under `text_config`, and its
+checkpoint prefixes the text model's tensors; both are read here into what a text-only checkpoint
+says, and the vision tensors are left out.
+"""
+from __future__ import annotations
+
+from .errors import FormatError
+
+# model_type of a wrapper -> the model_type of the text model it wraps
+WRAPPERS = {"gemma3": "gemma3_text"}
+
+# Outer fields a text_config may leave out: the wrapper's then hold for the text model (mlx-lm and
+# mlx-vlm write `quantization` at the top level; checkpoints on the hub keep their eos there).
+_INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization", "quantization_config",
+              "dtype", "torch_dtype")
+
+# Where a wrapper's checkpoint keeps its text model's tensors -> their text-only names:
+# language_model.model.* and language_model.lm_head.* (transformers 4; transformers 5.23 saves
+# these names too, and mlx-vlm), or model.language_model.* and lm_head.* (transformers 5's
+# module names).
+_TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
+                  "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+
+
+def text_config(d: dict) -> dict:
+    """The config.json dict of the text model inside the wrapper config `d`."""
+    wrapper, inner = d["model_type"], WRAPPERS[d["model_type"]]
+    text = {"model_type": inner, **(d.get("text_config") or {})}
+    if text["model_type"] != inner:
+        raise FormatError(f"config.json: a {wrapper!r} wrapper around a {text['model_type']!r} text "
+                          f"model in text_config: nibble runs the {inner!r} in {wrapper!r}")
+    text |= {k: d[k] for k in _INHERITED if k in d and k not in text}
+    # transformers 5 ties the head by the wrapper's flag (Gemma3Config's default: tied), not the
+    # text_config's
+    text["tie_word_embeddings"] = d.get("tie_word_embeddings", True)
+    return text
+
+
+def text_tensors(d: dict, tensors: dict) -> dict:
+    """The tensors nibble runs of a checkpoint whose config.json is `d`: a wrapper's text model's,
+    under a text-only checkpoint's names (the same arrays: nothing is copied), without the vision
+    tower's and the projector's; any other checkpoint's as they are."""
+    if d.get("model_type") not in WRAPPERS:
+        return tensors
+    text = {}
+    for name, t in tensors.items():
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            text[_TEXT_PREFIXES[prefix] + name[len(prefix):]] = t
+    if not text:
+        raise FormatError(f"the checkpoint holds no text model tensors (expected names starting "
+                          f"with {' or '.join(_TEXT_PREFIXES)})")
+    return text
