@@ -1,5 +1,6 @@
 """The importance matrix against squared activations computed by the numpy reference."""
 import numpy as np
+import pytest
 
 from nibble.runner.calibrate import collect_imatrix
 from nibble.runner.model import Model
@@ -7,8 +8,9 @@ from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
 
 
-def test_imatrix_matches_reference_activations():
-    config = tiny_config()
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])   # phi3: keyed by its fused matrices
+def test_imatrix_matches_reference_activations(model_type):
+    config = tiny_config(model_type)
     tensors = tiny_tensors(config)
     tokens = np.random.default_rng(3).integers(0, config.vocab_size, 24)
     got = collect_imatrix(Model(config, tensors), tokens, ctx=10)   # windows of 10, 10 and 4

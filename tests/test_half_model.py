@@ -23,7 +23,7 @@ def half_checkpoint(tmp_path, config, dtype: str) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])   # tied, and untied with biases
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3"])   # tied; biases; fused matrices
 def test_prefill_then_decode_match_reference(tmp_path, dtype, model_type):
     config = tiny_config(model_type)
     tensors = half_checkpoint(tmp_path, config, dtype)
@@ -39,8 +39,10 @@ def test_prefill_then_decode_match_reference(tmp_path, dtype, model_type):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_matrices_stay_in_the_memory_map(tmp_path, dtype):
-    config = tiny_config("qwen2", hidden_size=256, intermediate_size=512, vocab_size=1024)
+@pytest.mark.parametrize("model_type", ["qwen2", "phi3"])   # phi3: views of its fused matrices
+def test_matrices_stay_in_the_memory_map(tmp_path, dtype, model_type):
+    config = tiny_config(model_type, hidden_size=256, intermediate_size=512, vocab_size=1024,
+                         num_attention_heads=16, num_key_value_heads=8)
     model = Model(config, half_checkpoint(tmp_path, config, dtype))
     layer = model.layers[0]
     matrices = [model.embed, model.lm_head, layer.wq, layer.wk, layer.wv, layer.wo,

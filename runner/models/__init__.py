@@ -7,13 +7,15 @@ ARCHITECTURES; a family module has:
         with get(name, shape) for vectors and get.linear(path, shape) for matrices
     block(x, weights, kv, pos0, cos, sin, eps, window, act_sq): the jitted kernel of one block
     ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
+    INPUTS: the weight names (after model.layers.<i>.) whose input each of the block's four act_sq
+        rows collects: the q/k/v, o, gate/up and down projections (runner/calibrate.py)
 """
 from types import ModuleType
 
 from nibble.formats.config import ARCHITECTURES, ModelConfig
-from . import llama
+from . import llama, phi3
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "phi3": phi3}
 
 
 def family(config: ModelConfig) -> ModuleType:
