@@ -13,7 +13,8 @@ from nibble.runner.model import Model
 from tests import reference
 
 DATA = Path(__file__).parent / "data" / "transformers"
-FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope", "qwen3"]
+FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope", "qwen3", "phi3-longrope",
+            "smollm3"]
 
 
 def load(name: str):
