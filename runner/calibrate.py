@@ -19,5 +19,6 @@ def collect_imatrix(model: Model, tokens, ctx: int = 512, progress=None) -> dict
         if progress:
             progress(w + 1, len(windows))
     widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.hidden_size, c.intermediate_size)
+    inputs = model.family.INPUTS   # the projections each slot's input feeds, by the family's names
     return {f"model.layers.{i}.{name}.weight": sums[i, slot, :widths[slot]] / len(tokens)
-            for i in range(c.num_hidden_layers) for slot, names in enumerate(model.family.INPUTS) for name in names}
+            for i in range(c.num_hidden_layers) for slot, names in enumerate(inputs) for name in names}

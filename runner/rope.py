@@ -68,8 +68,8 @@ def _yarn(s: dict, inv_freq: np.ndarray, hd: int, theta: float) -> tuple[np.ndar
 
 
 def rope_tables(config: ModelConfig, max_ctx: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: [max_ctx, dim/2] float32, already multiplied by the attention factor (the
-    kernel rotates the first dim dims of each head).
+    """cos, sin: [max_ctx, dim/2] float32, already multiplied by the attention factor (cpu.rope
+    rotates the first config.rotary_dim dims of each head with them).
 
     longrope: transformers takes the long factors for every position once the sequence is longer
     than original_max_position_embeddings, the short ones before; a table made once cannot follow

@@ -7,7 +7,7 @@ from ..kernels.layer import LayerWeights, decoder_layer
 from ..rope import rope_tables
 
 block = decoder_layer
-# the projections each of decoder_layer's four act_sq rows is the input of (runner/calibrate.py)
+# the projections whose input each of decoder_layer's four act_sq rows collects (calibrate.py)
 INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
