@@ -18,11 +18,12 @@ from .wrappers import WRAPPERS, text_config
 
 # model_type -> the architecture that runs it (mlx-lm's alias table).
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-                 "gemma3_text": "gemma3"}
+                 "gemma3_text": "gemma3", "smollm3": "llama", "phi3": "phi3"}
 
 # What transformers assumes for the fields a model type's config.json leaves out, where that
-# differs from ModelConfig's defaults: checkpoints saved by transformers 4 omit every field that
-# equals its config class's default (Gemma3TextConfig's, and its default_theta for the RoPE bases).
+# differs from ModelConfig's defaults (Llama's): checkpoints saved by transformers 4 omit every
+# field that equals its config class's default (Gemma3TextConfig's, and its default_theta for the
+# RoPE bases).
 DEFAULTS = {
     "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
                         num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
@@ -31,6 +32,10 @@ DEFAULTS = {
                         eos_token_id=1, tie_word_embeddings=True, query_pre_attn_scalar=256,
                         sliding_window=4096, sliding_window_pattern=6, rope_theta=1e6,
                         rope_local_base_freq=1e4),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
+                 original_max_position_embeddings=4096),
+    "smollm3": dict(rope_theta=2000000.0, num_key_value_heads=4, max_position_embeddings=32768,
+                    tie_word_embeddings=True),
 }
 
 # rope_type -> the rope_parameters fields it needs (transformers' _validate_*_rope_parameters).
@@ -45,15 +50,15 @@ ROPE_TYPES = {
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-# Fields transformers' llama, mistral, qwen2, qwen3 and gemma3 read that nibble does not implement:
-# accepted with the values that leave the computation as nibble runs it, refused otherwise. Any
+# Fields transformers' llama, mistral, qwen2, qwen3, smollm3, phi3 and gemma3 read that nibble
+# does not implement: accepted with the values that leave the computation as nibble runs it,
+# refused otherwise. Any
 # other unknown key is one those classes ignore too (architectures, transformers_version, dtype,
 # use_cache, initializer_range, pretraining_tp, attention_dropout: dropout is off at inference),
 # so it cannot change their numbers; it stays in `extra`.
 FIXED_FIELDS = {
     "hidden_act": ("silu", "swish"),   # the same function under two names
     "mlp_bias": (False, None),
-    "partial_rotary_factor": (1.0, None),
     # Gemma 2's soft caps: a config that sets them expects them applied
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
@@ -85,6 +90,9 @@ class ModelConfig:
     sliding_window_pattern: int | None = None   # gemma3 without layer_types: every n-th layer is global
     rope_local_base_freq: float | None = None   # gemma3: the sliding layers' theta (their RoPE is unscaled)
     query_pre_attn_scalar: float | None = None  # gemma3: attention scores are divided by its root
+    partial_rotary_factor: float | None = None   # phi3: RoPE rotates this share of each head (None: all)
+    original_max_position_embeddings: int | None = None   # phi3: longrope's, over rope_parameters'
+    no_rope_layers: list[int] | None = None   # smollm3: per layer, 1 = RoPE, 0 = none
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     quantization: dict | None = None
@@ -98,6 +106,9 @@ class ModelConfig:
                              else self.hidden_size // self.num_attention_heads)
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
+        if self.model_type == "smollm3" and self.attention_bias:
+            raise FormatError("config.json: nibble cannot run attention_bias=True for smollm3 "
+                              "(transformers gives its o_proj a bias too)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise FormatError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple "
@@ -105,7 +116,9 @@ class ModelConfig:
             )
         if self.model_type == "gemma3_text":
             _gemma3_fields(self)
+        _check_rotary(self)
         self.rope_scaling = _checked_rope_scaling(self)
+        self.rope_layers = _rope_layers(self)   # [layers]: False where a layer has no RoPE
         self.windows = _layer_windows(self)   # [layers]: each one's sliding window, 0 for full attention
 
     @classmethod
@@ -132,6 +145,7 @@ class ModelConfig:
             if key in d and d[key] not in accepted:
                 raise FormatError(f"config.json: nibble cannot run {key}={d[key]!r} "
                                   f"(it runs {' or '.join(map(repr, accepted))})")
+        d = TYPE_DEFAULTS.get(model_type, {}) | d
         d = {k: v for k, v in d.items() if k != "rope_parameters"} | _rope_fields(d)
         try:
             return cls(**{k: v for k, v in d.items() if k in names},
@@ -142,6 +156,11 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra" and v is not None}
         return {**self.extra, **d}
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates: the first ones (rotate-half within them)."""
+        return int(self.head_dim * (self.partial_rotary_factor or 1.0))
 
     @property
     def eos_ids(self) -> list[int]:
@@ -169,11 +188,9 @@ def _rope_fields(d: dict) -> dict:
         block = nested[0]
     block = dict(block)
     theta = block.pop("rope_theta", d.get("rope_theta", 10000.0))
-    partial = block.pop("partial_rotary_factor", None)
-    if partial not in FIXED_FIELDS["partial_rotary_factor"]:
-        raise FormatError(f"config.json: nibble cannot run rope_parameters.partial_rotary_factor="
-                          f"{partial!r} (it rotates whole heads)")
-    return {"rope_theta": theta, "rope_scaling": block or None} | local
+    partial = block.pop("partial_rotary_factor", d.get("partial_rotary_factor"))
+    return {"rope_theta": theta, "rope_scaling": block or None,
+            "partial_rotary_factor": partial} | local
 
 
 def _plain_theta(block: dict, default: float) -> float:
@@ -184,12 +201,28 @@ def _plain_theta(block: dict, default: float) -> float:
     return block.get("rope_theta", default)
 
 
+def _check_rotary(c: ModelConfig):
+    """Partial rotary as transformers runs it: phi3 only (the others rotate whole heads whatever
+    the config says, so one that asks for less is refused), and in whole pairs of dims."""
+    f = c.partial_rotary_factor
+    if f in (None, 1.0):
+        return
+    if c.model_type != "phi3":
+        raise FormatError(f"config.json: nibble cannot run partial_rotary_factor={f!r} for "
+                          f"{c.model_type} (transformers' {c.model_type} rotates whole heads)")
+    if not 0 < f <= 1 or c.rotary_dim % 2:
+        raise FormatError(f"config.json: partial_rotary_factor={f!r} rotates {c.rotary_dim} of "
+                          f"{c.head_dim} dims; nibble rotates an even number of them, at least 2")
+
+
 def _checked_rope_scaling(c: ModelConfig) -> dict | None:
     """c.rope_scaling with "rope_type" spelled out (older configs say "type"), None for plain
     RoPE; an unknown type or a missing field is a FormatError naming it."""
     s = dict(c.rope_scaling or {})
     kind = s.pop("type", None)
     kind = s.setdefault("rope_type", kind or "default")
+    if c.model_type == "phi3":
+        kind = _phi3_rope(c, s)
     if kind not in ROPE_TYPES:
         raise FormatError(f"config.json: unsupported rope_type {kind!r}: nibble runs "
                           f"{', '.join(ROPE_TYPES)}")
@@ -202,16 +235,44 @@ def _checked_rope_scaling(c: ModelConfig) -> dict | None:
         raise FormatError(f"config.json: rope_type {kind!r} needs {', '.join(missing)} in "
                           f"rope_parameters")
     for key in ("short_factor", "long_factor") if kind == "longrope" else ():
-        if len(s[key]) != c.head_dim // 2:
+        if len(s[key]) != c.rotary_dim // 2:
             raise FormatError(f"config.json: rope_parameters.{key} has {len(s[key])} values, "
-                              f"the head size needs {c.head_dim // 2}")
+                              f"the {c.rotary_dim} rotated dims of a head need {c.rotary_dim // 2}")
     return s
+
+
+def _phi3_rope(c: ModelConfig, s: dict) -> str:
+    """Phi3Config's RoPE (in place on s): "su" and "yarn" are its old names for longrope, and a
+    longrope block takes the top-level original_max_position_embeddings over its own."""
+    kind = s["rope_type"]
+    if kind == "longrope":
+        s["original_max_position_embeddings"] = c.original_max_position_embeddings
+    elif kind in ("su", "yarn"):
+        kind = s["rope_type"] = "longrope"
+    elif kind != "default":
+        raise FormatError(f"config.json: phi3 runs default or longrope RoPE, not {kind!r}")
+    return kind
+
+
+def _rope_layers(c: ModelConfig) -> list[bool]:
+    """Whether each layer applies RoPE: smollm3's no_rope_layers (0: a NoPE layer; by default
+    every no_rope_layer_interval-th layer), every layer for the others."""
+    L, flags = c.num_hidden_layers, c.no_rope_layers
+    if c.model_type != "smollm3":
+        return [True] * L
+    if flags is None:
+        every = c.extra.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % every != 0) for i in range(L)]
+    if len(flags) < L:
+        raise FormatError(f"config.json: no_rope_layers has {len(flags)} entries for {L} layers")
+    return [bool(f) for f in flags[:L]]
 
 
 def _layer_windows(c: ModelConfig) -> list[int]:
     """Each layer's sliding window (0: full attention), as transformers runs each model type:
     qwen2 and qwen3 slide in the "sliding_attention" layers and only with use_sliding_window,
-    mistral in every layer, llama in none."""
+    smollm3 in the "sliding_attention" layers (by default its NoPE layers, with
+    use_sliding_window), mistral and phi3 in every layer, llama in none."""
     L, window, types = c.num_hidden_layers, c.sliding_window or 0, c.layer_types
     if types is not None:
         if len(types) != L:
@@ -227,7 +288,11 @@ def _layer_windows(c: ModelConfig) -> list[int]:
             first = 28 if c.max_window_layers is None else c.max_window_layers   # Qwen2/3Config's default
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
         return [window if t == "sliding_attention" else 0 for t in types]
-    if c.model_type == "gemma3_text":
+    if c.model_type == "smollm3" and types is None:   # by default its NoPE layers slide
+        slide = c.use_sliding_window and window
+        types = ["sliding_attention" if slide and not rope else "full_attention"
+                 for rope in c.rope_layers]
+    if c.model_type in ("gemma3_text", "smollm3"):   # they slide where layer_types says
         return [window if t == "sliding_attention" else 0 for t in types]
     if c.model_type == "llama":
         window = 0   # transformers' LlamaModel has no sliding window, whatever the config says

@@ -6,10 +6,6 @@ import numpy as np
 
 from .model import Model
 
-# The input that each slot of the collected sums feeds (see cpu.decoder_layer).
-_INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
-
 
 def collect_imatrix(model: Model, tokens, ctx: int = 512, progress=None) -> dict[str, np.ndarray]:
     """Mean squared input activation per input channel, keyed by the HF weight name of each
@@ -23,5 +19,6 @@ def collect_imatrix(model: Model, tokens, ctx: int = 512, progress=None) -> dict
         if progress:
             progress(w + 1, len(windows))
     widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.hidden_size, c.intermediate_size)
+    inputs = model.family.INPUTS   # the projections each slot's input feeds, by the family's names
     return {f"model.layers.{i}.{name}.weight": sums[i, slot, :widths[slot]] / len(tokens)
-            for i in range(c.num_hidden_layers) for slot, names in enumerate(_INPUTS) for name in names}
+            for i in range(c.num_hidden_layers) for slot, names in enumerate(inputs) for name in names}

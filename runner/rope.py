@@ -8,10 +8,11 @@ from nibble.formats.config import ModelConfig
 
 
 def inv_frequencies(config: ModelConfig, long: bool = False) -> tuple[np.ndarray, float]:
-    """[hd/2] float64 inverse frequencies after scaling, and the factor transformers multiplies
-    cos and sin by (yarn and longrope; 1 for the others). `long`: longrope's long factors."""
-    hd, theta = config.head_dim, config.rope_theta
-    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    """[dim/2] float64 inverse frequencies after scaling (dim: the dims of a head RoPE rotates,
+    fewer than head_dim with partial rotary), and the factor transformers multiplies cos and sin
+    by (yarn and longrope; 1 for the others). `long`: longrope's long factors."""
+    dim, theta = config.rotary_dim, config.rope_theta
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     s = config.rope_scaling or {"rope_type": "default"}
     kind = s["rope_type"]
     if kind in ("default", "dynamic"):
@@ -28,14 +29,14 @@ def inv_frequencies(config: ModelConfig, long: bool = False) -> tuple[np.ndarray
         smooth = np.clip((old_ctx / wavelen - low) / (high - low), 0.0, 1.0)
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
     if kind == "yarn":
-        return _yarn(s, inv_freq, hd, theta)
+        return _yarn(s, inv_freq, dim, theta)
     # longrope: a factor per frequency; Phi-3 leaves `factor` out, meaning the context's growth
     if factor is None:
         factor = config.max_position_embeddings / old_ctx
     attention = s.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
-    per_freq = np.asarray(s["long_factor" if long else "short_factor"], np.float64)   # [hd/2]
+    per_freq = np.asarray(s["long_factor" if long else "short_factor"], np.float64)   # [dim/2]
     return inv_freq / per_freq, attention
 
 
@@ -67,7 +68,8 @@ def _yarn(s: dict, inv_freq: np.ndarray, hd: int, theta: float) -> tuple[np.ndar
 
 
 def rope_tables(config: ModelConfig, max_ctx: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: [max_ctx, hd/2] float32, already multiplied by the attention factor.
+    """cos, sin: [max_ctx, dim/2] float32, already multiplied by the attention factor (cpu.rope
+    rotates the first config.rotary_dim dims of each head with them).
 
     longrope: transformers takes the long factors for every position once the sequence is longer
     than original_max_position_embeddings, the short ones before; a table made once cannot follow
@@ -77,7 +79,7 @@ def rope_tables(config: ModelConfig, max_ctx: int) -> tuple[np.ndarray, np.ndarr
     """
     positions = np.arange(max_ctx, dtype=np.float64)
     inv_freq, attention = inv_frequencies(config)
-    angles = np.outer(positions, inv_freq)                     # [ctx, hd/2]
+    angles = np.outer(positions, inv_freq)                     # [ctx, dim/2]
     s = config.rope_scaling
     if s and s["rope_type"] == "longrope":
         old_ctx = s["original_max_position_embeddings"]

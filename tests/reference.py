@@ -26,9 +26,10 @@ def gelu_tanh(x):
 
 
 def inv_frequencies(c: ModelConfig, seq_len: int):
-    """[hd/2] inverse frequencies and the factor on cos and sin for a sequence of seq_len tokens,
-    written as HF's _compute_*_parameters do it, independently of runner/rope.py."""
-    dim, base = c.head_dim, c.rope_theta
+    """[dim/2] inverse frequencies and the factor on cos and sin for a sequence of seq_len tokens,
+    written as HF's _compute_*_parameters do it, independently of runner/rope.py (dim: the
+    rotated dims of a head, fewer with phi3's partial_rotary_factor)."""
+    dim, base = int(c.head_dim * (c.partial_rotary_factor or 1.0)), c.rope_theta
     inv_freq = 1.0 / base ** (np.arange(0, dim, 2) / dim)
     s = c.rope_scaling or {"rope_type": "default"}
     kind = s["rope_type"]
@@ -92,13 +93,14 @@ def rope_frequencies(c: ModelConfig, positions):
 
 
 def rotate(x, positions, inv_freq, scale=1.0):
-    """x [T, H, hd] rotate-half RoPE at the given positions; inv_freq [hd/2] or [T, hd/2];
-    cos and sin multiplied by `scale` (HF's attention_scaling)."""
-    ang = positions[:, None] * inv_freq                 # [T, hd/2]
+    """x [T, H, hd] rotate-half RoPE at the given positions; inv_freq [r/2] or [T, r/2] rotates
+    the first r dims of each head and passes the others (partial rotary); cos and sin
+    multiplied by `scale` (HF's attention_scaling)."""
+    ang = positions[:, None] * inv_freq                 # [T, r/2]
     cos, sin = scale * np.cos(ang)[:, None], scale * np.sin(ang)[:, None]
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    half = ang.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
 
 
 def attention(q, k, v, positions, window=0, scale=None):
@@ -137,16 +139,24 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
                 inputs[p + n + ".weight"] = h
             return h @ W[p + n + ".weight"].T + W.get(p + n + ".bias", 0.0)
         h = rmsnorm(x, W[p + "input_layernorm.weight"], c.rms_norm_eps)
-        q, k = lin(h, "self_attn.q_proj").reshape(T, H, hd), lin(h, "self_attn.k_proj").reshape(T, Hkv, hd)
+        if p + "self_attn.qkv_proj.weight" in W:   # phi3: one matrix, its output sliced as HF does
+            q, k, v = np.split(lin(h, "self_attn.qkv_proj"), [H * hd, (H + Hkv) * hd], axis=-1)
+        else:
+            q, k, v = (lin(h, f"self_attn.{n}_proj") for n in "qkv")
+        q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
         if p + "self_attn.q_norm.weight" in W:   # qwen3: RMSNorm over each head, before RoPE
             q = rmsnorm(q, W[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
             k = rmsnorm(k, W[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
-        q, k = rotate(q, pos, inv_freq, scale), rotate(k, pos, inv_freq, scale)
-        v = lin(h, "self_attn.v_proj").reshape(T, Hkv, hd)
+        if c.rope_layers[i]:   # smollm3's NoPE layers skip it
+            q, k = rotate(q, pos, inv_freq, scale), rotate(k, pos, inv_freq, scale)
         a = attention(q, k, v, pos, c.windows[i]).reshape(T, H * hd)
         x = x + lin(a, "self_attn.o_proj")
         h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        x = x + lin(silu(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj"), "mlp.down_proj")
+        if p + "mlp.gate_up_proj.weight" in W:   # phi3: gate and up in one matrix, HF's chunk(2)
+            gate, up = np.split(lin(h, "mlp.gate_up_proj"), 2, axis=-1)
+        else:
+            gate, up = lin(h, "mlp.gate_proj"), lin(h, "mlp.up_proj")
+        x = x + lin(silu(gate) * up, "mlp.down_proj")
     x = rmsnorm(x, W["model.norm.weight"], c.rms_norm_eps)
     head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
     return x @ head.T

@@ -8,7 +8,7 @@ from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3"])   # phi3: keyed by its fused matrices
 def test_imatrix_matches_reference_activations(model_type):
     config = tiny_config(model_type)
     tensors = tiny_tensors(config)

@@ -55,17 +55,23 @@ def test_rope_per_layer_type():
      "rope_type 'llama3' needs low_freq_factor, high_freq_factor in rope_parameters"),
     ({"rope_scaling": {"type": "yarn"}}, "rope_type 'yarn' needs factor"),
     ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 3}},
-     "rope_parameters.long_factor has 3 values, the head size needs 8"),
+     "rope_parameters.long_factor has 3 values, the 16 rotated dims of a head need 8"),
+    # transformers rotates whole heads but in phi3, whatever the config says
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-     "rope_parameters.partial_rotary_factor=0.5"),
-    ({"partial_rotary_factor": 0.25}, "partial_rotary_factor=0.25"),
+     "nibble cannot run partial_rotary_factor=0.5 for llama \\(transformers' llama rotates whole heads\\)"),
+    ({"model_type": "smollm3", "partial_rotary_factor": 0.25}, "partial_rotary_factor=0.25 for smollm3"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.1}, "partial_rotary_factor=0.1 rotates 1 of 16 dims"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "llama3", **LLAMA3}},
+     "phi3 runs default or longrope RoPE, not 'llama3'"),
+    ({"model_type": "smollm3", "no_rope_layers": [1, 1, 0]}, "no_rope_layers has 3 entries for 4 layers"),
+    ({"model_type": "smollm3", "attention_bias": True}, "attention_bias=True for smollm3"),
     ({"hidden_act": "gelu"}, "nibble cannot run hidden_act='gelu' \\(it runs 'silu' or 'swish'\\)"),
     ({"mlp_bias": True}, "mlp_bias=True"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ({"rope_parameters": [10000.0]}, "rope_parameters is \\[10000.0\\], not an object"),
     ({"model_type": "mistral3", "text_config": {"model_type": "mistral"}},
      "unsupported architecture 'mistral3' \\(a wrapper around a 'mistral' text model in text_config\\): "
-     "nibble runs gemma3_text, llama, mistral, qwen2, qwen3"),
+     "nibble runs gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3"),
 ])
 def test_fields_that_would_change_the_numbers_are_named(fields, message):
     with pytest.raises(FormatError, match=message):
@@ -185,3 +191,66 @@ def test_a_gemma3_wrapper_around_another_text_model_is_refused():
     with pytest.raises(FormatError, match="a 'gemma3' wrapper around a 'llama' text model in text_config: "
                                           "nibble runs the 'gemma3_text' in 'gemma3'"):
         ModelConfig.from_dict(WRAPPER | {"text_config": BASE})
+
+
+LONGROPE = {"short_factor": [1.0] * 6, "long_factor": [2.0] * 6}   # 12 rotated dims of 16
+
+
+def test_phi3_partial_rotary():
+    """Phi-4-mini's top-level partial_rotary_factor; transformers 5 writes it in rope_parameters
+    too, and that one wins."""
+    c = config(model_type="phi3", partial_rotary_factor=0.75)
+    assert (c.rotary_dim, c.head_dim) == (12, 16)
+    c = config(model_type="phi3", partial_rotary_factor=0.75,
+               rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5})
+    assert c.rotary_dim == 8
+    assert ModelConfig.from_dict(c.to_dict()) == c
+    assert config().rotary_dim == config(partial_rotary_factor=1.0).rotary_dim == 16
+
+
+def test_phi3_longrope_as_phi3config_reads_it():
+    """"su" and "yarn" are Phi3Config's old names for longrope; a longrope block's context is the
+    top-level original_max_position_embeddings (Phi3Config's default: 4096), whatever it says."""
+    phi3 = {"model_type": "phi3", "partial_rotary_factor": 0.75, "max_position_embeddings": 8192}
+    c = config(**phi3, rope_scaling={"type": "longrope", **LONGROPE})
+    assert c.rope_scaling == {"rope_type": "longrope", "original_max_position_embeddings": 4096, **LONGROPE}
+    c = config(**phi3, original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "original_max_position_embeddings": 32, **LONGROPE})
+    assert c.rope_scaling["original_max_position_embeddings"] == 64
+    assert ModelConfig.from_dict(c.to_dict()) == c
+    for old in ("su", "yarn"):
+        c = config(**phi3, rope_scaling={"type": old, "original_max_position_embeddings": 32, **LONGROPE})
+        assert c.rope_scaling == {"rope_type": "longrope", "original_max_position_embeddings": 32, **LONGROPE}
+    with pytest.raises(FormatError, match="short_factor has 8 values, the 12 rotated dims of a head need 6"):
+        config(**phi3, rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 6})
+
+
+def test_phi3_slides_in_every_layer():
+    assert config(model_type="phi3", sliding_window=8).windows == [8] * 4
+    assert config(model_type="phi3").windows == [0] * 4
+
+
+def test_defaults_of_the_config_classes():
+    """A field left out means what transformers' class for that model_type says."""
+    assert config(model_type="phi3").rms_norm_eps == 1e-5
+    assert config().rms_norm_eps == 1e-6
+    fields = {k: v for k, v in BASE.items() if k not in ("num_key_value_heads", "max_position_embeddings")}
+    c = ModelConfig.from_dict(fields | {"model_type": "smollm3"})
+    assert (c.rope_theta, c.num_key_value_heads, c.max_position_embeddings, c.tie_word_embeddings) == (
+        2000000.0, 4, 32768, True)
+
+
+def test_smollm3_rope_and_windows_per_layer():
+    """no_rope_layers (1: RoPE), by default every no_rope_layer_interval-th layer without; the
+    layers without it slide by default, with use_sliding_window; layer_types says otherwise."""
+    smol = {"model_type": "smollm3", "num_hidden_layers": 8, "sliding_window": 6}
+    c = config(**smol)
+    assert c.rope_layers == [True, True, True, False] * 2 and c.windows == [0] * 8
+    c = config(**smol, no_rope_layer_interval=2, use_sliding_window=True)
+    assert c.rope_layers == [True, False] * 4 and c.windows == [0, 6] * 4
+    c = config(**smol, no_rope_layers=[1, 0, 0, 1, 1, 1, 1, 1, 0], use_sliding_window=True)
+    assert c.rope_layers == [True, False, False, True, True, True, True, True]
+    assert c.windows == [0, 6, 6, 0, 0, 0, 0, 0]
+    c = config(**smol, layer_types=["sliding_attention"] + ["full_attention"] * 7)
+    assert c.windows == [6] + [0] * 7   # transformers' mask slides there, use_sliding_window or not
+    assert config(model_type="llama", no_rope_layers=[0] * 4).rope_layers == [True] * 4

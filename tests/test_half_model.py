@@ -23,8 +23,9 @@ def half_checkpoint(tmp_path, config, dtype: str) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-# tied, untied with biases, and gemma3's embedding scale rounded to the checkpoint's 16 bits
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+# tied, untied with biases, gemma3's embedding scale rounded to the checkpoint's 16 bits, phi3's
+# fused matrices
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text", "phi3"])
 def test_prefill_then_decode_match_reference(tmp_path, dtype, model_type):
     config = tiny_config(model_type)
     tensors = half_checkpoint(tmp_path, config, dtype)
@@ -39,8 +40,10 @@ def test_prefill_then_decode_match_reference(tmp_path, dtype, model_type):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_matrices_stay_in_the_memory_map(tmp_path, dtype):
-    config = tiny_config("qwen2", hidden_size=256, intermediate_size=512, vocab_size=1024)
+@pytest.mark.parametrize("model_type", ["qwen2", "phi3"])   # phi3: views of its fused matrices
+def test_matrices_stay_in_the_memory_map(tmp_path, dtype, model_type):
+    config = tiny_config(model_type, hidden_size=256, intermediate_size=512, vocab_size=1024,
+                         num_attention_heads=16, num_key_value_heads=8)
     model = Model(config, half_checkpoint(tmp_path, config, dtype))
     layer = model.layers[0]
     matrices = [model.embed, model.lm_head, layer.wq, layer.wk, layer.wv, layer.wo,

@@ -51,15 +51,17 @@ def test_rmsnorm_in_place():
     np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
 
 
-def test_rope():
+@pytest.mark.parametrize("rotated", [16, 12, 0])   # whole heads, phi3's partial rotary, none
+def test_rope(rotated):
     hd, pos0 = 16, 5
-    inv_freq = 1.0 / 10000 ** (np.arange(0, hd, 2) / hd)
+    inv_freq = 1.0 / 10000 ** (np.arange(0, rotated, 2) / max(rotated, 1))
     ang = np.outer(np.arange(64), inv_freq)
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     x = f32(4, 3, hd)
     want = reference.rotate(x.astype(np.float64), np.arange(pos0, pos0 + 4), inv_freq)
     cpu.rope(x, cos, sin, pos0)
     np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(x[..., rotated:], want[..., rotated:])   # passed through as they were
 
 
 @pytest.mark.parametrize("T,pos0,window", [(1, 9, 0), (6, 0, 0), (4, 3, 0), (6, 2, 3)])

@@ -7,7 +7,7 @@ from nibble.runner.model import ContextFull, Model
 from tests import reference
 from tests.tiny import tiny_config, tiny_tensors
 
-TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
+TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3"]
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -73,6 +73,26 @@ def test_sliding_and_full_layers_match_reference():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_phi3_splits_its_fused_matrices_into_views():
+    """q/k/v and gate/up are blocks of rows of the stored matrices, not copies."""
+    config = tiny_config("phi3")
+    tensors = tiny_tensors(config)
+    layer = Model(config, tensors).layers[1]
+    qkv, gate_up = (tensors[f"model.layers.1.{n}.weight"] for n in ("self_attn.qkv_proj", "mlp.gate_up_proj"))
+    np.testing.assert_array_equal(np.concatenate([layer.wq, layer.wk, layer.wv]), qkv)
+    np.testing.assert_array_equal(np.concatenate([layer.w_gate, layer.w_up]), gate_up)
+    assert all(np.shares_memory(w, qkv) for w in (layer.wq, layer.wk, layer.wv))
+    assert all(np.shares_memory(w, gate_up) for w in (layer.w_gate, layer.w_up))
+
+
+def test_phi3_missing_fused_matrix_is_named():
+    config = tiny_config("phi3")
+    tensors = tiny_tensors(config)
+    del tensors["model.layers.0.self_attn.qkv_proj.weight"]
+    with pytest.raises(NibbleError, match="missing for the config: model.layers.0.self_attn.qkv_proj.weight"):
+        Model(config, tensors)
+
+
 def test_context_full_names_both_numbers():
     config = tiny_config()
     model = Model(config, tiny_tensors(config))
@@ -93,7 +113,7 @@ def test_missing_and_misshapen_tensors_are_named():
         Model(config, tensors)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3", "smollm3"])
 def test_int8_kv_cache_stays_close(model_type):
     config = tiny_config(model_type)
     tensors = tiny_tensors(config)

@@ -177,6 +177,23 @@ def test_gemma3_is_refused_and_runs_on_the_cpu():
     assert model.gpu_stage is None
 
 
+@pytest.mark.parametrize("model_type", ["phi3", "smollm3"])   # partial rotary; layers without RoPE
+def test_rope_the_gpu_kernels_cannot_run_is_refused_and_runs_on_the_cpu(model_type):
+    model, _ = from_model_dir(tiny_model_dir(model_type))
+    note = model.offload_layers(-1, 16)
+    assert note.startswith("no GPU: running on the CPU (the GPU kernels rotate whole heads with one "
+                           "RoPE table")
+    assert model.gpu_stage is None
+
+
+def test_phi3_with_whole_heads_rotated_runs_on_the_gpu():
+    """Phi-3.5-mini's RoPE: its q/k/v and gate/up views are joined again on the device."""
+    md = tiny_model_dir("phi3")
+    config = tiny_config("phi3", vocab_size=64, partial_rotary_factor=None, rope_scaling=None, **NARROW)
+    md = dataclasses.replace(md, config=config, tensors=tiny_tensors(config))
+    decode_and_compare(*pair(md, -1))
+
+
 def no_gpu():
     raise offload.NoGPU("numba.cuda cannot be imported: test")
 

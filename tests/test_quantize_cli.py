@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from nibble.formats.model_dir import read_model_dir
-from tests.test_cli import assert_one_line_error, invoke
+from nibble.formats.model_dir import read_model_dir, write_model_dir
+from tests.test_cli import GREEDY, assert_one_line_error, invoke
+from tests.tiny import tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,18 @@ def test_writes_an_mlx_style_directory(int4_dir):
     w = md.tensors["model.layers.0.mlp.up_proj.weight"]
     assert w.dtype.name == "uint32" and w.shape == (128, 64 * 4 // 32)
     assert md.tensors["model.layers.0.mlp.up_proj.scales"].shape == (128, 64 // 32)
+
+
+def test_phi3_calibrates_and_quantizes_its_fused_matrices(tmp_path):
+    """The importance of each input is measured under phi3's own names (qkv_proj, gate_up_proj),
+    which are quantized as they are stored, and the result runs."""
+    out = tmp_path / "int8"
+    r = invoke("quantize", write_model_dir(tiny_model_dir("phi3"), tmp_path / "phi3"), "-o", out, "--bits", 8)
+    assert r.exit_code == 0, r.output
+    assert "calibrating" in r.stderr
+    assert read_model_dir(out).tensors["model.layers.1.self_attn.qkv_proj.weight"].dtype.name == "uint32"
+    r = invoke("run", "-m", out, *GREEDY, "Hello")
+    assert r.exit_code == 0 and r.stdout.strip(), r.output
 
 
 def test_refuses_existing_output_and_requantizing(tiny_dir, int4_dir, tmp_path):

@@ -19,7 +19,7 @@ def dequantized(tensors, quantization):
     return out
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3"])
 @pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64)])
 def test_quantized_forward_matches_reference(model_type, bits, group, tmp_path):
     q = quantize_model(tiny_model_dir(model_type), bits, group).model
@@ -42,3 +42,15 @@ def test_quantized_weights_are_not_copied(tmp_path):
     model = Model(md.config, md.tensors)
     stored = md.tensors["model.layers.0.mlp.up_proj.weight"]
     assert np.shares_memory(model.layers[0].w_up.weight, stored)
+
+
+def test_phi3_keeps_its_fused_names_and_splits_them_without_a_copy(tmp_path):
+    """qkv_proj and gate_up_proj are quantized as stored (mlx-lm's names); the model reads its
+    q/k/v and gate/up as blocks of their packed rows."""
+    md = read_model_dir(write_model_dir(quantize_model(tiny_model_dir("phi3"), 8, 32).model, tmp_path / "q"))
+    p = "model.layers.0."
+    assert {p + "self_attn.qkv_proj.scales", p + "mlp.gate_up_proj.scales"} <= md.tensors.keys()
+    layer = Model(md.config, md.tensors).layers[0]
+    assert all(np.shares_memory(w.weight, md.tensors[p + "self_attn.qkv_proj.weight"])
+               for w in (layer.wq, layer.wk, layer.wv))
+    assert np.shares_memory(layer.w_up.weight, md.tensors[p + "mlp.gate_up_proj.weight"])

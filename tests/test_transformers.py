@@ -15,7 +15,7 @@ from tests import reference
 
 DATA = Path(__file__).parent / "data" / "transformers"
 FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope", "qwen3", "gemma3-text",
-            "gemma3"]
+            "gemma3", "phi3-longrope", "smollm3"]
 
 
 def load(name: str):

@@ -42,6 +42,12 @@ def tiny_config(model_type="llama", vocab_size=320, **overrides) -> ModelConfig:
                   sliding_window_pattern=2,
                   rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
                   tie_word_embeddings=True)
+    if model_type == "phi3":   # Phi-4-mini's RoPE: 3/4 of each head, longrope from position 16
+        d |= {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 16,
+              "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                               "long_factor": [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]}}
+    if model_type == "smollm3":
+        d["no_rope_layers"] = [1, 0]   # RoPE in the first layer only
     d.update(overrides)
     return ModelConfig.from_dict(d)
 
@@ -71,6 +77,11 @@ def tiny_tensors(config: ModelConfig, seed=0) -> dict[str, np.ndarray]:
         if c.attention_bias:
             t |= {p + "self_attn.q_proj.bias": w(q_dim), p + "self_attn.k_proj.bias": w(kv_dim),
                   p + "self_attn.v_proj.bias": w(kv_dim)}
+        if c.model_type == "phi3":   # q/k/v stored as one matrix, gate/up as another
+            t[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+                [t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            t[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+                [t.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     return t
 
 

@@ -40,6 +40,17 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     return qt._replace(scales=as32(qt.scales), biases=as32(qt.biases))
 
 
+def row_block(w: Weight, start: int, stop: int) -> Weight:
+    """Rows start..stop-1 of a float32, 16-bit or quantized weight, as a view (no copy): a block
+    of rows of a C-contiguous matrix is C-contiguous, so the kernels take it as a whole matrix."""
+    if isinstance(w, QuantizedTensor):
+        return w._replace(weight=w.weight[start:stop], scales=w.scales[start:stop],
+                          biases=w.biases[start:stop])
+    if isinstance(w, HalfTensor):
+        return w._replace(bits=w.bits[start:stop])
+    return w[start:stop]
+
+
 @njit(**_jit)
 def qmatmul(x, w, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor or a HalfTensor W; x, out

@@ -9,13 +9,15 @@ ARCHITECTURES; a family module has:
     ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
     norm(get, name, shape) -> an RMSNorm's weight as the kernels multiply by it (the final norm's too)
     embed_scale(config, embed) -> the factor on the embedded rows (embed: the embedding as loaded)
+    INPUTS: the weight names (after model.layers.<i>.) whose input each of the block's four act_sq
+        rows collects: the q/k/v, o, gate/up and down projections (runner/calibrate.py)
 """
 from types import ModuleType
 
 from nibble.formats.config import ARCHITECTURES, ModelConfig
-from . import gemma3, llama
+from . import gemma3, llama, phi3
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "gemma3": gemma3}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "gemma3": gemma3, "phi3": phi3}
 
 
 def family(config: ModelConfig) -> ModuleType:

@@ -10,8 +10,10 @@ from nibble.formats.config import ModelConfig
 from nibble.formats.half import HalfTensor
 from ..kernels.gemma3 import Gemma3Weights, gemma3_layer
 from ..rope import rope_tables
+from . import llama
 
 block = gemma3_layer
+INPUTS = llama.INPUTS   # the same projections feed gemma3_layer's four act_sq rows
 
 
 def norm(get, name: str, shape: tuple) -> np.ndarray | None:

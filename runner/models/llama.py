@@ -1,5 +1,5 @@
-"""Llama and the families that share its block: Mistral (a sliding window), Qwen2 (q/k/v biases)
-and Qwen3 (an RMSNorm over each query and key head before RoPE)."""
+"""Llama and the families that share its block: Mistral (a sliding window), Qwen2 (q/k/v biases),
+Qwen3 (an RMSNorm over each query and key head before RoPE) and SmolLM3 (no RoPE in some layers)."""
 import numpy as np
 
 from nibble.formats.config import ModelConfig
@@ -7,6 +7,9 @@ from ..kernels.layer import LayerWeights, decoder_layer
 from ..rope import rope_tables
 
 block = decoder_layer
+# the projections whose input each of decoder_layer's four act_sq rows collects (calibrate.py)
+INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+          ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
 def layer(get, c: ModelConfig, i: int) -> LayerWeights:
@@ -45,5 +48,7 @@ def embed_scale(c: ModelConfig, embed) -> float:
 
 
 def ropes(c: ModelConfig, ctx: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One table for every layer."""
-    return [rope_tables(c, ctx)] * c.num_hidden_layers
+    """One table for every layer; zero-width tables where a layer has no RoPE (smollm3)."""
+    table = rope_tables(c, ctx)
+    none = (np.zeros((ctx, 0), np.float32),) * 2
+    return [table if rope else none for rope in c.rope_layers]

@@ -1,0 +1,43 @@
+"""Phi-3 (Phi-3.5-mini, Phi-4-mini): Llama's block, with q/k/v stored as one matrix (qkv_proj)
+and gate/up as another (gate_up_proj), split here into views of their rows; no biases. Partial
+rotary (Phi-4-mini's partial_rotary_factor) is in the RoPE tables: they are as wide as the dims
+they rotate (rope.py)."""
+import numpy as np
+
+from nibble.formats.config import ModelConfig
+from ..kernels.layer import LayerWeights, decoder_layer
+from ..kernels.linear import Weight, row_block
+from . import llama
+
+block = decoder_layer
+ropes = llama.ropes   # one table for every layer
+norm, embed_scale = llama.norm, llama.embed_scale
+INPUTS = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
+
+
+def layer(get, c: ModelConfig, i: int) -> LayerWeights:
+    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    p = f"model.layers.{i}."
+    wq, wk, wv = _split(get.linear(p + "self_attn.qkv_proj", (q_dim + 2 * kv_dim, D)),
+                        (q_dim, kv_dim, kv_dim))
+    w_gate, w_up = _split(get.linear(p + "mlp.gate_up_proj", (2 * F, D)), (F, F))
+    no_norm = np.zeros(0, np.float32)
+    return LayerWeights(
+        input_norm=get(p + "input_layernorm.weight", (D,)),
+        wq=wq, wk=wk, wv=wv,
+        bq=np.zeros(q_dim, np.float32), bk=np.zeros(kv_dim, np.float32),
+        bv=np.zeros(kv_dim, np.float32),
+        q_norm=no_norm, k_norm=no_norm,
+        wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
+        post_norm=get(p + "post_attention_layernorm.weight", (D,)),
+        w_gate=w_gate, w_up=w_up,
+        w_down=get.linear(p + "mlp.down_proj", (D, F)),
+    )
+
+
+def _split(w: Weight | None, sizes: tuple[int, ...]) -> list[Weight | None]:
+    """Consecutive blocks of rows of w, `sizes` rows each, as views (None where w is missing:
+    Model names the missing tensors after reading every layer)."""
+    ends = np.cumsum(sizes)
+    return [None if w is None else row_block(w, end - n, end) for n, end in zip(sizes, ends)]
