@@ -145,7 +145,6 @@ class ModelConfig:
             if key in d and d[key] not in accepted:
                 raise FormatError(f"config.json: nibble cannot run {key}={d[key]!r} "
                                   f"(it runs {' or '.join(map(repr, accepted))})")
-        d = TYPE_DEFAULTS.get(model_type, {}) | d
         d = {k: v for k, v in d.items() if k != "rope_parameters"} | _rope_fields(d)
         try:
             return cls(**{k: v for k, v in d.items() if k in names},
