@@ -32,6 +32,10 @@ DEFAULTS = {
                         eos_token_id=1, tie_word_embeddings=True, query_pre_attn_scalar=256,
                         sliding_window=4096, sliding_window_pattern=6, rope_theta=1e6,
                         rope_local_base_freq=1e4),
+    # a window that config.json leaves out is 4096, not none (qwen2/3: with use_sliding_window)
+    "mistral": dict(sliding_window=4096),
+    "qwen2": dict(sliding_window=4096),
+    "qwen3": dict(sliding_window=4096),
     "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
                  original_max_position_embeddings=4096),
     "smollm3": dict(rope_theta=2000000.0, num_key_value_heads=4, max_position_embeddings=32768,
@@ -106,9 +110,11 @@ class ModelConfig:
                              else self.hidden_size // self.num_attention_heads)
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
-        if self.model_type == "smollm3" and self.attention_bias:
-            raise FormatError("config.json: nibble cannot run attention_bias=True for smollm3 "
-                              "(transformers gives its o_proj a bias too)")
+        if self.model_type == "mistral":
+            self.attention_bias = False   # transformers' mistral has no biases, whatever it says
+        if self.model_type in ("llama", "qwen3", "smollm3") and self.attention_bias:
+            raise FormatError(f"config.json: nibble cannot run attention_bias=True for "
+                              f"{self.model_type} (transformers gives its o_proj a bias too)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise FormatError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple "

@@ -65,6 +65,8 @@ def test_rope_per_layer_type():
      "phi3 runs default or longrope RoPE, not 'llama3'"),
     ({"model_type": "smollm3", "no_rope_layers": [1, 1, 0]}, "no_rope_layers has 3 entries for 4 layers"),
     ({"model_type": "smollm3", "attention_bias": True}, "attention_bias=True for smollm3"),
+    ({"attention_bias": True}, "attention_bias=True for llama \\(transformers gives its o_proj a bias too\\)"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True for qwen3"),
     ({"hidden_act": "gelu"}, "nibble cannot run hidden_act='gelu' \\(it runs 'silu' or 'swish'\\)"),
     ({"mlp_bias": True}, "mlp_bias=True"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
@@ -88,6 +90,8 @@ def test_harmless_fields_are_kept():
 def test_qwen_windows_follow_layer_types_and_use_sliding_window(model_type):
     qwen2 = {"model_type": model_type, "sliding_window": 8}
     assert config(**qwen2).windows == [0, 0, 0, 0]   # use_sliding_window defaults to false
+    no_size = {"model_type": model_type, "use_sliding_window": True, "max_window_layers": 3}
+    assert config(**no_size).windows == [0, 0, 0, 4096]   # the config class's default window
     assert config(**qwen2, use_sliding_window=True, max_window_layers=2).windows == [0, 0, 8, 8]
     assert config(**qwen2, use_sliding_window=True,
                   layer_types=["sliding_attention", "full_attention"] * 2).windows == [8, 0, 8, 0]
@@ -105,6 +109,8 @@ def test_qwen3_head_dim_defaults_to_128():
 def test_mistral_slides_everywhere_and_llama_nowhere():
     assert config(model_type="mistral", sliding_window=8).windows == [8] * 4
     assert config(model_type="mistral", sliding_window=None).windows == [0] * 4
+    assert config(model_type="mistral").windows == [4096] * 4   # MistralConfig's default
+    assert not config(model_type="mistral", attention_bias=True).attention_bias   # never biases
     assert config(model_type="llama", sliding_window=8).windows == [0] * 4
     with pytest.raises(FormatError, match="layer_types asks for full attention in some layers, but "
                                           "transformers runs mistral with sliding_window in every layer"):
