@@ -3,16 +3,20 @@
 The format is an 8-byte little-endian header length, a JSON header mapping each tensor name to
 {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the data region), an optional
 "__metadata__" of string pairs, then the raw little-endian data. We read it ourselves because the
-safetensors package's numpy loader copies every tensor and cannot return bf16.
+safetensors package's numpy loader copies every tensor and cannot return bf16, and write it
+ourselves because its writer needs every tensor in memory at once (and cannot write bf16 either).
 """
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +32,7 @@ DTYPES = {
 }
 BF16 = "BF16"  # numpy has no bfloat16: read as a HalfTensor of its bits (no copy)
 SUPPORTED = ", ".join(sorted([*DTYPES, BF16]))
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -88,39 +93,129 @@ def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray | Half
     return _merge(files)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+class TensorSpec(NamedTuple):
+    """A tensor as the header describes it: its safetensors dtype name and its shape."""
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return 2 if self.dtype == BF16 else DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
 
 
-def write_safetensors(tensors: dict[str, np.ndarray | HalfTensor], path: str | os.PathLike,
-                      metadata: dict[str, str] | None = None) -> None:
+class TensorStream(NamedTuple):
+    """Tensors made one at a time, to write a file larger than memory: every tensor's spec up
+    front (the header comes first), then (name, tensor) pairs as they are made, in any order."""
+    specs: dict[str, TensorSpec]
+    items: Iterable[tuple[str, np.ndarray | HalfTensor]]
+
+
+def tensor_spec(t: np.ndarray | HalfTensor) -> TensorSpec:
+    """How `t` is written: a HalfTensor as BF16 or F16 (its bits), an array as its dtype.
+    Raises FormatError for a dtype safetensors has no name for."""
+    if isinstance(t, HalfTensor):
+        return TensorSpec(BF16 if t.bf16 else "F16", tuple(t.shape))
+    name = _NAMES.get(t.dtype.newbyteorder("<"))
+    if name is None:
+        known = ", ".join(sorted(d.name for d in DTYPES.values()))
+        raise FormatError(f"safetensors cannot hold dtype {t.dtype}: supported are {known} and bf16")
+    return TensorSpec(name, tuple(t.shape))
+
+
+def write_safetensors(tensors: dict[str, np.ndarray | HalfTensor] | TensorStream,
+                      path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
     """Write tensors to a .safetensors file atomically: a temporary sibling, then a rename.
 
-    A HalfTensor is written widened to float32 (the safetensors package cannot write bf16).
-    A failure (or KeyboardInterrupt) leaves any existing file at `path` untouched.
+    `tensors` is a dict, or a TensorStream: the header is written from its specs, then each
+    tensor at its place as it comes, so that no more than one is held at a time. A failure (or
+    KeyboardInterrupt) leaves any existing file at `path` untouched and no temporary file.
     """
-    from safetensors.numpy import save_file  # only writers pay for the import
-
     path = Path(path)
-    arrays = {}
-    for name, t in tensors.items():
-        t = np.asarray(t)
-        if t.dtype.newbyteorder("<") not in DTYPES.values():
-            known = ", ".join(sorted(d.name for d in DTYPES.values()))
-            raise FormatError(f"cannot write tensor {name!r} of dtype {t.dtype} to {path}: "
-                              f"supported are {known}")
-        # The package writes from the raw data pointer: a strided view would be saved scrambled.
-        arrays[name] = np.ascontiguousarray(t)
+    if not isinstance(tensors, TensorStream):
+        tensors = TensorStream(_specs(tensors, path), tensors.items())
+    header, offsets, size = _layout(tensors.specs, metadata)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        save_file(arrays, tmp, metadata=metadata)
-        os.chmod(tmp, 0o666 & ~_umask())   # save_file creates it 0600: others could not read the model
+        with open(tmp, "xb") as f:
+            f.write(header)
+            f.truncate(size)   # the data region, filled in as the tensors come
+            for name, t in tensors.items:
+                if name not in offsets:
+                    raise ValueError(f"{path}: tensor {name!r} is not in the header, or came twice")
+                f.seek(offsets.pop(name))
+                f.write(_raw_bytes(name, t, tensors.specs[name]))
+            if offsets:
+                raise ValueError(f"{path}: tensors never came: {', '.join(list(offsets)[:3])}")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def release(t: np.ndarray | HalfTensor) -> None:
+    """Give back the memory pages this process holds of a tensor read by read_safetensors.
+
+    Every page of a memory map that was read counts as resident until the map goes: reading a
+    checkpoint larger than memory tensor by tensor, releasing each, keeps the resident set at
+    about one tensor. The data stays in the file (and the OS's cache); using the tensor again
+    reads it again. Does nothing for a tensor in memory.
+    """
+    a = t.bits if isinstance(t, HalfTensor) else t
+    owner = a
+    while owner is not None and not isinstance(owner, np.memmap):
+        owner = owner.base
+    mapping = getattr(owner, "_mmap", None)
+    if mapping is None or a.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    # np.memmap maps from the allocation boundary below its offset: that is where `mapping` starts.
+    start = a.ctypes.data - owner.ctypes.data + owner.offset % mmap.ALLOCATIONGRANULARITY
+    first_page = start - start % mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, first_page, start + a.nbytes - first_page)
+
+
+def _specs(tensors: dict, path: Path) -> dict[str, TensorSpec]:
+    specs = {}
+    for name, t in tensors.items():
+        try:
+            specs[name] = tensor_spec(t)
+        except FormatError as e:
+            raise FormatError(f"cannot write tensor {name!r} to {path}: {e}") from None
+    return specs
+
+
+def _layout(specs: dict[str, TensorSpec], metadata: dict[str, str] | None) -> tuple[bytes, dict, int]:
+    """The file's first bytes (length and header), each tensor's file offset, the file's size.
+
+    As the safetensors package does, the header is padded to 8 bytes and the tensors are laid out
+    widest dtype first, so each starts aligned to its item size (numba wants aligned arrays)."""
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in metadata.items()):
+        raise TypeError("safetensors metadata maps strings to strings")
+    header = {"__metadata__": metadata} if metadata else {}
+    offsets, begin = {}, 0
+    for name in sorted(specs, key=lambda name: -specs[name].itemsize):   # stable: else as given
+        spec = specs[name]
+        header[name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                        "data_offsets": [begin, begin + spec.nbytes]}
+        offsets[name] = begin
+        begin += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    data_start = 8 + len(raw)
+    return (struct.pack("<Q", len(raw)) + raw, {name: data_start + o for name, o in offsets.items()},
+            data_start + begin)
+
+
+def _raw_bytes(name: str, t: np.ndarray | HalfTensor, spec: TensorSpec) -> np.ndarray:
+    """The bytes of `t` as the file holds them: little-endian, in logical (C) order."""
+    if tensor_spec(t) != spec:
+        raise ValueError(f"tensor {name!r} is {tensor_spec(t)}, the header says {spec}")
+    a = t.bits if isinstance(t, HalfTensor) else t
+    return np.ascontiguousarray(a, a.dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
 
 
 def _read_header(path: Path) -> tuple[dict, int, int]:

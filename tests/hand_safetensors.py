@@ -1,6 +1,5 @@
-"""Safetensors files written byte by byte from the format's description, for what nibble's own
-writer cannot make (bfloat16) and to check that nibble reads what other tools write, without a
-copy (memmap_backed)."""
+"""Safetensors files written byte by byte from the format's description, apart from nibble's own
+writer: to check that nibble reads what other tools write, without a copy (memmap_backed)."""
 import json
 import struct
 from collections.abc import Callable

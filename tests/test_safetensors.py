@@ -1,5 +1,6 @@
 """The safetensors reader and writer: round trips, bf16, shards, and every malformed file."""
 import json
+import os
 import struct
 
 import numpy as np
@@ -7,8 +8,8 @@ import pytest
 
 from nibble.formats.errors import FormatError
 from nibble.formats.half import HalfTensor
-from nibble.formats.safetensors import (read_checkpoint, read_safetensors, read_safetensors_metadata,
-                                 write_safetensors)
+from nibble.formats.safetensors import (TensorSpec, TensorStream, read_checkpoint, read_safetensors,
+                                        read_safetensors_metadata, release, write_safetensors)
 from tests.hand_safetensors import memmap_backed
 
 
@@ -62,7 +63,7 @@ def test_all_tensors_share_one_memmap(tmp_path):
 
 
 def test_strided_arrays_are_written_in_logical_order(tmp_path):
-    # The safetensors package writes from the data pointer; a transpose must not come back raw.
+    # Written from the data pointer, a transpose would come back raw.
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     path = tmp_path / "t.safetensors"
     write_safetensors({"t": a.T, "s": a[:, ::2]}, path)
@@ -109,6 +110,99 @@ def test_bf16_widens_exactly(tmp_path):
     # Widening is exact: only the dropped low mantissa bits differ from the float32 source.
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32) & 0xFFFF0000)
     assert np.all(np.abs(got - ref) <= np.abs(ref) * 2**-7)  # bf16 keeps 8 significant bits
+
+
+def test_bf16_and_f16_are_written_as_their_bits(tmp_path):
+    bits = np.arange(0x3F00, 0x3F0C, dtype=np.uint16).reshape(3, 4)
+    path = tmp_path / "h.safetensors"
+    write_safetensors({"b": HalfTensor(bits, bf16=True), "h": HalfTensor(bits, bf16=False)}, path)
+    got = read_safetensors(path)
+    assert isinstance(got["b"], HalfTensor) and got["b"].bf16
+    np.testing.assert_array_equal(got["b"].bits, bits)
+    assert got["h"].dtype == np.float16   # F16 reads as numpy's float16
+    np.testing.assert_array_equal(got["h"].view(np.uint16), bits)
+
+
+def test_other_tools_read_what_nibble_writes(tmp_path):
+    from safetensors.numpy import load_file
+    tensors = _tensors()
+    path = tmp_path / "m.safetensors"
+    write_safetensors(tensors, path, metadata={"format": "pt"})
+    got = load_file(path)
+    assert got.keys() == tensors.keys()
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(got[name], t)
+
+
+def test_every_tensor_starts_aligned(tmp_path):
+    # odd-sized 1- and 2-byte tensors before and after 4-byte ones: laid out widest first
+    tensors = {"u8": np.ones(3, np.uint8), "f32": np.ones(3, np.float32), "f16": np.ones(5, np.float16),
+               "b": HalfTensor(np.ones(1, np.uint16), bf16=True), "u32": np.ones(2, np.uint32)}
+    path = tmp_path / "a.safetensors"
+    write_safetensors(tensors, path)
+    for name, t in read_safetensors(path).items():
+        a = t.bits if isinstance(t, HalfTensor) else t
+        assert a.ctypes.data % a.itemsize == 0, name
+
+
+def _stream(tensors: dict, order: list[str]) -> TensorStream:
+    return TensorStream({n: TensorSpec(*spec) for n, spec in
+                         {"a": ("F32", (2, 3)), "b": ("U32", (4,)), "c": ("F16", (3,))}.items()},
+                        ((n, tensors[n]) for n in order))
+
+
+STREAMED = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.uint32),
+            "c": np.ones(3, np.float16)}
+
+
+def test_stream_is_written_in_the_order_it_comes(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write_safetensors(_stream(STREAMED, ["c", "a", "b"]), path)
+    got = read_safetensors(path)
+    for name, t in STREAMED.items():
+        np.testing.assert_array_equal(got[name], t)
+
+
+@pytest.mark.parametrize("order, tensors, match", [
+    (["a", "b"], STREAMED, "never came: c"),
+    (["a", "b", "c", "a"], STREAMED, "came twice"),
+    (["a", "b", "c"], {**STREAMED, "b": np.arange(5, dtype=np.uint32)}, "'b' is .*the header says"),
+    (["a", "b", "c"], {**STREAMED, "c": np.ones(3, np.float32)}, "'c' is .*the header says"),
+])
+def test_stream_that_breaks_its_header_leaves_nothing(tmp_path, order, tensors, match):
+    with pytest.raises(ValueError, match=match):
+        write_safetensors(_stream(tensors, order), tmp_path / "s.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_stream_leaves_nothing(tmp_path):
+    def items():
+        yield "a", STREAMED["a"]
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        write_safetensors(TensorStream(_stream(STREAMED, []).specs, items()), tmp_path / "s.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _resident_file_kb() -> int:
+    """This process's resident pages that belong to mapped files (Linux)."""
+    status = open("/proc/self/status").read()
+    return int(status.split("RssFile:")[1].split()[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_release_gives_back_the_pages_of_a_read_tensor(tmp_path):
+    path = tmp_path / "big.safetensors"
+    big = np.arange(16 << 20, dtype=np.uint32)    # 64 MiB
+    write_safetensors({"small": np.ones(3, np.float16), "big": big}, path)
+    t = read_safetensors(path)["big"]
+    before = _resident_file_kb()
+    assert t.sum(dtype=np.uint64) == big.sum(dtype=np.uint64)   # reads every page
+    assert _resident_file_kb() - before > 60 << 10
+    release(t)
+    assert _resident_file_kb() - before < 1 << 10
+    np.testing.assert_array_equal(t, big)   # still there: read again from the file
+    release(np.ones(3))   # a tensor in memory: nothing to give back
 
 
 def test_empty_file_of_tensors(tmp_path):
