@@ -14,7 +14,7 @@ import tokenizers
 from .config import ModelConfig
 from .errors import FormatError
 from .half import HalfTensor
-from .safetensors import read_checkpoint, write_safetensors
+from .safetensors import TensorStream, read_checkpoint, write_safetensors
 from .wrappers import text_tensors
 
 
@@ -62,11 +62,14 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
     )
 
 
-def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False) -> Path:
+def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False,
+                    tensors: TensorStream | None = None) -> Path:
     """Write `model` as a Hugging Face model directory at `out` and return its path.
 
-    Everything is written into a temporary sibling first and renamed into place, so `out` is
-    either complete or untouched. An existing `out` is refused unless `force`, which replaces it.
+    `tensors`, if given, are the weights instead of model.tensors, made one at a time as they
+    are written (a model larger than memory). Everything is written into a temporary sibling
+    first and renamed into place, so `out` is either complete or untouched. An existing `out` is
+    refused unless `force`, which replaces it.
     """
     out = Path(out)
     if out.exists() and not force:
@@ -82,7 +85,8 @@ def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False
         _write_json(tmp / "tokenizer_config.json", model.tokenizer_config)
         model.tokenizer.save(str(tmp / "tokenizer.json"))
         # "format": "pt" is what transformers checks for before it will load the file.
-        write_safetensors(model.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_safetensors(model.tensors if tensors is None else tensors, tmp / "model.safetensors",
+                          metadata={"format": "pt"})
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,8 +8,9 @@ the default. mlx-lm reads the result, and `read_linear` reads mlx-lm's checkpoin
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 
@@ -19,6 +20,7 @@ from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import ModelDir
+from nibble.formats.safetensors import TensorSpec, release, tensor_spec
 
 from .affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
 
@@ -62,47 +64,99 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
     whose rows do not split into whole groups stays float (as in mlx-lm) and is reported.
     progress(name, done, total) is called after each matrix. An already quantized model is
     refused unless allow_requantize, which dequantizes it first. Returns a report holding the
-    new ModelDir; `model` is not changed.
+    new ModelDir, all in memory (QuantizePlan streams it to a file instead); `model` is not changed.
     """
-    scheme = AffineScheme(bits, group_size)
-    embed_scheme = AffineScheme(embed_bits, group_size) if embed_bits is not None else scheme
-    tensors = _float_tensors(model, allow_requantize)
-    imatrix = _check_imatrix_names(imatrix or {}, tensors)
+    plan = QuantizePlan(model, bits, group_size, imatrix, embed_bits, method, allow_requantize)
+    tensors = dict(plan.tensors(progress))
+    return plan.report(dataclasses.replace(model, path=None, config=plan.config, tensors=tensors))
 
-    paths = _linear_paths(tensors)
-    out = dict(tensors)
-    errors, kept_float, overrides = {}, {}, {}
-    for done, path in enumerate(paths, 1):
-        name = f"{path}.weight"
-        w = np.asarray(tensors[name])  # [out, in]; bf16 widened to float32, one matrix at a time
-        s = embed_scheme if path in (EMBEDDING, HEAD) else scheme
-        if w.shape[1] % s.group_size:
-            kept_float[name] = (f"row length {w.shape[1]} is not a multiple of the group size "
-                                f"{s.group_size}")
-        else:
-            imp = None if path == EMBEDDING else imatrix.get(name)
-            try:
-                qt = quantize(w, s, imp, method)
-            except NibbleError as e:
-                raise NibbleError(f"{name}: {e}") from None
-            del out[name]
-            out |= {name: qt.weight, f"{path}.scales": qt.scales, f"{path}.biases": qt.biases}
-            errors[name] = reconstruction_error(w, qt, imp)
-            if s != scheme:
-                overrides[path] = {"group_size": s.group_size, "bits": s.bits}
-        if progress is not None:
-            progress(name, done, len(paths))
 
-    quantization = {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
-    # mlx-lm writes the same dict under both keys (the second is what the Hub shows).
-    extra = {**model.config.extra, "quantization_config": dict(quantization)}
-    config = dataclasses.replace(model.config, quantization=quantization, extra=extra)
-    return QuantizeReport(
-        model=dataclasses.replace(model, path=None, config=config, tensors=out),
-        errors=errors, kept_float=kept_float,
-        bytes_before=sum(t.nbytes for t in model.tensors.values()),
-        bytes_after=sum(t.nbytes for t in out.values()),
-        params=sum(t.size for t in tensors.values()))
+class QuantizePlan:
+    """quantize_model's work, planned before any weight is read: the quantized model's config and
+    every tensor's dtype and shape (`specs`, fixed by the scheme), then the tensors themselves one
+    matrix at a time (`tensors`), so that a model larger than memory streams into its file."""
+
+    def __init__(self, model: ModelDir, bits: int, group_size: int,
+                 imatrix: dict[str, np.ndarray] | None = None, embed_bits: int | None = None,
+                 method: str = "search", allow_requantize: bool = False):
+        scheme = AffineScheme(bits, group_size)
+        embed_scheme = AffineScheme(embed_bits, group_size) if embed_bits is not None else scheme
+        self.model, self.method = model, method
+        # name -> float tensor, or a QuantizedTensor to requantize (dequantized when its turn comes)
+        self.source = _float_tensors(model, allow_requantize)
+        self.imatrix = _check_imatrix_names(imatrix or {}, self.source)
+        self.linears = _linear_paths(self.source)
+        self.schemes: dict[str, AffineScheme] = {}   # module path -> scheme, of those quantized
+        self.kept_float: dict[str, str] = {}         # weight name of a matrix left in float -> why
+        overrides = {}
+        for path in self.linears:
+            s = embed_scheme if path in (EMBEDDING, HEAD) else scheme
+            n = self.source[f"{path}.weight"].shape[1]
+            if n % s.group_size:
+                self.kept_float[f"{path}.weight"] = (f"row length {n} is not a multiple of the "
+                                                     f"group size {s.group_size}")
+            else:
+                self.schemes[path] = s
+                if s != scheme:
+                    overrides[path] = {"group_size": s.group_size, "bits": s.bits}
+        quantization = {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
+        # mlx-lm writes the same dict under both keys (the second is what the Hub shows).
+        extra = {**model.config.extra, "quantization_config": dict(quantization)}
+        self.config = dataclasses.replace(model.config, quantization=quantization, extra=extra)
+        self.specs: dict[str, TensorSpec] = {}   # each quantized weight replaced by its three parts
+        for name, t in self.source.items():
+            s = self._scheme(name)
+            if s is not None:
+                out, n = t.shape
+                self.specs |= {name: TensorSpec("U32", (out, n * s.bits // 32)),
+                               **dict.fromkeys(_parts(name)[1:], TensorSpec("F16", (out, n // s.group_size)))}
+            else:
+                self.specs[name] = (TensorSpec("F32", t.shape) if isinstance(t, QuantizedTensor)
+                                    else tensor_spec(t))
+        self.errors: dict[str, float] = {}   # quantized weight name -> relative RMS error, filled by tensors()
+
+    def tensors(self, progress: Callable[[str, int, int], None] | None = None
+                ) -> Iterator[tuple[str, np.ndarray | HalfTensor]]:
+        """(name, tensor) for every name in `specs`, quantizing one matrix at a time; what a
+        tensor held of the input's memory map is given back once its turn is over (see release).
+        Fills `errors`; progress(name, done, total) after each linear."""
+        done = 0
+        for name, t in self.source.items():
+            s = self._scheme(name)
+            if s is None:
+                yield name, dequantize(t) if isinstance(t, QuantizedTensor) else t
+            else:
+                qt = self._quantize(name, t, s)
+                yield from zip(_parts(name), (qt.weight, qt.scales, qt.biases))
+            for a in (t.weight, t.scales, t.biases) if isinstance(t, QuantizedTensor) else (t,):
+                release(a)
+            if s is not None or name in self.kept_float:
+                done += 1
+                if progress is not None:
+                    progress(name, done, len(self.linears))
+
+    def report(self, model: ModelDir) -> QuantizeReport:
+        """The report on `model`, the quantized model made of `tensors()`."""
+        return QuantizeReport(
+            model=model, errors=self.errors, kept_float=self.kept_float,
+            bytes_before=sum(t.nbytes for t in self.model.tensors.values()),
+            bytes_after=sum(spec.nbytes for spec in self.specs.values()),
+            params=sum(math.prod(t.shape) for t in self.source.values()))
+
+    def _scheme(self, name: str) -> AffineScheme | None:
+        """The scheme of weight `name`, None when it stays float."""
+        return self.schemes.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+
+    def _quantize(self, name: str, t, s: AffineScheme) -> QuantizedTensor:
+        w = dequantize(t) if isinstance(t, QuantizedTensor) else np.asarray(t)  # [out, in] float32
+        path = name.removesuffix(".weight")
+        imp = None if path == EMBEDDING else self.imatrix.get(name)
+        try:
+            qt = quantize(w, s, imp, self.method)
+        except NibbleError as e:
+            raise NibbleError(f"{name}: {e}") from None
+        self.errors[name] = reconstruction_error(w, qt, imp)
+        return qt
 
 
 def read_linear(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None,
@@ -137,19 +191,26 @@ def default_calibration_text() -> str:
     return resources.files("nibble.quant").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
-def _linear_paths(tensors: dict[str, np.ndarray]) -> list[str]:
+def _parts(name: str) -> tuple[str, str, str]:
+    """The names of a quantized weight's packed integers, scales and biases."""
+    path = name.removesuffix(".weight")
+    return name, f"{path}.scales", f"{path}.biases"
+
+
+def _linear_paths(tensors: dict) -> list[str]:
     """Module paths of the matrices to quantize, in the checkpoint's order."""
     paths = []
     for name, t in tensors.items():
         path = name.removesuffix(".weight")
-        if (name.endswith(".weight") and t.ndim == 2
+        if (name.endswith(".weight") and len(t.shape) == 2
                 and (path in (EMBEDDING, HEAD) or _LAYER_LINEAR.fullmatch(path))):
             paths.append(path)
     return paths
 
 
-def _float_tensors(model: ModelDir, allow_requantize: bool) -> dict[str, np.ndarray]:
-    """The model's tensors with every quantized module dequantized to float32."""
+def _float_tensors(model: ModelDir, allow_requantize: bool) -> dict:
+    """The model's tensors, each quantized module as one QuantizedTensor under its weight's name
+    (dequantized only when its turn comes: the model may not fit in memory as float32)."""
     q = model.config.quantization
     if not q:
         return model.tensors
@@ -163,7 +224,7 @@ def _float_tensors(model: ModelDir, allow_requantize: bool) -> dict[str, np.ndar
             path = name.removesuffix(".scales")
             qt = read_linear(model.tensors, q, path)
             del out[f"{path}.scales"], out[f"{path}.biases"]
-            out[f"{path}.weight"] = dequantize(qt)
+            out[f"{path}.weight"] = qt
     return out
 
 

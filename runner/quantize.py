@@ -1,13 +1,15 @@
 """`nibble quantize`: calibrate on text, quantize every linear, write the model directory."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.load import open_model
-from nibble.formats.model_dir import write_model_dir
-from nibble.quant.convert import QuantizeReport, default_calibration_text, is_quantized, quantize_model
+from nibble.formats.model_dir import read_model_dir, write_model_dir
+from nibble.formats.safetensors import TensorStream
+from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_quantized
 from .calibrate import collect_imatrix
 from .model import Model
 from .tokenizer import Tokenizer
@@ -18,10 +20,13 @@ CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a
 def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: int | None = None,
              calib_text: str | None = None, force: bool = False, allow_requantize: bool = False,
              progress: Callable[[str, int, int], None] | None = None) -> QuantizeReport:
-    """Quantize the model at `ref` into the directory `out`; returns the report.
+    """Quantize the model at `ref` into the directory `out`; returns the report (its model: `out`
+    as written).
 
     The importance of each input channel comes from running the float model on `calib_text`
-    (nibble's own calibration text when None). progress(stage, done, total).
+    (nibble's own calibration text when None). The weights stream from the input's memory map to
+    the output file one matrix at a time, so a model larger than memory quantizes.
+    progress(stage, done, total).
     """
     if Path(out).exists() and not force:
         raise NibbleError(f"{out} already exists: choose another path or pass --force to replace it")
@@ -39,11 +44,13 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
         ctx = min(512, model.config.max_position_embeddings)
         imatrix = collect_imatrix(model, tokens, ctx, progress=progress and (
             lambda done, total: progress("calibrating", done, total)))
-    report = quantize_model(model_dir, bits, group_size, imatrix=imatrix, embed_bits=embed_bits,
-                            allow_requantize=allow_requantize, progress=progress and (
-                                lambda name, done, total: progress("quantizing", done, total)))
-    write_model_dir(report.model, out, force=force)
-    return report
+    plan = QuantizePlan(model_dir, bits, group_size, imatrix=imatrix, embed_bits=embed_bits,
+                        allow_requantize=allow_requantize)
+    tensors = plan.tensors(progress=progress and (
+        lambda name, done, total: progress("quantizing", done, total)))
+    write_model_dir(dataclasses.replace(model_dir, path=None, config=plan.config, tensors={}), out,
+                    force=force, tensors=TensorStream(plan.specs, tensors))
+    return plan.report(read_model_dir(out))
 
 
 def read_calibration_file(path: str) -> str:
