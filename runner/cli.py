@@ -282,10 +282,19 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("--shapes", metavar="NAME",
               help="Instead of a model: random weights with the shapes of NAME (llama-2-7b, "
                    "llama-3-8b), quantized as --quant says [default: int4]. Speed only.")
+@click.option("--write-checkpoint", metavar="DIR", type=click.Path(file_okay=False),
+              help="With --shapes: instead of measuring, write a model directory of those shapes with "
+                   "random bf16 weights, for nibble quantize and run at that size.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu,
-          shapes, as_json):
+          shapes, write_checkpoint, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
+    if write_checkpoint:
+        if not shapes:
+            raise click.UsageError("--write-checkpoint writes random weights of --shapes NAME: give one")
+        from .synthetic import write_random_checkpoint
+        click.echo(f"wrote {write_random_checkpoint(shapes, write_checkpoint)}", err=True)
+        return
     from .bench import PROMPT_TEXT, run_bench
     _set_threads(threads)
     ctx = prompt_tokens + gen_tokens + 1

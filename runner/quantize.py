@@ -5,9 +5,11 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from nibble.formats.errors import NibbleError
 from nibble.formats.load import open_model
-from nibble.formats.model_dir import read_model_dir, write_model_dir
+from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.safetensors import TensorStream
 from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_quantized
 from .calibrate import collect_imatrix
@@ -36,13 +38,7 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
                           "pass --allow-requantize to do it anyway")
     imatrix = None
     if not is_quantized(model_dir.config):
-        text = default_calibration_text() if calib_text is None else calib_text
-        if not text.strip():
-            raise NibbleError("the calibration text is empty: give a file with some text in it")
-        tokens = Tokenizer(model_dir).encode(text, add_bos=False)[:CALIBRATION_TOKENS]
-        model = Model(model_dir.config, model_dir.tensors)
-        ctx = min(512, model.config.max_position_embeddings)
-        imatrix = collect_imatrix(model, tokens, ctx, progress=progress and (
+        imatrix = importance_matrix(model_dir, calib_text, progress=progress and (
             lambda done, total: progress("calibrating", done, total)))
     plan = QuantizePlan(model_dir, bits, group_size, imatrix=imatrix, embed_bits=embed_bits,
                         allow_requantize=allow_requantize)
@@ -51,6 +47,18 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
     write_model_dir(dataclasses.replace(model_dir, path=None, config=plan.config, tensors={}), out,
                     force=force, tensors=TensorStream(plan.specs, tensors))
     return plan.report(read_model_dir(out))
+
+
+def importance_matrix(model_dir: ModelDir, calib_text: str | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
+    """How strongly a float model drives each input of its projections (see collect_imatrix),
+    over the first CALIBRATION_TOKENS of `calib_text` (nibble's own calibration text when None)."""
+    text = default_calibration_text() if calib_text is None else calib_text
+    if not text.strip():
+        raise NibbleError("the calibration text is empty: give a file with some text in it")
+    tokens = Tokenizer(model_dir).encode(text, add_bos=False)[:CALIBRATION_TOKENS]
+    model = Model(model_dir.config, model_dir.tensors)
+    return collect_imatrix(model, tokens, min(512, model.config.max_position_embeddings), progress)
 
 
 def read_calibration_file(path: str) -> str:

@@ -1,14 +1,24 @@
-"""Models with a known architecture's shapes and random quantized weights, to measure speed at
-sizes no test machine downloads (`nibble bench --shapes llama-2-7b`). What they say is noise;
-how fast they say it is what a real model of those shapes would do: the kernels read the same
-bytes whatever the values are.
+"""Models with a known architecture's shapes and random weights, to measure speed and memory at
+sizes no test machine downloads: in memory, quantized (`nibble bench --shapes llama-2-7b`), or
+written to disk in bf16 (`--write-checkpoint`, for `nibble quantize` and `nibble run`). What they
+say is noise; how fast they say it is what a real model of those shapes would do: the kernels
+read the same bytes whatever the values are.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+from pathlib import Path
+
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import NibbleError
+from nibble.formats.half import HalfTensor
+from nibble.formats.model_dir import ModelDir, write_model_dir
+from nibble.formats.safetensors import TensorSpec, TensorStream
+from nibble.quant.convert import default_calibration_text
 from .model import Model
 
 SHAPES = {
@@ -19,38 +29,102 @@ SHAPES = {
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
 }
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+INIT_STD = 0.02   # of a fresh model's weights (transformers' initializer_range), so quantizing means something
 
 
 def random_model(shapes: str | dict, bits: int, group_size: int = 64, seed: int = 0) -> Model:
     """A llama model of SHAPES[shapes] (or of the config fields given) with random `bits`-bit
     weights in MLX's layout, every matrix its own: nothing is shared that a cache could keep."""
+    c = _config(shapes, quantization={"bits": bits, "group_size": group_size})
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in weight_shapes(c).items():
+        if len(shape) == 1:
+            tensors[name] = np.ones(shape, np.float32)
+            continue
+        # uniform integers; scale and bias map them to [-sqrt(3/k), sqrt(3/k)]: variance 1/k,
+        # so activations keep their size through the layers
+        (n, k), path = shape, name.removesuffix(".weight")
+        half_range = np.sqrt(3 / k)
+        scale = np.float16(2 * half_range / (2 ** bits - 1))
+        tensors[name] = rng.integers(0, 2 ** 32, (n, k * bits // 32), dtype=np.uint32)
+        tensors[f"{path}.scales"] = np.full((n, k // group_size), scale, np.float16)
+        tensors[f"{path}.biases"] = np.full((n, k // group_size), -half_range, np.float16)
+    return Model(c, tensors)
+
+
+def write_random_checkpoint(shapes: str | dict, out: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a llama model directory of SHAPES[shapes] (or of the config fields given) with random
+    bf16 weights, one tensor at a time: Llama-2-7B's 13.5 GB are written holding one matrix.
+
+    The matrices are normal with std INIT_STD and the norms 1, as a fresh model is initialised;
+    the tokenizer is a byte-level BPE trained on nibble's calibration text, with ChatML's chat
+    template, so that `nibble quantize` and `nibble run` take it as they take a real model.
+    """
+    c = _config(shapes, extra={"torch_dtype": "bfloat16"})
+    tokenizer = byte_level_tokenizer(default_calibration_text(), c.vocab_size)
+    if tokenizer.get_vocab_size() > c.vocab_size:   # 256 bytes and 3 special tokens at least
+        raise NibbleError(f"a vocabulary of {c.vocab_size} is too small for a byte-level tokenizer")
+    eos = tokenizer.token_to_id("<|im_end|>")
+    c = dataclasses.replace(c, eos_token_id=eos)
+    specs = {name: TensorSpec("BF16", shape) for name, shape in weight_shapes(c).items()}
+    rng = np.random.default_rng(seed)
+    model = ModelDir(path=None, config=c, tensors={}, tokenizer=tokenizer,
+                     tokenizer_config={"chat_template": CHATML, "eos_token": "<|im_end|>",
+                                       "add_bos_token": False},
+                     generation_config={"eos_token_id": eos})
+    tensors = ((name, _random_bf16(rng, spec.shape)) for name, spec in specs.items())
+    return write_model_dir(model, out, tensors=TensorStream(specs, tensors))
+
+
+def byte_level_tokenizer(text: str, vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with ChatML's special tokens (ids 0-2: <|endoftext|>, <|im_start|>,
+    <|im_end|>) trained on `text`, up to `vocab_size` entries (fewer if the text runs out of pairs)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    return tok
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a llama model (untied head, no biases) by Hugging Face name, in a
+    checkpoint's order: matrices [out, in], norms [D]."""
+    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, D)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (D,), p + "self_attn.q_proj.weight": (q_dim, D),
+                   p + "self_attn.k_proj.weight": (kv_dim, D), p + "self_attn.v_proj.weight": (kv_dim, D),
+                   p + "self_attn.o_proj.weight": (D, q_dim), p + "post_attention_layernorm.weight": (D,),
+                   p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                   p + "mlp.down_proj.weight": (D, F)}
+    return shapes | {"model.norm.weight": (D,), "lm_head.weight": (c.vocab_size, D)}
+
+
+def _config(shapes: str | dict, **fields) -> ModelConfig:
     if isinstance(shapes, str):
         if shapes not in SHAPES:
             raise NibbleError(f"unknown shapes {shapes!r}: choose {', '.join(SHAPES)}")
         shapes = SHAPES[shapes]
-    c = ModelConfig(model_type="llama", **shapes, quantization={"bits": bits, "group_size": group_size})
-    rng = np.random.default_rng(seed)
-    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    tensors = {"model.norm.weight": np.ones(D, np.float32)}
+    return ModelConfig(model_type="llama", **shapes, **fields)
 
-    def linear(path: str, n: int, k: int):
-        # uniform integers; scale and bias map them to [-sqrt(3/k), sqrt(3/k)]: variance 1/k,
-        # so activations keep their size through the layers
-        half_range = np.sqrt(3 / k)
-        scale = np.float16(2 * half_range / (2 ** bits - 1))
-        tensors[f"{path}.weight"] = rng.integers(0, 2 ** 32, (n, k * bits // 32), dtype=np.uint32)
-        tensors[f"{path}.scales"] = np.full((n, k // group_size), scale, np.float16)
-        tensors[f"{path}.biases"] = np.full((n, k // group_size), -half_range, np.float16)
 
-    linear("model.embed_tokens", c.vocab_size, D)
-    linear("lm_head", c.vocab_size, D)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = np.ones(D, np.float32)
-        tensors[p + "post_attention_layernorm.weight"] = np.ones(D, np.float32)
-        for name, n, k in (("self_attn.q_proj", q_dim, D), ("self_attn.k_proj", kv_dim, D),
-                           ("self_attn.v_proj", kv_dim, D), ("self_attn.o_proj", D, q_dim),
-                           ("mlp.gate_proj", F, D), ("mlp.up_proj", F, D), ("mlp.down_proj", D, F)):
-            linear(p + name, n, k)
-    return Model(c, tensors)
+def _random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> HalfTensor:
+    """Normal(0, INIT_STD) values, or ones for a norm (1-D), as bf16: the top half of each float32
+    (truncated, which random values do not mind). Made in blocks of rows, so that a matrix
+    takes its own 2 bytes a value and little more."""
+    if len(shape) == 1:
+        return HalfTensor(np.full(shape, 0x3F80, np.uint16), bf16=True)   # 1.0
+    bits = np.empty(shape, np.uint16)
+    step = max(1, (1 << 22) // shape[1])
+    for r in range(0, shape[0], step):
+        block = rng.standard_normal((min(step, shape[0] - r), shape[1]), np.float32)
+        block *= INIT_STD
+        bits[r:r + step] = block.view(np.uint32) >> 16
+    return HalfTensor(bits, bf16=True)

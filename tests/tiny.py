@@ -1,13 +1,11 @@
 """A tiny seeded random model of each supported type, built at test time."""
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.model_dir import ModelDir
-
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+from nibble.runner.synthetic import CHATML, byte_level_tokenizer
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Numba compiles Python to machine code. "
         "A small model answers questions about the sky, the sea and the capital of France. "
@@ -16,13 +14,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Numba compiles Python to m
 
 def tiny_tokenizer() -> Tokenizer:
     """Byte-level BPE with ChatML special tokens, trained on a few sentences."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([TEXT], trainer)
-    return tok
+    return byte_level_tokenizer(TEXT, vocab_size=320)
 
 
 def tiny_config(model_type="llama", vocab_size=320, **overrides) -> ModelConfig:
