@@ -162,14 +162,15 @@ def release(t: np.ndarray | HalfTensor) -> None:
     Every page of a memory map that was read counts as resident until the map goes: reading a
     checkpoint larger than memory tensor by tensor, releasing each, keeps the resident set at
     about one tensor. The data stays in the file (and the OS's cache); using the tensor again
-    reads it again. Does nothing for a tensor in memory.
+    reads it again. Does nothing for a tensor in memory, or in a map it could have changed.
     """
     a = t.bits if isinstance(t, HalfTensor) else t
     owner = a
     while owner is not None and not isinstance(owner, np.memmap):
         owner = owner.base
     mapping = getattr(owner, "_mmap", None)
-    if mapping is None or a.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+    # Read-only maps only: a copy-on-write map's changed pages would be lost.
+    if mapping is None or owner.mode != "r" or a.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
         return
     # np.memmap maps from the allocation boundary below its offset: that is where `mapping` starts.
     start = a.ctypes.data - owner.ctypes.data + owner.offset % mmap.ALLOCATIONGRANULARITY

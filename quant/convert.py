@@ -33,7 +33,7 @@ _LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.\w+\.\w+_proj")
 @dataclass
 class QuantizeReport:
     """What quantize_model made, and how faithful it is."""
-    model: ModelDir                # the quantized model, ready for write_model_dir
+    model: ModelDir                # the quantized model: in memory, or as nibble quantize wrote it
     errors: dict[str, float]       # quantized weight name -> relative RMS error (imatrix-weighted)
     kept_float: dict[str, str]     # weight name of a matrix left in float -> why
     bytes_before: int              # all tensors, as held in memory
@@ -108,8 +108,10 @@ class QuantizePlan:
             s = self._scheme(name)
             if s is not None:
                 out, n = t.shape
-                self.specs |= {name: TensorSpec("U32", (out, n * s.bits // 32)),
-                               **dict.fromkeys(_parts(name)[1:], TensorSpec("F16", (out, n // s.group_size)))}
+                groups = TensorSpec("F16", (out, n // s.group_size))
+                weight, scales, biases = _parts(name)
+                self.specs |= {weight: TensorSpec("U32", (out, n * s.bits // 32)),
+                               scales: groups, biases: groups}
             else:
                 self.specs[name] = (TensorSpec("F32", t.shape) if isinstance(t, QuantizedTensor)
                                     else tensor_spec(t))
