@@ -1,14 +1,19 @@
 """GGUF import: a llama.cpp model file read into an in-memory ModelDir.
 
-Tensors are dequantized to float32 by the `gguf` package and renamed to Hugging Face names, with
-llama.cpp's q/k row permutation undone; the config, tokenizer and chat template are rebuilt from
-the metadata. The tokenizer gives llama.cpp's ids. Its CONTROL tokens are `special` added tokens,
-so setting `tokenizer.encode_special_tokens = True` reproduces llama.cpp's parse_special=False
-mode, in which their text is tokenized as plain text.
+Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation undone. The block
+types gguf_blocks knows are repacked, exactly, into MLX's affine layout (`P.weight` packed
+uint32, `P.scales`, `P.biases`, and `quantization` in the config, as an MLX checkpoint holds
+them); other quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config,
+tokenizer and chat template are rebuilt from the metadata. The tokenizer gives llama.cpp's ids.
+Its CONTROL tokens are `special` added tokens, so setting `tokenizer.encode_special_tokens = True`
+reproduces llama.cpp's parse_special=False mode, in which their text is tokenized as plain text.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -19,10 +24,14 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 
 from .config import ModelConfig
 from .errors import FormatError
+from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
+from .half import HalfTensor
 from .model_dir import ModelDir
 
-SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
-                   QType.Q4_K, QType.Q6_K)
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+# Every type the gguf package can dequantize: repacked (gguf_blocks.BLOCK_TYPES) or made float32.
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(t for t in QType
+                                      if t not in FLOAT_TYPES and hasattr(gguf.quants, t.name))
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values nibble imports
 _DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporaries
 
@@ -73,11 +82,22 @@ class _Reader(gguf.GGUFReader):
         self._data = value.view(np.ndarray)
 
 
-def import_gguf(path: str | Path) -> ModelDir:
-    """Read a llama, qwen2 or qwen3 GGUF file into a ModelDir with float32 tensors under HF names.
+@dataclass
+class GGUFImport:
+    """A GGUF file as a ModelDir, and what its tensors were in the file."""
+    model: ModelDir
+    types: dict[str, QType]   # Hugging Face name (a repacked module's .weight) -> type in the file
+    dequantized: list[str]    # module paths of matrices stored in a quantized type that is not
+                              # repacked: float32 now (quant/ can quantize them again)
 
-    Raises FormatError for a file that is not GGUF, another architecture, a tensor type outside
-    SUPPORTED_TYPES, or a tokenizer other than byte-level BPE ("gpt2").
+
+def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
+    """Read a llama, qwen2 or qwen3 GGUF file into a ModelDir with tensors under HF names.
+
+    Matrices of gguf_blocks.BLOCK_TYPES are repacked into MLX's layout (repack_blocks=False:
+    dequantized to float32 instead), other quantized types dequantized to float32, F32/F16/BF16
+    kept as stored. Raises FormatError for a file that is not GGUF, another architecture, a tensor
+    type outside SUPPORTED_TYPES, or a tokenizer other than byte-level BPE ("gpt2").
     """
     path = Path(path)
     if not path.is_file():
@@ -98,35 +118,62 @@ def import_gguf(path: str | Path) -> ModelDir:
     tokenizer, tokenizer_config = _tokenizer(meta)
     config = _config(meta, arch, tie="output.weight" not in raw,
                      rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs))
-    tensors = {}
+    tensors, types, bits, dequantized = {}, {}, {}, []
     for name, t in raw.items():
-        w = _dequantize(t)
+        hf = hf_names[name]
+        module = hf.removesuffix(".weight")
+        matrix = len(t.shape) == 2
+        w = _read(t, repack_blocks and matrix)
         # llama.cpp reorders llama's q/k rows for its rope kernel; qwen2/3 files are left as in HF.
         kind = name.split(".")[-2]
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-            w = _unpermute(w, n_head, name)
-        w.flags.writeable = False
-        tensors[hf_names[name]] = w
+            w = _each_array(w, lambda a: _unpermute(a, n_head, name))
+        w = _each_array(w, _read_only)
+        types[hf] = t.tensor_type
+        if isinstance(w, Repacked):
+            tensors |= {hf: w.weight, f"{module}.scales": w.scales, f"{module}.biases": w.biases}
+            bits[module] = w.bits
+        else:
+            tensors[hf] = w
+            if matrix and t.tensor_type not in FLOAT_TYPES:
+                dequantized.append(module)
+    if bits:
+        config = dataclasses.replace(config, quantization=_quantization(bits))
     generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
-    return ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
-                    tokenizer_config=tokenizer_config,
-                    generation_config={k: v for k, v in generation_config.items() if v is not None})
+    model = ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
+                     tokenizer_config=tokenizer_config,
+                     generation_config={k: v for k, v in generation_config.items() if v is not None})
+    return GGUFImport(model, types, dequantized)
 
 
 def _check_types(tensors) -> None:
-    """Fail before dequantizing anything if one tensor has a type nibble cannot read."""
+    """Fail before reading anything if one tensor has a type nibble cannot read."""
     for t in tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
-            known = ", ".join(q.name for q in SUPPORTED_TYPES)
             raise FormatError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which nibble "
-                              f"cannot read (it reads {known}); use a file quantized to one of those")
+                              f"cannot read; it reads the float types and the quantized ones "
+                              f"llama.cpp writes: {', '.join(q.name for q in SUPPORTED_TYPES)}")
+
+
+def _read(t, repack_blocks: bool) -> np.ndarray | HalfTensor | Repacked:
+    """A tensor in numpy order (GGUF lists ne[0], the fastest-varying dim, first): repacked if
+    asked and its type allows, F32 and F16 as the file's memory map, BF16 as a HalfTensor of it,
+    anything else dequantized to float32."""
+    shape = tuple(int(n) for n in reversed(t.shape))
+    if repack_blocks and t.tensor_type in BLOCK_TYPES:
+        return repack(t.data, t.tensor_type)
+    if t.tensor_type in (QType.F32, QType.F16):
+        return t.data.reshape(shape)
+    if t.tensor_type == QType.BF16:
+        return HalfTensor(t.data.view("<u2").reshape(shape), bf16=True)
+    return _dequantize(t)
 
 
 def _dequantize(t) -> np.ndarray:
-    """float32 array in numpy order: GGUF lists ne[0], the fastest-varying dim, first."""
+    """float32 array in numpy order."""
     shape = tuple(int(n) for n in reversed(t.shape))
-    if t.tensor_type in (QType.F32, QType.F16):
+    if t.tensor_type in FLOAT_TYPES:
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
     # gguf.quants.dequantize works 16 rows at a time, twice as slow as these larger steps.
     blocks = getattr(gguf.quants, t.tensor_type.name)
@@ -136,6 +183,28 @@ def _dequantize(t) -> np.ndarray:
     for i in range(0, len(rows), step):
         out[i:i + step] = blocks.dequantize_rows(rows[i:i + step])
     return out.reshape(shape)
+
+
+def _each_array(w, f):
+    """f applied to every array a tensor is held in: their rows move together."""
+    if isinstance(w, Repacked):
+        return w._replace(weight=f(w.weight), scales=f(w.scales), biases=f(w.biases))
+    if isinstance(w, HalfTensor):
+        return w._replace(bits=f(w.bits))
+    return f(w)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _quantization(bits: dict[str, int]) -> dict:
+    """mlx-lm's `quantization` for the repacked modules: the commonest width as the default, a
+    per-module entry for the others."""
+    default = Counter(bits.values()).most_common(1)[0][0]
+    return {"group_size": GROUP_SIZE, "bits": default, "mode": "affine",
+            **{p: {"group_size": GROUP_SIZE, "bits": b} for p, b in bits.items() if b != default}}
 
 
 def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:

@@ -68,41 +68,55 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
     embed_scheme = AffineScheme(embed_bits, group_size) if embed_bits is not None else scheme
     tensors = _float_tensors(model, allow_requantize)
     imatrix = _check_imatrix_names(imatrix or {}, tensors)
-
-    paths = _linear_paths(tensors)
-    out = dict(tensors)
-    errors, kept_float, overrides = {}, {}, {}
-    for done, path in enumerate(paths, 1):
-        name = f"{path}.weight"
-        w = np.asarray(tensors[name])  # [out, in]; bf16 widened to float32, one matrix at a time
-        s = embed_scheme if path in (EMBEDDING, HEAD) else scheme
-        if w.shape[1] % s.group_size:
-            kept_float[name] = (f"row length {w.shape[1]} is not a multiple of the group size "
-                                f"{s.group_size}")
-        else:
-            imp = None if path == EMBEDDING else imatrix.get(name)
-            try:
-                qt = quantize(w, s, imp, method)
-            except NibbleError as e:
-                raise NibbleError(f"{name}: {e}") from None
-            del out[name]
-            out |= {name: qt.weight, f"{path}.scales": qt.scales, f"{path}.biases": qt.biases}
-            errors[name] = reconstruction_error(w, qt, imp)
-            if s != scheme:
-                overrides[path] = {"group_size": s.group_size, "bits": s.bits}
-        if progress is not None:
-            progress(name, done, len(paths))
-
+    out, errors, kept_float = _quantize_each(
+        tensors, _linear_paths(tensors), lambda p: embed_scheme if p in (EMBEDDING, HEAD) else scheme,
+        imatrix, method, progress)
+    overrides = ({path: {"group_size": group_size, "bits": embed_bits} for path in (EMBEDDING, HEAD)
+                  if f"{path}.weight" in errors} if embed_scheme != scheme else {})
     quantization = {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
-    # mlx-lm writes the same dict under both keys (the second is what the Hub shows).
-    extra = {**model.config.extra, "quantization_config": dict(quantization)}
-    config = dataclasses.replace(model.config, quantization=quantization, extra=extra)
     return QuantizeReport(
-        model=dataclasses.replace(model, path=None, config=config, tensors=out),
+        model=_with_quantization(model, out, quantization),
         errors=errors, kept_float=kept_float,
         bytes_before=sum(t.nbytes for t in model.tensors.values()),
         bytes_after=sum(t.nbytes for t in out.values()),
         params=sum(t.size for t in tensors.values()))
+
+
+def quantize_linears(model: ModelDir, paths: list[str], scheme: AffineScheme) -> QuantizeReport:
+    """Quantize the float matrices of the modules at `paths`, and only those, by rounding to
+    nearest: a model's other modules stay as they are, quantized or not (a GGUF import's matrices
+    in types nibble cannot repack, for one). The new ones get per-module entries in
+    `quantization` where `scheme` is not the model's default (or it becomes the default of a float
+    model). A matrix whose rows do not split into whole groups stays float and is reported.
+    """
+    unknown = [p for p in paths if f"{p}.weight" not in model.tensors or f"{p}.scales" in model.tensors]
+    if unknown:
+        raise NibbleError(f"no float matrix to quantize at {', '.join(unknown[:3])}")
+    out, errors, kept_float = _quantize_each(model.tensors, paths, lambda p: scheme, {}, "rtn", None)
+    default = model.config.quantization or {"group_size": scheme.group_size, "bits": scheme.bits,
+                                            "mode": "affine"}
+    overrides = ({} if AffineScheme(default["bits"], default["group_size"]) == scheme else
+                 {p: {"group_size": scheme.group_size, "bits": scheme.bits}
+                  for p in paths if f"{p}.weight" in errors})
+    return QuantizeReport(
+        model=_with_quantization(model, out, {**default, **overrides}),
+        errors=errors, kept_float=kept_float,
+        bytes_before=sum(t.nbytes for t in model.tensors.values()),
+        bytes_after=sum(t.nbytes for t in out.values()),
+        params=count_params(model.tensors, model.config.quantization))
+
+
+def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None) -> int:
+    """Weights in a model, a quantized matrix counted as the float matrix it stands for."""
+    n = 0
+    for name, t in tensors.items():
+        path, kind = name.rsplit(".", 1)
+        scheme = _scheme_for(quantization, tensors, path) if kind in ("weight", "scales", "biases") else None
+        if scheme is None:
+            n += t.size
+        elif kind == "weight":
+            n += t.shape[0] * t.shape[1] * 32 // scheme.bits
+    return n
 
 
 def read_linear(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None,
@@ -135,6 +149,40 @@ def default_calibration_text() -> str:
     About 30 KB of varied English: prose, dialogue, lists, numbers, code and markup.
     """
     return resources.files("nibble.quant").joinpath("calibration.txt").read_text(encoding="utf-8")
+
+
+def _quantize_each(tensors: dict, paths: list[str], scheme_of: Callable[[str], AffineScheme],
+                   imatrix: dict[str, np.ndarray], method: str,
+                   progress: Callable[[str, int, int], None] | None) -> tuple[dict, dict, dict]:
+    """Quantize the float matrix of each module path -> (all tensors, errors, kept_float)."""
+    out = dict(tensors)
+    errors, kept_float = {}, {}
+    for done, path in enumerate(paths, 1):
+        name = f"{path}.weight"
+        w = np.asarray(tensors[name])  # [out, in]; bf16 widened to float32, one matrix at a time
+        s = scheme_of(path)
+        if w.shape[1] % s.group_size:
+            kept_float[name] = (f"row length {w.shape[1]} is not a multiple of the group size "
+                                f"{s.group_size}")
+        else:
+            imp = None if path == EMBEDDING else imatrix.get(name)
+            try:
+                qt = quantize(w, s, imp, method)
+            except NibbleError as e:
+                raise NibbleError(f"{name}: {e}") from None
+            del out[name]
+            out |= {name: qt.weight, f"{path}.scales": qt.scales, f"{path}.biases": qt.biases}
+            errors[name] = reconstruction_error(w, qt, imp)
+        if progress is not None:
+            progress(name, done, len(paths))
+    return out, errors, kept_float
+
+
+def _with_quantization(model: ModelDir, tensors: dict, quantization: dict) -> ModelDir:
+    # mlx-lm writes the same dict under both keys (the second is what the Hub shows).
+    extra = {**model.config.extra, "quantization_config": dict(quantization)}
+    config = dataclasses.replace(model.config, quantization=quantization, extra=extra)
+    return dataclasses.replace(model, path=None, config=config, tensors=tensors)
 
 
 def _linear_paths(tensors: dict[str, np.ndarray]) -> list[str]:

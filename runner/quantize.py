@@ -5,10 +5,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nibble.formats.errors import NibbleError
-from nibble.formats.load import open_model
 from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import QuantizeReport, default_calibration_text, is_quantized, quantize_model
 from .calibrate import collect_imatrix
+from .loader import open_model
 from .model import Model
 from .tokenizer import Tokenizer
 

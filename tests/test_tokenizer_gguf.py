@@ -30,12 +30,12 @@ def encode(tok: tokenizers.Tokenizer, text: str, parse_special: bool) -> list[in
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return import_gguf(smollm2_gguf)
+    return import_gguf(smollm2_gguf).model
 
 
 def test_synthetic_control_and_user_defined(tmp_path):
     # The vocabulary of tests/test_gguf.py: CONTROL <|im_start|> (1), USER_DEFINED <tool> (3).
-    tok = import_gguf(write_gguf(tmp_path / "t.gguf", {})).tokenizer
+    tok = import_gguf(write_gguf(tmp_path / "t.gguf", {})).model.tokenizer
     the, lt = tok.token_to_id("Ġthe"), tok.token_to_id("<")
     assert encode(tok, "<|im_start|> the<tool>", True) == [1, the, 3]
     plain = encode(tok, "<|im_start|> the<tool>", False)
@@ -45,7 +45,7 @@ def test_synthetic_control_and_user_defined(tmp_path):
 
 def test_add_bos_token(tmp_path):
     meta = {"tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL)}
-    md = import_gguf(write_gguf(tmp_path / "bos.gguf", {}, meta=meta))
+    md = import_gguf(write_gguf(tmp_path / "bos.gguf", {}, meta=meta)).model
     assert md.tokenizer_config["add_bos_token"]
     assert md.tokenizer.encode(" the").ids == [1, md.tokenizer.token_to_id("Ġthe")]
     assert md.tokenizer.encode(" the", add_special_tokens=False).ids == [md.tokenizer.token_to_id("Ġthe")]
