@@ -4,9 +4,7 @@ Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation 
 types gguf_blocks knows are repacked, exactly, into MLX's affine layout (`P.weight` packed
 uint32, `P.scales`, `P.biases`, and `quantization` in the config, as an MLX checkpoint holds
 them); other quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config,
-tokenizer and chat template are rebuilt from the metadata. The tokenizer gives llama.cpp's ids.
-Its CONTROL tokens are `special` added tokens, so setting `tokenizer.encode_special_tokens = True`
-reproduces llama.cpp's parse_special=False mode, in which their text is tokenized as plain text.
+tokenizer and chat template are rebuilt from the metadata (gguf_tokenizer: ids equal to llama.cpp's).
 """
 from __future__ import annotations
 
@@ -18,13 +16,12 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import tokenizers
 from gguf import GGMLQuantizationType as QType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from .config import ModelConfig
 from .errors import FormatError
 from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
+from .gguf_tokenizer import gguf_tokenizer, need
 from .half import HalfTensor
 from .model_dir import ModelDir
 
@@ -44,26 +41,6 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
-
-# tokenizer.ggml.pre -> the regexes llama-vocab.cpp splits text with, applied one after another.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_PRE_TOKENIZERS = {
-    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
-    "gpt-2": [_GPT2],
-    "smollm": [r"\p{N}", _GPT2],
-    "starcoder": [r"\p{N}", _GPT2],
-    "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "llama-bpe": [_LLAMA3],
-    "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2],
-}
-# llama.cpp looks whole pre-tokens up in the vocabulary before merging, and adds BOS by default.
-_LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe"}
-
 
 class _Reader(gguf.GGUFReader):
     """GGUFReader over a plain ndarray view of its memmap.
@@ -115,7 +92,7 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
     raw = {t.name: t for t in reader.tensors}
     rope_freqs = raw.pop("rope_freqs.weight", None)
     hf_names = {name: _hf_name(name) for name in raw}   # every name checked before the slow part
-    tokenizer, tokenizer_config = _tokenizer(meta)
+    tokenizer, tokenizer_config = gguf_tokenizer(meta)
     config = _config(meta, arch, tie="output.weight" not in raw,
                      rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs))
     tensors, types, bits, dequantized = {}, {}, {}, []
@@ -230,12 +207,6 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
 
 
-def _need(meta: dict, key: str):
-    if key not in meta:
-        raise FormatError(f"GGUF metadata lacks {key}; the file is incomplete or not a model")
-    return meta[key]
-
-
 def _f32(v: float) -> float:
     """The shortest decimal that is this float32: metadata 1e-5 reads back 1e-05, not 9.99e-06."""
     return float(str(np.float32(v)))
@@ -243,8 +214,8 @@ def _f32(v: float) -> float:
 
 def _config(meta: dict, arch: str, tie: bool, rope_freqs: np.ndarray | None) -> ModelConfig:
     a = arch + "."
-    hidden = _need(meta, a + "embedding_length")
-    n_head = _need(meta, a + "attention.head_count")
+    hidden = need(meta, a + "embedding_length")
+    n_head = need(meta, a + "attention.head_count")
     head_dim = meta.get(a + "attention.key_length", hidden // n_head)
     rope_dim = meta.get(a + "rope.dimension_count", head_dim)
     if rope_dim != head_dim:
@@ -257,13 +228,13 @@ def _config(meta: dict, arch: str, tie: bool, rope_freqs: np.ndarray | None) -> 
     return ModelConfig(
         model_type=arch,
         hidden_size=hidden,
-        intermediate_size=_need(meta, a + "feed_forward_length"),
-        num_hidden_layers=_need(meta, a + "block_count"),
+        intermediate_size=need(meta, a + "feed_forward_length"),
+        num_hidden_layers=need(meta, a + "block_count"),
         num_attention_heads=n_head,
         num_key_value_heads=meta.get(a + "attention.head_count_kv", n_head),
         head_dim=head_dim,
-        vocab_size=len(_need(meta, "tokenizer.ggml.tokens")),
-        rms_norm_eps=_f32(_need(meta, a + "attention.layer_norm_rms_epsilon")),
+        vocab_size=len(need(meta, "tokenizer.ggml.tokens")),
+        rms_norm_eps=_f32(need(meta, a + "attention.layer_norm_rms_epsilon")),
         rope_theta=theta,
         rope_scaling=_rope_scaling(meta, a, theta, head_dim, rope_freqs),
         max_position_embeddings=meta.get(a + "context_length", 2048),
@@ -305,63 +276,3 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
                           "cannot rebuild it: use the Hugging Face release of this model")
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
-
-
-def _tokenizer(meta: dict) -> tuple[tokenizers.Tokenizer, dict]:
-    """A byte-level BPE tokenizer equal to llama.cpp's, and its tokenizer_config entries."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise FormatError(f"GGUF tokenizer model {kind!r} is not supported: nibble rebuilds only "
-                          "byte-level BPE ('gpt2') tokenizers")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise FormatError(f"GGUF pre-tokenizer {pre!r} is not supported; nibble knows "
-                          f"{', '.join(_PRE_TOKENIZERS)}")
-    tokens = _need(meta, "tokenizer.ggml.tokens")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise FormatError("GGUF vocabulary has duplicate tokens; llama.cpp refuses it too")
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [_split_merge(m) for m in _need(meta, "tokenizer.ggml.merges")]
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges,
-                                          ignore_merges=pre in _LLAMA3_STYLE))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    # llama.cpp matches CONTROL, UNKNOWN and USER_DEFINED tokens before BPE; only the first two
-    # are skipped when special tokens are not parsed, hence `special` for them alone.
-    tok.add_tokens([AddedToken(tokens[i], special=types[i] != _USER_DEFINED, normalized=False)
-                    for i in range(len(tokens)) if types[i] in (_UNKNOWN, _CONTROL, _USER_DEFINED)])
-
-    config = {"add_bos_token": meta.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_STYLE),
-              "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False)}
-    for key, id_key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        i = meta.get(f"tokenizer.ggml.{id_key}")
-        if i is not None and i < len(tokens):
-            config[key] = tokens[i]
-    if "tokenizer.chat_template" in meta:
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    tok.post_processor = _post_processor(config, tok)
-    return tok, config
-
-
-def _split_merge(merge: str) -> tuple[str, str]:
-    """Split a merge "a b" into ("a", "b") as llama.cpp does: at the first space after index 0."""
-    i = merge.find(" ", 1)
-    if i < 0:
-        raise FormatError(f"GGUF tokenizer merge {merge!r} is not two tokens separated by a space")
-    return merge[:i], merge[i + 1:]
-
-
-def _post_processor(config: dict, tok: tokenizers.Tokenizer):
-    """Add BOS/EOS on encode(add_special_tokens=True) as llama.cpp's add_bos/add_eos do."""
-    before = [config["bos_token"]] if config["add_bos_token"] and "bos_token" in config else []
-    after = [config["eos_token"]] if config["add_eos_token"] and "eos_token" in config else []
-    if not before and not after:
-        return None
-    return processors.TemplateProcessing(
-        single=" ".join(before + ["$A"] + after),
-        pair=" ".join(before + ["$A"] + after + before + ["$B:1"] + after),
-        special_tokens=[(t, tok.token_to_id(t)) for t in dict.fromkeys(before + after)])

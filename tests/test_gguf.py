@@ -301,9 +301,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tokenizer(tmp_path):
-    spm = write_gguf(tmp_path / "spm.gguf", {}, tokenizer="llama")   # SentencePiece
-    with pytest.raises(FormatError, match="tokenizer model 'llama'"):
-        import_gguf(spm)
+    wpm = write_gguf(tmp_path / "wpm.gguf", {}, tokenizer="bert")   # WordPiece
+    with pytest.raises(FormatError, match="tokenizer model 'bert'"):
+        import_gguf(wpm)
 
 
 def test_unknown_tensor(tmp_path):
