@@ -4,7 +4,8 @@ Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation 
 types gguf_blocks knows are repacked, exactly, into MLX's affine layout (`P.weight` packed
 uint32, `P.scales`, `P.biases`, and `quantization` in the config, as an MLX checkpoint holds
 them); other quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config,
-tokenizer and chat template are rebuilt from the metadata (gguf_tokenizer: ids equal to llama.cpp's).
+tokenizer and chat template are rebuilt from the metadata (the tokenizer by gguf_tokenizer, with
+llama.cpp's ids).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
     Matrices of gguf_blocks.BLOCK_TYPES are repacked into MLX's layout (repack_blocks=False:
     dequantized to float32 instead), other quantized types dequantized to float32, F32/F16/BF16
     kept as stored. Raises FormatError for a file that is not GGUF, another architecture, a tensor
-    type outside SUPPORTED_TYPES, or a tokenizer other than byte-level BPE ("gpt2").
+    type outside SUPPORTED_TYPES, or a tokenizer gguf_tokenizer cannot rebuild.
     """
     path = Path(path)
     if not path.is_file():
@@ -115,12 +116,14 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
             tensors[hf] = w
             if matrix and t.tensor_type not in FLOAT_TYPES:
                 dequantized.append(module)
-    if bits:
-        config = dataclasses.replace(config, quantization=_quantization(bits))
-    generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    if bits:   # mlx-lm writes the same dict under both keys (the second is what the Hub shows)
+        q = _quantization(bits)
+        config = dataclasses.replace(config, quantization=q,
+                                     extra={**config.extra, "quantization_config": dict(q)})
+    generation_config = {k: v for k, v in (("bos_token_id", config.bos_token_id),
+                                           ("eos_token_id", config.eos_token_id)) if v is not None}
     model = ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
-                     tokenizer_config=tokenizer_config,
-                     generation_config={k: v for k, v in generation_config.items() if v is not None})
+                     tokenizer_config=tokenizer_config, generation_config=generation_config)
     return GGUFImport(model, types, dequantized)
 
 

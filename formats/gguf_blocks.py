@@ -25,7 +25,8 @@ _STEP = 1 << 22   # weights repacked at a time: bounds the temporaries
 
 
 class Repacked(NamedTuple):
-    """One matrix [N, K] in MLX's affine layout: W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32]."""
+    """One matrix [N, K] in MLX's affine layout:
+    W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32]."""
     weight: np.ndarray   # uint32 [N, K*bits/32], packed integers
     scales: np.ndarray   # [N, K/32] float16 where that holds every value exactly, else float32
     biases: np.ndarray   # [N, K/32] the same dtype as scales
@@ -34,7 +35,8 @@ class Repacked(NamedTuple):
 
 class _BlockType(NamedTuple):
     bits: int   # MLX's width for the integers: 4 or 8
-    # blocks [n, type_size] uint8 -> q [n, block_size] uint8, scales and biases [n, block_size/32] float32
+    # blocks [n, type_size] uint8 -> q [n, block_size] uint8,
+    #                                scales and biases [n, block_size/32] float32
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 

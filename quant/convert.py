@@ -68,9 +68,12 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
     embed_scheme = AffineScheme(embed_bits, group_size) if embed_bits is not None else scheme
     tensors = _float_tensors(model, allow_requantize)
     imatrix = _check_imatrix_names(imatrix or {}, tensors)
-    out, errors, kept_float = _quantize_each(
-        tensors, _linear_paths(tensors), lambda p: embed_scheme if p in (EMBEDDING, HEAD) else scheme,
-        imatrix, method, progress)
+
+    def scheme_of(path: str) -> AffineScheme:
+        return embed_scheme if path in (EMBEDDING, HEAD) else scheme
+
+    out, errors, kept_float = _quantize_each(tensors, _linear_paths(tensors), scheme_of, imatrix,
+                                             method, progress)
     overrides = ({path: {"group_size": group_size, "bits": embed_bits} for path in (EMBEDDING, HEAD)
                   if f"{path}.weight" in errors} if embed_scheme != scheme else {})
     quantization = {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
@@ -89,10 +92,11 @@ def quantize_linears(model: ModelDir, paths: list[str], scheme: AffineScheme) ->
     `quantization` where `scheme` is not the model's default (or it becomes the default of a float
     model). A matrix whose rows do not split into whole groups stays float and is reported.
     """
-    unknown = [p for p in paths if f"{p}.weight" not in model.tensors or f"{p}.scales" in model.tensors]
+    tensors = model.tensors
+    unknown = [p for p in paths if f"{p}.weight" not in tensors or f"{p}.scales" in tensors]
     if unknown:
         raise NibbleError(f"no float matrix to quantize at {', '.join(unknown[:3])}")
-    out, errors, kept_float = _quantize_each(model.tensors, paths, lambda p: scheme, {}, "rtn", None)
+    out, errors, kept_float = _quantize_each(tensors, paths, lambda path: scheme, {}, "rtn", None)
     default = model.config.quantization or {"group_size": scheme.group_size, "bits": scheme.bits,
                                             "mode": "affine"}
     overrides = ({} if AffineScheme(default["bits"], default["group_size"]) == scheme else
@@ -101,9 +105,9 @@ def quantize_linears(model: ModelDir, paths: list[str], scheme: AffineScheme) ->
     return QuantizeReport(
         model=_with_quantization(model, out, {**default, **overrides}),
         errors=errors, kept_float=kept_float,
-        bytes_before=sum(t.nbytes for t in model.tensors.values()),
+        bytes_before=sum(t.nbytes for t in tensors.values()),
         bytes_after=sum(t.nbytes for t in out.values()),
-        params=count_params(model.tensors, model.config.quantization))
+        params=count_params(tensors, model.config.quantization))
 
 
 def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None) -> int:
@@ -111,7 +115,8 @@ def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict
     n = 0
     for name, t in tensors.items():
         path, kind = name.rsplit(".", 1)
-        scheme = _scheme_for(quantization, tensors, path) if kind in ("weight", "scales", "biases") else None
+        affine = kind in ("weight", "scales", "biases")
+        scheme = _scheme_for(quantization, tensors, path) if affine else None
         if scheme is None:
             n += t.size
         elif kind == "weight":

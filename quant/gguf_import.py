@@ -27,7 +27,8 @@ REQUANTIZE = AffineScheme(8, 32)
 class TypeOutcome:
     """What the tensors of one GGUF type became."""
     gguf_type: str   # "Q4_1"
-    became: str      # "int4 g32 (exact)", "int8 g32 (requantized)", "float32 (dequantized)", "float16"
+    became: str      # "int4 g32 (exact)", "int8 g32 (requantized)", "float16",
+                     # "float32 (dequantized)"
     tensors: int
 
 
@@ -71,7 +72,8 @@ def _became(model: ModelDir, name: str, qtype: QType, requantized: set[str]) -> 
     path = name.removesuffix(".weight")
     if f"{path}.scales" in model.tensors:
         qt = read_linear(model.tensors, model.config.quantization, path)
-        return f"int{qt.bits} g{qt.group_size} ({'requantized' if path in requantized else 'exact'})"
+        how = "requantized" if path in requantized else "exact"
+        return f"int{qt.bits} g{qt.group_size} ({how})"
     t = model.tensors[name]
     dtype = ("bfloat16" if t.bf16 else "float16") if isinstance(t, HalfTensor) else str(t.dtype)
     return dtype if qtype in FLOAT_TYPES else f"{dtype} (dequantized)"

@@ -223,17 +223,18 @@ def _fetch_if_needed(ref: str):
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
               help="The model directory to write.")
 @click.option("--float", "keep_float", is_flag=True,
-              help="Dequantize every quantized tensor to float32 instead of keeping its quantization.")
+              help="Dequantize every quantized tensor to float32, not keeping the quantization.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def import_(gguf_file, output, keep_float, force):
-    """Convert a GGUF file into a Hugging Face-style model directory (safetensors), quantized
-    in MLX's layout as the GGUF was (exactly where the block type allows), or float32 with --float."""
+    """Convert a GGUF file into a Hugging Face-style model directory (safetensors), quantized in
+    MLX's layout as the GGUF was (exactly where the block type allows), or float with --float."""
     from nibble.formats.model_dir import write_model_dir
     from nibble.quant.gguf_import import import_gguf_model
     report = import_gguf_model(gguf_file, keep_float)
     out = write_model_dir(report.model, output, force=force)
     for o in report.outcomes:
-        click.echo(f"{o.gguf_type}: {o.tensors} tensor{'s' * (o.tensors != 1)} -> {o.became}", err=True)
+        plural = "s" * (o.tensors != 1)
+        click.echo(f"{o.gguf_type}: {o.tensors} tensor{plural} -> {o.became}", err=True)
     for name, why in report.kept_float.items():
         click.echo(f"kept in float: {name} ({why})", err=True)
     click.echo(f"wrote {out} ({len(report.model.tensors)} tensors, {report.nbytes / 1e6:.1f} MB, "
