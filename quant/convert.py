@@ -91,18 +91,15 @@ class QuantizePlan:
         overrides = {}
         for path in self.linears:
             s = embed_scheme if path in (EMBEDDING, HEAD) else scheme
-            n = self.source[f"{path}.weight"].shape[1]
-            if n % s.group_size:
-                self.kept_float[f"{path}.weight"] = (f"row length {n} is not a multiple of the "
-                                                     f"group size {s.group_size}")
+            misfit = _misfit(self.source[f"{path}.weight"], s)
+            if misfit:
+                self.kept_float[f"{path}.weight"] = misfit
             else:
                 self.schemes[path] = s
                 if s != scheme:
                     overrides[path] = {"group_size": s.group_size, "bits": s.bits}
         quantization = {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
-        # mlx-lm writes the same dict under both keys (the second is what the Hub shows).
-        extra = {**model.config.extra, "quantization_config": dict(quantization)}
-        self.config = dataclasses.replace(model.config, quantization=quantization, extra=extra)
+        self.config = _quantized_config(model.config, quantization)
         self.specs: dict[str, TensorSpec] = {}   # each quantized weight replaced by its three parts
         for name, t in self.source.items():
             s = self._scheme(name)
@@ -151,14 +148,57 @@ class QuantizePlan:
 
     def _quantize(self, name: str, t, s: AffineScheme) -> QuantizedTensor:
         w = dequantize(t) if isinstance(t, QuantizedTensor) else np.asarray(t)  # [out, in] float32
-        path = name.removesuffix(".weight")
-        imp = None if path == EMBEDDING else self.imatrix.get(name)
-        try:
-            qt = quantize(w, s, imp, self.method)
-        except NibbleError as e:
-            raise NibbleError(f"{name}: {e}") from None
-        self.errors[name] = reconstruction_error(w, qt, imp)
+        imp = None if name == f"{EMBEDDING}.weight" else self.imatrix.get(name)
+        qt, self.errors[name] = _quantized(name, w, s, imp, self.method)
         return qt
+
+
+def quantize_linears(model: ModelDir, paths: list[str], scheme: AffineScheme) -> QuantizeReport:
+    """Quantize the float matrices of the modules at `paths`, and only those, by rounding to
+    nearest: a model's other modules stay as they are, quantized or not (a GGUF import's matrices
+    in types nibble cannot repack, for one). The new ones get per-module entries in
+    `quantization` where `scheme` is not the model's default (or it becomes the default of a float
+    model). A matrix whose rows do not split into whole groups stays float and is reported.
+    """
+    tensors = model.tensors
+    unknown = [p for p in paths if f"{p}.weight" not in tensors or f"{p}.scales" in tensors]
+    if unknown:
+        raise NibbleError(f"no float matrix to quantize at {', '.join(unknown[:3])}")
+    out, errors, kept_float = dict(tensors), {}, {}
+    for path in paths:
+        name = f"{path}.weight"
+        w = np.asarray(tensors[name])   # [out, in] float32 (bf16 widened), one matrix at a time
+        if misfit := _misfit(w, scheme):
+            kept_float[name] = misfit
+            continue
+        qt, errors[name] = _quantized(name, w, scheme, None, "rtn")
+        del out[name]
+        out |= dict(zip(_parts(name), (qt.weight, qt.scales, qt.biases)))
+    default = model.config.quantization or {"group_size": scheme.group_size, "bits": scheme.bits,
+                                            "mode": "affine"}
+    overrides = ({} if AffineScheme(default["bits"], default["group_size"]) == scheme else
+                 {p: {"group_size": scheme.group_size, "bits": scheme.bits}
+                  for p in paths if f"{p}.weight" in errors})
+    return QuantizeReport(
+        model=_with_quantization(model, out, {**default, **overrides}),
+        errors=errors, kept_float=kept_float,
+        bytes_before=sum(t.nbytes for t in tensors.values()),
+        bytes_after=sum(t.nbytes for t in out.values()),
+        params=count_params(tensors, model.config.quantization))
+
+
+def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None) -> int:
+    """Weights in a model, a quantized matrix counted as the float matrix it stands for."""
+    n = 0
+    for name, t in tensors.items():
+        path, kind = name.rsplit(".", 1)
+        affine = kind in ("weight", "scales", "biases")
+        scheme = _scheme_for(quantization, tensors, path) if affine else None
+        if scheme is None:
+            n += t.size
+        elif kind == "weight":
+            n += t.shape[0] * t.shape[1] * 32 // scheme.bits
+    return n
 
 
 def read_linear(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None,
@@ -197,6 +237,33 @@ def _parts(name: str) -> tuple[str, str, str]:
     """The names of a quantized weight's packed integers, scales and biases."""
     path = name.removesuffix(".weight")
     return name, f"{path}.scales", f"{path}.biases"
+
+
+def _misfit(w, s: AffineScheme) -> str:
+    """Why matrix w [out, in] cannot be quantized with scheme s, or "" when it can."""
+    n = w.shape[1]
+    return f"row length {n} is not a multiple of the group size {s.group_size}" if n % s.group_size else ""
+
+
+def _quantized(name: str, w: np.ndarray, s: AffineScheme, imp: np.ndarray | None,
+               method: str) -> tuple[QuantizedTensor, float]:
+    """Float matrix `name` quantized, and its relative reconstruction error."""
+    try:
+        qt = quantize(w, s, imp, method)
+    except NibbleError as e:
+        raise NibbleError(f"{name}: {e}") from None
+    return qt, reconstruction_error(w, qt, imp)
+
+
+def _quantized_config(config: ModelConfig, quantization: dict) -> ModelConfig:
+    # mlx-lm writes the same dict under both keys (the second is what the Hub shows).
+    extra = {**config.extra, "quantization_config": dict(quantization)}
+    return dataclasses.replace(config, quantization=quantization, extra=extra)
+
+
+def _with_quantization(model: ModelDir, tensors: dict, quantization: dict) -> ModelDir:
+    return dataclasses.replace(model, path=None, config=_quantized_config(model.config, quantization),
+                               tensors=tensors)
 
 
 def _linear_paths(tensors: dict) -> list[str]:

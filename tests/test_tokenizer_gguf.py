@@ -1,4 +1,5 @@
-"""The tokenizer rebuilt from GGUF metadata gives exactly llama.cpp's ids.
+"""The tokenizer rebuilt from GGUF metadata gives exactly llama.cpp's ids: byte-level BPE
+(SmolLM2's) and SentencePiece (Llama 2's vocabulary, from llama.cpp's own tests).
 
 llama.cpp has two modes: parse_special=True matches CONTROL tokens such as <|im_start|> in the
 text; parse_special=False tokenizes their text like any other. The rebuilt tokenizer marks CONTROL
@@ -18,6 +19,8 @@ from nibble.formats.gguf import import_gguf
 from tests.llamacpp import DATA, SMOLLM2, TOKENIZER
 from tests.test_gguf import write_gguf
 
+SPM = DATA / "llamacpp-vocab" / "ggml-vocab-llama-spm.gguf"   # Llama 2's SentencePiece vocabulary
+SPM_REF = json.loads((DATA / "llamacpp-vocab" / "llama-spm-llamacpp.json").read_text(encoding="utf-8"))
 
 
 def encode(tok: tokenizers.Tokenizer, text: str, parse_special: bool) -> list[int]:
@@ -30,12 +33,12 @@ def encode(tok: tokenizers.Tokenizer, text: str, parse_special: bool) -> list[in
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return import_gguf(smollm2_gguf)
+    return import_gguf(smollm2_gguf).model
 
 
 def test_synthetic_control_and_user_defined(tmp_path):
     # The vocabulary of tests/test_gguf.py: CONTROL <|im_start|> (1), USER_DEFINED <tool> (3).
-    tok = import_gguf(write_gguf(tmp_path / "t.gguf", {})).tokenizer
+    tok = import_gguf(write_gguf(tmp_path / "t.gguf", {})).model.tokenizer
     the, lt = tok.token_to_id("Ġthe"), tok.token_to_id("<")
     assert encode(tok, "<|im_start|> the<tool>", True) == [1, the, 3]
     plain = encode(tok, "<|im_start|> the<tool>", False)
@@ -45,7 +48,7 @@ def test_synthetic_control_and_user_defined(tmp_path):
 
 def test_add_bos_token(tmp_path):
     meta = {"tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL)}
-    md = import_gguf(write_gguf(tmp_path / "bos.gguf", {}, meta=meta))
+    md = import_gguf(write_gguf(tmp_path / "bos.gguf", {}, meta=meta)).model
     assert md.tokenizer_config["add_bos_token"]
     assert md.tokenizer.encode(" the").ids == [1, md.tokenizer.token_to_id("Ġthe")]
     assert md.tokenizer.encode(" the", add_special_tokens=False).ids == [md.tokenizer.token_to_id("Ġthe")]
@@ -108,3 +111,72 @@ def test_survives_tokenizer_json(smollm2):
     for case in TOKENIZER["strings"]:
         assert encode(tok, case["text"], parse_special=True) == case["ids_parse_special"]
         assert encode(tok, case["text"], parse_special=False) == case["ids"]
+
+
+# ---- SentencePiece (tokenizer.ggml.model "llama"): llama.cpp's own Llama 2 vocabulary ----
+
+def read_vocab_tests(path):
+    """llama.cpp's test-tokenizer-0 cases: strings in .inp split as read_tests() splits them, ids
+    in .out (tokenized without BOS, special tokens not parsed)."""
+    raw = path.with_name(path.name + ".inp").read_text(encoding="utf-8")
+    texts = raw.split("\n__ggml_vocab_test__\n")
+    texts = texts[:-1] if texts[-1] == "" else texts   # the file ends with a separator
+    ids = [[int(i) for i in line.split()]
+           for line in path.with_name(path.name + ".out").read_text(encoding="utf-8").splitlines()]
+    assert len(texts) == len(ids) == 46
+    return zip(texts, ids)
+
+
+def spm_variant(path, add_space_prefix: bool):
+    """The llama-spm vocabulary file rewritten with tokenizer.ggml.add_space_prefix set (Gemma's
+    are false)."""
+    fields = gguf.GGUFReader(SPM).fields.values()
+    w = gguf.GGUFWriter(str(path), "llama")
+    for f in fields:
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[1] if array else None)
+    w.add_add_space_prefix(add_space_prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm():
+    return import_gguf(SPM).model
+
+
+def test_sentencepiece_vocab_tests(spm):
+    for text, ids in read_vocab_tests(SPM):
+        assert encode(spm.tokenizer, text, parse_special=False) == ids, text
+
+
+def test_sentencepiece_awkward_strings(spm):
+    # Leading and repeated spaces, Unicode, digits, byte fallback, special tokens: both modes, and
+    # with BOS, which SentencePiece GGUFs add by default.
+    assert spm.tokenizer_config["add_bos_token"] and spm.tokenizer_config["bos_token"] == "<s>"
+    for tok in (spm.tokenizer, tokenizers.Tokenizer.from_str(spm.tokenizer.to_str())):
+        for case in SPM_REF["strings"]:
+            text = case["text"]
+            assert encode(tok, text, parse_special=False) == case["ids"], text
+            assert encode(tok, text, parse_special=True) == case["ids_parse_special"], text
+            assert tok.encode(text).ids == case["ids_bos_parse_special"], text
+            if "\u2581" not in text:   # SentencePiece writes spaces as U+2581: it cannot tell them apart
+                assert tok.decode(case["ids"], skip_special_tokens=False) == text
+
+
+def test_sentencepiece_without_space_prefix(tmp_path):
+    tok = import_gguf(spm_variant(tmp_path / "gemma-style.gguf", False)).model.tokenizer
+    for case in SPM_REF["no_space_prefix"]:
+        assert encode(tok, case["text"], parse_special=True) == case["ids_parse_special"], case["text"]
+        assert tok.decode(case["ids_parse_special"], skip_special_tokens=False) == case["text"]
+
+
+def test_sentencepiece_chat_prompt(spm):
+    # Through nibble's Tokenizer, as a Llama 2 chat prompt is encoded: BOS once, [INST] as text.
+    from nibble.runner.tokenizer import Tokenizer
+    case = next(c for c in SPM_REF["strings"] if c["text"].startswith("[INST]"))
+    assert Tokenizer(spm).encode(case["text"]) == case["ids_bos_parse_special"]
+    assert Tokenizer(spm).encode("<s>" + case["text"]) == case["ids_bos_parse_special"]

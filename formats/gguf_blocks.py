@@ -1,0 +1,132 @@
+"""GGUF's quantized blocks repacked into MLX's affine layout, without changing a single weight.
+
+Each ggml block type below stores, per run of 32 weights, integers q and numbers that make
+w = scale * q + bias (Q4_0, Q5_0 and Q8_0 centre q on zero: their bias is -d times the offset;
+Q4_K and Q5_K hold 8 runs of 32 in a super-block of 256, with scale d*sc and bias -dmin*m). MLX's
+layout holds the same things in groups of 32: the integers packed into uint32 words (see
+packing), scales and biases beside them. So the repacked tensor, dequantized, gives the very
+float32 numbers ggml's dequantization gives: the products and sums are the same float32
+operations on the same operands (q*d and 8*d are exact in float32). 5-bit integers take 8 bits,
+as MLX packs only 2, 4 and 8.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from .packing import pack
+
+GROUP_SIZE = 32   # weights sharing a scale and bias: a ggml block, or a K-quant sub-block
+_STEP = 1 << 22   # weights repacked at a time: bounds the temporaries
+
+
+class Repacked(NamedTuple):
+    """One matrix [N, K] in MLX's affine layout:
+    W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32]."""
+    weight: np.ndarray   # uint32 [N, K*bits/32], packed integers
+    scales: np.ndarray   # [N, K/32] float16 where that holds every value exactly, else float32
+    biases: np.ndarray   # [N, K/32] the same dtype as scales
+    bits: int
+
+
+class _BlockType(NamedTuple):
+    bits: int   # MLX's width for the integers: 4 or 8
+    # blocks [n, type_size] uint8 -> q [n, block_size] uint8,
+    #                                scales and biases [n, block_size/32] float32
+    decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes a row, a little-endian float16 -> float32 [n, 1]."""
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """Bytes [n, m] -> [n, 2m] integers: each `run` bytes hold `run` weights in their low nibbles,
+    then the next `run` weights in their high nibbles."""
+    q = qs.reshape(len(qs), -1, 1, run) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(len(qs), -1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's fifth bits: 4 bytes [n, 4], bit j for weight j -> [n, 32] values 0 or 16."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << np.uint8(4)
+
+
+def _q4_0(b):   # d f16, 16 bytes of nibbles; w = d * (q - 8)
+    d = _f16(b[:, 0:2])
+    return _nibbles(b[:, 2:], 16), d, -8 * d
+
+
+def _q4_1(b):   # d f16, m f16, 16 bytes of nibbles; w = d * q + m
+    return _nibbles(b[:, 4:], 16), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b):   # d f16, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * (q - 16)
+    d = _f16(b[:, 0:2])
+    return _nibbles(b[:, 6:], 16) | _high_bits(b[:, 2:6]), d, -16 * d
+
+
+def _q5_1(b):   # d f16, m f16, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * q + m
+    return _nibbles(b[:, 8:], 16) | _high_bits(b[:, 4:8]), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _q8_0(b):   # d f16, 32 int8; w = d * q: q + 128 is the int8's byte with its top bit flipped
+    d = _f16(b[:, 0:2])
+    return b[:, 2:] ^ np.uint8(0x80), d, -128 * d
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant super-block's 8 sub-block scales d*sc and biases -dmin*m, float32 [n, 8]."""
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])   # 6-bit integers, packed in 12 bytes
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _q4_k(b):   # d, dmin, 12 bytes of 6-bit sc and m, 128 bytes of nibbles (32-byte runs)
+    return _nibbles(b[:, 16:], 32), *_k_scales(b)
+
+
+def _q5_k(b):   # as Q4_K, with 32 bytes of fifth bits before the nibbles: bit s of byte e for
+    # weight e of sub-block s
+    high = np.unpackbits(b[:, 16:48, None], axis=-1, bitorder="little")   # [n, 32, 8]
+    high = high.transpose(0, 2, 1).reshape(len(b), -1) << np.uint8(4)      # [n, 256]
+    return _nibbles(b[:, 48:], 32) | high, *_k_scales(b)
+
+
+BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1),
+               QType.Q4_K: _BlockType(4, _q4_k), QType.Q5_0: _BlockType(8, _q5_0),
+               QType.Q5_1: _BlockType(8, _q5_1), QType.Q5_K: _BlockType(8, _q5_k),
+               QType.Q8_0: _BlockType(8, _q8_0)}
+
+
+def repack(data: np.ndarray, qtype: QType) -> Repacked:
+    """A GGUF matrix of one of BLOCK_TYPES (its bytes, [N, bytes per row]) in MLX's layout."""
+    kind = BLOCK_TYPES[qtype]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = data.shape[0]
+    cols = data.shape[1] // type_size * block_size                # K
+    weight = np.empty((rows, cols * kind.bits // 32), np.uint32)  # [N, K*bits/32]
+    scales = np.empty((rows, cols // GROUP_SIZE), np.float32)     # [N, K/32]
+    biases = np.empty_like(scales)                                # [N, K/32]
+    step = max(1, _STEP // cols)
+    for r in range(0, rows, step):
+        part = data[r:r + step]
+        n = len(part)
+        q, s, b = kind.decode(part.reshape(-1, type_size))        # per block
+        weight[r:r + n] = pack(q.reshape(n, cols), kind.bits)
+        scales[r:r + n], biases[r:r + n] = s.reshape(n, -1), b.reshape(n, -1)
+    return Repacked(weight, *_narrowed(scales, biases), kind.bits)
+
+
+def _narrowed(scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both as float16 when that keeps every value (half the bytes), else both float32."""
+    with np.errstate(over="ignore"):   # a value too large for float16 is caught below
+        half = scales.astype(np.float16), biases.astype(np.float16)
+    if all(np.array_equal(h.astype(np.float32), x) for h, x in zip(half, (scales, biases))):
+        return half
+    return scales, biases

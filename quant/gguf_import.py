@@ -1,0 +1,79 @@
+"""A GGUF file made ready to run: the exact repacks of formats/gguf.py, the rest quantized here.
+
+formats/ repacks the block types MLX's layout holds as they are; a matrix in any other quantized
+type (Q6_K, Q2_K, Q3_K, IQ*, ...) arrives dequantized to float32 and is quantized again to
+8 bits in groups of 32 by rounding to nearest: at least as many bits as any of those types had,
+so the error it adds is small next to theirs. F32, F16 and BF16 tensors stay as the file holds them.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as QType
+
+from nibble.formats.gguf import FLOAT_TYPES, import_gguf
+from nibble.formats.half import HalfTensor
+from nibble.formats.model_dir import ModelDir
+
+from .affine import AffineScheme
+from .convert import count_params, quantize_linears, read_linear
+
+REQUANTIZE = AffineScheme(8, 32)
+
+
+@dataclass(frozen=True)
+class TypeOutcome:
+    """What the tensors of one GGUF type became."""
+    gguf_type: str   # "Q4_1"
+    became: str      # "int4 g32 (exact)", "int8 g32 (requantized)", "float16",
+                     # "float32 (dequantized)"
+    tensors: int
+
+
+@dataclass
+class ImportReport:
+    """A GGUF import: the model, and what became of each tensor type."""
+    model: ModelDir
+    outcomes: list[TypeOutcome]   # in the order the file first has each type
+    kept_float: dict[str, str]    # weight name of a matrix left in float though it was to be
+                                  # quantized -> why
+    params: int                   # weights in the model
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.model.tensors.values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Of the whole model, norms included, as QuantizeReport counts them."""
+        return self.nbytes * 8 / self.params
+
+
+def import_gguf_model(path: str | Path, keep_float: bool = False) -> ImportReport:
+    """Read a GGUF file into a ModelDir that keeps its quantization: repacked exactly where
+    formats/ can, else requantized to REQUANTIZE. keep_float: every quantized type dequantized
+    to float32 instead. Raises FormatError (see import_gguf)."""
+    imported = import_gguf(path, repack_blocks=not keep_float)
+    model, kept_float, requantized = imported.model, {}, set()
+    if imported.dequantized and not keep_float:
+        report = quantize_linears(model, imported.dequantized, REQUANTIZE)
+        model, kept_float = report.model, report.kept_float
+        requantized = {p for p in imported.dequantized if f"{p}.weight" not in kept_float}
+    outcomes = Counter((qtype.name, _became(model, name, qtype, requantized))
+                       for name, qtype in imported.types.items())
+    return ImportReport(model, [TypeOutcome(t, became, n) for (t, became), n in outcomes.items()],
+                        kept_float, count_params(model.tensors, model.config.quantization))
+
+
+def _became(model: ModelDir, name: str, qtype: QType, requantized: set[str]) -> str:
+    """What the tensor `name` is in `model`: "int8 g32 (requantized)", "float16", ..."""
+    path = name.removesuffix(".weight")
+    if f"{path}.scales" in model.tensors:
+        qt = read_linear(model.tensors, model.config.quantization, path)
+        how = "requantized" if path in requantized else "exact"
+        return f"int{qt.bits} g{qt.group_size} ({how})"
+    t = model.tensors[name]
+    dtype = ("bfloat16" if t.bf16 else "float16") if isinstance(t, HalfTensor) else str(t.dtype)
+    return dtype if qtype in FLOAT_TYPES else f"{dtype} (dequantized)"

@@ -1,0 +1,116 @@
+"""A GGUF file imported to run: exact repacks, the rest requantized to int8, the report, the CLI."""
+from dataclasses import replace
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from nibble.formats.model_dir import read_model_dir
+from nibble.quant.affine import dequantize, reconstruction_error
+from nibble.quant.convert import read_linear
+from nibble.quant.gguf_import import TypeOutcome, import_gguf_model
+from nibble.runner.loader import from_model_dir, load
+from tests.test_cli import invoke
+from tests.test_gguf import TOKENS, gguf_name, llama_cpp_tensors, random_blocks, write_gguf
+from tests.tiny import tiny_config, tiny_tensors
+
+# down_proj's rows (F = 256) take whole Q6_K super-blocks.
+CONFIG = tiny_config(vocab_size=len(TOKENS), intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    """A tiny llama as llama.cpp mixes types: F16 embedding, F32 norms, Q4_0 attention and
+    gate/up, Q6_K down_proj (a type nibble cannot repack)."""
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, w in llama_cpp_tensors(tiny_tensors(CONFIG), CONFIG).items():
+        if w.ndim == 1:
+            tensors[name] = w
+        elif name == "token_embd.weight":
+            tensors[name] = w.astype(np.float16)
+        elif "ffn_down" in name:
+            tensors[name] = (random_blocks(rng, *w.shape, QType.Q6_K, (-3, -2.5)), QType.Q6_K)
+        else:
+            tensors[name] = (gguf.quants.quantize(w, QType.Q4_0), QType.Q4_0)
+    path = write_gguf(tmp_path_factory.mktemp("mixed") / "mixed.gguf", tensors, config=CONFIG)
+    return path, tensors
+
+
+def test_requantizes_only_what_cannot_be_repacked(mixed_gguf):
+    path, raw = mixed_gguf
+    report = import_gguf_model(path)
+    assert report.outcomes == [TypeOutcome("F16", "float16", 1), TypeOutcome("F32", "float32", 5),
+                               TypeOutcome("Q4_0", "int4 g32 (exact)", 12),
+                               TypeOutcome("Q6_K", "int8 g32 (requantized)", 2)]
+    md = report.model
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    assert md.config.quantization == {"group_size": 32, "bits": 4, "mode": "affine",
+                                      **{p: {"group_size": 32, "bits": 8} for p in downs}}
+    assert md.tensors["model.embed_tokens.weight"].dtype == np.float16
+    for path_ in downs:   # rounded to nearest at 8 bits: close to the Q6_K weights
+        data, qtype = raw[gguf_name(f"{path_}.weight")]
+        qt = read_linear(md.tensors, md.config.quantization, path_)
+        assert reconstruction_error(gguf.quants.dequantize(data, qtype), qt) < 0.005
+    q = read_linear(md.tensors, md.config.quantization, "model.layers.1.mlp.up_proj")
+    np.testing.assert_array_equal(dequantize(q), gguf.quants.dequantize(*raw["blk.1.ffn_up.weight"]))
+    assert report.kept_float == {}
+    params = sum(np.prod(t.shape) for t in gguf.GGUFReader(path).tensors)
+    assert report.params == params
+    assert report.bits_per_weight == report.nbytes * 8 / params
+
+
+def test_keep_float(mixed_gguf):
+    path, _ = mixed_gguf
+    report = import_gguf_model(path, keep_float=True)
+    assert report.outcomes == [TypeOutcome("F16", "float16", 1), TypeOutcome("F32", "float32", 5),
+                               TypeOutcome("Q4_0", "float32 (dequantized)", 12),
+                               TypeOutcome("Q6_K", "float32 (dequantized)", 2)]
+    assert report.model.config.quantization is None
+
+
+def test_runs_as_its_dequantized_weights(mixed_gguf):
+    # Prefill makes tiles of the weights float32 exactly: the logits are those of a float model
+    # holding the dequantized weights.
+    md = import_gguf_model(mixed_gguf[0]).model
+    floats = {}
+    for name, t in md.tensors.items():
+        path = name.removesuffix(".weight")
+        if f"{path}.scales" in md.tensors:
+            floats[name] = dequantize(read_linear(md.tensors, md.config.quantization, path))
+        elif not name.endswith((".scales", ".biases")):
+            floats[name] = t
+    quantized, _ = from_model_dir(md)
+    reference, _ = from_model_dir(replace(md, tensors=floats, config=replace(md.config, quantization=None)))
+    ids = [5, 17, 42, 99, 7, 3]
+    got = quantized.forward(ids, quantized.new_cache(16), all_logits=True)
+    want = reference.forward(ids, reference.new_cache(16), all_logits=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_runs_a_gguf_quantized(mixed_gguf):
+    model, _ = load(str(mixed_gguf[0]))
+    assert model.layers[0].w_down.bits == 8 and model.layers[0].wq.bits == 4
+
+
+def test_import_command(mixed_gguf, tmp_path):
+    path, _ = mixed_gguf
+    r = invoke("import", path, "-o", tmp_path / "q")
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    assert lines[:4] == ["F16: 1 tensor -> float16", "F32: 5 tensors -> float32",
+                         "Q4_0: 12 tensors -> int4 g32 (exact)", "Q6_K: 2 tensors -> int8 g32 (requantized)"]
+    assert lines[4].startswith(f"wrote {tmp_path / 'q'} (") and "bits per weight)" in lines[4]
+    back = read_model_dir(tmp_path / "q")
+    report = import_gguf_model(path)
+    assert back.config.quantization == report.model.config.quantization
+    assert back.tensors.keys() == report.model.tensors.keys()
+    for name, t in report.model.tensors.items():
+        assert back.tensors[name].dtype == t.dtype and np.array_equal(back.tensors[name], t), name
+
+    r = invoke("import", path, "-o", tmp_path / "f", "--float")
+    assert r.exit_code == 0, r.output
+    assert "Q4_0: 12 tensors -> float32 (dequantized)" in r.stderr.splitlines()
+    assert "32.00 bits per weight" not in r.stderr   # the F16 embedding stays 16-bit
+    assert read_model_dir(tmp_path / "f").config.quantization is None
