@@ -30,7 +30,10 @@ FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 # Every type the gguf package can dequantize: repacked (gguf_blocks.BLOCK_TYPES) or made float32.
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(t for t in QType
                                       if t not in FLOAT_TYPES and hasattr(gguf.quants, t.name))
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values nibble imports
+# general.architecture -> Hugging Face model_type, for the architectures nibble imports
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
+               "phi3": "phi3", "gemma3": "gemma3_text"}
+ARCHITECTURES = tuple(MODEL_TYPES)
 _DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporaries
 
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -41,6 +44,17 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Where an architecture's names differ from llama's (convert_hf_to_gguf.py's tensor map)
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # kept fused
+}
+_PERMUTED = ("llama", "smollm3")   # the converter's LlamaModel and its subclasses permute q/k
+_NORM_SHIFT = {"gemma3": 1.0}   # added to every *norm.weight: Gemma's RMSNorm scales by (1 + w)
+# Rope tables llama.cpp keeps as tensors; import_gguf reads them into the config
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -71,7 +85,7 @@ class GGUFImport:
 
 
 def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
-    """Read a llama, qwen2 or qwen3 GGUF file into a ModelDir with tensors under HF names.
+    """Read a GGUF file of one of ARCHITECTURES into a ModelDir with tensors under HF names.
 
     Matrices of gguf_blocks.BLOCK_TYPES are repacked into MLX's layout (repack_blocks=False:
     dequantized to float32 instead), other quantized types dequantized to float32, F32/F16/BF16
@@ -92,20 +106,22 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
                           f"{', '.join(ARCHITECTURES)}")
     _check_types(reader.tensors)
     raw = {t.name: t for t in reader.tensors}
-    rope_freqs = raw.pop("rope_freqs.weight", None)
-    hf_names = {name: _hf_name(name) for name in raw}   # every name checked before the slow part
+    rope = {n.removesuffix(".weight"): _dequantize(raw.pop(n)) for n in _ROPE_TENSORS if n in raw}
+    hf_names = {name: _hf_name(name, arch) for name in raw}   # all checked before the slow part
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
-    config = _config(meta, arch, tie="output.weight" not in raw,
-                     rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs))
+    config = _config(meta, arch, tie="output.weight" not in raw, rope=rope)
     tensors, types, bits, dequantized = {}, {}, {}, []
     for name, t in raw.items():
         hf = hf_names[name]
         module = hf.removesuffix(".weight")
         matrix = len(t.shape) == 2
-        w = _read(t, repack_blocks and matrix)
-        # llama.cpp reorders llama's q/k rows for its rope kernel; qwen2/3 files are left as in HF.
         kind = name.split(".")[-2]
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
+        if arch in _NORM_SHIFT and kind.endswith("norm"):
+            w = _dequantize(t) - np.float32(_NORM_SHIFT[arch])   # Hugging Face's w back
+        else:
+            w = _read(t, repack_blocks and matrix)
+        # llama.cpp reorders llama's q/k rows for its rope kernel; the others are left as in HF.
+        if arch in _PERMUTED and kind in ("attn_q", "attn_k"):
             n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
             w = _each_array(w, lambda a: _unpermute(a, n_head, name))
         w = _each_array(w, _read_only)
@@ -202,13 +218,14 @@ def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
             .reshape(w.shape))
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str) -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
+    names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
     m = _BLOCK_NAME.fullmatch(name)
-    if m is None or m[2] not in _BLOCK_NAMES:
+    if m is None or m[2] not in names:
         raise FormatError(f"GGUF tensor {name} has no Hugging Face counterpart nibble knows")
-    return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
 
 
 def _f32(v: float) -> float:
@@ -216,43 +233,82 @@ def _f32(v: float) -> float:
     return float(str(np.float32(v)))
 
 
-def _config(meta: dict, arch: str, tie: bool, rope_freqs: np.ndarray | None) -> ModelConfig:
+def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> ModelConfig:
     a = arch + "."
     hidden = need(meta, a + "embedding_length")
     n_head = need(meta, a + "attention.head_count")
     head_dim = meta.get(a + "attention.key_length", hidden // n_head)
     rope_dim = meta.get(a + "rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise FormatError(f"GGUF rope.dimension_count {rope_dim} differs from the head size "
-                          f"{head_dim}; nibble has no partial rotary embeddings")
+                          f"{head_dim}; nibble runs partial rotary embeddings for phi3 only")
+    n_layers = need(meta, a + "block_count")
     theta = _f32(meta.get(a + "rope.freq_base", 10000.0))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     eos = list(dict.fromkeys(eos))  # unique, in order; one id is written as an int, as HF does
     return ModelConfig(
-        model_type=arch,
+        model_type=MODEL_TYPES[arch],
         hidden_size=hidden,
         intermediate_size=need(meta, a + "feed_forward_length"),
-        num_hidden_layers=need(meta, a + "block_count"),
+        num_hidden_layers=n_layers,
         num_attention_heads=n_head,
         num_key_value_heads=meta.get(a + "attention.head_count_kv", n_head),
         head_dim=head_dim,
         vocab_size=len(need(meta, "tokenizer.ggml.tokens")),
         rms_norm_eps=_f32(need(meta, a + "attention.layer_norm_rms_epsilon")),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(meta, a, theta, head_dim, rope_freqs),
+        rope_scaling=_rope_scaling(meta, a, theta, head_dim, rope),
+        partial_rotary_factor=None if rope_dim == head_dim else rope_dim / head_dim,
         max_position_embeddings=meta.get(a + "context_length", 2048),
         tie_word_embeddings=tie,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
+        **_family_fields(meta, arch, n_layers, hidden // n_head, head_dim),
     )
 
 
+def _family_fields(meta: dict, arch: str, n_layers: int, width_per_head: int,
+                   head_dim: int) -> dict:
+    """The config fields of gemma3, phi3 and smollm3 beyond llama's, as llama.cpp's
+    src/models/<arch>.cpp reads them (its own values where the file has none)."""
+    a = arch + "."
+    if arch == "gemma3":
+        if a + "final_logit_softcapping" in meta:
+            raise FormatError("GGUF gemma3.final_logit_softcapping is set; nibble's gemma3 has "
+                              "no logit soft-capping")
+        window = meta.get(a + "attention.sliding_window", 0)
+        # a flag per layer, or every n-th layer global (llama.cpp: n = 6 if the file has none)
+        pattern = meta.get(a + "attention.sliding_window_pattern", 6)
+        slides = (pattern if isinstance(pattern, list) else
+                  [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)])
+        return dict(
+            sliding_window=window or None,
+            layer_types=["sliding_attention" if window and s else "full_attention" for s in slides],
+            rope_local_base_freq=_f32(meta.get(a + "rope.freq_base_swa", 10000.0)),
+            # not in the file: llama.cpp scales scores by 1/sqrt(head_dim), by 1/sqrt(hidden /
+            # heads) for the 62-layer 27B (Gemma 3's query_pre_attn_scalar)
+            query_pre_attn_scalar=width_per_head if n_layers == 62 else head_dim)
+    if arch == "phi3":   # llama.cpp disables phi3's sliding window: full attention everywhere
+        return dict(original_max_position_embeddings=meta.get(
+            a + "rope.scaling.original_context_length"))
+    if arch == "smollm3":   # not in the file: llama.cpp has no RoPE in every 4th layer
+        return dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(n_layers)])
+    return {}
+
+
 def _rope_scaling(meta: dict, a: str, theta: float, head_dim: int,
-                  rope_freqs: np.ndarray | None) -> dict | None:
-    """HF rope_scaling from the metadata, or from llama.cpp's per-frequency factors (Llama 3.x)."""
-    if rope_freqs is not None:
-        return _llama3_scaling(rope_freqs.astype(np.float64), theta, head_dim)
+                  rope: dict[str, np.ndarray]) -> dict | None:
+    """HF rope_scaling from the metadata, or from llama.cpp's per-frequency factors: Llama 3.x's
+    rope_freqs, phi3's longrope factors."""
+    if "rope_freqs" in rope:
+        return _llama3_scaling(rope["rope_freqs"].astype(np.float64), theta, head_dim)
+    if "rope_factors_long" in rope:
+        s = {"rope_type": "longrope", "long_factor": rope["rope_factors_long"].tolist(),
+             "short_factor": rope["rope_factors_short"].tolist()}
+        if a + "rope.scaling.attn_factor" in meta:
+            s["attention_factor"] = _f32(meta[a + "rope.scaling.attn_factor"])
+        return s
     kind = meta.get(a + "rope.scaling.type", "none")
     factor = _f32(meta.get(a + "rope.scaling.factor", 1.0))
     if kind == "none" or (kind == "linear" and factor == 1.0):
