@@ -284,7 +284,8 @@ def _family_fields(meta: dict, arch: str, n_layers: int, width_per_head: int,
                   [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)])
         return dict(
             sliding_window=window or None,
-            layer_types=["sliding_attention" if window and s else "full_attention" for s in slides],
+            layer_types=["sliding_attention" if window and s else "full_attention"
+                         for s in slides],
             rope_local_base_freq=_f32(meta.get(a + "rope.freq_base_swa", 10000.0)),
             # not in the file: llama.cpp scales scores by 1/sqrt(head_dim), by 1/sqrt(hidden /
             # heads) for the 62-layer 27B (Gemma 3's query_pre_attn_scalar)
@@ -303,9 +304,12 @@ def _rope_scaling(meta: dict, a: str, theta: float, head_dim: int,
     rope_freqs, phi3's longrope factors."""
     if "rope_freqs" in rope:
         return _llama3_scaling(rope["rope_freqs"].astype(np.float64), theta, head_dim)
-    if "rope_factors_long" in rope:
-        s = {"rope_type": "longrope", "long_factor": rope["rope_factors_long"].tolist(),
-             "short_factor": rope["rope_factors_short"].tolist()}
+    if "rope_factors_long" in rope or "rope_factors_short" in rope:
+        if len(rope) != 2:
+            raise FormatError("GGUF has one of rope_factors_long.weight and "
+                              "rope_factors_short.weight; longrope needs both")
+        s = {"rope_type": "longrope", **{f"{k}_factor": [_f32(v) for v in rope[f"rope_factors_{k}"]]
+                                         for k in ("long", "short")}}
         if a + "rope.scaling.attn_factor" in meta:
             s["attention_factor"] = _f32(meta[a + "rope.scaling.attn_factor"])
         return s
