@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import struct
+import sys
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,6 +36,8 @@ SUPPORTED = ", ".join(sorted([*DTYPES, BF16]))
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER = 100_000_000   # the safetensors crate's limit: a longer one is a corrupt length field
+MAX_RANK = 32   # numpy 1's limit (numpy 2's is 64); no model's tensor comes near
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray | HalfTensor]:
@@ -65,12 +68,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray | HalfTens
 
 def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The file's "__metadata__" string pairs ({} if it has none), read from the header alone."""
-    path = Path(path)
-    metadata = _read_header(path)[0].get("__metadata__") or {}
-    if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise FormatError(f"{path}: __metadata__ must map strings to strings")
-    return metadata
+    return _read_header(Path(path))[0].get("__metadata__") or {}
 
 
 def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray | HalfTensor]:
@@ -220,7 +218,10 @@ def _raw_bytes(name: str, t: np.ndarray | HalfTensor, spec: TensorSpec) -> np.nd
 
 
 def _read_header(path: Path) -> tuple[dict, int, int]:
-    """Parse the header: (header dict, byte offset of the data region, data region length)."""
+    """Parse the header: (header dict, byte offset of the data region, data region length).
+
+    As strict as the safetensors crate: UTF-8 JSON, an object, no key twice, a "__metadata__"
+    of string pairs; trailing spaces (the writers' padding to 8 bytes) are JSON whitespace."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -232,16 +233,35 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
             if 8 + n > size:
                 raise FormatError(f"{path}: header length {n} runs past the end of the file "
                                   f"({size} bytes); the file is truncated or not safetensors")
+            if n > MAX_HEADER:
+                raise FormatError(f"{path}: header length {n} is over the {MAX_HEADER} bytes "
+                                  f"safetensors allows; the file is not safetensors")
             raw = f.read(n)
     except OSError as e:
         raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError) as e:   # ValueError: JSONDecodeError, a key twice
         raise FormatError(f"{path}: header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise FormatError(f"{path}: header is not valid JSON (nested too deeply)") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise FormatError(f"{path}: __metadata__ must map strings to strings")
     return header, 8 + n, size - 8 - n
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object as a dict, refusing a key given twice (json keeps the last one silently)."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice")
+        obj[key] = value
+    return obj
 
 
 def _check_entries(path: Path, header: dict, data_len: int) -> dict[str, tuple]:
@@ -254,10 +274,12 @@ def _check_entries(path: Path, header: dict, data_len: int) -> dict[str, tuple]:
         if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
             raise FormatError(f"{where} needs dtype, shape and data_offsets")
         dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        if dtype != BF16 and dtype not in DTYPES:
+        if not isinstance(dtype, str) or (dtype != BF16 and dtype not in DTYPES):
             raise FormatError(f"{where} has unsupported dtype {dtype!r}; supported: {SUPPORTED}")
         if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
             raise FormatError(f"{where} has invalid shape {shape!r}: expected non-negative ints")
+        if len(shape) > MAX_RANK:
+            raise FormatError(f"{where} has {len(shape)} dimensions; at most {MAX_RANK} are read")
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(_is_uint(o) for o in offsets)):
             raise FormatError(f"{where} has invalid data_offsets {offsets!r}: "
@@ -267,20 +289,34 @@ def _check_entries(path: Path, header: dict, data_len: int) -> dict[str, tuple]:
             raise FormatError(f"{where} has data_offsets [{begin}, {end}] outside the data "
                               f"region of {data_len} bytes")
         itemsize = 2 if dtype == BF16 else DTYPES[dtype].itemsize
+        # numpy sizes an array by its non-zero dims: [2**64, 0] holds no bytes, yet cannot be made.
+        if math.prod(max(d, 1) for d in shape) * itemsize > sys.maxsize:
+            raise FormatError(f"{where} has shape {shape}, too large for any array")
         expected = math.prod(shape) * itemsize
         if end - begin != expected:
             raise FormatError(f"{where}: shape {shape} of {dtype} needs {expected} bytes, "
                               f"but data_offsets span {end - begin}")
         entries[name] = (dtype, tuple(shape), begin, end)
-    _check_overlaps(path, entries)
+    _check_tiling(path, entries, data_len)
     return entries
 
 
-def _check_overlaps(path: Path, entries: dict[str, tuple]) -> None:
+def _check_tiling(path: Path, entries: dict[str, tuple], data_len: int) -> None:
+    """The tensors must cover the data region exactly, one after another from byte 0: a gap or
+    bytes left over mean a header length or an offset is wrong, and every tensor read is shifted."""
     spans = sorted((begin, end, name) for name, (_, _, begin, end) in entries.items())
-    for (_, prev_end, prev), (begin, _, name) in zip(spans, spans[1:]):
-        if begin < prev_end:
-            raise FormatError(f"{path}: tensors {prev!r} and {name!r} overlap in the data region")
+    at, prev = 0, None
+    for begin, end, name in spans:
+        if begin != at:
+            after = f"tensor {prev!r} ends" if prev is not None else "the data region starts"
+            kind = "overlap" if begin < at else "gap"
+            raise FormatError(f"{path}: tensor {name!r} starts at byte {begin} of the data region, "
+                              f"but {after} at byte {at} ({kind})")
+        at, prev = end, name
+    if at != data_len:
+        last = f"tensor {prev!r}" if prev is not None else "the header"
+        raise FormatError(f"{path}: {data_len - at} bytes after {last} belong to no tensor; "
+                          f"the header length or data_offsets are wrong")
 
 
 def _is_uint(x) -> bool:
