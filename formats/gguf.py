@@ -10,6 +10,7 @@ llama.cpp's ids).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -74,6 +75,35 @@ class _Reader(gguf.GGUFReader):
     def data(self, value: np.ndarray):
         self._data = value.view(np.ndarray)
 
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        """GGUFReader's tensors, once each is known to lie aligned, inside the file and apart
+        from the others, as llama.cpp's gguf_init checks (the reader would view any bytes)."""
+        spans = []   # (start, end, name) in the file
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            name = bytes(name).decode("utf-8", "replace")
+            qtype = int(raw_type[0])
+            if qtype not in QType._value2member_map_ or QType(qtype) not in gguf.GGML_QUANT_SIZES:
+                raise FormatError(f"GGUF tensor {name} has unknown type {qtype}")
+            block, size = gguf.GGML_QUANT_SIZES[QType(qtype)]
+            n = math.prod(int(d) for d in dims)
+            if n % block:
+                raise FormatError(f"GGUF tensor {name} has {n} elements, not whole blocks of {block}")
+            if int(offset[0]) % self.alignment:
+                raise FormatError(f"GGUF tensor {name} starts at offset {int(offset[0])}, not a "
+                                  f"multiple of general.alignment ({self.alignment})")
+            start = start_offs + int(offset[0])
+            spans.append((start, start + n // block * size, name))
+        spans.sort()
+        for (_, end, name), (start, _, after) in zip(spans, spans[1:]):
+            if start < end:
+                raise FormatError(f"GGUF tensors {name} and {after} overlap")
+        for _, end, name in spans[-1:]:
+            if end > len(self.data):
+                raise FormatError(f"GGUF tensor {name} ends at byte {end}, past the end of the "
+                                  f"file ({len(self.data)} bytes)")
+        super()._build_tensors(start_offs, fields)
+
 
 @dataclass
 class GGUFImport:
@@ -96,17 +126,32 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
     if not path.is_file():
         raise FormatError(f"{path}: no such GGUF file")
     try:
+        return _import(path, repack_blocks)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+
+
+def _open(path: Path) -> tuple[_Reader, dict]:
+    """The reader and the metadata, decoded: any failure of either is the file's."""
+    try:
         reader = _Reader(path)
-    except (ValueError, KeyError, IndexError) as e:
-        raise FormatError(f"{path} is not a readable GGUF file ({e})") from None
-    meta = {k: f.contents() for k, f in reader.fields.items()}
+        return reader, {k: f.contents() for k, f in reader.fields.items()}
+    except FormatError:
+        raise
+    except Exception as e:   # GGUFReader raises whatever numpy or Python meets in damaged bytes
+        raise FormatError(f"not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _import(path: Path, repack_blocks: bool) -> GGUFImport:
+    reader, meta = _open(path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise FormatError(f"{path.name}: unsupported GGUF architecture {arch!r}; nibble imports "
+        raise FormatError(f"unsupported GGUF architecture {arch!r}; nibble imports "
                           f"{', '.join(ARCHITECTURES)}")
     _check_types(reader.tensors)
     raw = {t.name: t for t in reader.tensors}
-    rope = {n.removesuffix(".weight"): _dequantize(raw.pop(n)) for n in _ROPE_TENSORS if n in raw}
+    rope = {n.removesuffix(".weight"): _finite(_dequantize(raw.pop(n)), n)
+            for n in _ROPE_TENSORS if n in raw}
     hf_names = {name: _hf_name(name, arch) for name in raw}   # all checked before the slow part
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
     config = _config(meta, arch, tie="output.weight" not in raw, rope=rope)
@@ -120,6 +165,7 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
             w = _dequantize(t) - np.float32(_NORM_SHIFT[arch])   # Hugging Face's w back
         else:
             w = _read(t, repack_blocks and matrix)
+        w = _finite(w, name)
         # llama.cpp reorders llama's q/k rows for its rope kernel; the others are left as in HF.
         if arch in _PERMUTED and kind in ("attn_q", "attn_k"):
             n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
@@ -142,6 +188,21 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
     model = ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
                      tokenizer_config=tokenizer_config, generation_config=generation_config)
     return GGUFImport(model, types, dequantized)
+
+
+def _finite(w, name: str):
+    """w, or FormatError naming the tensor if a value (or a repacked block's scale or bias) is NaN
+    or infinite: a damaged file, whose NaNs would otherwise reach the disk and the logits."""
+    if isinstance(w, Repacked):
+        bad = not (np.isfinite(w.scales).all() and np.isfinite(w.biases).all())
+    elif isinstance(w, HalfTensor):   # all exponent bits set: an infinity or a NaN
+        exponent = np.uint16(0x7F80 if w.bf16 else 0x7C00)
+        bad = ((w.bits & exponent) == exponent).any()
+    else:
+        bad = not np.isfinite(w).all()
+    if bad:
+        raise FormatError(f"GGUF tensor {name} holds NaN or infinite values; the file is damaged")
+    return w
 
 
 def _check_types(tensors) -> None:
@@ -168,7 +229,12 @@ def _read(t, repack_blocks: bool) -> np.ndarray | HalfTensor | Repacked:
 
 
 def _dequantize(t) -> np.ndarray:
-    """float32 array in numpy order."""
+    """float32 array in numpy order (NaN or inf from a damaged scale silently: _finite names it)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _dequantize_float32(t)
+
+
+def _dequantize_float32(t) -> np.ndarray:
     shape = tuple(int(n) for n in reversed(t.shape))
     if t.tensor_type in FLOAT_TYPES:
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)

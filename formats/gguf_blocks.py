@@ -117,7 +117,8 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked:
     for r in range(0, rows, step):
         part = data[r:r + step]
         n = len(part)
-        q, s, b = kind.decode(part.reshape(-1, type_size))        # per block
+        with np.errstate(invalid="ignore", over="ignore"):   # a damaged f16 scale: the caller
+            q, s, b = kind.decode(part.reshape(-1, type_size))   # checks scales and biases
         weight[r:r + n] = pack(q.reshape(n, cols), kind.bits)
         scales[r:r + n], biases[r:r + n] = s.reshape(n, -1), b.reshape(n, -1)
     return Repacked(weight, *_narrowed(scales, biases), kind.bits)

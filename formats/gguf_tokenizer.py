@@ -78,8 +78,7 @@ def _byte_level_bpe(meta: dict, vocab: dict[str, int]) -> tuple[tokenizers.Token
         raise FormatError(f"GGUF pre-tokenizer {pre!r} is not supported; nibble knows "
                           f"{', '.join(_PRE_TOKENIZERS)}")
     merges = [_split_merge(m) for m in need(meta, "tokenizer.ggml.merges")]
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges,
-                                          ignore_merges=pre in _LLAMA3_STYLE))
+    tok = _bpe(vocab, merges, ignore_merges=pre in _LLAMA3_STYLE)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -101,8 +100,8 @@ def _sentencepiece(meta: dict, vocab: dict[str, int]) -> tuple[tokenizers.Tokeni
     tokens = list(vocab)   # in id order
     unknown = meta.get("tokenizer.ggml.unknown_token_id")
     merges = _merges_by_score(tokens, vocab, need(meta, "tokenizer.ggml.scores"))
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
-                                          unk_token=None if unknown is None else tokens[unknown]))
+    tok = _bpe(vocab, merges, byte_fallback=True,
+               unk_token=None if unknown is None else tokens[unknown])
     prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
     # Normalizers run on each stretch of text between added tokens: the prefix goes before each.
     tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE)] * prefix
@@ -119,6 +118,15 @@ def _merges_by_score(tokens: list[str], vocab: dict[str, int],
     ranked = sorted((-scores[i], i, cut) for i, t in enumerate(tokens) for cut in range(1, len(t))
                     if t[:cut] in vocab and t[cut:] in vocab)
     return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
+
+
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options) -> tokenizers.Tokenizer:
+    """tokenizers' BPE over this vocabulary, or FormatError saying why it refuses them."""
+    try:
+        return tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, **options))
+    except Exception as e:   # tokenizers raises plain Exception: "Token `x` out of vocabulary"
+        raise FormatError(f"GGUF tokenizer.ggml.tokens and tokenizer.ggml.merges do not make a "
+                          f"BPE tokenizer ({e})") from None
 
 
 _MODELS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece}

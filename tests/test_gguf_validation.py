@@ -1,0 +1,132 @@
+"""A damaged GGUF ends in one FormatError naming the file and the tensor or key, never a
+traceback, a numpy warning or NaN weights: one test per rule, and a seeded mutation loop."""
+
+import re
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from nibble.formats.errors import FormatError
+from nibble.formats.gguf import import_gguf
+from nibble.formats.model_dir import ModelDir
+from tests.test_gguf import F16_FIELDS, _f16, llama_cpp_tensors, random_blocks, write_gguf
+from tests.tiny import tiny_config, tiny_tensors
+
+pytestmark = pytest.mark.filterwarnings("error")   # a numpy RuntimeWarning fails the test
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    config = tiny_config(vocab_size=263)   # len(test_gguf.TOKENS)
+    tensors = llama_cpp_tensors(tiny_tensors(config), config)
+    return write_gguf(tmp_path / "m.gguf", tensors, config=config)
+
+
+def edit(path, change):
+    """change(reader) writes into the file through the reader's read-write memory map."""
+    reader = gguf.GGUFReader(path, "r+")
+    change(reader)
+    reader.data.flush()
+    del reader
+    return path
+
+
+def set_offset(reader, index, offset):
+    reader.tensors[index].field.parts[5][0] = offset   # the tensor-table entry's data offset
+
+
+def tensor_name(path, index) -> str:
+    return re.escape(gguf.GGUFReader(path).tensors[index].name)
+
+
+def test_unaligned_offset(tiny_gguf):
+    name = tensor_name(tiny_gguf, 1)
+    edit(tiny_gguf, lambda r: set_offset(r, 1, int(r.tensors[1].field.parts[5][0]) + 4))
+    with pytest.raises(FormatError, match=rf"m\.gguf: GGUF tensor {name} starts at offset \d+, "
+                                          r"not a multiple of general\.alignment \(32\)"):
+        import_gguf(tiny_gguf)
+
+
+def test_offset_past_the_end(tiny_gguf):
+    name = tensor_name(tiny_gguf, 2)
+    edit(tiny_gguf, lambda r: set_offset(r, 2, 1 << 20))
+    with pytest.raises(FormatError, match=rf"m\.gguf: GGUF tensor {name} ends at byte \d+, past "
+                                          r"the end of the file"):
+        import_gguf(tiny_gguf)
+
+
+def test_overlapping_tensors(tiny_gguf):
+    edit(tiny_gguf, lambda r: set_offset(r, 1, int(r.tensors[0].field.parts[5][0])))
+    with pytest.raises(FormatError, match=r"m\.gguf: GGUF tensors \S+ and \S+ overlap"):
+        import_gguf(tiny_gguf)
+
+
+def test_metadata_string_not_utf8(tiny_gguf):
+    def damage(reader):
+        reader.fields["tokenizer.chat_template"].parts[-1][0] = 0xFF
+    edit(tiny_gguf, damage)
+    with pytest.raises(FormatError, match=r"m\.gguf: not a readable GGUF file \(UnicodeDecodeError"):
+        import_gguf(tiny_gguf)
+
+
+def test_merge_of_a_token_not_in_the_vocabulary(tiny_gguf):
+    def damage(reader):   # the merge "h e" becomes "h x": the token "hx" is not in the vocabulary
+        merges = reader.fields["tokenizer.ggml.merges"]
+        merges.parts[merges.data[1]][-1] = ord("x")
+    edit(tiny_gguf, damage)
+    with pytest.raises(FormatError, match=r"m\.gguf: GGUF tokenizer\.ggml\.tokens and tokenizer\."
+                                          r"ggml\.merges .*Token `hx` out of vocabulary"):
+        import_gguf(tiny_gguf)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_non_finite_float_weights(tmp_path, dtype):
+    w = np.ones((8, 32), dtype)
+    w[3, 5] = np.inf
+    path = write_gguf(tmp_path / "f.gguf", {"blk.0.ffn_up.weight": w})
+    with pytest.raises(FormatError, match=r"f\.gguf: GGUF tensor blk\.0\.ffn_up\.weight holds NaN"):
+        import_gguf(path)
+
+
+def test_non_finite_bf16_weights(tmp_path):
+    bits = np.full((8, 32), 0x3F80, np.uint16)   # 1.0
+    bits[0, 0] = 0x7FC0                           # NaN
+    path = write_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up.weight": (bits.view(np.uint8), QType.BF16)})
+    with pytest.raises(FormatError, match=r"blk\.0\.ffn_up\.weight holds NaN"):
+        import_gguf(path)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K])
+@pytest.mark.parametrize("repack_blocks", [True, False])
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_non_finite_block_scales(tmp_path, qtype, repack_blocks, value):
+    raw = random_blocks(np.random.default_rng(0), 4, 256, qtype)
+    d = F16_FIELDS[qtype][0]   # the first block's scale d
+    raw[2, d:d + 2] = _f16([value])[0]
+    path = write_gguf(tmp_path / "q.gguf", {"blk.0.ffn_up.weight": (raw, qtype)})
+    with pytest.raises(FormatError, match=r"blk\.0\.ffn_up\.weight holds NaN or infinite"):
+        import_gguf(path, repack_blocks=repack_blocks)
+
+
+def test_mutated_header_gives_a_model_or_one_format_error(tiny_gguf):
+    """Random bytes written over the header, metadata and tensor table of a valid file."""
+    original = tiny_gguf.read_bytes()
+    table_end = gguf.GGUFReader(tiny_gguf).data_offset
+    rng = np.random.default_rng(12)
+    outcomes = {"model": 0, "error": 0}
+    for case in range(200):
+        data = bytearray(original)
+        for at in rng.integers(0, table_end, rng.integers(1, 4)):
+            data[at] = rng.integers(0, 256)
+        tiny_gguf.write_bytes(bytes(data))
+        try:
+            result = import_gguf(tiny_gguf)
+        except FormatError as e:
+            assert "\n" not in str(e) and str(e).startswith(str(tiny_gguf)), (case, str(e))
+            outcomes["error"] += 1
+        else:
+            assert isinstance(result.model, ModelDir)
+            outcomes["model"] += 1
+    assert outcomes["error"] > 0 and outcomes["model"] > 0, outcomes
