@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as QType
 from .config import ModelConfig
 from .errors import FormatError
 from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
+from .gguf_metadata import check_metadata
 from .gguf_tokenizer import gguf_tokenizer, need
 from .half import HalfTensor
 from .model_dir import ModelDir
@@ -88,7 +89,8 @@ class _Reader(gguf.GGUFReader):
             block, size = gguf.GGML_QUANT_SIZES[QType(qtype)]
             n = math.prod(int(d) for d in dims)
             if n % block:
-                raise FormatError(f"GGUF tensor {name} has {n} elements, not whole blocks of {block}")
+                raise FormatError(f"GGUF tensor {name} has {n} elements, not whole blocks of "
+                                  f"{block}")
             if int(offset[0]) % self.alignment:
                 raise FormatError(f"GGUF tensor {name} starts at offset {int(offset[0])}, not a "
                                   f"multiple of general.alignment ({self.alignment})")
@@ -148,6 +150,7 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     if arch not in ARCHITECTURES:
         raise FormatError(f"unsupported GGUF architecture {arch!r}; nibble imports "
                           f"{', '.join(ARCHITECTURES)}")
+    check_metadata(meta, arch)
     _check_types(reader.tensors)
     raw = {t.name: t for t in reader.tensors}
     rope = {n.removesuffix(".weight"): _finite(_dequantize(raw.pop(n)), n)

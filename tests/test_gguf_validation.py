@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as QType
 from nibble.formats.errors import FormatError
 from nibble.formats.gguf import import_gguf
 from nibble.formats.model_dir import ModelDir
+from tests import test_gguf
 from tests.test_gguf import F16_FIELDS, _f16, llama_cpp_tensors, random_blocks, write_gguf
 from tests.tiny import tiny_config, tiny_tensors
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.filterwarnings("error")   # a numpy RuntimeWarning fail
 def tiny_gguf(tmp_path):
     config = tiny_config(vocab_size=263)   # len(test_gguf.TOKENS)
     tensors = llama_cpp_tensors(tiny_tensors(config), config)
-    return write_gguf(tmp_path / "m.gguf", tensors, config=config)
+    return write_gguf(tmp_path / "m.gguf", tensors, config=config,
+                      meta={"tokenizer.ggml.add_bos_token": (False, gguf.GGUFValueType.BOOL)})
 
 
 def edit(path, change):
@@ -67,7 +69,8 @@ def test_metadata_string_not_utf8(tiny_gguf):
     def damage(reader):
         reader.fields["tokenizer.chat_template"].parts[-1][0] = 0xFF
     edit(tiny_gguf, damage)
-    with pytest.raises(FormatError, match=r"m\.gguf: not a readable GGUF file \(UnicodeDecodeError"):
+    with pytest.raises(FormatError,
+                       match=r"m\.gguf: not a readable GGUF file \(UnicodeDecodeError"):
         import_gguf(tiny_gguf)
 
 
@@ -93,7 +96,8 @@ def test_non_finite_float_weights(tmp_path, dtype):
 def test_non_finite_bf16_weights(tmp_path):
     bits = np.full((8, 32), 0x3F80, np.uint16)   # 1.0
     bits[0, 0] = 0x7FC0                           # NaN
-    path = write_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up.weight": (bits.view(np.uint8), QType.BF16)})
+    path = write_gguf(tmp_path / "b.gguf",
+                      {"blk.0.ffn_up.weight": (bits.view(np.uint8), QType.BF16)})
     with pytest.raises(FormatError, match=r"blk\.0\.ffn_up\.weight holds NaN"):
         import_gguf(path)
 
@@ -110,16 +114,49 @@ def test_non_finite_block_scales(tmp_path, qtype, repack_blocks, value):
         import_gguf(path, repack_blocks=repack_blocks)
 
 
+def zero_heads(reader):
+    reader.fields["llama.attention.head_count"].parts[-1][0] = 0
+
+
+def bool_as_uint8(reader):   # the type of add_bos_token's one byte (False): a BOOL becomes a UINT8
+    reader.fields["tokenizer.ggml.add_bos_token"].parts[2][0] = gguf.GGUFValueType.UINT8
+
+
+@pytest.mark.parametrize("damage, message", [
+    (zero_heads, "llama.attention.head_count is 0, not a positive integer"),
+    (bool_as_uint8, "tokenizer.ggml.add_bos_token is 0, not a boolean"),
+])
+def test_metadata_value_of_the_wrong_kind(tiny_gguf, damage, message):
+    edit(tiny_gguf, damage)
+    with pytest.raises(FormatError, match=rf"m\.gguf: GGUF metadata {re.escape(message)}"):
+        import_gguf(tiny_gguf)
+
+
+def test_token_types_not_one_per_token(tmp_path, monkeypatch):
+    monkeypatch.setattr(test_gguf, "TYPES", test_gguf.TYPES[:-1])
+    path = write_gguf(tmp_path / "m.gguf", {})
+    with pytest.raises(FormatError, match=r"m\.gguf: GGUF metadata tokenizer\.ggml\.token_type "
+                                          r"has 262 entries for 263 tokens"):
+        import_gguf(path)
+
+
 def test_mutated_header_gives_a_model_or_one_format_error(tiny_gguf):
-    """Random bytes written over the header, metadata and tensor table of a valid file."""
+    """Bits flipped in the header, metadata and tensor table of a valid file (the middle of the
+    vocabulary's two long arrays left out: most of the bytes, and the least varied)."""
     original = tiny_gguf.read_bytes()
-    table_end = gguf.GGUFReader(tiny_gguf).data_offset
+    reader = gguf.GGUFReader(tiny_gguf)
+    inside_arrays = set()
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+        field = reader.fields[key]
+        end = field.offset + sum(p.nbytes for p in field.parts)
+        inside_arrays |= set(range(field.offset + 64, end - 64))
+    positions = [i for i in range(reader.data_offset) if i not in inside_arrays]
     rng = np.random.default_rng(12)
     outcomes = {"model": 0, "error": 0}
     for case in range(200):
         data = bytearray(original)
-        for at in rng.integers(0, table_end, rng.integers(1, 4)):
-            data[at] = rng.integers(0, 256)
+        for at in rng.choice(positions, rng.integers(1, 3)):
+            data[at] ^= 1 << int(rng.integers(0, 8))
         tiny_gguf.write_bytes(bytes(data))
         try:
             result = import_gguf(tiny_gguf)
