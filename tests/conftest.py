@@ -8,9 +8,20 @@ import sys
 import zipfile
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from nibble.formats.model_dir import write_model_dir
 from tests.tiny import SAMPLING, tiny_model_dir
+
+# The fuzz suite (tests/test_fuzz_*.py): a short run in every test run, the long one by
+# `python -m pytest -m fuzz --hypothesis-profile=long --hypothesis-show-statistics`.
+# Every case's outcome is recorded with hypothesis.event, so the statistics give the classes.
+_FUZZ = dict(deadline=None, derandomize=True, database=None,
+             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                    HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+settings.register_profile("default", max_examples=200, **_FUZZ)
+settings.register_profile("long", max_examples=100_000, **_FUZZ)
+settings.load_profile("default")
 
 
 @pytest.fixture(scope="session")
