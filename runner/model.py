@@ -18,6 +18,10 @@ class ContextFull(NibbleError):
     """The tokens do not fit in what is left of the context."""
 
 
+class NonFinite(NibbleError):
+    """NaN or Inf in the hidden state or the logits: the message names the layer where they appeared."""
+
+
 class Model:
     def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]):
         self.config = config
@@ -78,8 +82,34 @@ class Model:
         x = self.embedding(np.asarray(tokens, np.int64))                  # [T, D] residual stream
         for stage, kv in zip(self.stages, cache.parts):   # the last one returns the logits
             x = stage.forward(x, kv, pos0, all_logits, act_sq)
+        # One check of the logits a pass (the sampler reads them anyway); which layer went wrong
+        # is looked for only when they are not finite, so decoding is as fast as without it.
+        if not np.isfinite(x).all():
+            self._raise_where_non_finite(tokens, cache, all_logits)
         cache.advance(tokens)
         return x
+
+    def _raise_where_non_finite(self, tokens, cache: KVCache, all_logits: bool):
+        """Run the same pass again (over the same cache positions), checking the output of the
+        embedding, of each layer and of the head, and raise NonFinite naming the first that holds
+        NaN or Inf."""
+        L = len(self.layers)
+        why = "produced NaN/Inf values: its weights may hold NaN/Inf, or its activations overflow float32"
+        head = "model.embed_tokens, tied" if self.config.tie_word_embeddings else "lm_head"
+
+        def check(where: int, x: np.ndarray):
+            """`where`: a layer's index, or L for the output head."""
+            if not np.isfinite(x).all():
+                part = (f"layer {where} of {L} (model.layers.{where})" if where < L else
+                        f"the output head (model.norm, {head})")
+                raise NonFinite(f"{part} {why}")
+
+        x = self.embedding(np.asarray(tokens, np.int64))
+        if not np.isfinite(x).all():
+            raise NonFinite(f"the embedding (model.embed_tokens) {why}")
+        for stage, kv in zip(self.stages, cache.parts):
+            x = stage.forward(x, kv, cache.pos, all_logits, check=check)
+        raise NonFinite("the logits held NaN/Inf values, but the same pass run again layer by layer did not")
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
         """[T] ids -> [T, D] float32 rows of the embedding table (float32, quantized or 16-bit:

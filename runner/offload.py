@@ -139,18 +139,19 @@ class GPUStage:
                               f"lower --ctx-size or --gpu-layers") from None
 
     def forward(self, x: np.ndarray, kv: list[tuple], pos0: int, all_logits: bool,
-                act_sq: np.ndarray | None = None) -> np.ndarray:
+                act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
         """Run x [T, D] (host) through the offloaded layers at positions pos0..; -> logits
-        [T or 1, V] when the head is here, else the hidden state [T or 1, D] for the host's head."""
+        [T or 1, V] when the head is here, else the hidden state [T or 1, D] for the host's head.
+        With `check` (see stages.py), kernel by kernel, each layer's output copied back."""
         if act_sq is not None:
             raise NibbleError("measuring activations (calibration) runs every layer on the CPU: "
                               "load the model without --gpu-layers")
-        if len(x) == 1:
+        if len(x) == 1 and check is None:
             return self._decode(x, kv, pos0)
         out = []
         for s in range(0, len(x), CHUNK):
             want = all_logits or s + CHUNK >= len(x)   # the rows asked for, or the last one
-            rows = self._chunk(x[s:s + CHUNK], kv, pos0 + s, all_logits, head=want)
+            rows = self._chunk(x[s:s + CHUNK], kv, pos0 + s, all_logits, head=want, check=check)
             if want:
                 out.append(rows.copy_to_host(stream=self.stream))
         self.stream.synchronize()
@@ -195,24 +196,34 @@ class GPUStage:
             self.stream = self.cuda.stream()   # a failed capture can leave the stream unusable
             self.launch = self.gpu.Launcher(self.stream)
 
-    def _chunk(self, x: np.ndarray, kv, pos0: int, keep_all: bool, head: bool):
+    def _chunk(self, x: np.ndarray, kv, pos0: int, keep_all: bool, head: bool, check=None):
         """Queue up to CHUNK tokens through the layers, and the head if `head` -> the device rows
-        of the result: every token's (keep_all) or the last one's."""
+        of the result: every token's (keep_all) or the last one's. With `check`, each layer's
+        output and the logits are copied back and checked (see stages.py)."""
         T = len(x)
         h = self.x[:T]
         # pageable host memory: the copies take the values before they return
         h.copy_to_device(np.ascontiguousarray(x), stream=self.stream)
         self.pos.copy_to_device(np.array([pos0], np.int32), stream=self.stream)
-        for weights, layer_kv, window in zip(self.layers, kv, self.windows):
+        for i, (weights, layer_kv, window) in enumerate(zip(self.layers, kv, self.windows)):
             self.gpu.decoder_layer(h, weights, layer_kv, self.pos, self.cos, self.sin, self.eps,
                                    window, self.work, self.launch)
+            if check:
+                check(self.first + i, self._to_host(h))
         rows = h if keep_all else h[-1:]
         if self.head is None or not head:
             return rows
         T = rows.shape[0]
         self.gpu.linear(rows, self.head, self.logits[:T], norm=self.norm, eps=self.eps,
                         scratch=self.normed[:T], launch=self.launch)          # [T or 1, V]
+        if check:
+            check(self.first + len(self.layers), self._to_host(self.logits[:T]))
         return self.logits[:T]
+
+    def _to_host(self, a) -> np.ndarray:
+        out = a.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
 
     def _event(self):
         if self.events is None:

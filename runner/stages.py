@@ -4,8 +4,10 @@ those layers' weights and its part of the KV cache; the last stage also runs the
 Every stage has the same face, so Model.forward runs them in order without asking where they run:
 
     new_cache(ctx, dtype) -> its part of a KVCache (None when it has no layers)
-    forward(x, kv, pos0, all_logits, act_sq) -> the hidden state [T, D] for the next stage, or,
-        from the stage with the head, logits [T, V] (all_logits) or [1, V]
+    forward(x, kv, pos0, all_logits, act_sq, check) -> the hidden state [T, D] for the next stage,
+        or, from the stage with the head, logits [T, V] (all_logits) or [1, V]; check(i, out), if
+        given, is called with each layer's output (i: the layer's index) and the logits (i: the
+        number of layers), on the host: Model.forward's search for a layer that made NaN/Inf
     weight_nbytes -> bytes of the weights a decoded token reads there
 
 CPUStage is here; offload.GPUStage is the same on an NVIDIA GPU (`-ngl`).
@@ -42,7 +44,7 @@ class CPUStage:
         return HostKV.allocate(self.last - self.first, c.num_key_value_heads, ctx, c.head_dim, dtype)
 
     def forward(self, x: np.ndarray, kv: HostKV | None, pos0: int, all_logits: bool,
-                act_sq: np.ndarray | None = None) -> np.ndarray:
+                act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
         """act_sq [model layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of
         each layer's projections (see decoder_layer)."""
         m, c = self.model, self.model.config
@@ -51,6 +53,8 @@ class CPUStage:
             m.family.block(x, m.layers[i], kv.layer(i - self.first), pos0, cos, sin,
                            c.rms_norm_eps, c.windows[i],
                            _NOT_COLLECTING if act_sq is None else act_sq[i])
+            if check:
+                check(i, x)
         if not self.head:
             return x
         if not all_logits:
@@ -58,4 +62,6 @@ class CPUStage:
         cpu.rmsnorm(x, m.norm, c.rms_norm_eps, x)
         logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
         linear.linear(x, m.lm_head, logits, False)
+        if check:
+            check(len(m.layers), logits)
         return logits

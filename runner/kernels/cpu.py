@@ -8,7 +8,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-_jit = dict(fastmath=True, cache=True, nogil=True)
+# error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
+# ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
+_jit = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")
 
 
 @njit(parallel=True, **_jit)

@@ -7,9 +7,9 @@ float32. Several tokens go through prefill.py's tiles, a row at a time widened b
 import numpy as np
 from numba import njit, prange
 
+from .cpu import _jit
 from .simd import fma, half_to_f32, hsum, load_f32x8, load_half_f32x8, zero_f32
 
-_jit = dict(fastmath=True, cache=True, nogil=True)
 
 
 @njit(parallel=True, **_jit)

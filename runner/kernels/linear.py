@@ -13,8 +13,8 @@ from numba.extending import overload
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
 from . import cpu, half, prefill, quant_decode
+from .cpu import _jit
 
-_jit = dict(fastmath=True, cache=True, nogil=True)
 # a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits
 Weight = np.ndarray | QuantizedTensor | HalfTensor
 

@@ -12,9 +12,9 @@ from numba.extending import overload
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
 from . import half
+from .cpu import _jit
 from .simd import fma, hsum, load_f32x8, zero_f32
 
-_jit = dict(fastmath=True, cache=True, nogil=True)
 f32 = np.float32
 
 TILE = 24   # rows made float32 at a time: 24 x K float32 (55 KB at K = 576) stays in L2

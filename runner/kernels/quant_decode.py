@@ -11,9 +11,9 @@ where q are the weight's integers, read as the little-endian bytes of MLX's uint
 import numpy as np
 from numba import njit, prange
 
+from .cpu import _jit
 from .simd import hsum, load_16x16, load_u8x16, madd, nibble, scale_add, vadd, zero_f32, zero_i32
 
-_jit = dict(fastmath=True, cache=True, nogil=True)
 f32 = np.float32
 
 
