@@ -1,8 +1,10 @@
 """The `nibble` command line: thin click commands over the library."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import re
 import sys
 from dataclasses import replace
 
@@ -13,21 +15,50 @@ from nibble.formats.errors import NibbleError
 from .settings import MAX_TOKENS, SamplerSettings
 
 DEFAULT_MODEL = "smollm2"
+DEFAULT_CTX = 4096   # -c when not given (or the model's context, if smaller)
 
 
 class _Group(click.Group):
-    """Turns the library's errors into one line on stderr and exit code 1."""
+    """Every error as one line on stderr: the library's (exit code 1) and click's usage errors
+    (exit code 2), which click itself prints as three lines (usage, hint, error)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _one_line_errors():   # nibble's own options: --bogus, --version=x
+            return super().make_context(info_name, args, parent, **extra)
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except NibbleError as e:
-            raise click.ClickException(str(e)) from None
-        except OSError as e:
-            raise click.ClickException(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
-        except KeyboardInterrupt:   # Ctrl-C outside generation (loading, importing): no traceback
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
+        with _one_line_errors():
+            try:
+                return super().invoke(ctx)
+            except NibbleError as e:
+                raise click.ClickException(str(e)) from None
+            except OSError as e:
+                raise click.ClickException(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+            except KeyboardInterrupt:   # Ctrl-C outside generation (loading, importing): no traceback
+                click.echo("\ninterrupted", err=True)
+                sys.exit(130)
+
+
+class _OneLineError(click.ClickException):
+    """"Error: <message>" alone, with the exit code of the error it stands for."""
+
+    def __init__(self, e: click.ClickException):
+        super().__init__(_LINE_BREAKS.sub(lambda m: repr(m[0])[1:-1], e.format_message()))
+        self.exit_code = e.exit_code
+
+
+# What str.splitlines breaks at: a value quoted in a message (a path, an option name) may hold them.
+_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+@contextlib.contextmanager
+def _one_line_errors():
+    try:
+        yield
+    except _OneLineError:
+        raise
+    except click.ClickException as e:
+        raise _OneLineError(e) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,6 +74,8 @@ def model_option(f):
                         help="A model directory, .gguf or .safetensors file, hub id (org/name) or alias.")(f)
 
 
+threads_option = click.option("-t", "--threads", type=click.IntRange(min=1),
+                              help="CPU threads, at most the cores' [default: all cores].")
 kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, type=click.Choice(["f32", "int8"]),
                                help="KV cache precision: int8 keeps a quarter of the memory.")
 
@@ -81,9 +114,10 @@ def generation_options(f):
         click.option("-n", "--max-tokens", default=MAX_TOKENS, show_default=True, type=click.IntRange(min=1),
                      help="Most tokens to generate."),
         sampling_options,
-        click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores]."),
-        click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(min=1),
-                     help="Context size in tokens (at most the model's)."),
+        threads_option,
+        click.option("-c", "--ctx-size", type=click.IntRange(min=1),
+                     help=f"Context size in tokens, at most the model's [default: {DEFAULT_CTX}, or the "
+                          f"model's if smaller]."),
         kv_cache_option,
     ]
     return functools.reduce(lambda g, option: option(g), reversed(options), f)
@@ -111,21 +145,55 @@ def _say(note: str):
         click.echo(note, err=True)
 
 
+def _at_most(flag: str, value: int | None, limit: int, what: str) -> int | None:
+    """A -c or -t above what can be used, lowered to it and said in one line (ollama lowers a
+    context beyond the model's too; llama.cpp runs past it, which nibble's RoPE tables cannot)."""
+    if value is not None and value > limit:
+        _say(f"{flag} {value} is more than {what}: using {limit}")
+        return limit
+    return value
+
+
+def _threads(threads: int | None) -> int | None:
+    """-t, at most the threads numba may start (the cores, unless NUMBA_NUM_THREADS says fewer)."""
+    import numba
+    limit = numba.config.NUMBA_NUM_THREADS
+    return _at_most("-t", threads, limit, f"the {limit} CPU threads here")
+
+
 def _set_threads(threads: int | None):
     import numba
-    if threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    if threads := _threads(threads):
+        numba.set_num_threads(threads)
+
+
+def _context(flag: str, ctx: int | None, llm) -> int:
+    """-c (or perplexity's --ctx), at most the model's context; DEFAULT_CTX or less if not given."""
+    limit = llm.config.max_position_embeddings
+    if ctx is None:
+        return min(DEFAULT_CTX, limit)
+    return _at_most(flag, ctx, limit, f"the model's context of {limit} tokens")
 
 
 def _stdin_is_terminal() -> bool:
     return sys.stdin is None or sys.stdin.isatty()
 
 
+def _text(data: bytes | str, source: str) -> str:
+    """Text with invalid UTF-8 read as U+FFFD, said in one line (see tokenizer.as_text)."""
+    from .tokenizer import as_text
+    text, note = as_text(data, source)
+    _say(note)
+    return text
+
+
 def _read_prompt(prompt: str | None) -> str:
     if prompt is None:
         if _stdin_is_terminal():
             raise click.UsageError("no prompt: give one as an argument, with -p, or on stdin")
-        prompt = sys.stdin.read()
+        prompt = _text(getattr(sys.stdin, "buffer", sys.stdin).read(), "the prompt on stdin")
+    else:
+        prompt = _text(prompt, "the prompt")
     if not prompt.strip():
         raise NibbleError("the prompt is empty: give some text to answer")
     return prompt
@@ -145,10 +213,12 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
         gpu_layers, require_gpu, stop, raw, as_json):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
+    system = _text(system, "the system prompt") if system is not None else None
     _set_threads(threads)
     from .generate import stream_generate
     from .sample import make_sampler
-    llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size)
+    llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
+    ctx_size = _context("-c", ctx_size, llm)
     _say(tokenizer.sampling_note)
     sampling = replace(tokenizer.sampling, **sampling)   # the flags given, over the model's defaults
     ids = tokenizer.prompt(text, system=system, raw=raw)
@@ -197,11 +267,13 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
+    threads = _threads(threads)
     _fetch_if_needed(model)
     from nibble.tui.app import ChatApp
     # The seed is the app's, for every chat; the other flags lie over each model's defaults in new chats.
+    # -c above a model's context: each session is as long as its model's (runner.session).
     seed = sampling.pop("seed", None)
-    ChatApp(model, quant=quant, ctx_size=ctx_size, kv_cache=kv_cache, threads=threads, seed=seed,
+    ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, threads=threads, seed=seed,
             system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
             require_gpu=require_gpu).run()
 
@@ -247,9 +319,10 @@ def import_(gguf_file, output, keep_float, force):
 @main.command()
 @click.argument("text_file", type=click.Path(exists=True, dir_okay=False))
 @model_option
-@click.option("--ctx", default=512, show_default=True, type=click.IntRange(min=2), help="Window length.")
+@click.option("--ctx", default=512, show_default=True, type=click.IntRange(min=2),
+              help="Window length, at most the model's context.")
 @click.option("--chunks", type=click.IntRange(min=1), help="Evaluate only the first N windows.")
-@click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@threads_option
 @click.option("--save-logits", type=click.Path(dir_okay=False),
               help="Keep this run's next-token distributions in a file, for --kl-base.")
 @click.option("--kl-base", type=click.Path(exists=True, dir_okay=False),
@@ -264,8 +337,9 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
     from .perplexity import evaluate
     _set_threads(threads)
     llm, tokenizer = load(model, quant)
-    with open(text_file, encoding="utf-8") as f:
-        tokens = tokenizer.encode(f.read(), add_bos=False)
+    ctx = _context("--ctx", ctx, llm)
+    with open(text_file, "rb") as f:
+        tokens = tokenizer.encode(_text(f.read(), text_file), add_bos=False)
     result = evaluate(llm, tokens, ctx=ctx, chunks=chunks, kv_type=kv_cache, save_logits=save_logits,
                       kl_base=kl_base, decode=decode, progress=lambda done, total: click.echo(
                           f"\r[{done}/{total}]", nl=False, err=True))
@@ -283,7 +357,7 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("-n", "--gen-tokens", default=128, show_default=True, type=click.IntRange(min=1),
               help="Tokens to decode (greedy; the end-of-text token is ignored).")
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(min=1))
-@click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@threads_option
 @kv_cache_option
 @gpu_options
 @click.option("--shapes", metavar="NAME",
@@ -310,14 +384,16 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         from .synthetic import random_model
         llm = random_model(shapes, QUANT_BITS[quant or "int4"])
         _say(llm.offload_layers(gpu_layers, ctx, require_gpu))
-        ids = list(range(1, prompt_tokens + 1))       # the speed does not depend on which tokens
     else:
         llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx)
-        ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
-        ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:
         raise NibbleError(f"{prompt_tokens} + {gen_tokens} tokens do not fit in the model's context "
                           f"of {llm.config.max_position_embeddings}")
+    if shapes:
+        ids = list(range(1, prompt_tokens + 1))       # the speed does not depend on which tokens
+    else:
+        ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
+        ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     result = run_bench(llm, ids, gen_tokens, repeats, kv_cache)
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 

@@ -51,7 +51,8 @@ class Model:
         "" (no GPU: the CPU runs everything, and the line says why; NoGPU if `require_gpu`).
         Caches made before no longer fit the model: forward refuses them."""
         from .offload import setup
-        gpu, self.offload_note = setup(self, gpu_layers, ctx, require_gpu)
+        longest = self.config.max_position_embeddings   # what new_cache will allow
+        gpu, self.offload_note = setup(self, gpu_layers, min(ctx or longest, longest), require_gpu)
         L = len(self.layers)
         if gpu is None:
             self.stages = [CPUStage(self, 0, L, head=True)]

@@ -11,6 +11,23 @@ from .detokenize import StreamDecoder
 from .settings import model_sampling
 
 
+def as_text(data: bytes | str, source: str) -> tuple[str, str]:
+    """`data` as text, its invalid UTF-8 replaced by U+FFFD (as llama.cpp's tokenizer and ollama's
+    JSON encoding do, silently), and a line saying so that names `source` ("" when it was valid).
+    A str may hold the bytes of a command-line argument that were not UTF-8, which Python keeps
+    as lone surrogates and the tokenizer refuses: they are decoded as bytes from a pipe are."""
+    if isinstance(data, str):
+        try:
+            data = data.encode("utf-8", "surrogateescape")   # argv's undecodable bytes, as they were
+        except UnicodeEncodeError:
+            data = data.encode("utf-8", "surrogatepass")     # other lone surrogates: invalid UTF-8
+    try:
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError as e:
+        return data.decode("utf-8", "replace"), (f"{source} is not valid UTF-8 (from byte {e.start}): "
+                                                 "its invalid bytes are read as U+FFFD")
+
+
 class Tokenizer:
     def __init__(self, model_dir: ModelDir):
         self.tokenizer: tokenizers.Tokenizer = model_dir.tokenizer

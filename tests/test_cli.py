@@ -214,3 +214,74 @@ def test_quantize_at_load(tiny_dir):
         r = invoke("run", "-m", tiny_dir, *GREEDY, "--quant", quant, "--json", "Hello")
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("args", [["run", "-n", -5, "Hi"], ["run", "-c", 0, "Hi"], ["run", "-t", 0, "Hi"],
+                                  ["chat", "-n", 0], ["chat", "-c", -1], ["perplexity", "-t", 0, "x"],
+                                  ["bench", "-t", 0], ["bench", "-p", "many"], ["run", "--bogus"],
+                                  ["nosuch"], ["--bogus"], ["run", "-m"], ["run", "--temp"]])
+def test_usage_errors_are_one_line_and_exit_2(args):
+    assert_one_line_error(invoke(*args), code=2)
+
+
+def test_a_line_break_in_a_quoted_value_stays_on_the_error_s_line(tmp_path):
+    r = invoke("run", "-m", tmp_path / "two\nlines", "Hi")
+    assert_one_line_error(r, match="two\\nlines")
+    assert_one_line_error(invoke("run", "--a\u2028b"), code=2, match="--a\\u2028b")
+
+
+def test_ctx_and_threads_above_what_can_be_used_are_lowered_in_one_line_each(tiny_dir):
+    import numba
+    cores = numba.config.NUMBA_NUM_THREADS
+    r = invoke("run", "-m", tiny_dir, *GREEDY, "-c", 100000, "-t", 999, "--json", "Hello")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines() == [f"-t 999 is more than the {cores} CPU threads here: using {cores}",
+                                     "-c 100000 is more than the model's context of 256 tokens: using 256"]
+    assert json.loads(r.stdout)["text"] == json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "Hello").stdout)["text"]
+    r = invoke("run", "-m", tiny_dir, *GREEDY, "-c", 256, "-t", cores, "Hello")   # the limits themselves
+    assert r.exit_code == 0 and r.stderr.splitlines()[:-1] == []   # the stats line alone
+
+
+def test_perplexity_and_bench_follow_the_same_rule(tiny_dir, tmp_path):
+    import numba
+    cores = numba.config.NUMBA_NUM_THREADS
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    r = invoke("perplexity", text, "-m", tiny_dir, "--ctx", 100000, "--chunks", 1, "-t", 999, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["ctx"] == 256
+    assert [line for line in r.stderr.splitlines() if " is more than " in line] == [
+        f"-t 999 is more than the {cores} CPU threads here: using {cores}",
+        "--ctx 100000 is more than the model's context of 256 tokens: using 256"]
+    assert_one_line_error(invoke("bench", "-m", tiny_dir, "-p", 10**12, "-n", 2), match="do not fit")
+
+
+def test_chat_lowers_threads_before_the_app_starts(tiny_dir, monkeypatch):
+    import numba
+    from nibble.tui.app import ChatApp
+    cores = numba.config.NUMBA_NUM_THREADS
+    seen = {}
+    monkeypatch.setattr("nibble.runner.cli._in_terminal", lambda: True)
+    monkeypatch.setattr(ChatApp, "run", lambda app: seen.update(threads=app.threads, ctx=app.ctx_size))
+    r = invoke("chat", "-m", tiny_dir, "-t", 999)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.strip() == f"-t 999 is more than the {cores} CPU threads here: using {cores}"
+    assert seen == {"threads": cores, "ctx": 4096}   # each session then as long as its model allows
+
+
+def test_invalid_utf8_is_read_as_replacement_characters_with_one_line(tiny_dir, tmp_path):
+    """As llama.cpp's tokenizer and ollama's JSON do (silently): the prompt runs, and a note says so."""
+    want = invoke("run", "-m", tiny_dir, *GREEDY, "--json", "caf\ufffd \ufffd\ufffd!")
+    r = invoke("run", "-m", tiny_dir, *GREEDY, "--json", input=b"caf\xe9 \xff\xfe!")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) | {"prompt_tps": 0, "generation_tps": 0, "ttft": 0} == \
+        json.loads(want.stdout) | {"prompt_tps": 0, "generation_tps": 0, "ttft": 0}
+    assert r.stderr.splitlines() == ["the prompt on stdin is not valid UTF-8 (from byte 3): "
+                                     "its invalid bytes are read as U+FFFD"]
+    # An argument's undecodable bytes, as Python hands them over (os.fsdecode: lone surrogates)
+    r = invoke("run", "-m", tiny_dir, *GREEDY, "--json", os.fsdecode(b"caf\xe9 \xff\xfe!"))
+    assert r.exit_code == 0 and json.loads(r.stdout)["text"] == json.loads(want.stdout)["text"]
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("Le café est très bon. ".encode("latin-1") * 60)
+    r = invoke("perplexity", text, "-m", tiny_dir, "--ctx", 64, "--chunks", 1)
+    assert r.exit_code == 0 and f"{text} is not valid UTF-8 (from byte 6)" in r.stderr
