@@ -134,3 +134,16 @@ def test_the_gpu_stage_names_the_layer(gpu_layers):
     for tokens in ([5, 17, 40], [5]):   # prefill, and decode (a CUDA graph on a real GPU)
         with pytest.raises(NonFinite, match=r"^layer 1 of 2 \(model.layers.1\)"):
             model.forward(tokens, model.new_cache(16))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])   # Textual runs on asyncio
+async def test_the_chat_app_says_which_layer_and_goes_on(tmp_path, monkeypatch, anyio_backend):
+    """The app's first pass (loading the kernels) meets the NaN: a notification, no crash."""
+    from tests.tui_helpers import make_app, notes, wait_for
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    app = make_app(from_model_dir(damaged()), model="nan")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.loading is None, what="the failure")
+        assert any("Could not load nan: layer 1 of 3 (model.layers.1) produced NaN/Inf values" in n
+                   for n in notes(app)), notes(app)
