@@ -85,4 +85,6 @@ def test_cli_perplexity_with_kl_base(two_models, tmp_path):
     # Another --ctx makes other windows: the saved file does not fit them.
     r = invoke("perplexity", text, "-m", other_dir, "--ctx", CTX * 2, "--kl-base", saved)
     assert_one_line_error(r, match="saved from other text")
-    assert_one_line_error(invoke("perplexity", text, "-m", base_dir, "--ctx", 100000), match="shorter than one window")
+    short = tmp_path / "short.txt"
+    short.write_text("Hello.")
+    assert_one_line_error(invoke("perplexity", short, "-m", base_dir, "--ctx", 64), match="shorter than one window")
