@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -146,15 +147,26 @@ class LogprobWriter:
 
 class LogprobReader:
     def __init__(self, path: str, tokens: np.ndarray, vocab: int):
+        not_ours = f"{path} is not a file written by `nibble perplexity --save-logits`"
         with open(path, "rb") as f:
             if f.read(len(MAGIC)) != MAGIC:
-                raise NibbleError(f"{path} is not a file written by `nibble perplexity --save-logits`")
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+                raise NibbleError(not_ours)
+            size = int.from_bytes(f.read(8), "little")
+            try:   # our headers are a few hundred bytes: a larger length is damage, not a header
+                header = json.loads(f.read(size).decode()) if size <= 1 << 16 else None
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                header = None
+            if not isinstance(header, dict):
+                raise NibbleError(f"{not_ours} (or it is damaged: its header is unreadable)")
             offset = f.tell()
+            end = f.seek(0, os.SEEK_END)
         if header != _fingerprint(tokens, vocab):
             raise NibbleError(f"{path} was saved from other text, --ctx, --chunks or vocabulary: "
                               "run both models on the same file with the same settings")
         rows = tokens.shape[0] * (tokens.shape[1] - 1)
+        if end != offset + rows * (8 + 2 * vocab):
+            raise NibbleError(f"{path} is {end} bytes where its header promises "
+                              f"{offset + rows * (8 + 2 * vocab)}: it is damaged or was cut short")
         self.rows_per_window = tokens.shape[1] - 1
         self.affine = np.memmap(path, np.float32, "r", offset, (rows, 2))
         self.codes = np.memmap(path, np.uint16, "r", offset + rows * 8, (rows, vocab))

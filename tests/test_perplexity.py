@@ -85,6 +85,17 @@ def test_cli_perplexity_with_kl_base(two_models, tmp_path):
     # Another --ctx makes other windows: the saved file does not fit them.
     r = invoke("perplexity", text, "-m", other_dir, "--ctx", CTX * 2, "--kl-base", saved)
     assert_one_line_error(r, match="saved from other text")
+    # A damaged file: a header length of 2**63, a header that is not JSON, a body cut short.
+    data = saved.read_bytes()
+    magic = data.index(b"{") - 8
+    header_end = magic + 8 + int.from_bytes(data[magic:magic + 8], "little")
+    damaged = tmp_path / "damaged.logprobs"
+    for bad, why in [(data[:magic] + (1 << 63).to_bytes(8, "little") + data[magic + 8:], "damaged"),
+                     (data[:magic + 8] + b"\xff" * (header_end - magic - 8) + data[header_end:], "damaged"),
+                     (data[:-10], "cut short")]:
+        damaged.write_bytes(bad)
+        r = invoke("perplexity", text, "-m", other_dir, "--ctx", CTX, "--kl-base", damaged)
+        assert_one_line_error(r, match=why)
     short = tmp_path / "short.txt"
     short.write_text("Hello.")
     assert_one_line_error(invoke("perplexity", short, "-m", base_dir, "--ctx", 64), match="shorter than one window")
