@@ -1,19 +1,22 @@
 """One reply being generated: the worker's loop, and the messages it posts to the chat screen.
 
 The loop runs in a thread worker. It posts what it has at most every `frame` seconds, not every
-token, and adapts that frame to what drawing costs the UI thread (see UIClock). Cancelling the
-worker stops the reply: the loop stops iterating after the current token (or prefill chunk).
+token, and adapts that frame to what drawing costs the UI thread (see UIClock); at each frame it
+also stores the reply so far (store.ReplyStream), so a killed app loses one frame of text at most.
+Cancelling the worker stops the reply: the loop stops iterating after the current token (or
+prefill chunk).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from textual.message import Message as TextualMessage
 from textual.worker import Worker
 
+from .store import ReplyStream
 from .widgets.messages import MessageView
 
 # Seconds between two UI updates of a streaming reply: at least FRAME, at most FRAME_MAX.
@@ -86,11 +89,12 @@ class TurnFailed(TextualMessage):
 
 
 def run_turn(post: Callable[[TextualMessage], object], turn: Turn, session, messages: list[dict],
-             sampling, max_tokens: int):
+             sampling, max_tokens: int, stream: ReplyStream | None = None):
     """Generate the reply to `messages` with `session` (a runner.session.ChatSession) and
     `sampling` (a SamplerSettings), posting TurnUpdates (the last one with a finish_reason,
-    "stopped" once the turn is stopping) or a TurnFailed. Runs in the turn's worker thread."""
-    pending, frame, ui = "", FRAME, UIClock()
+    "stopped" once the turn is stopping) or a TurnFailed, and writing the text so far to `stream`
+    before each update. Runs in the turn's worker thread."""
+    pending, text, frame, ui = "", "", FRAME, UIClock()
     last = time.monotonic()
     chunks = session.reply(messages, sampling, max_tokens)
     try:
@@ -102,8 +106,14 @@ def run_turn(post: Callable[[TextualMessage], object], turn: Turn, session, mess
                 chunks.close()
                 s = replace(s, finish_reason="stopped")
             if s.finish_reason or s.generation_tokens <= 1 or now - last >= frame:
+                text += pending
+                if stream is not None:
+                    stream.write(text, asdict(s))
                 post(TurnUpdate(turn, pending, s))
                 pending, last = "", now
                 frame = ui.next_frame(frame)
     except Exception as e:   # shown as a notification; the app goes on
         post(TurnFailed(turn, e))
+    finally:
+        if stream is not None:
+            stream.close()
