@@ -1,8 +1,8 @@
 """One reply being generated: the worker's loop, and the messages it posts to the chat screen.
 
 The loop runs in a thread worker. It posts what it has at most every `frame` seconds, not every
-token, and adapts that frame to what drawing costs the UI thread (see UIClock); at each frame it
-also stores the reply so far (store.ReplyStream), so a killed app loses one frame of text at most.
+token, and adapts that frame to what drawing costs the UI thread (see UIClock). Every SAVE seconds
+it also stores the reply so far (store.ReplyStream): a killed app loses that much text at most.
 Cancelling the worker stops the reply: the loop stops iterating after the current token (or
 prefill chunk).
 """
@@ -24,6 +24,9 @@ FRAME, FRAME_MAX = 0.1, 1.0
 # The share of a core that drawing a streaming reply should take at most: on a machine whose
 # cores all generate, it is about what drawing costs generation.
 UI_SHARE = 0.04
+# Seconds between two writes of a streaming reply to the history: what a kill -9 may lose. Not the
+# UI's frame, which grows while drawing is slow; a write costs about a tenth of a millisecond.
+SAVE = 0.1
 
 
 class UIClock:
@@ -93,24 +96,24 @@ def run_turn(post: Callable[[TextualMessage], object], turn: Turn, session, mess
     """Generate the reply to `messages` with `session` (a runner.session.ChatSession) and
     `sampling` (a SamplerSettings), posting TurnUpdates (the last one with a finish_reason,
     "stopped" once the turn is stopping) or a TurnFailed, and writing the text so far to `stream`
-    before each update. Runs in the turn's worker thread."""
-    pending, text, frame, ui = "", "", FRAME, UIClock()
-    last = time.monotonic()
+    every SAVE seconds. Runs in the turn's worker thread."""
+    text, posted, frame, ui = "", 0, FRAME, UIClock()
+    last = saved = time.monotonic()
     chunks = session.reply(messages, sampling, max_tokens)
     try:
         for chunk in chunks:
-            pending += chunk.text
+            text += chunk.text
             now, s = time.monotonic(), chunk.stats
             if turn.stopping and not s.finish_reason:
                 # Stop before the final update: once it is handled, the next reply may start.
                 chunks.close()
                 s = replace(s, finish_reason="stopped")
+            if stream is not None and (s.finish_reason or s.generation_tokens <= 1 or now - saved >= SAVE):
+                stream.write(text, asdict(s))   # before the UI has it: the app ends the reply
+                saved = now
             if s.finish_reason or s.generation_tokens <= 1 or now - last >= frame:
-                text += pending
-                if stream is not None:
-                    stream.write(text, asdict(s))
-                post(TurnUpdate(turn, pending, s))
-                pending, last = "", now
+                post(TurnUpdate(turn, text[posted:], s))
+                posted, last = len(text), now
                 frame = ui.next_frame(frame)
     except Exception as e:   # shown as a notification; the app goes on
         post(TurnFailed(turn, e))
