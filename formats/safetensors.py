@@ -14,7 +14,6 @@ import mmap
 import os
 import struct
 import sys
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -23,6 +22,7 @@ import numpy as np
 
 from .errors import FormatError
 from .half import HalfTensor
+from .tempfiles import temp_file
 
 # Safetensors dtype name -> numpy dtype, for the dtypes numpy can view in place.
 DTYPES = {
@@ -130,28 +130,24 @@ def write_safetensors(tensors: dict[str, np.ndarray | HalfTensor] | TensorStream
 
     `tensors` is a dict, or a TensorStream: the header is written from its specs, then each
     tensor at its place as it comes, so that no more than one is held at a time. A failure (or
-    KeyboardInterrupt) leaves any existing file at `path` untouched and no temporary file.
+    KeyboardInterrupt) leaves any existing file at `path` untouched and no temporary file; what a
+    killed write left in the folder is removed first (formats/tempfiles.py).
     """
     path = Path(path)
     if not isinstance(tensors, TensorStream):
         tensors = TensorStream(_specs(tensors, path), tensors.items())
     header, offsets, size = _layout(tensors.specs, metadata)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(header)
-            f.truncate(size)   # the data region, filled in as the tensors come
-            for name, t in tensors.items:
-                if name not in offsets:
-                    raise ValueError(f"{path}: tensor {name!r} is not in the header, or came twice")
-                f.seek(offsets.pop(name))
-                f.write(_raw_bytes(name, t, tensors.specs[name]))
-            if offsets:
-                raise ValueError(f"{path}: tensors never came: {', '.join(list(offsets)[:3])}")
+    with temp_file(path) as (tmp, f):
+        f.write(header)
+        f.truncate(size)   # the data region, filled in as the tensors come
+        for name, t in tensors.items:
+            if name not in offsets:
+                raise ValueError(f"{path}: tensor {name!r} is not in the header, or came twice")
+            f.seek(offsets.pop(name))
+            f.write(_raw_bytes(name, t, tensors.specs[name]))
+        if offsets:
+            raise ValueError(f"{path}: tensors never came: {', '.join(list(offsets)[:3])}")
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def release(t: np.ndarray | HalfTensor) -> None:

@@ -14,8 +14,8 @@ from nibble.tui.screens.keys import KeysScreen
 from nibble.tui.screens.models import ModelPicker
 from nibble.tui.screens.settings import SettingsScreen
 from nibble.tui.store import ChatSettings, Message, Store
-from tests.tui_helpers import (GREEDY, db_rows, idle, make_app, notes, ready, send, stored_messages,
-                               wait_for)
+from tests.tui_helpers import (GREEDY, db_rows, dead_writer, idle, make_app, notes, ready, send,
+                               stored_messages, wait_for)
 
 SIZE = (100, 30)
 pytestmark = pytest.mark.anyio
@@ -120,6 +120,43 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, mon
         assert views(app)[-1].source == reply.content
         assert "stopped" in str(views(app)[-1].query_one(".meta").render())
     assert stored_messages(home)[-1] == (1, "assistant", reply.content, "stopped")
+
+
+async def test_a_reply_is_stored_as_it_is_written(home, tiny, slow):
+    app = make_app(tiny, max_tokens=200)
+    replies = lambda: db_rows(home, "SELECT content, finish, writer FROM messages WHERE role = 'assistant'")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Tell me a long story", wait=False)
+        await wait_for(pilot, lambda: replies() and len(replies()[0][0]) > 5, what="the reply on disk")
+        [(partial, finish, writer)] = replies()
+        assert finish is None and writer == app.store.writer   # being written, by this app
+        await pilot.press("escape")
+        await idle(pilot)
+        reply = app.chat_screen.history[-1]
+    assert replies() == [(reply.content, "stopped", None)] and reply.content.startswith(partial)
+
+
+async def test_a_reply_whose_app_was_killed_shows_as_interrupted_and_the_chat_goes_on(home, tiny):
+    store, _ = Store.open()
+    chat = store.create_chat("Story", "tiny", GREEDY)
+    store.add_message(chat.id, Message(None, "user", "Tell me a story"))
+    store.add_message(chat.id, Message(None, "assistant", "Once upon a", writer=dead_writer()))
+    store.close()
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await app.chat_screen.open_chat(chat.id)
+        reply = views(app)[-1]
+        assert reply.has_class("interrupted") and reply.source == "Once upon a"
+        assert str(reply.query_one(".meta").render()) == "interrupted"
+        await send(pilot, "Go on")
+        # The model sees the interrupted reply as its turn, as far as it was written.
+        assert app.chat_screen.conversation()[:3] == [
+            {"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon a"},
+            {"role": "user", "content": "Go on"}]
+    assert [r[1:] for r in stored_messages(home)][:3] == [
+        ("user", "Tell me a story", None), ("assistant", "Once upon a", "interrupted"), ("user", "Go on", None)]
 
 
 async def test_a_message_sent_right_after_esc_goes_after_the_stopped_reply(home, tiny, slow):

@@ -12,7 +12,7 @@ pytest.importorskip("pytest_textual_snapshot")
 
 from nibble.formats import hub  # noqa: E402
 from nibble.runner.loader import load  # noqa: E402
-from tests.tui_helpers import make_app, ready, wait_for  # noqa: E402
+from tests.tui_helpers import dead_writer, make_app, ready, wait_for  # noqa: E402
 from nibble.tui.store import ChatSettings, Message, Store  # noqa: E402
 
 SIZE = (100, 30)
@@ -58,6 +58,23 @@ async def open_prime_chat(pilot):
 
 def test_conversation(snap_compare, tiny):
     assert snap_compare(make_app(tiny), terminal_size=SIZE, run_before=open_prime_chat)
+
+
+def test_interrupted_reply(snap_compare, tiny):
+    store, _ = Store.open()
+    chat = store.create_chat("A story", "smollm2", ChatSettings())
+    store.add_message(chat.id, Message(None, "user", "Tell me a story about a lighthouse."))
+    store.add_message(chat.id, Message(None, "assistant", "The lighthouse keeper had not seen a ship in",
+                                       stats={"generation_tokens": 11, "generation_tps": 38.2, "prefilled": 24},
+                                       writer=dead_writer()))   # as an app killed mid-reply leaves it
+    store.close()
+
+    async def open_story(pilot):
+        await ready(pilot)
+        await pilot.app.chat_screen.open_chat(chat.id)
+        pilot.app.chat_screen.prompt.cursor_blink = False
+        await pilot.pause()
+    assert snap_compare(make_app(tiny), terminal_size=SIZE, run_before=open_story)
 
 
 def test_new_chat_while_the_model_loads(snap_compare, tiny):

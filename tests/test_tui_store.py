@@ -1,5 +1,6 @@
 """The chat history database: where it lives, what it keeps, and what it does with a bad file."""
 import json
+import os
 import sqlite3
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from nibble.runner.settings import SamplerSettings
 from nibble.tui import store as store_module
 from nibble.tui.store import ChatSettings, Message, Store
+from tests.tui_helpers import dead_writer
 
 
 def test_the_history_is_kept_in_nibbles_data_folder(monkeypatch, tmp_path):
@@ -110,3 +112,86 @@ def test_an_unwritable_data_dir_keeps_chats_in_memory(tmp_path):
     (tmp_path / "file").write_text("")
     store, warning = Store.open(tmp_path / "file" / "history.db")
     assert store.path is None and "in memory" in warning
+
+
+# The schema nibble 0.1 created (user_version 1): no writer column.
+SCHEMA_1 = """
+CREATE TABLE chats (id INTEGER PRIMARY KEY, title TEXT NOT NULL, model TEXT NOT NULL DEFAULT '',
+    settings TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (id INTEGER PRIMARY KEY, chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+    role TEXT NOT NULL, content TEXT NOT NULL, finish TEXT, stats TEXT, created REAL NOT NULL);
+CREATE INDEX messages_by_chat ON messages(chat_id, id);
+INSERT INTO chats VALUES (1, 'old chat', 'smollm2', '{}', 1.0, 2.0);
+INSERT INTO messages VALUES (1, 1, 'user', 'Hi', NULL, NULL, 1.0), (2, 1, 'assistant', 'Hello!', 'stop', NULL, 2.0);
+PRAGMA user_version = 1;
+"""
+
+
+def start_reply(store, chat_id) -> Message:
+    """An empty reply, stored as this process's to write (as the app stores one when it starts)."""
+    reply = Message(None, "assistant", "", writer=store.writer)
+    store.add_message(chat_id, reply)
+    return reply
+
+
+def test_a_version_1_history_is_migrated_and_kept(tmp_path):
+    path = tmp_path / "history.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(SCHEMA_1)
+    store, warning = Store.open(path)
+    assert warning is None
+    assert store.db.execute("PRAGMA user_version").fetchone() == (store_module.VERSION,)
+    assert [(m.role, m.content, m.finish, m.writer) for m in store.messages(1)] == [
+        ("user", "Hi", None, None), ("assistant", "Hello!", "stop", None)]
+    reply = start_reply(store, 1)
+    assert store.messages(1)[-1].writer == store.writer   # the new column works
+    store.close()
+    again, _ = Store.open(path)   # opened again: migrated once only
+    assert [m.id for m in again.messages(1)] == [1, 2, reply.id]
+
+
+def test_a_reply_is_stored_as_it_grows_and_ends_with_its_finish(tmp_path):
+    store, _ = Store.open(tmp_path / "h.db")
+    chat = store.create_chat("c", "m", ChatSettings())
+    reply = start_reply(store, chat.id)
+    stream = store.reply_stream(reply.id)
+    for text in ["Once", "Once upon", "Once upon a time"]:
+        stream.write(text, {"generation_tokens": len(text.split())})
+        other, _ = Store.open(tmp_path / "h.db")   # what another process (or a restart) reads
+        assert [(m.content, m.finish, m.writer) for m in other.messages(chat.id)] == [(text, None, store.writer)]
+        other.close()
+    reply.content, reply.finish, reply.stats = "Once upon a time.", "stopped", {"generation_tokens": 5}
+    store.end_reply(reply)
+    stream.write("Once upon a time. The", {})   # a last token after the app ended it: not stored
+    stream.close()
+    assert [(m.content, m.finish, m.stats, m.writer) for m in Store.open(tmp_path / "h.db")[0].messages(chat.id)] == [
+        ("Once upon a time.", "stopped", {"generation_tokens": 5}, None)]
+
+
+def test_a_reply_whose_writer_died_is_marked_interrupted_a_live_ones_is_not(tmp_path):
+    path = tmp_path / "h.db"
+    store, _ = Store.open(path)
+    chat = store.create_chat("c", "m", ChatSettings())
+    dead, live, empty = (start_reply(store, chat.id) for _ in range(3))
+    store.db.execute("UPDATE messages SET content = 'half a rep', writer = ? WHERE id = ?", (dead_writer(), dead.id))
+    store.db.execute("UPDATE messages SET content = 'still going' WHERE id = ?", (live.id,))
+    store.db.execute("UPDATE messages SET writer = ? WHERE id = ?", (dead_writer(), empty.id))
+    store.db.commit()
+    # Another nibble chat starts on the same history while this one (live) still writes.
+    other, _ = Store.open(path)
+    assert [(m.id, m.content, m.finish, m.writer is not None) for m in other.messages(chat.id)] == [
+        (dead.id, "half a rep", "interrupted", False), (live.id, "still going", None, True)]
+    assert db_count(path, "SELECT count(*) FROM messages WHERE finish = 'interrupted'") == 1
+
+
+def test_a_writer_tag_names_one_process_not_its_pid():
+    tag = store_module.process_tag(os.getpid())
+    assert store_module.is_alive(tag)
+    pid, start = tag.split(":")
+    assert not store_module.is_alive(f"{pid}:{int(start) + 1}")   # the pid, reused by a later process
+    assert not store_module.is_alive("garbage")
+
+
+def db_count(path, sql) -> int:
+    with sqlite3.connect(path) as db:
+        return db.execute(sql).fetchone()[0]

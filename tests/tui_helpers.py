@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from nibble.runner.settings import SamplerSettings
 from nibble.tui.app import ChatApp
-from nibble.tui.store import ChatSettings
+from nibble.tui.store import ChatSettings, process_tag
 from nibble.tui.widgets.prompt import PromptInput
 
 # make_app's new chats on the tiny model (whose generation_config.json sets no sampling)
@@ -65,3 +67,13 @@ def db_rows(home: Path, sql: str, *args) -> list[tuple]:
 
 def stored_messages(home: Path) -> list[tuple]:
     return db_rows(home, "SELECT chat_id, role, content, finish FROM messages ORDER BY id")
+
+
+def dead_writer() -> str:
+    """The writer tag (store.process_tag) of a process that has exited, as a killed app leaves."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    tag = process_tag(p.pid)
+    p.kill()
+    p.wait()
+    assert tag is not None and process_tag(p.pid) != tag
+    return tag

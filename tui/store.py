@@ -1,9 +1,12 @@
 """Conversations kept in SQLite: chats with their settings, and their messages.
 
 One file, `history.db` in nibble's data directory. Every write is its own transaction, so a chat
-is on disk as soon as a message is sent or a reply ends. A file that cannot be read is moved
-aside (never overwritten) and a new history started; a file another program keeps locked is
-left alone and this session's chats are kept in memory.
+is on disk as soon as a message is sent, and a reply as it is written: its row is made when it
+starts, names its writer (a process), and grows a few times a second until it ends. A reply whose
+writer died (kill -9, a crash, a power cut) is marked "interrupted" when the history is next read,
+and kept as far as it was written. A file that cannot be read is moved aside (never overwritten)
+and a new history started; a file another program keeps locked is left alone and this session's
+chats are kept in memory.
 """
 from __future__ import annotations
 
@@ -21,27 +24,30 @@ from nibble.runner.settings import MAX_TOKENS, SamplerSettings
 # Seconds to wait for another nibble chat's write before calling the file locked.
 BUSY_TIMEOUT = 2.0
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS chats (
+VERSION = 2
+WRITING_INDEX = "CREATE INDEX messages_being_written ON messages(writer) WHERE writer IS NOT NULL"
+SCHEMA = ["""
+CREATE TABLE chats (
     id       INTEGER PRIMARY KEY,
     title    TEXT NOT NULL,
     model    TEXT NOT NULL DEFAULT '',      -- the model the chat was started with
     settings TEXT NOT NULL DEFAULT '{}',    -- ChatSettings as JSON
     created  REAL NOT NULL,
     updated  REAL NOT NULL                  -- the sidebar lists the latest first
-);
-CREATE TABLE IF NOT EXISTS messages (
+)""", """
+CREATE TABLE messages (
     id      INTEGER PRIMARY KEY,
     chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
     role    TEXT NOT NULL,                  -- system, user or assistant
     content TEXT NOT NULL,
-    finish  TEXT,                           -- a reply's end: stop, length, context or stopped
+    finish  TEXT,                           -- a reply's end: stop, length, context, stopped
+                                            -- (Esc, quit), error or interrupted (its writer died)
     stats   TEXT,                           -- a reply's TurnStats as JSON
-    created REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
-PRAGMA user_version = 1;
-"""
+    created REAL NOT NULL,
+    writer  TEXT                            -- a reply being written: its process (process_tag)
+)""", "CREATE INDEX messages_by_chat ON messages(chat_id, id)", WRITING_INDEX]
+# Each version's way to the next.
+MIGRATIONS = {1: ["ALTER TABLE messages ADD COLUMN writer TEXT", WRITING_INDEX]}
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class Message:
     content: str
     finish: str | None = None
     stats: dict = field(default_factory=dict)
+    writer: str | None = None   # a reply being written: by this process or another nibble chat
 
 
 class Store:
@@ -111,6 +118,7 @@ class Store:
     def __init__(self, db: sqlite3.Connection, path: Path | None):
         self.db = db
         self.path = path            # None: in memory only
+        self.writer = process_tag(os.getpid())
 
     @classmethod
     def open(cls, path: Path | None = None) -> tuple[Store, str | None]:
@@ -181,23 +189,40 @@ class Store:
     # Messages
 
     def messages(self, chat_id: int) -> list[Message]:
-        rows = self.db.execute("SELECT id, role, content, finish, stats FROM messages "
+        _settle(self.db, chat_id)
+        rows = self.db.execute("SELECT id, role, content, finish, stats, writer FROM messages "
                                "WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
-        return [Message(i, role, content, finish, json.loads(stats) if stats else {})
-                for i, role, content, finish, stats in rows]
+        return [Message(i, role, content, finish, json.loads(stats) if stats else {}, writer)
+                for i, role, content, finish, stats, writer in rows]
 
     def add_message(self, chat_id: int, message: Message) -> int:
         """Store `message` at the end of the chat; sets and returns its id."""
         now = time.time()
         with self.db:
             cur = self.db.execute(
-                "INSERT INTO messages (chat_id, role, content, finish, stats, created) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO messages (chat_id, role, content, finish, stats, created, writer) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (chat_id, message.role, message.content, message.finish,
-                 json.dumps(message.stats) if message.stats else None, now))
+                 json.dumps(message.stats) if message.stats else None, now, message.writer))
             self.db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
         message.id = cur.lastrowid
         return message.id
+
+    def reply_stream(self, message_id: int) -> ReplyStream | None:
+        """A writer of the reply's text as it grows, for the generation thread (None in memory:
+        nothing to keep across a kill)."""
+        return ReplyStream(self.path, message_id, self.writer) if self.path else None
+
+    def end_reply(self, message: Message):
+        """Store the reply's final text, stats and finish; it is nobody's to write any more."""
+        message.writer = None
+        with self.db:
+            self.db.execute("UPDATE messages SET content = ?, finish = ?, stats = ?, writer = NULL "
+                            "WHERE id = ?", (message.content, message.finish,
+                                             json.dumps(message.stats) if message.stats else None,
+                                             message.id))
+            self.db.execute("UPDATE chats SET updated = ? WHERE id = (SELECT chat_id FROM messages "
+                            "WHERE id = ?)", (time.time(), message.id))
 
     def delete_messages_from(self, chat_id: int, message_id: int):
         """Delete the message and every later one of the chat (regenerate, edit and resend)."""
@@ -210,24 +235,120 @@ class Store:
         return Chat(i, title, model, ChatSettings.from_json(settings), created, updated)
 
 
-def _connect(path: Path | str) -> sqlite3.Connection:
-    """Open, check and (re)create the schema; raises sqlite3 errors for a bad or locked file."""
-    db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT)
+class ReplyStream:
+    """A reply's text and stats written as they grow, each time in one transaction, from the
+    generation thread on a connection of its own: the UI thread never waits for the disk."""
+
+    def __init__(self, path: Path, message_id: int, writer: str):
+        self.path, self.message_id, self.writer = path, message_id, writer
+        self.db: sqlite3.Connection | None = None   # opened by the thread that writes
+
+    def write(self, text: str, stats: dict):
+        try:
+            if self.db is None:
+                self.db = _open(self.path)
+            with self.db:
+                # Only while the reply is still this process's: the app may have ended it (quit)
+                # or deleted its chat meanwhile.
+                self.db.execute("UPDATE messages SET content = ?, stats = ? WHERE id = ? AND writer = ?",
+                                (text, json.dumps(stats), self.message_id, self.writer))
+        except sqlite3.Error:
+            pass   # a busy or full disk: the next write, or the app's at the reply's end, tries again
+
+    def close(self):
+        if self.db is not None:
+            self.db.close()
+
+
+def process_tag(pid: int) -> str | None:
+    """`pid` and its start time, "<pid>:<ticks since boot>": a name that another process reusing
+    the pid later does not share (where there is no /proc, the pid alone). None: no such process."""
     try:
-        db.execute("PRAGMA foreign_keys = ON")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return f"{pid}:{stat.rsplit(')', 1)[1].split()[19]}"   # field 22, starttime
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:   # another user's: alive
+        pass
+    return str(pid)
+
+
+def is_alive(writer: str) -> bool:
+    """Whether the process a reply names as its writer still runs."""
+    pid = writer.split(":")[0]
+    return pid.isdigit() and process_tag(int(pid)) == writer
+
+
+def _open(path: Path | str) -> sqlite3.Connection:
+    db = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT, check_same_thread=False)
+    db.execute("PRAGMA foreign_keys = ON")
+    # Commits reach the OS at once (a killed process loses nothing) but are not fsynced until a
+    # checkpoint: a streaming reply's few writes a second cost microseconds, not a disk flush
+    # each. A power cut may lose the last second.
+    db.execute("PRAGMA synchronous = NORMAL")
+    return db
+
+
+def _connect(path: Path | str) -> sqlite3.Connection:
+    """Open, check and create or migrate the schema; raises sqlite3 errors for a bad or locked file."""
+    db = _open(path)
+    try:
         ok = db.execute("PRAGMA quick_check").fetchone()[0]
         if ok != "ok":
             raise sqlite3.DatabaseError(f"integrity check: {ok}")
         if path != ":memory:":
             # WAL: a second nibble chat can read while this one writes.
             db.execute("PRAGMA journal_mode = WAL")
-        db.executescript(SCHEMA)
+        if db.execute("PRAGMA user_version").fetchone()[0] < VERSION:
+            _migrate(db)
         db.execute("SELECT id, title, model, settings, created, updated FROM chats LIMIT 1").fetchall()
-        db.execute("SELECT id, chat_id, role, content, finish, stats FROM messages LIMIT 1").fetchall()
+        db.execute("SELECT id, chat_id, role, content, finish, stats, writer FROM messages LIMIT 1").fetchall()
+        _settle(db)
     except BaseException:
         db.close()
         raise
     return db
+
+
+def _migrate(db: sqlite3.Connection):
+    """Bring the schema to VERSION in one transaction. IMMEDIATE: of two apps opening an old file
+    at once, one migrates and the other then finds it done."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            steps = SCHEMA
+        else:
+            steps = [step for v in range(version, VERSION) for step in MIGRATIONS[v]]
+        for step in steps:
+            db.execute(step)
+        db.execute(f"PRAGMA user_version = {max(version, VERSION)}")
+        db.commit()
+    except BaseException:
+        db.rollback()
+        raise
+
+
+def _settle(db: sqlite3.Connection, chat_id: int | None = None):
+    """Mark the replies (of one chat, or all) whose writer died as interrupted, as far as
+    they were written; one that had no text yet is dropped, as a reply stopped before its
+    first word is. A live writer's (another nibble chat's) are left to it."""
+    one_chat = (" AND chat_id = ?", (chat_id,)) if chat_id is not None else ("", ())
+    rows = db.execute("SELECT id, content, writer FROM messages WHERE writer IS NOT NULL" + one_chat[0],
+                      one_chat[1]).fetchall()
+    dead = [(i, content) for i, content, writer in rows if not is_alive(writer)]
+    if dead:
+        with db:
+            db.executemany("UPDATE messages SET finish = 'interrupted', writer = NULL WHERE id = ?",
+                           [(i,) for i, content in dead if content])
+            db.executemany("DELETE FROM messages WHERE id = ?", [(i,) for i, content in dead if not content])
 
 
 def _is_locked(e: sqlite3.OperationalError) -> bool:

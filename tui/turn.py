@@ -1,19 +1,22 @@
 """One reply being generated: the worker's loop, and the messages it posts to the chat screen.
 
 The loop runs in a thread worker. It posts what it has at most every `frame` seconds, not every
-token, and adapts that frame to what drawing costs the UI thread (see UIClock). Cancelling the
-worker stops the reply: the loop stops iterating after the current token (or prefill chunk).
+token, and adapts that frame to what drawing costs the UI thread (see UIClock). Every SAVE seconds
+it also stores the reply so far (store.ReplyStream): a killed app loses that much text at most.
+Cancelling the worker stops the reply: the loop stops iterating after the current token (or
+prefill chunk).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from textual.message import Message as TextualMessage
 from textual.worker import Worker
 
+from .store import ReplyStream
 from .widgets.messages import MessageView
 
 # Seconds between two UI updates of a streaming reply: at least FRAME, at most FRAME_MAX.
@@ -21,6 +24,9 @@ FRAME, FRAME_MAX = 0.1, 1.0
 # The share of a core that drawing a streaming reply should take at most: on a machine whose
 # cores all generate, it is about what drawing costs generation.
 UI_SHARE = 0.04
+# Seconds between two writes of a streaming reply to the history: what a kill -9 may lose. Not the
+# UI's frame, which grows while drawing is slow; a write costs about a tenth of a millisecond.
+SAVE = 0.1
 
 
 class UIClock:
@@ -86,24 +92,31 @@ class TurnFailed(TextualMessage):
 
 
 def run_turn(post: Callable[[TextualMessage], object], turn: Turn, session, messages: list[dict],
-             sampling, max_tokens: int):
+             sampling, max_tokens: int, stream: ReplyStream | None = None):
     """Generate the reply to `messages` with `session` (a runner.session.ChatSession) and
     `sampling` (a SamplerSettings), posting TurnUpdates (the last one with a finish_reason,
-    "stopped" once the turn is stopping) or a TurnFailed. Runs in the turn's worker thread."""
-    pending, frame, ui = "", FRAME, UIClock()
-    last = time.monotonic()
+    "stopped" once the turn is stopping) or a TurnFailed, and writing the text so far to `stream`
+    every SAVE seconds. Runs in the turn's worker thread."""
+    text, posted, frame, ui = "", 0, FRAME, UIClock()
+    last = saved = time.monotonic()
     chunks = session.reply(messages, sampling, max_tokens)
     try:
         for chunk in chunks:
-            pending += chunk.text
+            text += chunk.text
             now, s = time.monotonic(), chunk.stats
             if turn.stopping and not s.finish_reason:
                 # Stop before the final update: once it is handled, the next reply may start.
                 chunks.close()
                 s = replace(s, finish_reason="stopped")
+            if stream is not None and (s.finish_reason or s.generation_tokens <= 1 or now - saved >= SAVE):
+                stream.write(text, asdict(s))   # before the UI has it: the app ends the reply
+                saved = now
             if s.finish_reason or s.generation_tokens <= 1 or now - last >= frame:
-                post(TurnUpdate(turn, pending, s))
-                pending, last = "", now
+                post(TurnUpdate(turn, text[posted:], s))
+                posted, last = len(text), now
                 frame = ui.next_frame(frame)
     except Exception as e:   # shown as a notification; the app goes on
         post(TurnFailed(turn, e))
+    finally:
+        if stream is not None:
+            stream.close()

@@ -1,7 +1,8 @@
 """The chat screen: past chats, the conversation, the message box and the status bar.
 
-A reply is generated in one thread worker at a time (tui/turn.py); Esc cancels the worker, which
-stops iterating over the reply after the current token, and what was written is kept.
+A reply is generated in one thread worker at a time (tui/turn.py), and stored as it grows; Esc
+cancels the worker, which stops iterating over the reply after the current token, and what was
+written is kept, marked "stopped" (as on quitting; "interrupted" is for a reply whose app died).
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ from .dialogs import ConfirmDialog, RenameDialog
 from .settings import SettingsScreen
 
 TITLE_LENGTH = 40
+
+
+def kept(text: str, finish: str) -> bool:
+    """Whether a reply is kept: one stopped or failed before its first word is not."""
+    return bool(text) or finish not in ("stopped", "error")
 
 
 class ChatScreen(Screen):
@@ -153,17 +159,23 @@ class ChatScreen(Screen):
                 self.notify("No model is loaded: press ctrl+o to pick one.", severity="warning")
             return
         self.want_reply = False
-        view = await self.chat_view.add(Message(None, "assistant", ""))
-        view.set_meta("…")
-        self.turn = Turn(self.chat.id, view)
+        chat_id = self.chat.id
+        # Stored at once, empty and as this process's, then as it grows (from the worker).
+        message = Message(None, "assistant", "", writer=self.store.writer)
+        self._save(lambda: self.store.add_message(chat_id, message), "the reply")
+        stream = self.store.reply_stream(message.id) if message.id is not None else None
+        # The turn is set before the view is mounted: meanwhile, no other reply may start.
+        self.turn = Turn(chat_id, MessageView(message))
+        await self.chat_view.add(message, self.turn.view)
+        self.turn.view.set_meta("…")
         self.status.set_state("generating")
         sampling = replace(self.settings.sampling, seed=self.app.seed)
         self.turn.worker = self._generate(self.turn, session, self.conversation(), sampling,
-                                          self.settings.max_tokens)
+                                          self.settings.max_tokens, stream)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
-    def _generate(self, turn: Turn, session, messages, sampling, max_tokens: int):
-        run_turn(self.post_message, turn, session, messages, sampling, max_tokens)
+    def _generate(self, turn: Turn, session, messages, sampling, max_tokens: int, stream):
+        run_turn(self.post_message, turn, session, messages, sampling, max_tokens, stream)
 
     async def on_turn_update(self, m: TurnUpdate):
         turn, stats = m.turn, m.stats
@@ -200,8 +212,8 @@ class ChatScreen(Screen):
             turn.saved = True
             self._store_reply(turn, finish)
         if turn.view.is_attached:
-            if turn.view.message.id is None and not turn.text:
-                await turn.view.remove()   # stopped or failed before a word: nothing to keep
+            if not kept(turn.text, finish):
+                await turn.view.remove()
             else:
                 await turn.view.finish(turn.stats, finish)
         if self.turn is turn:
@@ -214,12 +226,18 @@ class ChatScreen(Screen):
 
     def _store_reply(self, turn: Turn, finish: str):
         """Keep a finished or stopped reply: in the database, and in the history if shown."""
-        if not turn.text and finish in ("stopped", "error"):
+        message, chat_id = turn.view.message, turn.chat_id
+        if not kept(turn.text, finish):
+            if message.id is not None:
+                self._save(lambda: self.store.delete_messages_from(chat_id, message.id), "the reply")
             return
-        message = turn.view.message
         message.content, message.finish, message.stats = turn.text, finish, turn.stats
-        self._save(lambda: self.store.add_message(turn.chat_id, message), "the reply")
-        if self.chat is not None and turn.chat_id == self.chat.id:
+        if message.id is None:   # could not be stored when it started
+            message.writer = None
+            self._save(lambda: self.store.add_message(chat_id, message), "the reply")
+        else:
+            self._save(lambda: self.store.end_reply(message), "the reply")
+        if self.chat is not None and chat_id == self.chat.id:
             self.history.append(message)
 
     def save_partial(self):

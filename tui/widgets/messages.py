@@ -19,7 +19,7 @@ from ..store import Message
 
 ROLES = {"user": "You", "assistant": "nibble", "system": "System"}
 FINISH = {"stop": "", "length": "max tokens reached", "context": "context full", "stopped": "stopped",
-          "error": "failed"}
+          "error": "failed", "interrupted": "interrupted"}
 WELCOME = ("Ask anything: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops a reply.\n"
            "F1 shows every key.")
 # Messages shown when a chat opens; older ones stay in the history (and in what the model sees).
@@ -108,6 +108,7 @@ class MessageView(Vertical):
 
     def __init__(self, message: Message):
         super().__init__(classes=f"message {message.role}")
+        self.set_class(message.finish == "interrupted", "interrupted")
         self.message = message
 
     def compose(self) -> ComposeResult:
@@ -153,9 +154,10 @@ class ChatView(VerticalScroll):
             await self.mount(Static(WELCOME, classes="notice welcome"))
         self.anchor()
 
-    async def add(self, message: Message) -> MessageView:
+    async def add(self, message: Message, view: MessageView | None = None) -> MessageView:
+        """Show `message` last, in `view` if given."""
         await self.query(".welcome").remove()
-        view = MessageView(message)
+        view = view or MessageView(message)
         await self.mount(view)
         self.anchor()
         return view
