@@ -381,6 +381,8 @@ def _gemma3_fields(c: ModelConfig):
     if c.attention_bias:
         raise FormatError("config.json: nibble cannot run attention_bias=True for gemma3 (its block "
                           "has no q/k/v/o biases)")
+    for name in ("query_pre_attn_scalar", "rope_local_base_freq"):   # its block's, not optional
+        number(above=0).check(f"config.json: {name}", getattr(c, name))
     if c.layer_types is None:   # every sliding_window_pattern-th layer is global
         COUNT.check("config.json: sliding_window_pattern", c.sliding_window_pattern)
         c.layer_types = ["full_attention" if (i + 1) % c.sliding_window_pattern == 0

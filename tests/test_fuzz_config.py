@@ -102,6 +102,7 @@ def run_forward(c: ModelConfig) -> str:
 @example({**BASES["gemma3_text"], "rope_parameters": {"sliding_attention": 10000.0}})
 @example({**BASES["smollm3"], "no_rope_layers": None, "no_rope_layer_interval": 0})
 @example({**BASES["gemma3_text"], "layer_types": None, "sliding_window_pattern": None})
+@example({**BASES["gemma3_text"], "query_pre_attn_scalar": None})
 def test_config_loads_or_is_refused_in_one_line(d):
     try:
         c = ModelConfig.from_dict(d)
