@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import FormatError
 from .values import BOOL, COUNT, OBJECT, STRING, either, integer, list_of, number, optional
 from .wrappers import WRAPPERS, text_config
@@ -61,6 +63,7 @@ MAX_LAYERS = 4096
 MAX_CONTEXT = 1 << 24
 
 _CONTEXT = integer(1, MAX_CONTEXT)
+_ORIGINAL_CONTEXT = integer(2, MAX_CONTEXT)   # longrope divides by its log
 _TOKEN_ID = integer()
 # The kind of value each field must hold, checked before any is used: a count of 0 would divide
 # by zero, a string or a NaN end in an exception deep in the model. None: the field left out.
@@ -70,7 +73,8 @@ FIELDS = {
     "max_position_embeddings": _CONTEXT,
     "num_key_value_heads": optional(COUNT),
     "head_dim": optional(COUNT),
-    "rms_norm_eps": number(above=0),
+    # the kernels add it in float32 before dividing: one that rounds to 0 there is none
+    "rms_norm_eps": number(least=float(np.finfo(np.float32).tiny)),
     "rope_theta": number(above=0),
     "rope_scaling": optional(OBJECT),
     "tie_word_embeddings": BOOL,
@@ -83,7 +87,7 @@ FIELDS = {
     "rope_local_base_freq": optional(number(above=0)),
     "query_pre_attn_scalar": optional(number(above=0)),
     "partial_rotary_factor": optional(number()),
-    "original_max_position_embeddings": optional(_CONTEXT),
+    "original_max_position_embeddings": optional(_ORIGINAL_CONTEXT),
     "no_rope_layers": optional(list_of(integer(0, 1), "0s and 1s")),
     "bos_token_id": optional(_TOKEN_ID),
     "eos_token_id": optional(either(_TOKEN_ID, list_of(_TOKEN_ID, "token ids"))),
@@ -94,7 +98,7 @@ ROPE_FIELDS = {
     "rope_type": STRING,
     **dict.fromkeys(("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
                      "high_freq_factor"), number(above=0)),
-    "original_max_position_embeddings": _CONTEXT,
+    "original_max_position_embeddings": _ORIGINAL_CONTEXT,
     **dict.fromkeys(("short_factor", "long_factor"), list_of(number(above=0), "positive numbers")),
     **dict.fromkeys(("mscale", "mscale_all_dim"), number(least=0)),   # yarn divides by 1 + 0.1 m ln f
     "truncate": BOOL,

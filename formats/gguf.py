@@ -153,11 +153,11 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     check_metadata(meta, arch)
     _check_types(reader.tensors)
     raw = {t.name: t for t in reader.tensors}
-    rope = {n.removesuffix(".weight"): _finite(_dequantize(raw.pop(n)), n)
-            for n in _ROPE_TENSORS if n in raw}
+    rope = {n.removesuffix(".weight"): _rope_factors(raw.pop(n)) for n in _ROPE_TENSORS if n in raw}
     hf_names = {name: _hf_name(name, arch) for name in raw}   # all checked before the slow part
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
     config = _config(meta, arch, tie="output.weight" not in raw, rope=rope)
+    _check_against_config(raw, config)
     tensors, types, bits, dequantized = {}, {}, {}, []
     for name, t in raw.items():
         hf = hf_names[name]
@@ -206,6 +206,30 @@ def _finite(w, name: str):
     if bad:
         raise FormatError(f"GGUF tensor {name} holds NaN or infinite values; the file is damaged")
     return w
+
+
+def _check_against_config(tensors: dict, c: ModelConfig) -> None:
+    """What llama.cpp checks of the tensors before it loads them: the embedding and output are
+    [vocabulary, embedding_length] (GGUF lists the dims the other way round), and every block is
+    one of block_count's."""
+    for name in ("token_embd.weight", "output.weight"):
+        dims = [int(n) for n in tensors[name].shape] if name in tensors else [c.hidden_size, c.vocab_size]
+        if dims != [c.hidden_size, c.vocab_size]:
+            raise FormatError(f"GGUF tensor {name} is {dims}, the metadata says [embedding_length "
+                              f"{c.hidden_size}, {c.vocab_size} tokens]")
+    for name in tensors:
+        m = _BLOCK_NAME.fullmatch(name)
+        if m and int(m[1]) >= c.num_hidden_layers:
+            raise FormatError(f"GGUF tensor {name} is in block {m[1]}, but block_count is "
+                              f"{c.num_hidden_layers}")
+
+
+def _rope_factors(t) -> np.ndarray:
+    """A rope table tensor: one finite factor per frequency."""
+    if len(t.shape) != 1:
+        raise FormatError(f"GGUF tensor {t.name} has shape {tuple(int(n) for n in t.shape)}; "
+                          f"rope factors are one per frequency")
+    return _finite(_dequantize(t), t.name)
 
 
 def _check_types(tensors) -> None:
