@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from nibble.formats.errors import FormatError
+from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.gguf import import_gguf
+from nibble.quant.gguf_import import import_gguf_model
 from tests import test_gguf
 from tests.test_gguf import F16_FIELDS, _f16, llama_cpp_tensors, random_blocks, write_gguf
 from tests.tiny import tiny_config, tiny_tensors
@@ -138,3 +139,12 @@ def test_token_types_not_one_per_token(tmp_path, monkeypatch):
     with pytest.raises(FormatError, match=r"m\.gguf: GGUF metadata tokenizer\.ggml\.token_type "
                                           r"has 262 entries for 263 tokens"):
         import_gguf(path)
+
+
+def test_weights_too_large_to_requantize(tmp_path):
+    # Q6_K is requantized to int8 with float16 scales: weights near 10**7 do not fit them
+    raw = random_blocks(np.random.default_rng(0), 4, 256, QType.Q6_K, exponents=(4.5, 4.8))
+    path = write_gguf(tmp_path / "q.gguf", {"blk.0.ffn_up.weight": (raw, QType.Q6_K)})
+    with pytest.raises(NibbleError, match=r"q\.gguf: model\.layers\.0\.mlp\.up_proj\.weight: weights "
+                                          r"that are not finite, or too large for float16"):
+        import_gguf_model(path)
