@@ -267,6 +267,7 @@ def _dequantize_float32(t) -> np.ndarray:
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
     # gguf.quants.dequantize works 16 rows at a time, twice as slow as these larger steps.
     blocks = getattr(gguf.quants, t.tensor_type.name)
+    blocks.init_grid()   # the IQ types' lookup tables: dequantize_rows does not make them
     rows = t.data.reshape(-1, t.data.shape[-1])
     out = np.empty((rows.shape[0], shape[-1]), np.float32)
     step = max(1, _DEQUANT_STEP // shape[-1])
