@@ -332,6 +332,9 @@ def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> Mo
     hidden = need(meta, a + "embedding_length")
     n_head = need(meta, a + "attention.head_count")
     head_dim = meta.get(a + "attention.key_length", hidden // n_head)
+    if not head_dim:
+        raise FormatError(f"GGUF {a}embedding_length {hidden} is smaller than attention.head_count "
+                          f"{n_head}, and the file has no attention.key_length")
     rope_dim = meta.get(a + "rope.dimension_count", head_dim)
     if rope_dim != head_dim and arch != "phi3":
         raise FormatError(f"GGUF rope.dimension_count {rope_dim} differs from the head size "
