@@ -74,7 +74,7 @@ FIELDS = {
     "num_key_value_heads": optional(COUNT),
     "head_dim": optional(COUNT),
     # the kernels add it in float32 before dividing: one that rounds to 0 there is none
-    "rms_norm_eps": number(least=float(np.finfo(np.float32).tiny)),
+    "rms_norm_eps": number(least=float(np.finfo(np.float32).tiny), most=1),
     "rope_theta": number(above=0),
     "rope_scaling": optional(OBJECT),
     "tie_word_embeddings": BOOL,

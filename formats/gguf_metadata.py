@@ -6,9 +6,14 @@ a key of the wrong type, and so does nibble, naming the key.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .config import MAX_CONTEXT, MAX_LAYERS
 from .errors import FormatError
 from .values import BOOL, COUNT, STRING, either, integer, list_of, number
+
+# what llama.cpp reads these keys as: a FLOAT64 beyond float32's range is no value to it
+_FLOAT32 = number(least=-float(np.finfo(np.float32).max), most=float(np.finfo(np.float32).max))
 
 # key after "<architecture>." -> the kind of value it must hold
 _MODEL_KEYS = {
@@ -17,7 +22,7 @@ _MODEL_KEYS = {
     "block_count": integer(1, MAX_LAYERS),
     "context_length": integer(1, MAX_CONTEXT),
     "rope.scaling.original_context_length": integer(1, MAX_CONTEXT),
-    **{k: number() for k in ("rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon",
+    **{k: _FLOAT32 for k in ("rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon",
                              "rope.scaling.factor", "rope.scaling.attn_factor")},
     "rope.scaling.type": STRING,
     "attention.sliding_window": integer(),

@@ -38,12 +38,13 @@ def integer(least: int = 0, most: int = INT_MAX) -> Kind:
                 says if most == INT_MAX else f"{says} up to {most}")
 
 
-def number(above: float | None = None, least: float | None = None) -> Kind:
-    """A finite number, above `above` or at least `least` if given."""
+def number(above: float | None = None, least: float | None = None, most: float | None = None) -> Kind:
+    """A finite number, above `above`, at least `least` and at most `most` where given."""
     says = ("a finite number" + (f" above {above:g}" if above is not None else "")
-            + (f" of at least {least:g}" if least is not None else ""))
+            + (f" of at least {least:g}" if least is not None else "")
+            + (f" up to {most:g}" if most is not None else ""))
     return Kind(lambda v: _is_number(v) and (above is None or v > above)
-                and (least is None or v >= least), says)
+                and (least is None or v >= least) and (most is None or v <= most), says)
 
 
 def list_of(kind: Kind, plural: str) -> Kind:

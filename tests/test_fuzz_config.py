@@ -107,6 +107,7 @@ def run_forward(c: ModelConfig) -> str:
 @example({**BASES["phi3"], "original_max_position_embeddings": 1})
 @example({**BASES["gemma3_text"], "max_position_embeddings": 1})
 @example({**BASES["llama"], "rms_norm_eps": 1e-50})   # 0 in float32
+@example({**BASES["llama"], "rms_norm_eps": 2**63})    # an int the kernels cannot take
 def test_config_loads_or_is_refused_in_one_line(d):
     try:
         c = ModelConfig.from_dict(d)

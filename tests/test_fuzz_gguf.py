@@ -276,6 +276,7 @@ def _tokens_cut(name: str, n: int) -> bytes:
 @example(_with("smollm3", b"smollm3.block_count", VT.UINT32, 2))   # a block of tensors left over
 @example(_with("phi3-longrope", b"phi3.embedding_length", VT.UINT32, 32))
 @example(_with("phi3-longrope", b"phi3.embedding_length", VT.UINT32, 2))   # heads of no dims
+@example(_with("smollm3", b"smollm3.rope.freq_base", VT.FLOAT64, 1e300))   # beyond float32
 def test_gguf_opens_or_is_refused_in_one_line(tmp_path, raw):
     path = tmp_path / "m.gguf"
     path.unlink(missing_ok=True)   # a new file: the last case's tensors may still map the old one
