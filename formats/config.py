@@ -13,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import FormatError
+from .values import BOOL, COUNT, OBJECT, STRING, either, integer, list_of, number, optional
 from .wrappers import WRAPPERS, text_config
 
 # model_type -> the architecture that runs it (mlx-lm's alias table).
@@ -53,6 +56,53 @@ ROPE_TYPES = {
 }
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Far past any released model (the deepest have under 200 layers, the longest context is 10M
+# positions), and small enough that what is made per layer or per position fits in memory.
+MAX_LAYERS = 4096
+MAX_CONTEXT = 1 << 24
+
+_CONTEXT = integer(1, MAX_CONTEXT)
+_ORIGINAL_CONTEXT = integer(2, MAX_CONTEXT)   # longrope divides by its log
+_TOKEN_ID = integer()
+# The kind of value each field must hold, checked before any is used: a count of 0 would divide
+# by zero, a string or a NaN end in an exception deep in the model. None: the field left out.
+FIELDS = {
+    **dict.fromkeys(("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"), COUNT),
+    "num_hidden_layers": integer(1, MAX_LAYERS),
+    "max_position_embeddings": _CONTEXT,
+    "num_key_value_heads": optional(COUNT),
+    "head_dim": optional(COUNT),
+    # the kernels add it in float32 before dividing: one that rounds to 0 there is none
+    "rms_norm_eps": number(least=float(np.finfo(np.float32).tiny), most=1),
+    "rope_theta": number(above=0),
+    "rope_scaling": optional(OBJECT),
+    "tie_word_embeddings": BOOL,
+    "attention_bias": BOOL,
+    "sliding_window": optional(integer()),
+    "layer_types": optional(list_of(STRING, "strings")),
+    "use_sliding_window": optional(BOOL),
+    "max_window_layers": optional(integer()),
+    "sliding_window_pattern": optional(COUNT),
+    "rope_local_base_freq": optional(number(above=0)),
+    "query_pre_attn_scalar": optional(number(above=0)),
+    "partial_rotary_factor": optional(number()),
+    "original_max_position_embeddings": optional(_ORIGINAL_CONTEXT),
+    "no_rope_layers": optional(list_of(integer(0, 1), "0s and 1s")),
+    "bos_token_id": optional(_TOKEN_ID),
+    "eos_token_id": optional(either(_TOKEN_ID, list_of(_TOKEN_ID, "token ids"))),
+    "quantization": optional(OBJECT),
+}
+# The same for the rope_parameters (rope_scaling) fields runner/rope.py reads; null: left out.
+ROPE_FIELDS = {
+    "rope_type": STRING,
+    **dict.fromkeys(("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
+                     "high_freq_factor"), number(above=0)),
+    "original_max_position_embeddings": _ORIGINAL_CONTEXT,
+    **dict.fromkeys(("short_factor", "long_factor"), list_of(number(above=0), "positive numbers")),
+    **dict.fromkeys(("mscale", "mscale_all_dim"), number(least=0)),   # yarn divides by 1 + 0.1 m ln f
+    "truncate": BOOL,
+}
 
 # Fields transformers' llama, mistral, qwen2, qwen3, smollm3, phi3 and gemma3 read that nibble
 # does not implement: accepted with the values that leave the computation as nibble runs it,
@@ -103,11 +153,17 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        for name, kind in FIELDS.items():
+            kind.check(f"config.json: {name}", getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:   # Qwen3Config's default is 128, not hidden_size / heads
             self.head_dim = (128 if self.model_type == "qwen3"
                              else self.hidden_size // self.num_attention_heads)
+            if not self.head_dim:
+                raise FormatError(f"config.json: hidden_size ({self.hidden_size}) is smaller than "
+                                  f"num_attention_heads ({self.num_attention_heads}): heads of no "
+                                  f"dims (set head_dim)")
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
         if self.model_type == "mistral":
@@ -131,13 +187,14 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Build from a config.json dict of either spelling; unknown keys are kept in `extra`,
         missing ones named, and fields that would change the numbers unheeded refused."""
-        if d.get("model_type") in WRAPPERS:
+        if isinstance(d.get("model_type"), str) and d["model_type"] in WRAPPERS:
             d = text_config(d)
         model_type = d.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             known = ", ".join(sorted(ARCHITECTURES))
             # a multimodal wrapper that wrappers.py does not unwrap
-            inner = (d.get("text_config") or {}).get("model_type")
+            text = d.get("text_config")
+            inner = text.get("model_type") if isinstance(text, dict) else None
             wraps = f" (a wrapper around a {inner!r} text model in text_config)" if inner else ""
             raise FormatError(f"unsupported architecture {model_type!r}{wraps}: nibble runs {known}")
         d = DEFAULTS.get(model_type, {}) | d
@@ -177,8 +234,10 @@ def _rope_fields(d: dict) -> dict:
     """rope_theta and rope_scaling from either spelling, with transformers' precedence:
     `rope_scaling` over `rope_parameters`, a theta inside the block over a top-level one."""
     block = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    if not isinstance(block, dict):
-        raise FormatError(f"config.json: rope_parameters is {block!r}, not an object")
+    OBJECT.check("config.json: rope_parameters", block)
+    for key in LAYER_TYPES:
+        if key in block:
+            OBJECT.check(f"config.json: rope_parameters.{key}", block[key])
     local = {}
     nested = [block[k] for k in LAYER_TYPES if k in block]   # newer configs: one block per layer type
     if nested and d.get("model_type") == "gemma3_text" and "sliding_attention" in block:
@@ -211,11 +270,13 @@ def _check_rotary(c: ModelConfig):
     the config says, so one that asks for less is refused), and in whole pairs of dims."""
     f = c.partial_rotary_factor
     if f in (None, 1.0):
+        if c.head_dim % 2:
+            raise FormatError(f"config.json: head_dim {c.head_dim} is odd; RoPE rotates pairs of dims")
         return
     if c.model_type != "phi3":
         raise FormatError(f"config.json: nibble cannot run partial_rotary_factor={f!r} for "
                           f"{c.model_type} (transformers' {c.model_type} rotates whole heads)")
-    if not 0 < f <= 1 or c.rotary_dim % 2:
+    if not 0 < f <= 1 or c.rotary_dim % 2 or c.rotary_dim < 2:
         raise FormatError(f"config.json: partial_rotary_factor={f!r} rotates {c.rotary_dim} of "
                           f"{c.head_dim} dims; nibble rotates an even number of them, at least 2")
 
@@ -226,6 +287,9 @@ def _checked_rope_scaling(c: ModelConfig) -> dict | None:
     s = dict(c.rope_scaling or {})
     kind = s.pop("type", None)
     kind = s.setdefault("rope_type", kind or "default")
+    for key, field_kind in ROPE_FIELDS.items():
+        if s.get(key) is not None:
+            field_kind.check(f"config.json: rope_parameters.{key}", s[key])
     if c.model_type == "phi3":
         kind = _phi3_rope(c, s)
     if kind not in ROPE_TYPES:
@@ -239,6 +303,11 @@ def _checked_rope_scaling(c: ModelConfig) -> dict | None:
     if missing:
         raise FormatError(f"config.json: rope_type {kind!r} needs {', '.join(missing)} in "
                           f"rope_parameters")
+    if kind == "yarn" and c.rope_theta == 1:   # every frequency 1: yarn's ramp divides by ln(theta)
+        raise FormatError("config.json: rope_theta 1 gives yarn no frequencies to ramp between")
+    if kind == "llama3" and s["high_freq_factor"] <= s["low_freq_factor"]:
+        raise FormatError(f"config.json: rope_parameters.high_freq_factor ({s['high_freq_factor']}) "
+                          f"must be above low_freq_factor ({s['low_freq_factor']})")
     for key in ("short_factor", "long_factor") if kind == "longrope" else ():
         if len(s[key]) != c.rotary_dim // 2:
             raise FormatError(f"config.json: rope_parameters.{key} has {len(s[key])} values, "
@@ -267,6 +336,7 @@ def _rope_layers(c: ModelConfig) -> list[bool]:
         return [True] * L
     if flags is None:
         every = c.extra.get("no_rope_layer_interval", 4)
+        COUNT.check("config.json: no_rope_layer_interval", every)
         flags = [int((i + 1) % every != 0) for i in range(L)]
     if len(flags) < L:
         raise FormatError(f"config.json: no_rope_layers has {len(flags)} entries for {L} layers")
@@ -315,6 +385,9 @@ def _gemma3_fields(c: ModelConfig):
     if c.attention_bias:
         raise FormatError("config.json: nibble cannot run attention_bias=True for gemma3 (its block "
                           "has no q/k/v/o biases)")
+    for name in ("query_pre_attn_scalar", "rope_local_base_freq"):   # its block's, not optional
+        number(above=0).check(f"config.json: {name}", getattr(c, name))
     if c.layer_types is None:   # every sliding_window_pattern-th layer is global
+        COUNT.check("config.json: sliding_window_pattern", c.sliding_window_pattern)
         c.layer_types = ["full_attention" if (i + 1) % c.sliding_window_pattern == 0
                          else "sliding_attention" for i in range(c.num_hidden_layers)]

@@ -153,11 +153,11 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     check_metadata(meta, arch)
     _check_types(reader.tensors)
     raw = {t.name: t for t in reader.tensors}
-    rope = {n.removesuffix(".weight"): _finite(_dequantize(raw.pop(n)), n)
-            for n in _ROPE_TENSORS if n in raw}
+    rope = {n.removesuffix(".weight"): _rope_factors(raw.pop(n)) for n in _ROPE_TENSORS if n in raw}
     hf_names = {name: _hf_name(name, arch) for name in raw}   # all checked before the slow part
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
     config = _config(meta, arch, tie="output.weight" not in raw, rope=rope)
+    _check_against_config(raw, config)
     tensors, types, bits, dequantized = {}, {}, {}, []
     for name, t in raw.items():
         hf = hf_names[name]
@@ -208,6 +208,30 @@ def _finite(w, name: str):
     return w
 
 
+def _check_against_config(tensors: dict, c: ModelConfig) -> None:
+    """What llama.cpp checks of the tensors before it loads them: the embedding and output are
+    [vocabulary, embedding_length] (GGUF lists the dims the other way round), and every block is
+    one of block_count's."""
+    for name in ("token_embd.weight", "output.weight"):
+        dims = [int(n) for n in tensors[name].shape] if name in tensors else [c.hidden_size, c.vocab_size]
+        if dims != [c.hidden_size, c.vocab_size]:
+            raise FormatError(f"GGUF tensor {name} is {dims}, the metadata says [embedding_length "
+                              f"{c.hidden_size}, {c.vocab_size} tokens]")
+    for name in tensors:
+        m = _BLOCK_NAME.fullmatch(name)
+        if m and int(m[1]) >= c.num_hidden_layers:
+            raise FormatError(f"GGUF tensor {name} is in block {m[1]}, but block_count is "
+                              f"{c.num_hidden_layers}")
+
+
+def _rope_factors(t) -> np.ndarray:
+    """A rope table tensor: one finite factor per frequency."""
+    if len(t.shape) != 1:
+        raise FormatError(f"GGUF tensor {t.name} has shape {tuple(int(n) for n in t.shape)}; "
+                          f"rope factors are one per frequency")
+    return _finite(_dequantize(t), t.name)
+
+
 def _check_types(tensors) -> None:
     """Fail before reading anything if one tensor has a type nibble cannot read."""
     for t in tensors:
@@ -243,6 +267,7 @@ def _dequantize_float32(t) -> np.ndarray:
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
     # gguf.quants.dequantize works 16 rows at a time, twice as slow as these larger steps.
     blocks = getattr(gguf.quants, t.tensor_type.name)
+    blocks.init_grid()   # the IQ types' lookup tables: dequantize_rows does not make them
     rows = t.data.reshape(-1, t.data.shape[-1])
     out = np.empty((rows.shape[0], shape[-1]), np.float32)
     step = max(1, _DEQUANT_STEP // shape[-1])
@@ -307,6 +332,9 @@ def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> Mo
     hidden = need(meta, a + "embedding_length")
     n_head = need(meta, a + "attention.head_count")
     head_dim = meta.get(a + "attention.key_length", hidden // n_head)
+    if not head_dim:
+        raise FormatError(f"GGUF {a}embedding_length {hidden} is smaller than attention.head_count "
+                          f"{n_head}, and the file has no attention.key_length")
     rope_dim = meta.get(a + "rope.dimension_count", head_dim)
     if rope_dim != head_dim and arch != "phi3":
         raise FormatError(f"GGUF rope.dimension_count {rope_dim} differs from the head size "

@@ -6,64 +6,39 @@ a key of the wrong type, and so does nibble, naming the key.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import numpy as np
 
+from .config import MAX_CONTEXT, MAX_LAYERS
 from .errors import FormatError
+from .values import BOOL, COUNT, STRING, either, integer, list_of, number
 
+# what llama.cpp reads these keys as: a FLOAT64 beyond float32's range is no value to it
+_FLOAT32 = number(least=-float(np.finfo(np.float32).max), most=float(np.finfo(np.float32).max))
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _count(v) -> bool:
-    return _int(v) and v > 0
-
-
-def _float(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _list_of(kind: Callable) -> Callable:
-    return lambda v: isinstance(v, list) and all(kind(x) for x in v)
-
-
-def _str(v) -> bool:
-    return isinstance(v, str)
-
-
-def _bool(v) -> bool:
-    return isinstance(v, bool)
-
-
-# key after "<architecture>." -> (what it must be, as the message says it)
+# key after "<architecture>." -> the kind of value it must hold
 _MODEL_KEYS = {
-    **{k: (_count, "a positive integer") for k in (
-        "block_count", "context_length", "embedding_length", "feed_forward_length",
-        "attention.head_count", "attention.head_count_kv", "attention.key_length",
-        "rope.dimension_count")},
-    **{k: (_float, "a finite number") for k in (
-        "rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon",
-        "rope.scaling.factor", "rope.scaling.attn_factor")},
-    "rope.scaling.type": (_str, "a string"),
-    "rope.scaling.original_context_length": (_count, "a positive integer"),
-    "attention.sliding_window": (_int, "an integer"),
-    "attention.sliding_window_pattern": (lambda v: _int(v) or _list_of(_bool)(v),
-                                         "an integer or a list of booleans"),
+    **{k: COUNT for k in ("embedding_length", "feed_forward_length", "attention.head_count",
+                          "attention.head_count_kv", "attention.key_length", "rope.dimension_count")},
+    "block_count": integer(1, MAX_LAYERS),
+    "context_length": integer(1, MAX_CONTEXT),
+    "rope.scaling.original_context_length": integer(1, MAX_CONTEXT),
+    **{k: _FLOAT32 for k in ("rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon",
+                             "rope.scaling.factor", "rope.scaling.attn_factor")},
+    "rope.scaling.type": STRING,
+    "attention.sliding_window": integer(),
+    "attention.sliding_window_pattern": either(integer(), list_of(BOOL, "booleans")),
 }
 _KEYS = {
-    "general.architecture": (_str, "a string"),
-    "tokenizer.ggml.model": (_str, "a string"),
-    "tokenizer.ggml.pre": (_str, "a string"),
-    "tokenizer.chat_template": (_str, "a string"),
-    "tokenizer.ggml.tokens": (_list_of(_str), "a list of strings"),
-    "tokenizer.ggml.merges": (_list_of(_str), "a list of strings"),
-    "tokenizer.ggml.token_type": (_list_of(_int), "a list of integers"),
-    "tokenizer.ggml.scores": (_list_of(_float), "a list of finite numbers"),
-    **{f"tokenizer.ggml.{k}": (_bool, "a boolean")
-       for k in ("add_bos_token", "add_eos_token", "add_space_prefix")},
-    **{f"tokenizer.ggml.{k}_token_id": (_int, "an integer")
-       for k in ("bos", "eos", "eot", "eom", "unknown", "padding")},
+    "general.architecture": STRING,
+    "tokenizer.ggml.model": STRING,
+    "tokenizer.ggml.pre": STRING,
+    "tokenizer.chat_template": STRING,
+    "tokenizer.ggml.tokens": list_of(STRING, "strings"),
+    "tokenizer.ggml.merges": list_of(STRING, "strings"),
+    "tokenizer.ggml.token_type": list_of(integer(), "integers"),
+    "tokenizer.ggml.scores": list_of(number(), "finite numbers"),
+    **{f"tokenizer.ggml.{k}": BOOL for k in ("add_bos_token", "add_eos_token", "add_space_prefix")},
+    **{f"tokenizer.ggml.{k}_token_id": integer() for k in ("bos", "eos", "eot", "eom", "unknown", "padding")},
 }
 
 
@@ -71,9 +46,9 @@ def check_metadata(meta: dict, arch: str) -> None:
     """FormatError naming the first key nibble reads whose value is not of its kind, or a
     tokenizer list (types, scores) whose length is not the vocabulary's."""
     keys = _KEYS | {f"{arch}.{k}": kind for k, kind in _MODEL_KEYS.items()}
-    for key, (valid, kind) in keys.items():
-        if key in meta and not valid(meta[key]):
-            raise FormatError(f"GGUF metadata {key} is {_short(meta[key])}, not {kind}")
+    for key, kind in keys.items():
+        if key in meta:
+            kind.check(f"GGUF metadata {key}", meta[key])
     tokens = meta.get("tokenizer.ggml.tokens", [])
     for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
         if key in meta and len(meta[key]) != len(tokens):
@@ -83,7 +58,3 @@ def check_metadata(meta: dict, arch: str) -> None:
     if unknown is not None and unknown >= len(tokens):
         raise FormatError(f"GGUF metadata tokenizer.ggml.unknown_token_id {unknown} is not a "
                           f"token id (the vocabulary has {len(tokens)})")
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

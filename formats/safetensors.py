@@ -216,8 +216,9 @@ def _raw_bytes(name: str, t: np.ndarray | HalfTensor, spec: TensorSpec) -> np.nd
 def _read_header(path: Path) -> tuple[dict, int, int]:
     """Parse the header: (header dict, byte offset of the data region, data region length).
 
-    As strict as the safetensors crate: UTF-8 JSON, an object, no key twice, a "__metadata__"
-    of string pairs; trailing spaces (the writers' padding to 8 bytes) are JSON whitespace."""
+    As strict as the safetensors crate: UTF-8 JSON (no NaN or Infinity), an object, no key twice,
+    a "__metadata__" of string pairs; trailing spaces (the writers' padding to 8 bytes) are JSON
+    whitespace."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -236,7 +237,8 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
     except OSError as e:
         raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys,
+                            parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError) as e:   # ValueError: JSONDecodeError, a key twice
         raise FormatError(f"{path}: header is not valid JSON ({e})") from None
     except RecursionError:
@@ -248,6 +250,11 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
                                      and all(isinstance(v, str) for v in metadata.values())):
         raise FormatError(f"{path}: __metadata__ must map strings to strings")
     return header, 8 + n, size - 8 - n
+
+
+def _not_json(name: str):
+    """NaN and Infinity, which Python's json reads and JSON (and the crate) do not have."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:

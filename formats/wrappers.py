@@ -7,6 +7,7 @@ says, and the vision tensors are left out.
 from __future__ import annotations
 
 from .errors import FormatError
+from .values import OBJECT
 
 # model_type of a wrapper -> the model_type of the text model it wraps
 WRAPPERS = {"gemma3": "gemma3_text"}
@@ -27,6 +28,7 @@ _TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
 def text_config(d: dict) -> dict:
     """The config.json dict of the text model inside the wrapper config `d`."""
     wrapper, inner = d["model_type"], WRAPPERS[d["model_type"]]
+    OBJECT.check("config.json: text_config", d.get("text_config") or {})
     text = {"model_type": inner, **(d.get("text_config") or {})}
     if text["model_type"] != inner:
         raise FormatError(f"config.json: a {wrapper!r} wrapper around a {text['model_type']!r} text "

@@ -159,7 +159,8 @@ def _quantize_block(x: np.ndarray, nmax: int, imp: np.ndarray | None, method: st
 
 def _snap(x: np.ndarray, s: np.ndarray, b: np.ndarray, nmax: int):
     """Round scale and bias to float16, then pick each group's nearest levels (as float32)."""
-    s16, b16 = s.astype(np.float16), b.astype(np.float16)
+    with np.errstate(over="ignore"):   # beyond float16: refused below, in one line
+        s16, b16 = s.astype(np.float16), b.astype(np.float16)
     if not (np.isfinite(s16).all() and np.isfinite(b16).all()):
         raise NibbleError("weights that are not finite, or too large for float16 scales and "
                           "biases, cannot be stored in MLX's affine format")

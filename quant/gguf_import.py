@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as QType
 
+from nibble.formats.errors import NibbleError
 from nibble.formats.gguf import FLOAT_TYPES, import_gguf
 from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import ModelDir
@@ -58,7 +59,10 @@ def import_gguf_model(path: str | Path, keep_float: bool = False) -> ImportRepor
     imported = import_gguf(path, repack_blocks=not keep_float)
     model, kept_float, requantized = imported.model, {}, set()
     if imported.dequantized and not keep_float:
-        report = quantize_linears(model, imported.dequantized, REQUANTIZE)
+        try:
+            report = quantize_linears(model, imported.dequantized, REQUANTIZE)
+        except NibbleError as e:   # weights too large to requantize: the file's, by name
+            raise type(e)(f"{path}: {e}") from None
         model, kept_float = report.model, report.kept_float
         requantized = {p for p in imported.dequantized if f"{p}.weight" not in kept_float}
     outcomes = Counter((qtype.name, _became(model, name, qtype, requantized))

@@ -196,6 +196,18 @@ def random_blocks(rng, rows, cols, qtype, exponents=(-3, -1.3)) -> np.ndarray:
     return raw.reshape(rows, nb * type_size)
 
 
+@pytest.mark.parametrize("qtype", [QType.IQ2_XXS, QType.IQ3_S, QType.IQ4_NL])
+def test_grid_types_are_dequantized(tmp_path, qtype):
+    # the IQ types decode through lookup tables that gguf builds on first use
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, (4, 256 // block_size * type_size), dtype=np.uint8)
+    for row in raw.reshape(-1, type_size):
+        row[:2] = _f16([0.01])[0]   # each block's scale d first
+    path = write_gguf(tmp_path / "iq.gguf", {"blk.0.ffn_up.weight": (raw, qtype)})
+    w = import_gguf(path).model.tensors["model.layers.0.mlp.up_proj.weight"]
+    np.testing.assert_array_equal(w, gguf.quants.dequantize(raw, qtype).reshape(4, 256))
+
+
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1])
 def test_block_types_match_numpy(tmp_path, monkeypatch, qtype):
     monkeypatch.setattr(fg, "_DEQUANT_STEP", 5 * 64)   # several steps, the last one short
