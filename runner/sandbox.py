@@ -89,11 +89,11 @@ class Budget:
     def size(self, value) -> int:
         """About how many characters `value` takes as text, a container's items counted each time
         they appear (a list holding one string a thousand times is a thousand strings long)."""
-        return self._measure(value, ())[0]
+        return self._measure(value, (), {})[0]
 
-    def _measure(self, value, inside: tuple) -> tuple[int, bool]:
+    def _measure(self, value, inside: tuple, now: dict) -> tuple[int, bool]:
         """-> (size, whether it can change): a value is measured once, unless it holds a
-        namespace, the one container a template can change."""
+        namespace, the one container a template can change (then once per `size` call, in `now`)."""
         if isinstance(value, str):
             return len(value), False
         if isinstance(value, int):
@@ -103,6 +103,8 @@ class Budget:
         key = id(value)
         if key in self._sizes:
             return self._sizes[key][1], False
+        if key in now:
+            return now[key], True
         self.tick()   # measuring takes time too
         changes = isinstance(value, Namespace)
         if changes:
@@ -113,11 +115,13 @@ class Budget:
         parts = (part for item in value.items() for part in item) if isinstance(value, dict) else value
         n = 2
         for part in parts:
-            size, part_changes = self._measure(part, inside)
+            size, part_changes = self._measure(part, inside, now)
             n, changes = n + 2 + size, changes or part_changes
             if n > self.max_chars:
                 break   # too large already: no need to walk the rest
-        if not changes:
+        if changes:
+            now[key] = n
+        else:
             self._sizes[key] = (value, n)   # holding the value keeps its id from being reused
         return n, changes
 
