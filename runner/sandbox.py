@@ -232,7 +232,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call(self, context, obj, /, *args, **kwargs):
         budget = _current()
         budget.tick()
-        if isinstance(obj, LoopContext):   # a recursive loop's next level: its turns count too
+        if isinstance(obj, LoopContext) and args:   # a recursive loop's next level: its turns count too
             args = (self.loop_items(args[0]),) + args[1:]
         method = _str_method(obj)
         budget.check(budget.size(args) + budget.size(kwargs) + (len(method[0]) if method else 0))
