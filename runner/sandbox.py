@@ -14,6 +14,7 @@ import math
 import re
 import string
 import time
+import types
 from contextvars import ContextVar
 from copy import copy
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ class Budget:
     def _measure(self, value, inside: tuple, now: dict) -> tuple[int, bool]:
         """-> (size, whether it can change): a value is measured once, unless it holds a
         namespace, the one container a template can change (then once per `size` call, in `now`)."""
-        if isinstance(value, str):
+        if isinstance(value, (str, bytes)):
             return len(value), False
         if isinstance(value, int):
             return value.bit_length() // 3 + 1, False
@@ -160,6 +161,7 @@ _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?([-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))
 def _format_size(budget: Budget, fmt: str, args, percent: bool) -> int:
     """Of `fmt % args` or `fmt.format(*args)`: each field at most all the arguments, padded to
     the widest width in a spec (one taken from the arguments too, for `*` or a nested field)."""
+    fmt = fmt.decode("latin-1") if isinstance(fmt, bytes) else fmt
     if percent:
         specs = _PERCENT_SPEC.findall(fmt)
     else:
@@ -203,17 +205,21 @@ _GROWS = {
         2 * b.size(items) + _width(linecount) * (2 + b.size(fill_with)),
     "slice": lambda b, items, slices=1, fill_with=None, *a, **k:
         2 * b.size(items) + _width(slices) * (4 + b.size(fill_with)),
-    "tojson": lambda b, x, ensure_ascii=False, indent=None, *a, **k: b.size(x) * (2 + _width(indent)),
+    "tojson": lambda b, x, ensure_ascii=False, indent=None, *a, **k:
+        b.size(x) * (2 + _width(indent) + b.size(a) + b.size(k)),   # (separators among a, k)
     "format": lambda b, s, *a, **k: _format_size(b, str(s), a or (k,), percent=True),
     "lipsum": lambda b, n=5, html=True, min=20, max=100, *a, **k: 20 * _width(n) * _width(max),
+    "to_bytes": lambda b, i, length=1, *a, **k: _width(length),
 }
 
 
-def _str_method(obj) -> tuple[str, str] | None:
-    """(the string, the method's name) for a method of a string, the sandbox's str.format too."""
+def _method(obj) -> tuple[object, str] | None:
+    """(its object, its name) for a method of a built-in type (str, bytes, int, ...), the
+    sandbox's str.format included, whose result _GROWS may know the size of."""
     func = getattr(obj, "__wrapped__", obj)
-    owner = getattr(func, "__self__", None)
-    return (owner, func.__name__) if isinstance(owner, str) else None
+    if not isinstance(func, types.BuiltinMethodType) or isinstance(func.__self__, types.ModuleType):
+        return None
+    return func.__self__, func.__name__
 
 
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
@@ -234,12 +240,12 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         budget.tick()
         if isinstance(obj, LoopContext) and args:   # a recursive loop's next level: its turns count too
             args = (self.loop_items(args[0]),) + args[1:]
-        method = _str_method(obj)
-        budget.check(budget.size(args) + budget.size(kwargs) + (len(method[0]) if method else 0))
-        if method and method[1] in ("format", "format_map"):
-            budget.check(_format_size(budget, method[0], args + tuple(kwargs.values()), percent=False))
-        elif method and method[1] in _GROWS:
-            budget.check(_GROWS[method[1]](budget, method[0], *args, **kwargs))
+        owner, name = _method(obj) or (None, None)
+        budget.check(budget.size(args) + budget.size(kwargs) + budget.size(owner))
+        if isinstance(owner, str) and name in ("format", "format_map"):
+            budget.check(_format_size(budget, owner, args + tuple(kwargs.values()), percent=False))
+        elif name in _GROWS:
+            budget.check(_GROWS[name](budget, owner, *args, **kwargs))
         budget.depth += 1
         try:
             if budget.depth > budget.limits.depth:
@@ -267,18 +273,18 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         elif operator == "*":
             budget.check(budget.size(left) * right if isinstance(right, int) else
                          budget.size(right) * left if isinstance(left, int) else 0)
-        elif operator == "%" and isinstance(left, str):
+        elif operator == "%" and isinstance(left, (str, bytes)):
             budget.check(_format_size(budget, left, right if isinstance(right, tuple) else (right,),
                                       percent=True))
         elif operator == "+":
             budget.check(budget.size(left) + budget.size(right))
         return budget.made(super().call_binop(context, operator, left, right))
 
-    def concat(self, parts) -> str:
-        """`a ~ b`: measured before it is joined."""
+    def join_parts(self, join, parts) -> str:
+        """`a ~ b`: measured before it is joined (by Jinja's str_join, or markup_join when escaping)."""
         budget = _current()
         budget.check(sum(budget.size(p) for p in parts))
-        return "".join(map(str, parts))
+        return join(parts)
 
     def loop_items(self, iterable):
         budget = _current()
@@ -349,7 +355,12 @@ class _BoundedCodeGenerator(CodeGenerator):
         super().visit_For(node, frame)
 
     def visit_Concat(self, node, frame):
-        self.write("environment.concat((")
+        # Jinja's own choice of join, as CodeGenerator.visit_Concat makes it
+        if frame.eval_ctx.volatile:
+            join = "(markup_join if context.eval_ctx.volatile else str_join)"
+        else:
+            join = "markup_join" if frame.eval_ctx.autoescape else "str_join"
+        self.write(f"environment.join_parts({join}, (")
         for part in node.nodes:
             self.visit(part, frame)
             self.write(", ")

@@ -2,6 +2,7 @@
 hostile templates end in one line, soon."""
 import time
 
+import jinja2.sandbox
 import pytest
 from click.testing import CliRunner
 
@@ -79,6 +80,32 @@ def test_hugging_face_environment():
         "{% endfor %}")
     text = template.render([{"role": "user", "content": "café <b>"}, {"role": "user", "content": "x"}])
     assert text == '{"role": "user", "content": "café <b>"}|4|café <b>'
+
+
+# Jinja constructs whose code the bounded sandbox compiles its own way (loops, `~`, literals,
+# the buffers of macros, blocks and filters) or checks (calls, operators, filters, formats).
+CONSTRUCTS = [
+    "{% set x %}{{ 'a' ~ messages[0].content }}{% endset %}{{ x }}",
+    "{% filter upper %}{{ 'a' ~ messages[-1].content }}{% endfilter %}",
+    "{% macro m(a) %}[{{ a ~ caller() }}]{% endmacro %}{% call m('x') %}c{% endcall %}",
+    "{% autoescape true %}{{ '<b>' ~ messages[0].content }}{% endautoescape %}",
+    "{% block b %}{{ messages|length }}{% endblock %}{{ self.b() }}",
+    "{% for m in messages if m.role != 'system' %}{{ loop.index }}/{{ loop.length }}{{ m.role }}{% else %}-{% endfor %}",
+    "{% for m in [messages, [messages[0]]] recursive %}{% if m is mapping %}{{ m.role }}{% else %}({{ loop(m) }}){% endif %}{% endfor %}",
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + loop.index %}{% endfor %}{{ ns.n }}",
+    "{{ ['a', 'b']|join(', ') }}{{ '%s-%05d' % ('a', 1) }}{{ '{}:{:>4}'.format(1, 2) }}{{ 2 ** 10 }}{{ 'ab' * 3 }}",
+    "{{ messages[0]|dictsort }}{{ messages|map(attribute='role')|list }}{{ {'k': [1, (2, 3)]} }}",
+    "{{ 'x'|center(9) }}{{ 'a\nb'|indent(2, true) }}{{ 'abc'|replace('b', 'xx') }}{{ [1, 2, 3]|batch(2)|list }}",
+    "{{ 'a\tb'.expandtabs(4) }}{{ 'ab'.ljust(5, '.') }}{{ ('-' * 3).join('xyz') }}{{ (7).to_bytes(2, 'big') }}",
+]
+
+
+@pytest.mark.parametrize("source", CONSTRUCTS)
+def test_the_limits_change_nothing_jinja_renders(source):
+    plain = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    messages = build_messages("hi <you>", system="s")
+    want = plain.from_string(source).render(messages=messages)
+    assert ChatTemplate(source).render(messages) == want
 
 
 def refused(source: str, messages=None, limits=Limits()) -> str:
