@@ -185,8 +185,9 @@ def _lines(s) -> int:
     return str(s).count("\n") + 1 if isinstance(s, str) else 1
 
 
-# name -> size(budget, *args, **kwargs) of the result, for filters and str methods alike
-# (a filter's first argument is the value it filters, as a method's is the string it is called on).
+# name -> size(budget, *args, **kwargs) of the result, for filters and built-in types' methods
+# alike (a filter's first argument is the value it filters, as a method's is the object it is
+# called on): every other result is at most a small multiple of its arguments.
 _GROWS = {
     "center": lambda b, s, width=80, *a, **k: b.size(s) + _width(width),
     "ljust": lambda b, s, width=0, *a, **k: b.size(s) + _width(width),
