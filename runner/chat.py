@@ -76,7 +76,7 @@ class ChatTemplate:
         except TemplateLimit as e:
             raise _failure(str(e)) from None
         except RecursionError:
-            raise _failure(f"nests too deeply for Python") from None
+            raise _failure("nests too deeply for Python") from None
         except MemoryError:
             raise _failure("ran out of memory") from None
         except SecurityError as e:
