@@ -1,7 +1,9 @@
 """Chat templates: a conversation rendered to prompt text exactly as Hugging Face renders it.
 
 The Jinja environment copies transformers' `_compile_jinja_template`: the same sandbox, options,
-globals and `tojson`, so a model's template gives the prompt it was trained on.
+globals and `tojson`, so a model's template gives the prompt it was trained on. The template is
+code from whoever published the model, so it runs within limits (runner/sandbox.py), and anything
+it does wrong ends in one ChatTemplateError line.
 """
 from __future__ import annotations
 
@@ -12,9 +14,15 @@ from datetime import datetime
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SecurityError
 
 from nibble.formats.errors import NibbleError
+from .sandbox import BoundedEnvironment, Limits, TemplateLimit, render
+
+# Real templates are a few KB; a larger one would take long just to compile.
+MAX_SOURCE_CHARS = 1_000_000
+# An error's text in one line of at most this many characters (a template may raise a long one).
+MAX_MESSAGE_CHARS = 300
 
 # The tokenizer_config.json keys transformers passes to every template (its special_tokens_map).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -30,16 +38,20 @@ class ChatTemplate:
     """A compiled chat template and the special tokens its text may refer to."""
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)  # e.g. {"eos_token": "<|im_end|>"}
+    limits: Limits = Limits()
     _template: jinja2.Template = field(init=False, repr=False)
 
     def __post_init__(self):
+        if len(self.source) > MAX_SOURCE_CHARS:
+            raise ChatTemplateError(f"the model's chat template is {len(self.source):,} characters long, "
+                                    f"more than {MAX_SOURCE_CHARS:,}: pass --raw to skip it")
         try:
             self._template = _environment().from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(
-                f"The model's chat template has a syntax error (line {e.lineno}: {e.message}). "
-                "Fix chat_template in tokenizer_config.json, or pass --raw to skip the template."
-            ) from e
+            raise ChatTemplateError(_one_line(f"the model's chat template has a syntax error at line "
+                                              f"{e.lineno}: {e.message}; pass --raw to skip it")) from None
+        except Exception as e:   # nested too deeply for Python's parser or compiler, say
+            raise _failure("could not be compiled", e) from None
 
     @classmethod
     def from_tokenizer_config(cls, config: dict) -> ChatTemplate:
@@ -53,16 +65,24 @@ class ChatTemplate:
 
         With `add_generation_prompt` the text ends with the header that opens the assistant's turn.
         """
+        # tools and documents are None, as transformers passes them, for templates that test them.
+        context = dict(messages=messages, tools=None, documents=None,
+                       add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        input_chars = sum(len(str(m.get("content", ""))) for m in messages)
         try:
-            # tools and documents are None, as transformers passes them, for templates that test them.
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            return render(self._template, self.limits, input_chars, context)
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"The model's chat template failed to render: {e}. "
-                                    "Pass --raw to skip the template.") from e
+        except TemplateLimit as e:
+            raise _failure(str(e)) from None
+        except RecursionError:
+            raise _failure("nests too deeply for Python") from None
+        except MemoryError:
+            raise _failure("ran out of memory") from None
+        except SecurityError as e:
+            raise _failure("did something its sandbox forbids", e) from None
+        except Exception as e:   # whatever the template's code raised: its failure, not nibble's
+            raise _failure("failed", e) from None
 
 
 def build_messages(prompt: str, system: str | None = None) -> list[dict]:
@@ -93,17 +113,25 @@ def _token_text(token: str | dict) -> str:
     return token["content"] if isinstance(token, dict) else token
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
+def _environment() -> BoundedEnvironment:
+    return BoundedEnvironment(filters={"tojson": _tojson},
+                              globals={"raise_exception": _raise_exception, "strftime_now": _strftime_now},
+                              trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+
+
+def _failure(what: str, error: Exception | None = None) -> ChatTemplateError:
+    detail = f": {type(error).__name__}: {str(error).rstrip('.')}" if error is not None else ""
+    return ChatTemplateError(_one_line(f"the model's chat template {what}{detail}; pass --raw to skip it"))
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 1] + "…"
 
 
 def _raise_exception(message: str):
-    raise ChatTemplateError(f"The model's chat template rejected the conversation: {message}")
+    # The template author's words to the user (e.g. "roles must alternate user/assistant"): kept.
+    raise ChatTemplateError(_one_line(f"the model's chat template refused the conversation: {message}"))
 
 
 def _strftime_now(format: str) -> str:

@@ -624,3 +624,21 @@ def test_updates_are_spaced_by_what_drawing_costs(monkeypatch):
     busy = ui.next_frame(turn.FRAME)
     now.update(wall=0.2)            # then idle
     assert busy > 2 * turn.FRAME and ui.next_frame(turn.FRAME_MAX) < turn.FRAME_MAX
+
+
+async def test_a_chat_template_that_fails_is_named_and_the_chat_goes_on(home, tiny_dir):
+    from nibble.runner.chat import ChatTemplate
+    from nibble.runner.sandbox import Limits
+    from tests.tiny import CHATML
+    model, tok = load(str(tiny_dir))
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    tok.chat_template = ChatTemplate(f"{{% if messages[-1].content == 'loop' %}}{endless}{{% endif %}}{CHATML}",
+                                     limits=Limits(steps=20_000))
+    app = make_app((model, tok))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "loop")
+        assert any("The reply failed: the model's chat template took more than 20,000 steps" in n
+                   for n in notes(app))
+        await send(pilot, "hi")
+        assert [m.role for m in app.chat_screen.history][-2:] == ["user", "assistant"]
