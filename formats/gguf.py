@@ -88,6 +88,8 @@ class _Reader(gguf.GGUFReader):
                 raise FormatError(f"GGUF tensor {name} has unknown type {qtype}")
             block, size = gguf.GGML_QUANT_SIZES[QType(qtype)]
             n = math.prod(int(d) for d in dims)
+            if n == 0:   # no model tensor is empty, and numpy cannot give one rows
+                raise FormatError(f"GGUF tensor {name} has a dimension of 0: it holds nothing")
             if n % block:
                 raise FormatError(f"GGUF tensor {name} has {n} elements, not whole blocks of "
                                   f"{block}")

@@ -34,6 +34,9 @@ class Gguf(NamedTuple):
     data: bytes
     alignment: int
 
+    def __repr__(self):   # a failing case's report: the data region is the base's, unchanged
+        return f"Gguf(kv={self.kv!r}, tensors={self.tensors!r}, data=<{len(self.data)} bytes>)"
+
 
 def parse(path: Path) -> Gguf:
     r = gguf.GGUFReader(path)
@@ -304,6 +307,9 @@ def _tokens_cut(name: str, n: int) -> Gguf:
 @example(_with("phi3-longrope", b"phi3.embedding_length", VT.UINT32, 32))
 @example(_with("phi3-longrope", b"phi3.embedding_length", VT.UINT32, 2))   # heads of no dims
 @example(_with("smollm3", b"smollm3.rope.freq_base", VT.FLOAT64, 1e300))   # beyond float32
+@example(RawEdits("llama-quant", []))   # repacked, dequantized and requantized types
+@example(parsed("llama-quant")._replace(tensors=[(n, [0] if n == b"blk.0.attn_q.weight" else d, q, o)
+                                                 for n, d, q, o in parsed("llama-quant").tensors]))
 def test_gguf_opens_or_is_refused_in_one_line(tmp_path, case):
     path = tmp_path / "m.gguf"
     path.unlink(missing_ok=True)   # a new file: the last case's tensors may still map the old one
