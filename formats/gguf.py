@@ -76,6 +76,24 @@ class _Reader(gguf.GGUFReader):
     def data(self, value: np.ndarray):
         self._data = value.view(np.ndarray)
 
+    # GGUFReader reads past the end of the file as empty arrays and goes on: an array whose count
+    # is 2**40 then loops until memory runs out. Values must lie inside the file, and an array's
+    # items fit in what is left of it (a string takes 8 bytes at least, a scalar its size).
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if offset + np.dtype(dtype).itemsize * int(count) > len(self._data):
+            raise FormatError(f"a metadata value at byte {offset} runs past the end of the file")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type == gguf.GGUFValueType.ARRAY:
+            item, count = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+            scalar = self.gguf_scalar_to_np.get(item)
+            least = np.dtype(scalar).itemsize if scalar is not None else 8   # a string's length, an array's header
+            if count * least > len(self._data) - orig_offs - 12:
+                raise FormatError(f"a metadata array at byte {orig_offs} holds {count} items, more than "
+                                  f"the rest of the file can")
+        return super()._get_field_parts(orig_offs, raw_type)
+
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         """GGUFReader's tensors, once each is known to lie aligned, inside the file and apart
         from the others, as llama.cpp's gguf_init checks (the reader would view any bytes)."""

@@ -293,6 +293,11 @@ def _tokens_cut(name: str, n: int) -> Gguf:
     return g._replace(kv=kv)
 
 
+def _array_count_at(name: str, key: bytes) -> int:
+    """Where the item count of metadata array `key` is in the base file."""
+    return BASES[name].index(_string(key)) + 8 + len(key) + 4 + 4   # the key, its type, the items'
+
+
 # A tenth of the long profile's cases (the short run's 200 kept): each one writes, parses and
 # imports a whole file (tokenizer and model included), some 20 times a safetensors case's work.
 @settings(max_examples=max(200, settings().max_examples // 10))
@@ -307,6 +312,8 @@ def _tokens_cut(name: str, n: int) -> Gguf:
 @example(_with("phi3-longrope", b"phi3.embedding_length", VT.UINT32, 32))
 @example(_with("phi3-longrope", b"phi3.embedding_length", VT.UINT32, 2))   # heads of no dims
 @example(_with("smollm3", b"smollm3.rope.freq_base", VT.FLOAT64, 1e300))   # beyond float32
+@example(RawEdits("smollm3", [("overwrite", _array_count_at("smollm3", b"tokenizer.ggml.token_type"),
+                                struct.pack("<Q", 2**40))]))   # looped until memory ran out
 @example(RawEdits("llama-quant", []))   # repacked, dequantized and requantized types
 @example(parsed("llama-quant")._replace(tensors=[(n, [0] if n == b"blk.0.attn_q.weight" else d, q, o)
                                                  for n, d, q, o in parsed("llama-quant").tensors]))
