@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VT
-from hypothesis import event, example, given, settings
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from nibble.formats.errors import NibbleError
@@ -298,9 +298,6 @@ def _array_count_at(name: str, key: bytes) -> int:
     return BASES[name].index(_string(key)) + 8 + len(key) + 4 + 4   # the key, its type, the items'
 
 
-# A tenth of the long profile's cases (the short run's 200 kept): each one writes, parses and
-# imports a whole file (tokenizer and model included), some 20 times a safetensors case's work.
-@settings(max_examples=max(200, settings().max_examples // 10))
 @given(files())
 @example(BASES["smollm3"])
 @example(_with("smollm3", b"smollm3.context_length", VT.UINT64, 2**40))
