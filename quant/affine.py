@@ -147,7 +147,9 @@ def reconstruction_error(w: np.ndarray, qt: QuantizedTensor,
 def _quantize_block(x: np.ndarray, nmax: int, imp: np.ndarray | None, method: str):
     """Integers uint8, scales and biases float16 for groups x [rows, in/g, g]."""
     lo, hi = x.min(axis=-1), x.max(axis=-1)                    # [rows, in/g]
-    q, s, b = _snap(x, (hi - lo) / nmax, lo, nmax)
+    with np.errstate(over="ignore"):   # weights near float32's limit: an infinite scale, refused in _snap
+        span = hi - lo
+    q, s, b = _snap(x, span / nmax, lo, nmax)
     if method == "search":
         q2, s2, b2 = _snap(x, *search_affine(x, lo, hi, imp, nmax), nmax)
         # Compare on the float16 values a reader will see; ties keep min/max rounding.

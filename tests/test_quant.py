@@ -141,3 +141,12 @@ def test_dequantize_accepts_float32_scales():
     qt = quantize(w, scheme)
     wide = qt._replace(scales=qt.scales.astype(np.float32), biases=qt.biases.astype(np.float32))
     np.testing.assert_array_equal(dequantize(wide), dequantize(qt))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")   # no numpy warning before the one line
+def test_weights_near_float32_limit_refused_in_one_line():
+    # Finite, but their range (hi - lo) overflows float32: found by the GGUF fuzz target.
+    w = np.full((4, 64), 3e38, np.float32)
+    w[:, ::2] = -3e38
+    with pytest.raises(NibbleError, match="too large for float16 scales"):
+        quantize(w, AffineScheme(bits=4, group_size=32))
