@@ -449,6 +449,9 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
     Llama 3.x release uses, with the largest divisor as `factor`.
     """
     factor, low, high, old_ctx = _f32(factors.max()), 1.0, 4.0, 8192
+    if not factor >= 1:   # Llama 3's divisors are 1 and up; 0 or NaN is damage
+        raise FormatError(f"GGUF rope_freqs.weight holds {factor:g} as its largest divisor, where "
+                          f"Llama 3's rope scaling has 1 or more: the file is damaged")
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     smooth = np.clip((old_ctx * inv_freq / (2 * np.pi) - low) / (high - low), 0.0, 1.0)
     expected = 1.0 / ((1 - smooth) / factor + smooth)

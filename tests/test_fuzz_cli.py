@@ -37,8 +37,10 @@ def option_names(command: str) -> list[str]:
     return sorted(names - LEFT_OUT)
 
 
-# Text as argv may hold it: any character, and the lone surrogates of bytes that are not UTF-8.
-TEXT = st.text(st.one_of(st.characters(), st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF)),
+# Text as argv may hold it: any character but NUL (a process's arguments are C strings), and the
+# lone surrogates of bytes that are not UTF-8.
+TEXT = st.text(st.one_of(st.characters(blacklist_characters="\0"),
+                         st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF)),
                max_size=12).filter(lambda s: s not in hub.ALIASES)   # an alias would be downloaded
 NUMBERS = st.one_of(st.integers(-3, 300), st.integers(), st.sampled_from([10**30, -10**30, 2**63]),
                     st.floats()).map(str)   # floats: nan, inf, 1e-45, -0.0 among them

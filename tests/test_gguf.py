@@ -1,6 +1,8 @@
 """GGUF import: tensors (repacked exactly, or read as float), names, the q/k un-permute and the
 config, on synthetic files and SmolLM2."""
 
+import warnings
+
 import gguf
 import numpy as np
 import pytest
@@ -362,6 +364,11 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     odd = write_gguf(tmp_path / "odd.gguf", {"rope_freqs.weight": other}, config=config)
     with pytest.raises(FormatError, match="rope_freqs"):
         import_gguf(odd)
+    zeros = write_gguf(tmp_path / "zeros.gguf", {"rope_freqs.weight": np.zeros_like(factors)}, config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # one line, no numpy warning (found by the GGUF fuzz target)
+        with pytest.raises(FormatError, match="rope_freqs.weight holds 0 as its largest divisor"):
+            import_gguf(zeros)
 
 
 def test_linear_rope_scaling_and_eot(tmp_path):
