@@ -361,6 +361,8 @@ def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> Mo
                           f"{head_dim}; nibble runs partial rotary embeddings for phi3 only")
     n_layers = need(meta, a + "block_count")
     theta = _f32(meta.get(a + "rope.freq_base", 10000.0))
+    if not 0 < theta < math.inf:   # RoPE's base: the tables divide by its powers (as config.json's)
+        raise FormatError(f"GGUF {a}rope.freq_base is {theta:g}, not a positive number")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     eos = list(dict.fromkeys(eos))  # unique, in order; one id is written as an int, as HF does

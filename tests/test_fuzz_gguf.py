@@ -311,6 +311,9 @@ def _array_count_at(name: str, key: bytes) -> int:
 @example(_with("smollm3", b"smollm3.rope.freq_base", VT.FLOAT64, 1e300))   # beyond float32
 @example(RawEdits("smollm3", [("overwrite", _array_count_at("smollm3", b"tokenizer.ggml.token_type"),
                                 struct.pack("<Q", 2**40))]))   # looped until memory ran out
+@example(_with("gemma3-text", b"gemma3.rope.freq_base", VT.FLOAT32, 0.0)._replace(   # divided by 0
+    tensors=[(b"rope_freqs.weight" if i == 1 else n, *rest)
+             for i, (n, *rest) in enumerate(parsed("gemma3-text").tensors)]))
 @example(RawEdits("llama-quant", []))   # repacked, dequantized and requantized types
 @example(parsed("llama-quant")._replace(tensors=[(n, [0] if n == b"blk.0.attn_q.weight" else d, q, o)
                                                  for n, d, q, o in parsed("llama-quant").tensors]))
