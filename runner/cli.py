@@ -4,13 +4,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import re
 import sys
 from dataclasses import replace
 
 import click
 
-from nibble.formats.errors import NibbleError
+from nibble.formats.errors import NibbleError, one_line
 
 from .settings import MAX_TOKENS, SamplerSettings
 
@@ -43,12 +42,8 @@ class _OneLineError(click.ClickException):
     """"Error: <message>" alone, with the exit code of the error it stands for."""
 
     def __init__(self, e: click.ClickException):
-        super().__init__(_LINE_BREAKS.sub(lambda m: repr(m[0])[1:-1], e.format_message()))
+        super().__init__(one_line(e.format_message()))
         self.exit_code = e.exit_code
-
-
-# What str.splitlines breaks at: a value quoted in a message (a path, an option name) may hold them.
-_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 @contextlib.contextmanager

@@ -314,6 +314,8 @@ def _array_count_at(name: str, key: bytes) -> int:
 @example(_with("gemma3-text", b"gemma3.rope.freq_base", VT.FLOAT32, 0.0)._replace(   # divided by 0
     tensors=[(b"rope_freqs.weight" if i == 1 else n, *rest)
              for i, (n, *rest) in enumerate(parsed("gemma3-text").tensors)]))
+@example(parsed("smollm3")._replace(tensors=[(b"b\nlk" + n[1:] if i == 3 else n, *rest)   # a name of two lines
+                                             for i, (n, *rest) in enumerate(parsed("smollm3").tensors)]))
 @example(RawEdits("llama-quant", []))   # repacked, dequantized and requantized types
 @example(parsed("llama-quant")._replace(tensors=[(n, [0] if n == b"blk.0.attn_q.weight" else d, q, o)
                                                  for n, d, q, o in parsed("llama-quant").tensors]))
