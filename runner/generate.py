@@ -20,7 +20,7 @@ class GenerationResponse:
     """One step of a reply. While a long prompt is prefilled, one response (text "", token None,
     no tokens generated yet) follows each chunk but the last."""
     text: str                   # the new text since the previous response
-    token: int | None           # the token behind it (None while prefilling and on the final flush)
+    token: int | None           # the token behind it (None while prefilling and on a final flush)
     prompt_tokens: int          # tokens prefilled for this call
     prompt_tps: float           # prefill tokens/s (0 until the first token)
     generation_tokens: int      # tokens generated so far
@@ -72,15 +72,15 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
     if not prompt_ids:
         raise ContextFull("the prompt is empty")
     sampler = sampler or make_sampler(tokenizer.sampling)
-    decoder, stops = tokenizer.decoder(), StopStrings(stop)
+    reply = Reply(tokenizer, max_tokens, stop)
     start = time.perf_counter()
-    n, first, prompt_tps, finish = 0, 0.0, 0.0, None
+    n, first, prompt_tps = 0, 0.0, 0.0
 
     def response(text, token):
         now = time.perf_counter()
         decode_tps = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         return GenerationResponse(text, token, len(prompt_ids), prompt_tps, n, decode_tps,
-                                  first - start if n else 0.0, finish)
+                                  first - start if n else 0.0, reply.finish_reason)
 
     for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk):
         if token is None:   # a prefill chunk ran: a point to stop at
@@ -90,23 +90,60 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
         if n == 1:
             first = time.perf_counter()
             prompt_tps = len(prompt_ids) / (first - start)
-        if token in tokenizer.eos_ids:
-            finish = "stop"
-            break
-        text, stopped = stops.feed(decoder.add(token))
-        if stopped:
-            finish = "stop"
+        text = reply.add(token)
+        if text or reply.finish_reason:
             yield response(text, token)
+        if reply.finish_reason:
             return
-        if text:
-            yield response(text, token)
-        if n >= max_tokens:
-            finish = "length"
-            break
-    else:
-        finish = "context"
-    text, _ = stops.feed(decoder.flush())
-    yield response(text + stops.flush(), None)
+    yield response(reply.close("context"), None)
+
+
+class Reply:
+    """The text side of one reply, token by token: streaming detokenization, stop strings held
+    back and cut at, and why the reply ended. `stream_generate` and the serving engine share it.
+
+        reply = Reply(tokenizer, max_tokens=64, stop=["END"])
+        for token in tokens:
+            emit(reply.add(token))
+            if reply.finish_reason:
+                break
+        else:
+            emit(reply.close("context"))   # ended from outside: flush what was held back
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (),
+                 skip_special: bool = True):
+        self.eos_ids = tokenizer.eos_ids
+        self.max_tokens = max_tokens
+        self.decoder = tokenizer.decoder(skip_special)
+        self.stops = StopStrings(stop)
+        self.tokens = 0                          # tokens added, an eos among them
+        self.finish_reason: str | None = None    # None while running; "stop" or "length"
+
+    def add(self, token: int) -> str:
+        """Add a sampled token; return the text now safe to emit. When the reply ends (eos, a stop
+        string, max_tokens), finish_reason is set and the text returned is all there is to emit."""
+        if self.finish_reason is not None:
+            raise ValueError(f"the reply has ended ({self.finish_reason})")
+        self.tokens += 1
+        if token in self.eos_ids:   # the eos token's own text is never shown
+            return self.close("stop")
+        text, stopped = self.stops.feed(self.decoder.add(token))
+        if stopped:   # what follows the stop string is dropped
+            self.finish_reason = "stop"
+            self.decoder.flush()
+            return text
+        if self.tokens >= self.max_tokens:
+            return text + self.close("length")
+        return text
+
+    def close(self, reason: str | None = None) -> str:
+        """End the reply from outside (the context is full, a grammar is done, the client left):
+        return the text held back, and set finish_reason to `reason` if it is still None."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        text, _ = self.stops.feed(self.decoder.flush())   # a stop string inside it cuts it there
+        return text + self.stops.flush()
 
 
 class StopStrings:

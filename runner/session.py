@@ -5,18 +5,25 @@ the session renders it with the model's chat template, keeps the longest prefix 
 holds, runs the rest and streams the reply. Regenerating, editing the last prompt or resuming a
 stored chat are therefore just other conversations: whatever they share with the cache is reused.
 
-A sampled reply is not always the tokenization its text would get again (BPE has one canonical
-split, sampling may pick another). So the session marks the texts that the cache's first n tokens
-spell (each turn's prompt, and prompt plus reply); when a new prompt starts with one, those ids
-are taken from the cache as they are and only the text after them is tokenized.
+On a shared pool of KV blocks (runner/blocks.py; the chat app makes one), the session's cache is
+one sequence of the pool, and a conversation it left earlier is still there, block by block,
+until the pool needs the room: switching back to another chat prefills only its new message.
+
+A sampled reply is not always the tokenization its text would get again: the prompt memo
+(runner/prompt_ids.py) gives the ids the cache holds for the texts of earlier turns.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+from .blocks import BlockPool, SeqBlocks
+from .cache import KVCache, blocks_for
 from .generate import PREFILL_CHUNK, stream_generate
 from .model import ContextFull, Model
+from .prompt_ids import PromptMemo
 from .sample import make_sampler
 from .settings import MAX_TOKENS, SamplerSettings
 from .tokenizer import Tokenizer
@@ -53,18 +60,27 @@ class ChatSession:
         for chunk in session.reply([{"role": "user", "content": "Hi"}]):
             print(chunk.text, end="")
 
-    Not thread-safe: run one reply at a time (in any one thread).
+    With a `pool` (BlockPool of model.new_pool(), CPU only), the cache is a sequence of that
+    pool's blocks; without, a cache of its own. Not thread-safe: run one reply at a time (in any
+    one thread).
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx: int | None = None,
-                 kv_type: str = "f32", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 kv_type: str = "f32", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 pool: BlockPool | None = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.cache = model.new_cache(ctx, kv_type)
+        self.pool = pool
+        if pool is None:
+            self.cache = model.new_cache(ctx, kv_type)
+        else:
+            longest = model.config.max_position_embeddings
+            self.cache = KVCache.on_pool(pool.kv, np.zeros(0, np.int32), min(ctx or longest, longest))
+            self.blocks = SeqBlocks()   # the cache's blocks in the pool
         self.kv_type = kv_type
         self.threads = threads
         self.prefill_chunk = prefill_chunk   # prompt tokens per forward pass of a long prefill
-        self._marks: list[tuple[str, int]] = []   # (text, n): cache.tokens[:n] spell text
+        self.memo = PromptMemo(tokenizer)
         self.last_prompt_ids: list[int] = []                # the ids of the last turn's prompt
 
     @property
@@ -93,11 +109,7 @@ class ChatSession:
     def _encode(self, messages: list[dict]) -> tuple[str, list[int]]:
         """The conversation's prompt text and ids, reusing the ids of what the cache holds."""
         text = self.tokenizer.chat_template.render(messages)
-        marks = [(t, n) for t, n in self._marks if text.startswith(t)]
-        if not marks:
-            return text, self.tokenizer.encode(text)
-        held, n = max(marks, key=lambda m: m[1])
-        return text, self.cache.tokens[:n] + self.tokenizer.encode(text[len(held):], add_bos=False)
+        return text, self.memo.encode(text)
 
     def _fit(self, messages: list[dict], max_tokens: int) -> tuple[str, list[int], int]:
         """-> (prompt text, prompt ids, how many of the oldest messages were left out).
@@ -144,8 +156,10 @@ class ChatSession:
         # Keep what the cache shares with the new prompt; the last prompt token always runs,
         # since its logits choose the reply's first token.
         reused = min(_common_prefix(cache.tokens, ids), len(ids) - 1)
-        cache.truncate(reused)
-        self._marks = [(t, n) for t, n in self._marks if n <= reused]
+        if self.pool is None:
+            cache.truncate(reused)
+        else:
+            reused = self._place(ids, reused, min(len(ids) + max_tokens, cache.size))
         stats = TurnStats(prompt_tokens=len(ids), reused=reused, prefilled=len(ids) - reused,
                           dropped=dropped, ctx_used=cache.pos, ctx_size=cache.size)
         yield ChatChunk("", stats)
@@ -163,16 +177,35 @@ class ChatSession:
         finally:   # also when the consumer stops the turn: note what the cache now holds
             self._remember(text, ids, "".join(reply))
 
+    def _place(self, ids: list[int], reused: int, positions: int) -> int:
+        """Put the cache where the pool holds most of `ids`: on its own blocks, cut to the
+        `reused` positions it shares with them, or on the blocks of a conversation it left
+        earlier if they hold more. Give it blocks for `positions` positions. -> positions reused."""
+        pool, cache = self.pool, self.cache
+        found = pool.sequence(ids)
+        if found.cached > reused:   # another chat, say, that the pool still holds
+            pool.release(self.blocks, cache.tokens)
+            self.blocks, reused = found, found.cached
+            cache.tokens[:] = ids[:reused]
+            cache.pos = reused
+        else:
+            pool.release(found, ids[:found.cached])
+            pool.truncate(self.blocks, cache.tokens, reused)
+            cache.truncate(reused)
+        pool.reserve(self.blocks, positions)
+        cache.table = np.array(self.blocks.blocks, np.int32)
+        return reused
+
     def _remember(self, prompt_text: str, prompt_ids: list[int], reply: str):
-        """Note the text behind the cache's tokens: the prompt, then the reply as far as its
-        tokens ran (the last sampled token never does)."""
+        """Note the ids behind the cache's text: the prompt, then the reply as far as its tokens
+        ran (the last sampled token never does)."""
         tokens = self.cache.tokens
         if tokens[:len(prompt_ids)] != prompt_ids:
             return   # the prefill was stopped halfway
-        self._marks.append((prompt_text, len(prompt_ids)))
+        self.memo.remember(prompt_text, prompt_ids)
         said = self.tokenizer.decode(tokens[len(prompt_ids):])
         if said and reply.startswith(said):
-            self._marks.append((prompt_text + said, len(tokens)))
+            self.memo.remember(prompt_text + said, tokens)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -78,5 +78,6 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def decoder(self) -> StreamDecoder:
-        return StreamDecoder(self.tokenizer)
+    def decoder(self, skip_special: bool = True) -> StreamDecoder:
+        """A streaming decoder; skip_special=False keeps special tokens' text (tool-call markers)."""
+        return StreamDecoder(self.tokenizer, skip_special)

@@ -1,11 +1,28 @@
 """The generation stack on the tiny model: the README's two calls, finish reasons, stop strings."""
 import pytest
 
-from nibble.runner.generate import StopStrings
+from nibble.runner.generate import Reply, StopStrings
 from nibble.runner.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
+from nibble.runner.tokenizer import Tokenizer
+from tests.tiny import tiny_model_dir
 
 GREEDY = make_sampler(SamplerSettings(temperature=0))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(tiny_model_dir())
+
+
+def added(reply, ids):
+    """The text a Reply emits for `ids`, up to where it ends."""
+    out = ""
+    for i in ids:
+        out += reply.add(i)
+        if reply.finish_reason:
+            break
+    return out
 
 
 def test_readme_two_calls(tiny_dir):
@@ -77,3 +94,38 @@ def test_stop_strings(pieces, stops, want):
     else:
         out += s.flush()
     assert out == want
+
+
+def test_reply_ends_at_eos_with_everything_flushed(tok):
+    ids = tok.encode("naïve café 😀")
+    reply = Reply(tok, max_tokens=100)
+    assert added(reply, ids + [2, 5]) == tok.decode(ids)   # the eos (2) shows nothing; 5 never comes
+    assert (reply.finish_reason, reply.tokens, reply.close("context")) == ("stop", len(ids) + 1, "")
+
+
+def test_reply_cut_at_a_stop_string(tok):
+    reply = Reply(tok, max_tokens=100, stop=["fox"])
+    assert added(reply, tok.encode("The quick brown fox jumps")) == "The quick brown "
+    assert (reply.finish_reason, reply.close("context")) == ("stop", "")
+    with pytest.raises(ValueError, match="ended"):
+        reply.add(5)
+
+
+def test_reply_cut_at_max_tokens_flushes_what_it_held(tok):
+    ids = tok.encode("The quick brown fox")
+    reply = Reply(tok, max_tokens=len(ids), stop=["fox!"])   # "fox" is held back as a possible stop
+    assert added(reply, ids) == "The quick brown fox"
+    assert (reply.finish_reason, reply.tokens) == ("length", len(ids))
+
+
+def test_reply_closed_from_outside(tok):
+    reply = Reply(tok, max_tokens=100, stop=["dog!"])
+    text = added(reply, tok.encode("the lazy dog"))
+    assert reply.finish_reason is None and text + reply.close("context") == "the lazy dog"
+    assert reply.finish_reason == "context"
+
+
+def test_reply_keeps_special_tokens_when_asked(tok):
+    ids = [1] + tok.encode("tool")   # <|im_start|>tool
+    assert added(Reply(tok, 100), ids) == "tool"
+    assert added(Reply(tok, 100, skip_special=False), ids) == "<|im_start|>tool"

@@ -1,13 +1,18 @@
 """Multi-turn chat on one KV cache, on the tiny model: reuse, equality with a fresh cache, stopping,
-and dropping the oldest turns when the context would overflow."""
+and dropping the oldest turns when the context would overflow; each on a cache of the session's
+own and on a shared pool of blocks, where switching chats reuses the other chat's blocks."""
 from dataclasses import replace
 
 import pytest
 
 from nibble.runner import session as session_module
+from nibble.runner.blocks import BlockPool
+from nibble.runner.cache import blocks_for
+from nibble.runner.generate import stream_generate
 from nibble.runner.loader import load
 from nibble.runner.model import ContextFull
 from nibble.runner.settings import SamplerSettings
+from nibble.runner.sample import make_sampler
 from nibble.runner.session import ChatSession
 
 GREEDY = SamplerSettings(temperature=0)
@@ -18,6 +23,15 @@ def tiny(tiny_dir):
     model, tok = load(str(tiny_dir))
     tok.eos_ids = frozenset()   # the random model would stop at random: let max_tokens decide
     return model, tok
+
+
+@pytest.fixture(params=["own cache", "shared pool"])
+def new_session(request, tiny):
+    """ChatSession(*tiny, ctx=..., ...), on a pool of 4 contexts' blocks or not."""
+    def make(ctx, **kw):
+        pool = BlockPool(tiny[0].new_pool(4 * blocks_for(ctx))) if request.param == "shared pool" else None
+        return ChatSession(*tiny, ctx=ctx, pool=pool, **kw)
+    return make
 
 
 def run(session, messages, max_tokens=8, **kw):
@@ -33,8 +47,8 @@ def assistant(text):
     return {"role": "assistant", "content": text}
 
 
-def test_first_chunk_announces_the_prefill_and_the_last_finishes(tiny):
-    s = ChatSession(*tiny, ctx=256)
+def test_first_chunk_announces_the_prefill_and_the_last_finishes(new_session):
+    s = new_session(ctx=256)
     _, last, chunks = run(s, [user("Hello there")])
     first = chunks[0]
     assert first.text == "" and first.stats.finish_reason is None
@@ -45,8 +59,8 @@ def test_first_chunk_announces_the_prefill_and_the_last_finishes(tiny):
     assert last.ctx_size == 256
 
 
-def test_turn_two_prefills_only_the_new_tokens(tiny):
-    s = ChatSession(*tiny, ctx=256)
+def test_turn_two_prefills_only_the_new_tokens(new_session):
+    s = new_session(ctx=256)
     template = s.tokenizer.chat_template
     conv = [{"role": "system", "content": "Be brief."}, user("The quick brown fox")]
     reply, one, _ = run(s, conv)
@@ -60,35 +74,36 @@ def test_turn_two_prefills_only_the_new_tokens(tiny):
     assert two.prompt_tokens == two.reused + two.prefilled
 
 
-def test_greedy_reply_with_reuse_equals_a_fresh_cache(tiny):
-    from nibble.runner.generate import stream_generate
-    from nibble.runner.sample import make_sampler
-    reused = ChatSession(*tiny, ctx=256)
+def alone(tiny, prompt_ids, max_tokens=8):
+    """The greedy reply to `prompt_ids` on a fresh cache."""
+    return "".join(r.text for r in stream_generate(*tiny, prompt_ids, sampler=make_sampler(GREEDY),
+                                                    max_tokens=max_tokens))
+
+
+def test_greedy_reply_with_reuse_equals_a_fresh_cache(tiny, new_session):
+    reused = new_session(ctx=256)
     conv = [user("What is the capital of France?")]
     reply, _, _ = run(reused, conv)
     conv += [assistant(reply), user("And the sea?")]
     again, stats, _ = run(reused, conv, max_tokens=12)
-    assert stats.reused > 0
-    fresh = list(stream_generate(*tiny, reused.last_prompt_ids, sampler=make_sampler(GREEDY),
-                                 max_tokens=12))
-    assert again == "".join(r.text for r in fresh)
+    assert stats.reused > 0 and again == alone(tiny, reused.last_prompt_ids, max_tokens=12)
 
 
-def test_an_edited_reply_is_tokenized_afresh(tiny):
+def test_an_edited_reply_is_tokenized_afresh(new_session):
     """When the conversation is not what the cache holds (an edited or resumed chat), the prompt
     is the template's text tokenized as a fresh session would, and the reply is the same."""
-    s = ChatSession(*tiny, ctx=256)
+    s = new_session(ctx=256)
     conv = [user("What is the capital of France?")]
     run(s, conv)
     conv += [assistant("Paris, on the Seine."), user("And the sea?")]
     again, stats, _ = run(s, conv, max_tokens=12)
-    fresh, fresh_stats, _ = run(ChatSession(*tiny, ctx=256), conv, max_tokens=12)
+    fresh, fresh_stats, _ = run(new_session(ctx=256), conv, max_tokens=12)
     assert s.last_prompt_ids == s.tokenizer.chat(conv)
     assert stats.reused > 0 and fresh_stats.reused == 0 and again == fresh
 
 
-def test_regenerate_and_edit_reuse_what_the_cache_holds(tiny):
-    s = ChatSession(*tiny, ctx=256)
+def test_regenerate_and_edit_reuse_what_the_cache_holds(new_session):
+    s = new_session(ctx=256)
     conv = [user("Numba compiles Python")]
     first, one, _ = run(s, conv)
     conv += [assistant(first), user("jumps over the lazy dog")]
@@ -104,8 +119,8 @@ def test_regenerate_and_edit_reuse_what_the_cache_holds(tiny):
     assert four.reused >= one.prompt_tokens + 7
 
 
-def test_stopping_the_iteration_keeps_the_text_and_what_ran(tiny):
-    s = ChatSession(*tiny, ctx=256)
+def test_stopping_the_iteration_keeps_the_text_and_what_ran(new_session):
+    s = new_session(ctx=256)
     chunks = s.reply([user("Hello")], GREEDY, max_tokens=100)
     text, n = "", 0
     for chunk in chunks:
@@ -122,9 +137,9 @@ def test_stopping_the_iteration_keeps_the_text_and_what_ran(tiny):
     assert stats.reused == stopped.ctx_used
 
 
-def test_stopping_during_a_long_prefill_leaves_whole_chunks(tiny):
+def test_stopping_during_a_long_prefill_leaves_whole_chunks(new_session):
     conv = [user("The quick brown fox jumps over the lazy dog. " * 3)]
-    s = ChatSession(*tiny, ctx=256, prefill_chunk=8)
+    s = new_session(ctx=256, prefill_chunk=8)
     chunks = s.reply(conv, GREEDY)
     first, second, third = next(chunks), next(chunks), next(chunks)
     chunks.close()
@@ -134,18 +149,18 @@ def test_stopping_during_a_long_prefill_leaves_whole_chunks(tiny):
     assert third.stats.generation_tokens == 0 and third.stats.finish_reason is None
     # The next turn goes on from the chunks that ran, and answers as a fresh session does.
     again, stats, _ = run(s, conv)
-    fresh, _, _ = run(ChatSession(*tiny, ctx=256), conv)
+    fresh, _, _ = run(new_session(ctx=256), conv)
     assert stats.reused == 16 and again == fresh
 
 
-def test_long_prefill_in_chunks_gives_the_same_reply(tiny):
+def test_long_prefill_in_chunks_gives_the_same_reply(new_session):
     conv = [user("The quick brown fox jumps over the lazy dog. " * 3)]
-    whole, _, _ = run(ChatSession(*tiny, ctx=256), conv)
-    chunked, _, _ = run(ChatSession(*tiny, ctx=256, prefill_chunk=8), conv)
+    whole, _, _ = run(new_session(ctx=256), conv)
+    chunked, _, _ = run(new_session(ctx=256, prefill_chunk=8), conv)
     assert chunked == whole
 
 
-def test_timings_come_from_stream_generate(tiny, monkeypatch):
+def test_timings_come_from_stream_generate(new_session, monkeypatch):
     """The session reports the generation's own figures, not figures of its own."""
     from nibble.runner import generate
 
@@ -153,12 +168,12 @@ def test_timings_come_from_stream_generate(tiny, monkeypatch):
         for r in generate.stream_generate(*args, **kwargs):
             yield replace(r, prompt_tps=111.0, generation_tps=222.0, ttft=3.0)
     monkeypatch.setattr(session_module, "stream_generate", figures)
-    _, last, _ = run(ChatSession(*tiny, ctx=256), [user("Hello")])
+    _, last, _ = run(new_session(ctx=256), [user("Hello")])
     assert (last.prompt_tps, last.generation_tps, last.ttft) == (111.0, 222.0, 3.0)
 
 
-def test_overflow_drops_the_oldest_turns_but_never_the_system_prompt(tiny):
-    s = ChatSession(*tiny, ctx=96)
+def test_overflow_drops_the_oldest_turns_but_never_the_system_prompt(new_session):
+    s = new_session(ctx=96)
     system = {"role": "system", "content": "Be brief."}
     conv = [system]
     dropped = []
@@ -174,8 +189,8 @@ def test_overflow_drops_the_oldest_turns_but_never_the_system_prompt(tiny):
     assert "Be brief." in text and "the sky" in text and n == dropped[-1]
 
 
-def test_a_message_longer_than_the_context_is_refused(tiny):
-    s = ChatSession(*tiny, ctx=32)
+def test_a_message_longer_than_the_context_is_refused(new_session):
+    s = new_session(ctx=32)
     with pytest.raises(ContextFull, match="context holds 32"):
         list(s.reply([user("The quick brown fox jumps over the lazy dog. " * 4)], GREEDY))
     # A last turn that fits, but not with max_tokens: answered in the room left.
@@ -183,8 +198,37 @@ def test_a_message_longer_than_the_context_is_refused(tiny):
     assert stats.finish_reason == "context" and stats.ctx_used == 32
 
 
-def test_count_and_warm_up(tiny):
-    s = ChatSession(*tiny, ctx=64)
+def test_count_and_warm_up(new_session):
+    s = new_session(ctx=64)
     s.warm_up()
     assert s.cache.pos == 0 and s.count([]) == 0
     assert s.count([user("Hello")]) == len(s.tokenizer.chat([user("Hello")]))
+
+
+def test_switching_chats_on_a_shared_pool_prefills_only_the_new_message(tiny):
+    """The chat app's way: one session, one pool, several chats in turn."""
+    s = ChatSession(*tiny, ctx=256, pool=BlockPool(tiny[0].new_pool(4 * blocks_for(256))))
+    a = [{"role": "system", "content": "Be brief."}, user("The quick brown fox jumps over the lazy dog")]
+    b = [{"role": "system", "content": "Be brief."}, user("Numba compiles Python to machine code")]
+    reply_a, one, _ = run(s, a)
+    run(s, b)
+    a += [assistant(reply_a), user("the sky")]
+    again, back, _ = run(s, a)
+    assert back.reused == one.prompt_tokens + 7   # all that chat a's turn ran
+    assert again == alone(tiny, s.last_prompt_ids)
+
+
+def test_truncating_into_a_shared_block_keeps_the_other_chats_blocks(tiny):
+    """Chat b shares chat a's system prompt, into the middle of a block: the session copies that
+    block rather than overwrite what chat a's chain of blocks names."""
+    s = ChatSession(*tiny, ctx=256, pool=BlockPool(tiny[0].new_pool(4 * blocks_for(256))))
+    system = {"role": "system", "content": "The quick brown fox jumps over the lazy dog. " * 2}
+    a, b = [system, user("the sky")], [system, user("the sea")]
+    reply_a, one, _ = run(s, a)
+    reply_b, two, _ = run(s, b)
+    assert 0 < two.reused < one.prompt_tokens and two.reused % 16
+    assert reply_b == alone(tiny, s.last_prompt_ids)   # the copy holds the shared positions
+    a += [assistant(reply_a), user("and then?")]
+    again, back, _ = run(s, a)
+    assert back.reused == one.prompt_tokens + 7
+    assert again == alone(tiny, s.last_prompt_ids)

@@ -1,0 +1,194 @@
+"""The serving engine on the tiny model: replies under load equal to each one's reply alone,
+prefix reuse, cancel, Busy, drain, stops, logprobs."""
+import queue
+from itertools import islice
+import threading
+
+import numpy as np
+import pytest
+
+from nibble.runner.engine import Busy, Engine, Request
+from nibble.runner.generate import generate_step, stream_generate
+from nibble.runner.loader import load
+from nibble.runner.model import ContextFull
+from nibble.runner.sample import make_sampler
+from nibble.runner.settings import SamplerSettings
+
+GREEDY = SamplerSettings(temperature=0)
+QUESTIONS = ["The quick brown fox", "Numba compiles Python", "the capital of France", "the sky",
+             "naïve café", "def f(x): return x**2", "jumps over the lazy dog", "A small model answers"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model, tok = load(str(tiny_dir))
+    tok.eos_ids = frozenset()   # the random model would stop at random: let max_tokens decide
+    return model, tok
+
+
+@pytest.fixture
+def engine(tiny):
+    e = Engine(*tiny, parallel=4, queue=8, ctx=256, prefill_chunk=8)
+    e.start()
+    yield e
+    e.close()
+
+
+class Collector:
+    """A request's events, gathered from the engine thread; `on_first(collector)`, if given, runs
+    there at its first event (to cancel or drain at a known point)."""
+
+    def __init__(self, on_first=None):
+        self.events = queue.Queue()
+        self.done = threading.Event()
+        self.on_first = on_first
+        self.handle = None
+
+    def __call__(self, event):
+        if self.events.empty() and self.on_first:
+            self.on_first(self)
+        self.events.put(event)
+        if event.finish_reason:
+            self.done.set()
+
+    def all(self):
+        assert self.done.wait(60)
+        return list(self.events.queue)
+
+    def text(self):
+        return "".join(e.text for e in self.all())
+
+    def last(self):
+        return self.all()[-1]
+
+
+def submit(engine, prompt_ids, max_tokens=12, on_first=None, settings=GREEDY, **kw):
+    c = Collector(on_first)
+    c.handle = engine.submit(Request(list(prompt_ids), settings, max_tokens, **kw), c)
+    return c
+
+
+def alone(tiny, prompt_ids, max_tokens=12, settings=GREEDY, stop=()):
+    """The reply stream_generate gives the prompt by itself (its prompt cut into the same chunks)."""
+    return "".join(r.text for r in stream_generate(*tiny, prompt_ids, sampler=make_sampler(settings),
+                                                    max_tokens=max_tokens, stop=stop, prefill_chunk=8,
+                                                    cache=tiny[0].new_cache(256)))
+
+
+def prompts(tok):
+    return [tok.chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def test_eight_requests_four_at_a_time_each_get_their_reply_alone(tiny, engine):
+    ids = prompts(tiny[1])
+    collectors = [submit(engine, p, max_tokens=10 + i) for i, p in enumerate(ids)]
+    for i, (p, c) in enumerate(zip(ids, collectors)):
+        assert c.text() == alone(tiny, p, max_tokens=10 + i)
+        last = c.last()
+        assert last.finish_reason == "length"
+        assert last.usage.prompt_tokens == len(p) and last.usage.completion_tokens == 10 + i
+    assert engine.running == engine.waiting == 0
+
+
+def test_seeded_sampling_per_request_reproduces_alone(tiny, engine):
+    settings = SamplerSettings(temperature=1.0, seed=7)
+    ids = prompts(tiny[1])[:3]
+    collectors = [submit(engine, p, settings=settings) for p in ids]
+    for p, c in zip(ids, collectors):
+        assert c.text() == alone(tiny, p, settings=settings)
+
+
+def test_a_second_request_with_the_same_prefix_prefills_only_its_tail(tiny, engine):
+    tok = tiny[1]
+    system = {"role": "system", "content": "The quick brown fox jumps over the lazy dog. " * 3}
+    first = tok.chat([system, {"role": "user", "content": "the sky"}])
+    second = tok.chat([system, {"role": "user", "content": "the sea"}])
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert submit(engine, first).last().usage.cached_tokens == 0
+    reply = submit(engine, second)
+    assert reply.last().usage.cached_tokens == common // 16 * 16 > 0
+
+
+def test_a_follow_up_turn_reuses_the_prompt_and_the_reply(tiny, engine):
+    model, tok = tiny
+    p = tok.chat([{"role": "user", "content": "the sky"}])
+    steps = generate_step(model, p, model.new_cache(256), make_sampler(GREEDY), prefill_chunk=8)
+    sampled = list(islice((t for t in steps if t is not None), 20))
+    assert submit(engine, p, max_tokens=20).text() == tok.decode(sampled)
+    follow = p + sampled + tok.encode("<|im_end|>\n<|im_start|>user\nmore<|im_end|>", add_bos=False)
+    # all that ran: the prompt and the reply but its last token, in full blocks and a partial one
+    assert submit(engine, follow).last().usage.cached_tokens == len(p) + 19
+
+
+def test_cancel_frees_the_blocks_at_the_next_step(tiny, engine):
+    c = submit(engine, prompts(tiny[1])[0], max_tokens=200, on_first=lambda c: engine.cancel(c.handle))
+    submit(engine, prompts(tiny[1])[1], max_tokens=2).all()   # a step after the cancel
+    assert engine.running == 0 and sum(engine.pool.refs) == 0
+    assert not c.done.is_set() and c.events.qsize() == 1   # nothing after the one it was cancelled at
+
+
+def test_busy_past_parallel_and_queue(tiny):
+    e = Engine(*tiny, parallel=1, queue=1, ctx=256)   # not started: nothing leaves the queue
+    p = prompts(tiny[1])[0]
+    e.submit(Request(p, GREEDY, 4), lambda ev: None)
+    e.submit(Request(p, GREEDY, 4), lambda ev: None)
+    with pytest.raises(Busy, match="1 requests are running and 1 waiting"):
+        e.submit(Request(p, GREEDY, 4), lambda ev: None)
+    e.start()
+    e.close()
+
+
+def test_drain_ends_running_and_waiting_replies_with_stop(tiny):
+    e = Engine(*tiny, parallel=1, queue=4, ctx=256)
+    p = prompts(tiny[1])[0]
+    first, second = Collector(on_first=lambda c: e.drain()), Collector()
+    e.submit(Request(p, GREEDY, 200), first)
+    e.submit(Request(p, GREEDY, 200), second)
+    e.start()
+    assert first.last().finish_reason == second.last().finish_reason == "stop"
+    assert first.last().usage.completion_tokens < 200
+    assert alone(tiny, p, max_tokens=200).startswith(first.text())
+    assert second.last().usage.completion_tokens == 0
+    with pytest.raises(Busy, match="shutting down"):
+        e.submit(Request(p, GREEDY, 4), lambda ev: None)
+    e.close()
+
+
+def test_stop_strings_per_sequence(tiny, engine):
+    ids = prompts(tiny[1])[:2]
+    whole = alone(tiny, ids[0], max_tokens=30)
+    stop = whole[5:8]
+    cut, other = submit(engine, ids[0], 30, stop=(stop,)), submit(engine, ids[1], 30)
+    assert cut.text() == alone(tiny, ids[0], max_tokens=30, stop=(stop,)) == whole[:whole.index(stop)]
+    assert cut.last().finish_reason == "stop"
+    assert other.text() == alone(tiny, ids[1], max_tokens=30)
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits(tiny, engine):
+    model, tok = tiny
+    p = prompts(tok)[0]
+    events = submit(engine, p, max_tokens=3, logprobs=2).all()
+    lps = [lp for e in events for lp in e.logprobs]
+    assert len(lps) == 3
+    logits = model.forward(p, model.new_cache(256))[0].astype(np.float64)
+    expect = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    first = lps[0]
+    assert first.token == int(np.argmax(logits)) and first.logprob == pytest.approx(expect[first.token])
+    assert [t for t, _, _ in first.top] == list(np.argsort(-expect)[:2])
+    assert first.text == tok.decode([first.token])
+
+
+def test_a_prompt_past_the_context_is_refused_naming_both_numbers(tiny, engine):
+    with pytest.raises(ContextFull, match="the prompt is 300 tokens and the context holds 256"):
+        engine.submit(Request([5] * 300, GREEDY, 4), lambda ev: None)
+
+
+def test_a_reply_ends_at_the_context(tiny):
+    e = Engine(*tiny, parallel=2, ctx=48)
+    e.start()
+    p = prompts(tiny[1])[0]
+    c = Collector()
+    e.submit(Request(p, GREEDY, 500), c)
+    last = c.last()
+    e.close()
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 48 - len(p) + 1
