@@ -288,6 +288,45 @@ def _fetch_if_needed(ref: str):
             pass
 
 
+@main.command()
+@model_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="The address to listen on: 0.0.0.0 opens the server to other machines.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="The port to listen on; 0 picks a free one.")
+@click.option("--parallel", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Replies decoded together; more requests wait in the queue.")
+@click.option("--queue", default=16, show_default=True, type=click.IntRange(min=0),
+              help="Requests that may wait for a free slot; past them the server answers 503.")
+@click.option("--api-key", envvar="NIBBLE_API_KEY",
+              help="Ask clients for this key (Authorization: Bearer KEY); /health stays open.")
+@threads_option
+@click.option("-c", "--ctx-size", type=click.IntRange(min=1),
+              help=f"Each reply's context in tokens, at most the model's [default: {DEFAULT_CTX}, or the "
+                   f"model's if smaller].")
+@kv_cache_option
+@click.option("--cache-tokens", type=click.IntRange(min=1),
+              help="KV cache positions kept for all replies, finished conversations included "
+                   "[default: --parallel times the context].")
+@gpu_options
+def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
+          gpu_layers, require_gpu):
+    """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    if gpu_layers or require_gpu:
+        raise click.UsageError("nibble serve runs on the CPU for now (the GPU has no paged KV cache yet): "
+                               "drop -ngl and --require-gpu")
+    from pathlib import Path
+    from .serve.server import listen, serve as run_server
+    sock = listen(host, port)   # a port in use is said before the model loads
+    threads = _threads(threads)
+    llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
+    _say(tokenizer.sampling_note)
+    name = Path(model).name if Path(model).exists() else model   # a path's last part; an alias or hub id as given
+    run_server(llm, tokenizer, name, sock, parallel=parallel, queue=queue, ctx=_context("-c", ctx_size, llm),
+               kv_type=kv_cache, threads=threads, cache_tokens=cache_tokens, api_key=api_key,
+               say=lambda line: click.echo(line) or sys.stdout.flush())
+
+
 @main.command("import")
 @click.argument("gguf_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),

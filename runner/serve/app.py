@@ -1,0 +1,246 @@
+"""The HTTP side of `nibble serve`: Starlette routes for the OpenAI API, server-sent events, the API
+key, the body limit, and a client that leaves cancelling its reply.
+
+The engine runs on a thread of its own; a handler submits a request and awaits its events, which
+the engine thread hands to the event loop. When a client disconnects, Starlette cancels the
+handler's generator (streamed) or our watcher cancels the handler (not streamed): either way its
+`finally` cancels the request, and the engine frees the sequence at its next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from nibble.formats.errors import NibbleError
+from ..engine import Busy, Engine, Event
+from . import api
+from .api import ApiError, Stamp
+from .replies import ChatDeltas, Served, chat_turn, completion_request
+
+MAX_BODY = 1 << 20   # bytes: a 32k-token conversation is ~130 KB of JSON
+
+
+def make_app(served: Served, api_key: str | None = None) -> Starlette:
+    """The OpenAI API over `served`; with `api_key`, every route but /health asks for it."""
+    def route(path, handler, methods=("GET",), open=False):
+        async def endpoint(request: Request) -> Response:
+            try:
+                if not open and api_key is not None and not _authorized(request, api_key):
+                    raise ApiError(401, "wrong or missing API key: send it as 'Authorization: Bearer KEY'",
+                                   code="invalid_api_key")
+                return await handler(served, request)
+            except ApiError as e:
+                return error_response(e)
+            except NibbleError as e:   # what the model cannot take, said by the library
+                return error_response(ApiError(400, str(e)))
+        return Route(path, endpoint, methods=list(methods))
+
+    return Starlette(routes=[route("/v1/chat/completions", chat, ["POST"]),
+                             route("/v1/completions", completions, ["POST"]),
+                             route("/v1/models", models),
+                             route("/health", health, open=True)],
+                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(e.body(), e.status, headers=headers)
+
+
+async def chat(served: Served, request: Request) -> Response:
+    body = api.parse_chat(await read_json(request))
+    _check_model(served, body.options.model)
+    turn = await run_in_threadpool(chat_turn, served, body)   # template, tokenizer, grammar: off the loop
+    stamp, deltas = Stamp.new("chatcmpl", served.name), ChatDeltas(turn.tool_names, served.family)
+    pending = Pending(served.engine, turn.request)
+    if body.options.stream:
+        return sse(chat_chunks(stamp, pending, deltas, body.options.include_usage))
+    return await until_disconnected(request, chat_reply(stamp, pending, deltas, body.options.logprobs))
+
+
+async def completions(served: Served, request: Request) -> Response:
+    body = api.parse_completion(await read_json(request))
+    _check_model(served, body.options.model)
+    engine_request = await run_in_threadpool(completion_request, served, body)
+    stamp, pending = Stamp.new("cmpl", served.name), Pending(served.engine, engine_request)
+    if body.options.stream:
+        return sse(text_chunks(stamp, pending, body.options.include_usage))
+    return await until_disconnected(request, text_reply(stamp, pending))
+
+
+async def models(served: Served, request: Request) -> Response:
+    return JSONResponse(api.models(served.name, served.created))
+
+
+async def health(served: Served, request: Request) -> Response:
+    return JSONResponse({"status": "ok", "running": served.engine.running, "waiting": served.engine.waiting})
+
+
+class Pending:
+    """A submitted request, its events arriving on the event loop (the engine emits on its thread)."""
+
+    def __init__(self, engine: Engine, request):
+        loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emit(event: Event):
+            try:
+                loop.call_soon_threadsafe(self.events.put_nowait, event)
+            except RuntimeError:   # the loop has closed: the server stopped, nobody is waiting
+                pass
+        try:
+            self.handle = engine.submit(request, emit)
+        except Busy as e:
+            raise ApiError(503, f"{e}: try again in a moment", type="server_error", code="server_busy") from None
+        self.engine, self.done = engine, False
+
+    async def next(self) -> Event:
+        event = await self.events.get()
+        self.done = event.finish_reason is not None
+        return event
+
+    def close(self):
+        """Cancel the request unless it has finished: the client left, or the handler failed."""
+        if not self.done:
+            self.engine.cancel(self.handle)
+
+
+async def chat_chunks(stamp: Stamp, pending: Pending, deltas: ChatDeltas, include_usage: bool) -> AsyncIterator[dict]:
+    try:
+        yield api.chat_chunk(stamp, {"role": "assistant", "content": ""})   # at once: the client sees a reply start
+        while True:
+            event = await pending.next()
+            out = deltas.feed(event) or ([{"content": ""}] if event.logprobs else [])
+            for i, delta in enumerate(out):
+                yield api.chat_chunk(stamp, delta, logprobs=event.logprobs if i == 0 else None)
+            if event.finish_reason:
+                yield api.chat_chunk(stamp, {}, deltas.finish_reason(event.finish_reason))
+                if include_usage:
+                    yield api.usage_chunk(stamp, "chat.completion.chunk", event.usage)
+                return
+    finally:
+        pending.close()
+
+
+async def chat_reply(stamp: Stamp, pending: Pending, deltas: ChatDeltas, logprobs: int | None) -> Response:
+    content, calls, tokens = [], [], []
+    try:
+        while True:
+            event = await pending.next()
+            tokens += event.logprobs
+            for delta in deltas.feed(event):
+                content.append(delta.get("content", ""))
+                calls += [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", ())]
+            if event.finish_reason:
+                break
+    finally:
+        pending.close()
+    text = "".join(content)
+    return JSONResponse(api.chat_completion(stamp, text if text or not calls else None, calls,
+                                            deltas.finish_reason(event.finish_reason),
+                                            tokens if logprobs is not None else None, event.usage))
+
+
+async def text_chunks(stamp: Stamp, pending: Pending, include_usage: bool) -> AsyncIterator[dict]:
+    offset = 0
+    try:
+        while True:
+            event = await pending.next()
+            if event.text or event.logprobs or event.finish_reason:
+                yield api.text_completion(stamp, event.text, event.finish_reason, event.logprobs, offset=offset)
+            offset += len(event.text)
+            if event.finish_reason:
+                if include_usage:
+                    yield api.usage_chunk(stamp, "text_completion", event.usage)
+                return
+    finally:
+        pending.close()
+
+
+async def text_reply(stamp: Stamp, pending: Pending) -> Response:
+    texts, tokens = [], []
+    try:
+        while True:
+            event = await pending.next()
+            texts.append(event.text)
+            tokens += event.logprobs
+            if event.finish_reason:
+                break
+    finally:
+        pending.close()
+    return JSONResponse(api.text_completion(stamp, "".join(texts), event.finish_reason, tokens, event.usage))
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events, one chunk each, then `data: [DONE]`."""
+    async def body():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def until_disconnected(request: Request, reply) -> Response:
+    """Await `reply` (a coroutine), cancelled if the client disconnects first (its `finally` frees
+    the sequence). Starlette cancels only streamed responses on a disconnect."""
+    response = Response(status_code=499)   # for nobody: the client has gone
+    async with anyio.create_task_group() as tasks:
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tasks.cancel_scope.cancel()
+        tasks.start_soon(watch)
+        response = await reply
+        tasks.cancel_scope.cancel()
+    return response
+
+
+async def read_json(request: Request):
+    """The body as JSON, at most MAX_BODY bytes: 413 past it (read no further), 400 if not JSON."""
+    too_large = ApiError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
+    try:
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            raise too_large
+    except ValueError:
+        raise ApiError(400, "the Content-Length header is not a number") from None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise too_large
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from None
+
+
+def _check_model(served: Served, model: str | None):
+    if model is not None and model != served.name:
+        raise ApiError(404, f"the model {model!r} is not served here: this server runs {served.name!r}",
+                       "model", code="model_not_found")
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    given = request.headers.get("authorization", "").encode()
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())   # in constant time
+
+
+async def _http_error(request: Request, e: HTTPException) -> Response:
+    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
+    return JSONResponse(api.error_body(f"{request.method} {request.url.path}: {e.detail}", "invalid_request_error"),
+                        e.status_code)
+
+
+async def _server_error(request: Request, e: Exception) -> Response:
+    """A bug: one line to the client (uvicorn logs the traceback), and serve on."""
+    return JSONResponse(api.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)

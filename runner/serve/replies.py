@@ -1,0 +1,116 @@
+"""Between the wire and the engine: a parsed body becomes the engine's Request (the prompt through
+the chat template with its tools, the sampling over the model's defaults, a grammar for
+response_format or a forced tool call), and the engine's events become OpenAI's deltas (tool calls
+parsed out of the text)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from ..chat import ChatTemplateError
+from ..engine import Engine, Event, Request
+from ..grammar import Grammar, GrammarError
+from ..tokenizer import Tokenizer
+from ..tools import Call, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
+from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
+
+
+@dataclass
+class Served:
+    """The model a server runs, and what its routes need of it."""
+    engine: Engine
+    tokenizer: Tokenizer
+    name: str                  # the model's name in requests and /v1/models (from -m)
+    created: int               # when the server started: /v1/models' "created"
+
+    def __post_init__(self):
+        try:
+            self.family = tool_family(self.tokenizer.chat_template.source)
+        except ChatTemplateError:   # no chat template: /v1/completions still works
+            self.family = "generic"
+
+
+@dataclass
+class ChatTurn:
+    request: Request
+    tool_names: tuple[str, ...]   # the tools whose calls are parsed out of the reply (none: plain text)
+
+
+def chat_turn(served: Served, body: ChatBody) -> ChatTurn:
+    """The engine request for a chat body: ApiError (400) for what the model cannot take."""
+    tools = body.tools if body.tool_choice != "none" else []
+    messages, tools = prepare_messages(body.messages, tools or None, served.family)
+    try:
+        text = served.tokenizer.chat_template.render(messages, tools=tools)
+    except ChatTemplateError as e:
+        raise ApiError(400, _server_words(str(e)), "messages") from None
+    if tools and body.tool_choice == "required":
+        grammar = _grammar(lambda: forced_call_grammar(served.family, tools, body.tool_name), "tools")
+    elif body.response_format == "json_schema":
+        grammar = _grammar(lambda: Grammar.json_schema(body.schema), "response_format.json_schema.schema")
+    elif body.response_format == "json_object":
+        grammar = Grammar.json_object()
+    else:
+        grammar = None
+    request = _request(served, served.tokenizer.encode(text), body.options, "messages", grammar)
+    if tools:   # the family's markers may be special tokens, which plain decoding drops
+        request = replace(request, skip_special=False)
+    return ChatTurn(request, tuple(t["function"]["name"] for t in tools or ()))
+
+
+def completion_request(served: Served, body: CompletionBody) -> Request:
+    return _request(served, served.tokenizer.encode(body.prompt), body.options, "prompt")
+
+
+def _request(served: Served, ids: list[int], options: Options, what: str, grammar: Grammar | None = None) -> Request:
+    ctx = served.engine.ctx
+    asked = options.max_tokens
+    if len(ids) >= ctx or (asked is not None and len(ids) + asked > ctx):
+        also = f" and max_tokens asks for {asked}" if asked is not None else ""
+        raise ApiError(400, f"this model's context is {ctx} tokens; the {what} take {len(ids)}{also}: "
+                            "shorten them or ask for fewer tokens", what, code="context_length_exceeded")
+    settings = replace(served.tokenizer.sampling, **options.sampling)
+    constraint = grammar.constraint(served.tokenizer) if grammar else None
+    return Request(ids, settings, asked if asked is not None else ctx - len(ids), options.stop,
+                   constraint=constraint, logprobs=options.logprobs)
+
+
+def _grammar(compile, param: str) -> Grammar:
+    """A grammar compiled from the body's schemas: what llguidance refuses is a 400 naming it."""
+    try:
+        return compile()
+    except GrammarError as e:
+        raise ApiError(400, f"{param}: {e}", param) from None
+
+
+def _server_words(message: str) -> str:
+    """A chat template's error without its hint for the command line (--raw), with the server's."""
+    message = re.sub(r"[;,.]?\s*(or )?[Pp]ass --raw.*$", "", message)
+    return f"{message}; /v1/completions takes a prompt as it is, without the template"
+
+
+class ChatDeltas:
+    """Engine events -> chat deltas; with tools, calls parsed out of the text as they complete."""
+
+    def __init__(self, tool_names: tuple[str, ...], family: str):
+        self.parser = ToolCallParser(family, list(tool_names)) if tool_names else None
+        self.calls = 0
+
+    def feed(self, event: Event) -> list[dict]:
+        """The deltas of one event; the last event's include what the parser still held."""
+        if self.parser is None:
+            return [{"content": event.text}] if event.text else []
+        items = self.parser.feed(event.text) if event.text else []
+        if event.finish_reason:
+            items += self.parser.finish()
+        return [self._delta(item) for item in items if isinstance(item, Call) or item.text]
+
+    def _delta(self, item) -> dict:
+        if isinstance(item, Call):
+            self.calls += 1
+            return {"tool_calls": [tool_call(item.index, item.id, item.name, item.arguments)]}
+        return {"content": item.text}
+
+    def finish_reason(self, reason: str) -> str:
+        """"tool_calls" when a call parsed and the reply ended on its own."""
+        return "tool_calls" if self.calls and reason == "stop" else reason

@@ -1,0 +1,259 @@
+"""nibble serve against the official openai client: a server on a free loopback port in a thread of
+this process for most tests (the engine's counts visible), and `nibble serve` in a subprocess for
+its ready line, a full queue and Ctrl-C."""
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from nibble.formats.model_dir import write_model_dir
+from nibble.runner.engine import Engine
+from nibble.runner.loader import load
+from nibble.runner.serve.server import Server, listen, warm_up
+from nibble.runner.serve.replies import Served
+from tests.tiny import tiny_model_dir
+
+KEY = "sk-test"
+CTX = 4096
+GREEDY = {"temperature": 0}
+LONG = "Tell me everything about the sky and the sea, " * 4
+
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory):
+    """The tiny model with a long context: a reply to its end takes far longer than any test waits."""
+    model = tiny_model_dir()
+    model.config = type(model.config).from_dict(model.config.to_dict() | {"max_position_embeddings": 32768})
+    return write_model_dir(model, tmp_path_factory.mktemp("tiny") / "long")
+
+
+class Running:
+    def __init__(self, port: int, engine: Engine):
+        self.port, self.engine = port, engine
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
+        """A raw request: (status, headers, body)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        c.request("POST", path, data, {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+                                      **(headers or {})})
+        r = c.getresponse()
+        out = (r.status, dict(r.getheaders()), r.read())
+        c.close()
+        return out
+
+    def events(self, path: str, body: dict) -> list[str]:
+        """The data lines of a streamed reply, `[DONE]` included."""
+        status, _, raw = self.post(path, body | {"stream": True})
+        assert status == 200, raw
+        return [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
+
+
+@pytest.fixture(scope="module")
+def server(long_dir):
+    model, tokenizer = load(str(long_dir))
+    engine = Engine(model, tokenizer, parallel=4, queue=16, ctx=CTX)
+    engine.start()
+    warm_up(engine, tokenizer)
+    sock = listen("127.0.0.1", 0)
+    uvicorn = Server(Served(engine, tokenizer, "tiny", int(time.time())), KEY)
+    thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not uvicorn.started:
+        time.sleep(0.01)
+    yield Running(sock.getsockname()[1], engine)
+    uvicorn.should_exit = True
+    thread.join()
+    engine.close()
+
+
+def chat(server: Running, content: str, **kwargs):
+    return server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                                 **(GREEDY | kwargs))
+
+
+def test_a_chat_reply(server):
+    r = chat(server, "Hello there", max_tokens=12)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "tiny" and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert 0 < r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert (choice.finish_reason == "length") == (r.usage.completion_tokens == 12)
+
+
+def test_a_streamed_chat_reply_is_the_blocking_one_in_pieces(server):
+    whole = chat(server, "What is the capital of France?", max_tokens=20)
+    chunks = list(chat(server, "What is the capital of France?", max_tokens=20, stream=True,
+                       stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # the prompt's blocks were cached by the first request
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    lines = server.events("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_completions_streamed_and_not(server):
+    whole = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=10,
+                                             logprobs=2, **GREEDY)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("stop", "length")
+    lp = whole.choices[0].logprobs
+    assert "".join(lp.tokens) == whole.choices[0].text and len(lp.tokens) == whole.usage.completion_tokens
+    assert all(len(top) <= 2 and max(top.values()) >= logprob - 1e-6
+               for top, logprob in zip(lp.top_logprobs, lp.token_logprobs))
+    streamed = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=10,
+                                                stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+
+
+def test_models_and_health(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    c.request("GET", "/health")   # no key: open
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+
+
+def test_a_wrong_key_is_401_and_health_stays_open(server):
+    wrong = openai.OpenAI(base_url=server.client.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    status, _, body = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                                  {"Authorization": ""})
+    assert status == 401 and "API key" in json.loads(body)["error"]["message"]
+
+
+def test_bad_json_is_400_and_the_server_serves_on(server):
+    status, _, body = server.post("/v1/chat/completions", b'{"messages": [')
+    error = json.loads(body)["error"]
+    assert status == 400 and error["type"] == "invalid_request_error" and "not JSON" in error["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "hi", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    assert chat(server, "hi", max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_unknown_model_or_path_is_404(server):
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
+    status, _, body = server.post("/v1/embeddings", {"input": "x"})
+    assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_over_the_context_is_400_naming_both_numbers(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "Hello there", max_tokens=CTX)
+    message = e.value.body["message"]
+    assert f"context is {CTX} tokens" in message and f"max_tokens asks for {CTX}" in message
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match=f"context is {CTX} tokens; the messages take"):
+        chat(server, LONG * 100)
+
+
+def test_a_body_over_the_limit_is_413_whether_its_length_is_said_or_not(server):
+    big = b'{"messages": "' + b"x" * (2 << 20) + b'"}'
+    status, _, body = server.post("/v1/chat/completions", big)
+    assert status == 413 and "over" in json.loads(body)["error"]["message"]
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    c.request("POST", "/v1/chat/completions", iter([b"x" * 65536] * 40), {"Authorization": f"Bearer {KEY}"},
+              encode_chunked=True)
+    r = c.getresponse()
+    assert r.status == 413
+    c.close()
+
+
+def test_a_client_that_disconnects_frees_its_sequence(server):
+    """A reply to the end of the 32k context would take minutes: running drops to 0 only if the
+    disconnect cancelled it."""
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": LONG, "stream": True, **GREEDY}),
+              {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.readline().startswith(b"data: ")   # the reply has started
+    assert server.engine.running == 1
+    c.close()
+    r.close()
+    deadline = time.monotonic() + 20
+    while server.engine.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.engine.running == 0
+
+
+PROMPTS = ["Hello there", "What is the capital of France?", "Numba compiles Python", "The sea and the sky",
+           "def f(x): return x**2", "naïve café", "A small model answers", "The lazy dog"]
+
+
+def test_sixteen_clients_four_requests_each_get_their_greedy_replies(server):
+    alone = {p: chat(server, p, max_tokens=16).choices[0].message.content for p in PROMPTS}
+
+    def client(i):
+        out = []
+        for j in range(4):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 16, **GREEDY}
+            if j % 2:
+                lines = server.events("/v1/chat/completions", body)
+                assert lines[-1] == "[DONE]"
+                text = "".join(json.loads(line)["choices"][0]["delta"].get("content") or "" for line in lines[:-1])
+            else:
+                text = chat(server, prompt, max_tokens=16).choices[0].message.content
+            out.append((prompt, text))
+        return out
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = [r for rs in pool.map(client, range(16)) for r in rs]
+    assert len(replies) == 64
+    assert all(text == alone[prompt] for prompt, text in replies)
+
+
+def test_nibble_serve_says_where_it_listens_refuses_past_its_queue_and_drains_on_ctrl_c(long_dir):
+    """--parallel 1 --queue 1: a third request is a 503; Ctrl-C ends the running stream with its
+    last chunk and [DONE], and the process exits 0."""
+    import numba
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NUMBA_CACHE_DIR": numba.config.CACHE_DIR}
+    proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "serve", "-m", str(long_dir), "--port", "0",
+                             "--parallel", "1", "--queue", "1", "--api-key", KEY, "-c", str(CTX)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("nibble serve: http://127.0.0.1:") and line.endswith("/v1 (long, 1 parallel)\n"), \
+            line + proc.stderr.read()
+        server = Running(int(line.split(":")[3].split("/")[0]), None)
+        streams = []
+        for _ in range(2):   # one running, one waiting
+            c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            c.request("POST", "/v1/completions", json.dumps({"prompt": LONG, "stream": True, **GREEDY}),
+                      {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+            streams.append((c, c.getresponse()))
+        running = streams[0][1]
+        assert running.status == 200 and running.readline().startswith(b"data: ")
+        with pytest.raises(openai.APIStatusError) as e:
+            server.client.completions.create(model="long", prompt="Hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "server_busy"
+        streams[1][0].close()
+        proc.send_signal(signal.SIGINT)
+        lines = [line for line in running.read().decode().split("\n\n") if line.strip()]
+        assert lines[-1].strip() == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "stop"
+        assert proc.wait(timeout=5) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
