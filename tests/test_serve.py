@@ -17,7 +17,7 @@ import pytest
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.engine import Engine
 from nibble.runner.loader import load
-from nibble.runner.serve.server import Server, listen, warm_up
+from nibble.runner.serve.server import Server, listen
 from nibble.runner.serve.replies import Served
 from tests.tiny import tiny_model_dir
 
@@ -63,7 +63,6 @@ def server(long_dir):
     model, tokenizer = load(str(long_dir))
     engine = Engine(model, tokenizer, parallel=4, queue=16, ctx=CTX)
     engine.start()
-    warm_up(engine, tokenizer)
     sock = listen("127.0.0.1", 0)
     uvicorn = Server(Served(engine, tokenizer, "tiny", int(time.time())), KEY)
     thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -193,6 +192,59 @@ def test_a_client_that_disconnects_frees_its_sequence(server):
     while server.engine.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.engine.running == 0
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+def test_a_json_schema_reply_validates(server):
+    """Even the tiny random model's reply parses and validates: the grammar masks the rest."""
+    for seed in range(3):
+        r = chat(server, "A person, as JSON", max_tokens=100, temperature=1.0, seed=seed,
+                 response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        person = json.loads(r.choices[0].message.content)
+        assert r.choices[0].finish_reason == "stop"
+        assert set(person) == {"name", "age"} and isinstance(person["name"], str) and len(person["name"]) <= 12
+        assert isinstance(person["age"], int) and 0 <= person["age"] <= 150
+    r = chat(server, "Any JSON object", max_tokens=200, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_a_schema_the_grammar_refuses_is_a_400_naming_it(server):
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "hi", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
+    assert e.value.body["param"] == "response_format.json_schema.schema" and "nope" in e.value.body["message"]
+
+
+def test_a_forced_tool_call_then_its_result_turn(server):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = chat(server, messages[0]["content"], tools=TOOLS, tool_choice="required", max_tokens=100)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "weather" and call.id
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    # streamed, the same call comes as a delta, and the same finish
+    chunks = list(chat(server, messages[0]["content"], tools=TOOLS, tool_choice="required", max_tokens=100,
+                       stream=True))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices[0].delta.tool_calls]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, "weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the result goes back through the template, and the model answers it
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = server.client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8,
+                                                   **GREEDY)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens   # the call and its result
+    assert answer.usage.prompt_tokens_details.cached_tokens > 0   # the first turn's prompt, from the pool
 
 
 PROMPTS = ["Hello there", "What is the capital of France?", "Numba compiles Python", "The sea and the sky",

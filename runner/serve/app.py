@@ -3,8 +3,8 @@ key, the body limit, and a client that leaves cancelling its reply.
 
 The engine runs on a thread of its own; a handler submits a request and awaits its events, which
 the engine thread hands to the event loop. When a client disconnects, Starlette cancels the
-handler's generator (streamed) or our watcher cancels the handler (not streamed): either way its
-`finally` cancels the request, and the engine frees the sequence at its next step.
+streamed response, or our watcher the handler awaiting a whole reply: either way the request is
+cancelled as they unwind, and the engine frees the sequence at its next step.
 """
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ async def chat(served: Served, request: Request) -> Response:
     stamp, deltas = Stamp.new("chatcmpl", served.name), ChatDeltas(turn.tool_names, served.family)
     pending = Pending(served.engine, turn.request)
     if body.options.stream:
-        return sse(chat_chunks(stamp, pending, deltas, body.options.include_usage))
-    return await until_disconnected(request, chat_reply(stamp, pending, deltas, body.options.logprobs))
+        return EventStream(chat_chunks(stamp, pending, deltas, body.options.include_usage), pending)
+    with pending:
+        return await until_disconnected(request, chat_reply(stamp, pending, deltas, body.options.logprobs))
 
 
 async def completions(served: Served, request: Request) -> Response:
@@ -74,8 +75,9 @@ async def completions(served: Served, request: Request) -> Response:
     engine_request = await run_in_threadpool(completion_request, served, body)
     stamp, pending = Stamp.new("cmpl", served.name), Pending(served.engine, engine_request)
     if body.options.stream:
-        return sse(text_chunks(stamp, pending, body.options.include_usage))
-    return await until_disconnected(request, text_reply(stamp, pending))
+        return EventStream(text_chunks(stamp, pending, body.options.include_usage), pending)
+    with pending:
+        return await until_disconnected(request, text_reply(stamp, pending))
 
 
 async def models(served: Served, request: Request) -> Response:
@@ -108,42 +110,44 @@ class Pending:
         self.done = event.finish_reason is not None
         return event
 
-    def close(self):
+    def __enter__(self) -> Pending:
+        return self
+
+    def __exit__(self, *exc):
         """Cancel the request unless it has finished: the client left, or the handler failed."""
         if not self.done:
             self.engine.cancel(self.handle)
 
 
 async def chat_chunks(stamp: Stamp, pending: Pending, deltas: ChatDeltas, include_usage: bool) -> AsyncIterator[dict]:
-    try:
-        yield api.chat_chunk(stamp, {"role": "assistant", "content": ""})   # at once: the client sees a reply start
-        while True:
-            event = await pending.next()
-            out = deltas.feed(event) or ([{"content": ""}] if event.logprobs else [])
-            for i, delta in enumerate(out):
-                yield api.chat_chunk(stamp, delta, logprobs=event.logprobs if i == 0 else None)
-            if event.finish_reason:
-                yield api.chat_chunk(stamp, {}, deltas.finish_reason(event.finish_reason))
-                if include_usage:
-                    yield api.usage_chunk(stamp, "chat.completion.chunk", event.usage)
-                return
-    finally:
-        pending.close()
+    yield api.chat_chunk(stamp, {"role": "assistant", "content": ""})   # at once: the client sees a reply start
+    while True:
+        event = await pending.next()
+        if event.finish_reason == "error":
+            yield _failed(event).body()
+            return
+        out = deltas.feed(event) or ([{"content": ""}] if event.logprobs else [])
+        for i, delta in enumerate(out):
+            yield api.chat_chunk(stamp, delta, logprobs=event.logprobs if i == 0 else None)
+        if event.finish_reason:
+            yield api.chat_chunk(stamp, {}, deltas.finish_reason(event.finish_reason))
+            if include_usage:
+                yield api.usage_chunk(stamp, "chat.completion.chunk", event.usage)
+            return
 
 
 async def chat_reply(stamp: Stamp, pending: Pending, deltas: ChatDeltas, logprobs: int | None) -> Response:
     content, calls, tokens = [], [], []
-    try:
-        while True:
-            event = await pending.next()
-            tokens += event.logprobs
-            for delta in deltas.feed(event):
-                content.append(delta.get("content", ""))
-                calls += [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", ())]
-            if event.finish_reason:
-                break
-    finally:
-        pending.close()
+    while True:
+        event = await pending.next()
+        if event.finish_reason == "error":
+            return error_response(_failed(event))
+        tokens += event.logprobs
+        for delta in deltas.feed(event):
+            content.append(delta.get("content", ""))
+            calls += [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", ())]
+        if event.finish_reason:
+            break
     text = "".join(content)
     return JSONResponse(api.chat_completion(stamp, text if text or not calls else None, calls,
                                             deltas.finish_reason(event.finish_reason),
@@ -152,47 +156,60 @@ async def chat_reply(stamp: Stamp, pending: Pending, deltas: ChatDeltas, logprob
 
 async def text_chunks(stamp: Stamp, pending: Pending, include_usage: bool) -> AsyncIterator[dict]:
     offset = 0
-    try:
-        while True:
-            event = await pending.next()
-            if event.text or event.logprobs or event.finish_reason:
-                yield api.text_completion(stamp, event.text, event.finish_reason, event.logprobs, offset=offset)
-            offset += len(event.text)
-            if event.finish_reason:
-                if include_usage:
-                    yield api.usage_chunk(stamp, "text_completion", event.usage)
-                return
-    finally:
-        pending.close()
+    while True:
+        event = await pending.next()
+        if event.finish_reason == "error":
+            yield _failed(event).body()
+            return
+        if event.text or event.logprobs or event.finish_reason:
+            yield api.text_completion(stamp, event.text, event.finish_reason, event.logprobs, offset=offset)
+        offset += len(event.text)
+        if event.finish_reason:
+            if include_usage:
+                yield api.usage_chunk(stamp, "text_completion", event.usage)
+            return
 
 
 async def text_reply(stamp: Stamp, pending: Pending) -> Response:
     texts, tokens = [], []
-    try:
-        while True:
-            event = await pending.next()
-            texts.append(event.text)
-            tokens += event.logprobs
-            if event.finish_reason:
-                break
-    finally:
-        pending.close()
+    while True:
+        event = await pending.next()
+        if event.finish_reason == "error":
+            return error_response(_failed(event))
+        texts.append(event.text)
+        tokens += event.logprobs
+        if event.finish_reason:
+            break
     return JSONResponse(api.text_completion(stamp, "".join(texts), event.finish_reason, tokens, event.usage))
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events, one chunk each, then `data: [DONE]`."""
-    async def body():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _failed(event: Event) -> ApiError:
+    """A reply the engine could not go on with (NaN in the logits, say): a stream sends it as an
+    error event, which the official client raises."""
+    return ApiError(500, f"the reply failed: {event.error}", type="server_error")
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events, one chunk each, then `data: [DONE]`. However the response ends (sent,
+    the client gone, even before the first chunk), its request is cancelled unless it finished."""
+
+    def __init__(self, chunks: AsyncIterator[dict], pending: Pending):
+        async def events():
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        super().__init__(events(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.pending = pending
+
+    async def __call__(self, scope, receive, send):
+        with self.pending:
+            await super().__call__(scope, receive, send)
 
 
 async def until_disconnected(request: Request, reply) -> Response:
-    """Await `reply` (a coroutine), cancelled if the client disconnects first (its `finally` frees
-    the sequence). Starlette cancels only streamed responses on a disconnect."""
+    """Await `reply` (a coroutine), cancelled if the client disconnects first: Starlette notices
+    a disconnect only while it streams a response."""
     response = Response(status_code=499)   # for nobody: the client has gone
     async with anyio.create_task_group() as tasks:
         async def watch():

@@ -5,11 +5,13 @@ parsed out of the text)."""
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, replace
 
 from ..chat import ChatTemplateError
 from ..engine import Engine, Event, Request
 from ..grammar import Grammar, GrammarError
+from ..prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
 from ..tools import Call, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
 from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
@@ -28,6 +30,15 @@ class Served:
             self.family = tool_family(self.tokenizer.chat_template.source)
         except ChatTemplateError:   # no chat template: /v1/completions still works
             self.family = "generic"
+        self.memo, self._memo_lock = PromptMemo(self.tokenizer), threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's ids, starting with those of the longest prompt seen before that it extends
+        (a conversation's earlier turns): the ids the pool holds, so that only the rest runs."""
+        with self._memo_lock:   # handlers encode on the thread pool
+            ids = self.memo.encode(text)
+            self.memo.remember(text, ids)
+        return ids
 
 
 @dataclass
@@ -52,14 +63,14 @@ def chat_turn(served: Served, body: ChatBody) -> ChatTurn:
         grammar = Grammar.json_object()
     else:
         grammar = None
-    request = _request(served, served.tokenizer.encode(text), body.options, "messages", grammar)
+    request = _request(served, served.encode(text), body.options, "messages", grammar)
     if tools:   # the family's markers may be special tokens, which plain decoding drops
         request = replace(request, skip_special=False)
     return ChatTurn(request, tuple(t["function"]["name"] for t in tools or ()))
 
 
 def completion_request(served: Served, body: CompletionBody) -> Request:
-    return _request(served, served.tokenizer.encode(body.prompt), body.options, "prompt")
+    return _request(served, served.encode(body.prompt), body.options, "prompt")
 
 
 def _request(served: Served, ids: list[int], options: Options, what: str, grammar: Grammar | None = None) -> Request:

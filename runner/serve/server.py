@@ -3,16 +3,14 @@ Ctrl-C draining: running replies end with their final chunk, then the process ex
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Callable
 
 import uvicorn
 
 from nibble.formats.errors import NibbleError
-from ..engine import Engine, Request
+from ..engine import Engine
 from ..model import Model
-from ..settings import SamplerSettings
 from ..tokenizer import Tokenizer
 from .app import make_app
 from .replies import Served
@@ -51,20 +49,18 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         raise NibbleError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
     return sock
 
 
 def serve(model: Model, tokenizer: Tokenizer, name: str, sock: socket.socket, *, parallel: int, queue: int,
           ctx: int, kv_type: str, threads: int | None, cache_tokens: int | None, api_key: str | None,
           say: Callable[[str], None]):
-    """Serve the OpenAI API on `sock` until Ctrl-C; `say` gets the ready line, once the model has
-    run a first request (the kernels compiled or loaded) and the port listens."""
+    """Serve the OpenAI API on `sock` until Ctrl-C; `say` gets the ready line once the engine has
+    warmed up and the port listens."""
     engine = Engine(model, tokenizer, parallel=parallel, queue=queue, ctx=ctx, kv_type=kv_type, threads=threads,
                     cache_tokens=cache_tokens)
-    engine.start()
+    engine.start()   # returns once a first pass has run: the kernels are compiled or loaded
     try:
-        warm_up(engine, tokenizer)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         server = Server(Served(engine, tokenizer, name, int(time.time())), api_key,
@@ -76,11 +72,3 @@ def serve(model: Model, tokenizer: Tokenizer, name: str, sock: socket.socket, *,
     finally:
         engine.close()
 
-
-def warm_up(engine: Engine, tokenizer: Tokenizer):
-    """Two greedy tokens through the engine, so that the first client does not wait for the kernels."""
-    done = threading.Event()
-    ids = tokenizer.encode("Hi") or [0]
-    engine.submit(Request(ids, SamplerSettings(temperature=0.0), max_tokens=2),   # a prefill and a decode step
-                  lambda event: event.finish_reason and done.set())
-    done.wait()
