@@ -211,8 +211,8 @@ def test_a_json_schema_reply_validates(server):
         assert r.choices[0].finish_reason == "stop"
         assert set(person) == {"name", "age"} and isinstance(person["name"], str) and len(person["name"]) <= 12
         assert isinstance(person["age"], int) and 0 <= person["age"] <= 150
-    r = chat(server, "Any JSON object", max_tokens=200, response_format={"type": "json_object"})
-    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+    r = chat(server, "Any JSON object", max_tokens=4, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
 
 
 def test_a_schema_the_grammar_refuses_is_a_400_naming_it(server):
