@@ -60,15 +60,19 @@ class ChatTemplate:
         tokens = {key: _token_text(config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key)}
         return cls(source, tokens)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
 
         With `add_generation_prompt` the text ends with the header that opens the assistant's turn.
+        `tools` are OpenAI's function definitions, passed as transformers passes them (see
+        runner/tools.py: prepare_messages makes a conversation with calls ready for this).
         """
-        # tools and documents are None, as transformers passes them, for templates that test them.
-        context = dict(messages=messages, tools=None, documents=None,
+        # documents is None, and tools without any, as transformers passes them.
+        context = dict(messages=messages, tools=tools, documents=None,
                        add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        input_chars = sum(len(str(m.get("content", ""))) for m in messages)
+        input_chars = sum(len(str(m.get("content", ""))) + len(str(m.get("tool_calls") or ""))
+                          for m in messages) + len(str(tools or ""))
         try:
             return render(self._template, self.limits, input_chars, context)
         except ChatTemplateError:

@@ -76,9 +76,10 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """Ids of a conversation through the model's chat template, ready for the reply."""
-        return self.encode(self.chat_template.render(messages))
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Ids of a conversation (and the tools it may call) through the model's chat template,
+        ready for the reply."""
+        return self.encode(self.chat_template.render(messages, tools=tools))
 
     def prompt(self, text: str, system: str | None = None, raw: bool = False) -> list[int]:
         """Ids for a one-shot prompt: raw text, or one user turn through the chat template."""
