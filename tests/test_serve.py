@@ -223,16 +223,18 @@ def test_a_schema_the_grammar_refuses_is_a_400_naming_it(server):
 
 
 def test_a_forced_tool_call_then_its_result_turn(server):
+    """The grammar lets the model write calls only; with this seed the tiny model writes one and stops
+    (greedy, it writes another and another until max_tokens)."""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = chat(server, messages[0]["content"], tools=TOOLS, tool_choice="required", max_tokens=100)
+    forced = dict(tools=TOOLS, tool_choice="required", max_tokens=200, temperature=1.0, seed=1)
+    r = chat(server, messages[0]["content"], **forced)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     call = choice.message.tool_calls[0]
     assert call.type == "function" and call.function.name == "weather" and call.id
     assert isinstance(json.loads(call.function.arguments)["city"], str)
     # streamed, the same call comes as a delta, and the same finish
-    chunks = list(chat(server, messages[0]["content"], tools=TOOLS, tool_choice="required", max_tokens=100,
-                       stream=True))
+    chunks = list(chat(server, messages[0]["content"], stream=True, **forced))
     deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices[0].delta.tool_calls]
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
         [(0, "weather", call.function.arguments)]
@@ -309,3 +311,12 @@ def test_nibble_serve_says_where_it_listens_refuses_past_its_queue_and_drains_on
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_gpu_layers_and_a_port_in_use_are_one_line(tiny_dir):
+    from tests.test_cli import assert_one_line_error, invoke
+    assert_one_line_error(invoke("serve", "-m", tiny_dir, "-ngl", "1"), code=2, match="drop -ngl")
+    with listen("127.0.0.1", 0) as taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(invoke("serve", "-m", tiny_dir, "--port", port), match=f"cannot listen on 127.0.0.1:{port}")

@@ -13,7 +13,7 @@ from ..engine import Engine, Event, Request
 from ..grammar import Grammar, GrammarError
 from ..prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
-from ..tools import Call, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
+from ..tools import Call, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
 from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
 
 
@@ -50,9 +50,11 @@ class ChatTurn:
 def chat_turn(served: Served, body: ChatBody) -> ChatTurn:
     """The engine request for a chat body: ApiError (400) for what the model cannot take."""
     tools = body.tools if body.tool_choice != "none" else []
-    messages, tools = prepare_messages(body.messages, tools or None, served.family)
-    try:
-        text = served.tokenizer.chat_template.render(messages, tools=tools)
+    try:   # a generic template gets the tools in a system message, and no `tools`
+        messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
+        text = served.tokenizer.chat_template.render(messages, tools=template_tools)
+    except MessageError as e:
+        raise ApiError(400, str(e), "messages") from None
     except ChatTemplateError as e:
         raise ApiError(400, _server_words(str(e)), "messages") from None
     if tools and body.tool_choice == "required":
@@ -66,7 +68,7 @@ def chat_turn(served: Served, body: ChatBody) -> ChatTurn:
     request = _request(served, served.encode(text), body.options, "messages", grammar)
     if tools:   # the family's markers may be special tokens, which plain decoding drops
         request = replace(request, skip_special=False)
-    return ChatTurn(request, tuple(t["function"]["name"] for t in tools or ()))
+    return ChatTurn(request, tuple(t["function"]["name"] for t in tools))
 
 
 def completion_request(served: Served, body: CompletionBody) -> Request:
@@ -104,8 +106,7 @@ class ChatDeltas:
     """Engine events -> chat deltas; with tools, calls parsed out of the text as they complete."""
 
     def __init__(self, tool_names: tuple[str, ...], family: str):
-        self.parser = ToolCallParser(family, list(tool_names)) if tool_names else None
-        self.calls = 0
+        self.parser = ToolCallParser(family, tool_names) if tool_names else None
 
     def feed(self, event: Event) -> list[dict]:
         """The deltas of one event; the last event's include what the parser still held."""
@@ -116,12 +117,12 @@ class ChatDeltas:
             items += self.parser.finish()
         return [self._delta(item) for item in items if isinstance(item, Call) or item.text]
 
-    def _delta(self, item) -> dict:
+    @staticmethod
+    def _delta(item) -> dict:
         if isinstance(item, Call):
-            self.calls += 1
             return {"tool_calls": [tool_call(item.index, item.id, item.name, item.arguments)]}
         return {"content": item.text}
 
     def finish_reason(self, reason: str) -> str:
         """"tool_calls" when a call parsed and the reply ended on its own."""
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        return "tool_calls" if self.parser and self.parser.calls and reason == "stop" else reason
