@@ -1,17 +1,26 @@
-"""The KV cache: preallocated once for the whole context, filled left to right.
+"""The KV cache in blocks: a pool of fixed-size blocks that sequences share, each sequence's
+positions found through its block table (paged attention).
 
-A KVCache holds one part per stage of the model (runner/stages.py): each stage allocates the
-keys and values of its own layers where they run (HostKV on the CPU, device arrays on a GPU).
-The positions and tokens are the cache's, shared by all parts: truncating forgets them
-everywhere, and the next pass overwrites the stale rows.
+A KVPool holds one part per stage of the model (runner/stages.py): each stage allocates the keys
+and values of its own layers where they run (HostKV on the CPU, device arrays on a GPU). A
+KVCache is one sequence: its block table into a pool, and its positions and tokens. By default
+(Model.new_cache) it has a private pool and the identity table, block i holding positions
+16i..16i+15; a BlockPool (runner/blocks.py) hands out blocks of a shared pool instead
+(KVCache.on_pool). Truncating forgets positions; the next pass overwrites the stale rows.
+
+A pass over several sequences names, for each of its rows, the sequence and the position (Rows):
+the kernels store the row's key and value at its position in its sequence's blocks, then attend
+over that sequence's positions up to it.
 """
 import mmap
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from nibble.formats.errors import NibbleError
 
+BLOCK = 16   # positions per KV block
 KV_TYPES = {"f32": np.float32, "int8": np.int8}
 
 
@@ -22,19 +31,46 @@ def kv_dtype(kv_type: str) -> np.dtype:
     return np.dtype(KV_TYPES[kv_type])
 
 
-@dataclass
-class HostKV:
-    """Keys and values of a run of layers on the CPU."""
-    k: np.ndarray         # [layers, Hkv, ctx, hd] float32, or int8 rows ...
-    v: np.ndarray         # [layers, Hkv, ctx, hd]
-    k_scale: np.ndarray   # [layers, Hkv, ctx] ... times these scales (ones for float32)
-    v_scale: np.ndarray   # [layers, Hkv, ctx]
+def blocks_for(positions: int) -> int:
+    """Blocks that hold `positions` positions."""
+    return -(-positions // BLOCK)
+
+
+class Rows(NamedTuple):
+    """Which sequence and position each row of a pass is (numba takes it as it is)."""
+    positions: np.ndarray   # [T] int64
+    seq: np.ndarray         # [T] int32: index into tables
+    tables: np.ndarray      # [S, max_blocks] int32: each sequence's blocks in order
 
     @classmethod
-    def allocate(cls, layers: int, n_kv_heads: int, ctx: int, head_dim: int, dtype) -> "HostKV":
-        shape = (layers, n_kv_heads, ctx, head_dim)
+    def of(cls, positions, seq, tables) -> "Rows":
+        """Rows with the dtypes the kernels are compiled for (another dtype compiles them again)."""
+        return cls(np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(seq, np.int32),
+                   np.ascontiguousarray(np.atleast_2d(tables), np.int32))
+
+    @classmethod
+    def single(cls, pos0: int, T: int, table: np.ndarray) -> "Rows":
+        """T rows of one sequence at positions pos0.. through its block `table`."""
+        return cls.of(np.arange(pos0, pos0 + T), np.zeros(T, np.int32), table[None])
+
+
+def identity_table(blocks: int) -> np.ndarray:
+    return np.arange(blocks, dtype=np.int32)
+
+
+@dataclass
+class HostKV:
+    """Keys and values of a run of layers on the CPU, in blocks."""
+    k: np.ndarray         # [layers, blocks, Hkv, BLOCK, hd] float32, or int8 rows ...
+    v: np.ndarray         # [layers, blocks, Hkv, BLOCK, hd]
+    k_scale: np.ndarray   # [layers, blocks, Hkv, BLOCK] ... times these scales (ones for float32)
+    v_scale: np.ndarray   # [layers, blocks, Hkv, BLOCK]
+
+    @classmethod
+    def allocate(cls, layers: int, n_kv_heads: int, blocks: int, head_dim: int, dtype) -> "HostKV":
+        shape = (layers, blocks, n_kv_heads, BLOCK, head_dim)
         return cls(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype),
-                   np.ones(shape[:3], np.float32), np.ones(shape[:3], np.float32))
+                   np.ones(shape[:4], np.float32), np.ones(shape[:4], np.float32))
 
     def layer(self, i: int) -> tuple:
         """The arrays of the part's layer i, as kernels.layer.decoder_layer takes them."""
@@ -42,12 +78,36 @@ class HostKV:
 
 
 @dataclass
-class KVCache:
+class KVPool:
+    """Blocks that sequences share: one part per stage of the model, each `blocks` blocks."""
     parts: list           # per stage of the model, in order: what its new_cache gave
     stages: list          # the model's stages it was made for (Model.stages)
+    blocks: int           # how many blocks it holds
+
+
+@dataclass
+class KVCache:
+    """One sequence on a pool: its blocks, positions and tokens."""
+    pool: KVPool
+    table: np.ndarray     # [blocks] int32: its blocks in order (position p is in table[p // BLOCK])
     size: int             # positions the context holds
     pos: int = 0          # positions filled
     tokens: list[int] = field(default_factory=list)  # the ids behind those positions
+
+    @classmethod
+    def on_pool(cls, pool: KVPool, table, size: int) -> "KVCache":
+        """A sequence of up to `size` positions in the blocks `table` of a shared pool (the caller
+        owns the blocks: runner/blocks.py). The table may grow later, as long as it covers the
+        positions of each pass."""
+        return cls(pool, np.ascontiguousarray(table, np.int32), size)
+
+    @property
+    def parts(self) -> list:
+        return self.pool.parts
+
+    @property
+    def stages(self) -> list:
+        return self.pool.stages
 
     def advance(self, tokens):
         self.pos += len(tokens)

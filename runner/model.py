@@ -7,9 +7,9 @@ from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
 from nibble.quant.convert import read_linear
-from .cache import KVCache, kv_dtype
+from .cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
 from .kernels import prefill
-from .kernels.linear import Weight, prepare
+from .kernels.linear import SMALL, Weight, prepare
 from .models import family
 from .stages import CPUStage
 
@@ -62,10 +62,17 @@ class Model:
             self.stages.append(CPUStage(self, L, L, head=True))
         return self.offload_note
 
-    def new_cache(self, ctx: int | None = None, kv_type: str = "f32") -> KVCache:
-        ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
+    def new_pool(self, blocks: int, kv_type: str = "f32") -> KVPool:
+        """A pool of `blocks` KV blocks (BLOCK positions each) for sequences to share (forward_batch)."""
         dtype = kv_dtype(kv_type)
-        return KVCache([stage.new_cache(ctx, dtype) for stage in self.stages], self.stages, ctx)
+        return KVPool([stage.new_cache(blocks * BLOCK, dtype) for stage in self.stages], self.stages, blocks)
+
+    def new_cache(self, ctx: int | None = None, kv_type: str = "f32") -> KVCache:
+        """One sequence of up to `ctx` positions (default: the model's context) on a pool of its
+        own, its blocks in order."""
+        ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        blocks = blocks_for(ctx)
+        return KVCache(self.new_pool(blocks, kv_type), identity_table(blocks), ctx)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
                 act_sq: np.ndarray | None = None) -> np.ndarray:
@@ -75,22 +82,71 @@ class Model:
         layer's projections (see decoder_layer).
         """
         T, pos0 = len(tokens), cache.pos
-        if cache.stages is not self.stages:
-            raise NibbleError("this KV cache is another model's, or from before offload_layers moved "
-                              "this one's layers: make a new one with model.new_cache()")
+        self._check_pool(cache.pool)
         if pos0 + T > cache.size:
             raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
-        x = self.embedding(np.asarray(tokens, np.int64))                  # [T, D] residual stream
-        for stage, kv in zip(self.stages, cache.parts):   # the last one returns the logits
-            x = stage.forward(x, kv, pos0, all_logits, act_sq)
-        # One check of the logits a pass (the sampler reads them anyway); which layer went wrong
-        # is looked for only when they are not finite, so decoding is as fast as without it.
-        if not np.isfinite(x).all():
-            self._raise_where_non_finite(tokens, cache, all_logits)
+        if blocks_for(pos0 + T) > len(cache.table):
+            raise NibbleError(f"the KV cache's block table holds {len(cache.table) * BLOCK} positions, "
+                              f"not the {pos0 + T} this pass needs")
+        logit_rows = np.arange(T) if all_logits else np.array([T - 1])
+        x = self._run(np.asarray(tokens, np.int64), Rows.single(pos0, T, cache.table), cache.pool,
+                      logit_rows, act_sq)
         cache.advance(tokens)
         return x
 
-    def _raise_where_non_finite(self, tokens, cache: KVCache, all_logits: bool):
+    def forward_batch(self, tokens, rows: Rows, pool: KVPool, logit_rows) -> np.ndarray:
+        """Run one pass over rows of several sequences -> logits [len(logit_rows), V] of the rows
+        logit_rows (indexes into tokens).
+
+        Row t is token tokens[t] at position rows.positions[t] of sequence rows.seq[t], whose
+        blocks in `pool` are rows.tables[rows.seq[t]] in order; a sequence's rows are consecutive
+        positions (one for a decoded token, several for a chunk of its prompt), the positions
+        before them already in its blocks. Each row's k/v is stored, then attended causally.
+
+        Batch invariant: a sequence's logits do not depend on the other rows of the pass. Decoded
+        rows (a sequence's only row) go through the layers in groups of at most linear.SMALL,
+        whose kernels compute each row as they would alone (bit-identical to Model.forward), and
+        prompt rows in one group after them: a step that mixes both reads the weights twice.
+        """
+        tokens = np.asarray(tokens, np.int64)
+        rows, logit_rows = Rows.of(*rows), np.asarray(logit_rows, np.int64)
+        self._check_pool(pool)
+        _check_rows(tokens, rows, pool, logit_rows, self.config.max_position_embeddings)
+        if self.gpu_stage is not None and len(np.unique(rows.seq)) > 1:
+            raise NibbleError("a pass over several sequences runs on the CPU only: load the model "
+                              "without --gpu-layers")
+        counts = np.bincount(rows.seq, minlength=len(rows.tables))
+        alone = counts[rows.seq] == 1
+        decoded, prompt = np.flatnonzero(alone), np.flatnonzero(~alone)
+        groups = [decoded[i:i + SMALL] for i in range(0, len(decoded), SMALL)]
+        groups += [prompt] if len(prompt) else []
+        logits = np.empty((len(logit_rows), self.config.vocab_size), np.float32)
+        local = np.empty(len(tokens), np.int64)   # each row's index in its group
+        for group in groups:
+            local[group] = np.arange(len(group))
+            wanted = np.isin(logit_rows, group)
+            logits[wanted] = self._run(tokens[group], Rows(rows.positions[group], rows.seq[group], rows.tables),
+                                       pool, local[logit_rows[wanted]])
+        return logits
+
+    def _check_pool(self, pool: KVPool):
+        if pool.stages is not self.stages:
+            raise NibbleError("this KV cache is another model's, or from before offload_layers moved "
+                              "this one's layers: make a new one with model.new_cache()")
+
+    def _run(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray,
+             act_sq: np.ndarray | None = None) -> np.ndarray:
+        """The pass itself: embedding, the stages, the head on x[logit_rows]."""
+        x = self.embedding(tokens)                                   # [T, D] residual stream
+        for stage, kv in zip(self.stages, pool.parts):   # the last one returns the logits
+            x = stage.run(x, kv, rows, logit_rows, act_sq)
+        # One check of the logits a pass (the sampler reads them anyway); which layer went wrong
+        # is looked for only when they are not finite, so decoding is as fast as without it.
+        if not np.isfinite(x).all():
+            self._raise_where_non_finite(tokens, rows, pool, logit_rows)
+        return x
+
+    def _raise_where_non_finite(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray):
         """Run the same pass again (over the same cache positions), checking the output of the
         embedding, of each layer and of the head, and raise NonFinite naming the first that holds
         NaN or Inf."""
@@ -105,11 +161,11 @@ class Model:
                         f"the output head (model.norm, {head})")
                 raise NonFinite(f"{part} {why}")
 
-        x = self.embedding(np.asarray(tokens, np.int64))
+        x = self.embedding(tokens)
         if not np.isfinite(x).all():
             raise NonFinite(f"the embedding (model.embed_tokens) {why}")
-        for stage, kv in zip(self.stages, cache.parts):
-            x = stage.forward(x, kv, cache.pos, all_logits, check=check)
+        for stage, kv in zip(self.stages, pool.parts):
+            x = stage.run(x, kv, rows, logit_rows, check=check)
         raise NonFinite("the logits held NaN/Inf values, but the same pass run again layer by layer did not")
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
@@ -121,6 +177,28 @@ class Model:
             rows = prefill.dequantize_rows(self.embed, tokens)
         rows *= self.embed_scale
         return rows
+
+
+def _check_rows(tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray, longest: int):
+    """Refuse, in one line, a pass whose rows the kernels would read or write out of bounds."""
+    T, (S, width) = len(tokens), rows.tables.shape
+    if len(rows.positions) != T or len(rows.seq) != T:
+        raise NibbleError(f"a pass of {T} tokens needs {T} positions and sequences, got "
+                          f"{len(rows.positions)} and {len(rows.seq)}")
+    if T == 0:
+        raise NibbleError("a pass needs at least one token")
+    if rows.seq.min() < 0 or rows.seq.max() >= S:
+        raise NibbleError(f"the rows name sequences outside the {S} block tables given")
+    if rows.positions.min() < 0 or rows.positions.max() >= min(longest, width * BLOCK):
+        raise ContextFull(f"position {rows.positions.max()} is past the context: {longest} positions "
+                          f"for the model, {width * BLOCK} in the block tables")
+    last = np.zeros(S, np.int64)
+    np.maximum.at(last, rows.seq, rows.positions // BLOCK + 1)   # blocks each sequence reads
+    used = rows.tables[np.arange(width)[None, :] < last[:, None]]
+    if len(used) and (used.min() < 0 or used.max() >= pool.blocks):
+        raise NibbleError(f"a block table names blocks outside the pool of {pool.blocks}")
+    if len(logit_rows) and (logit_rows.min() < 0 or logit_rows.max() >= T):
+        raise NibbleError(f"logit_rows must index the {T} rows of the pass")
 
 
 class _TensorGetter:

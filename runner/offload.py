@@ -2,9 +2,10 @@
 
 The last layers, not the first: the hidden state then crosses to the device once per forward pass
 and, when every layer is offloaded, the output head runs there too and only the logits come back.
-Weights are uploaded once, still quantized; the stage's part of a KVCache lives on the device
+Weights are uploaded once, still quantized; the stage's part of a KVPool lives on the device
 while the KVCache keeps the positions and tokens, so truncating it works as on the CPU: later
-passes overwrite the device positions.
+passes overwrite the device positions. The device cache is contiguous, not in blocks: the GPU
+runs one sequence whose blocks are in order (Model.new_cache's), and refuses other passes.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from nibble.formats.errors import NibbleError, UnsupportedModel
 from nibble.formats.half import HalfTensor
+from .cache import blocks_for
 from .stages import weight_nbytes
 
 CHUNK = 256           # most tokens sent through the device at once: bounds the workspace
@@ -85,7 +87,7 @@ def plan(model, requested: int, ctx: int, free: int | None) -> Plan:
 
 class GPUStage:
     """Layers [first, L) of a Model on the GPU and, if `head`, the output head: a stage (see
-    stages.py) whose part of a KVCache is a list of device (k, v) [Hkv, ctx, hd], one per layer.
+    stages.py) whose part of a KVPool is a list of device (k, v) [Hkv, ctx, hd], one per layer.
 
     Decode (one token) reads its hidden state and position from fixed device buffers, so after
     one pass launched kernel by kernel the pass is recorded as a CUDA graph (kernels.cuda.Replay)
@@ -137,6 +139,22 @@ class GPUStage:
         except CudaAPIError as e:
             raise NibbleError(f"the GPU has no room for a KV cache of {ctx} positions ({e}): "
                               f"lower --ctx-size or --gpu-layers") from None
+
+    def run(self, x: np.ndarray, kv: list[tuple], rows, logit_rows: np.ndarray,
+            act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
+        """The stage's face (stages.py): forward() for rows of one sequence at consecutive
+        positions in blocks 0, 1, 2, ... of the pool, which the contiguous device cache is."""
+        T, pos0 = len(x), int(rows.positions[0])
+        blocks = blocks_for(pos0 + T)
+        if (np.any(rows.seq != rows.seq[0]) or not np.array_equal(rows.positions, np.arange(pos0, pos0 + T))
+                or not np.array_equal(rows.tables[rows.seq[0], :blocks], np.arange(blocks))):
+            raise NibbleError("the GPU runs one sequence whose KV blocks are in order (Model.new_cache): "
+                              "load the model without --gpu-layers to share a KV pool")
+        last_only = len(logit_rows) == 1 and logit_rows[0] == T - 1
+        if self.head is None:   # every row's hidden state, for the head on the host
+            return self.forward(x, kv, pos0, True, act_sq, check)
+        out = self.forward(x, kv, pos0, not last_only, act_sq, check)
+        return out if last_only else out[logit_rows]
 
     def forward(self, x: np.ndarray, kv: list[tuple], pos0: int, all_logits: bool,
                 act_sq: np.ndarray | None = None, check=None) -> np.ndarray:

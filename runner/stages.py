@@ -1,11 +1,13 @@
 """A model runs as a list of stages, each a run of consecutive layers on one device that owns
 those layers' weights and its part of the KV cache; the last stage also runs the output head.
 
-Every stage has the same face, so Model.forward runs them in order without asking where they run:
+Every stage has the same face, so Model runs them in order without asking where they run:
 
-    new_cache(ctx, dtype) -> its part of a KVCache (None when it has no layers)
-    forward(x, kv, pos0, all_logits, act_sq, check) -> the hidden state [T, D] for the next stage,
-        or, from the stage with the head, logits [T, V] (all_logits) or [1, V]; check(i, out), if
+    new_cache(ctx, dtype) -> its part of a KVPool of ceil(ctx / BLOCK) blocks (None when it has
+        no layers)
+    run(x, kv, rows, logit_rows, act_sq, check) -> the hidden state [T, D] of every row for the
+        next stage, or, from the stage with the head, the logits [len(logit_rows), V] of the rows
+        logit_rows; rows (cache.Rows) place each row in its sequence's blocks; check(i, out), if
         given, is called with each layer's output (i: the layer's index) and the logits (i: the
         number of layers), on the host: Model.forward's search for a layer that made NaN/Inf
     weight_nbytes -> bytes of the weights a decoded token reads there
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache import HostKV
+from .cache import HostKV, Rows, blocks_for, identity_table
 from .kernels import cpu, linear
 
 _NOT_COLLECTING = np.zeros((0, 0))
@@ -41,26 +43,36 @@ class CPUStage:
         c = self.model.config
         if self.last == self.first:
             return None
-        return HostKV.allocate(self.last - self.first, c.num_key_value_heads, ctx, c.head_dim, dtype)
+        return HostKV.allocate(self.last - self.first, c.num_key_value_heads, blocks_for(ctx),
+                               c.head_dim, dtype)
 
     def forward(self, x: np.ndarray, kv: HostKV | None, pos0: int, all_logits: bool,
-                act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
+                act_sq: np.ndarray | None = None) -> np.ndarray:
+        """run() for one sequence at positions pos0.. on its own part (calibration's way), the
+        logits of every row (all_logits) or of the last."""
+        T = len(x)
+        rows = Rows.single(pos0, T, identity_table(kv.k.shape[1] if kv else blocks_for(pos0 + T)))
+        return self.run(x, kv, rows, np.arange(T) if all_logits else np.array([T - 1]), act_sq)
+
+    def run(self, x: np.ndarray, kv: HostKV | None, rows: Rows, logit_rows: np.ndarray,
+            act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
         """act_sq [model layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of
         each layer's projections (see decoder_layer)."""
         m, c = self.model, self.model.config
         for i in range(self.first, self.last):
             cos, sin = m.ropes[i]
-            m.family.block(x, m.layers[i], kv.layer(i - self.first), pos0, cos, sin,
+            m.family.block(x, m.layers[i], kv.layer(i - self.first), rows, cos, sin,
                            c.rms_norm_eps, c.windows[i],
                            _NOT_COLLECTING if act_sq is None else act_sq[i])
             if check:
                 check(i, x)
         if not self.head:
             return x
-        if not all_logits:
-            x = x[-1:]   # generation needs only the next token's distribution
+        if not len(logit_rows):   # a group of rows only stored (Model.forward_batch)
+            return np.empty((0, c.vocab_size), np.float32)
+        x = x[logit_rows]   # a copy: generation needs only the next token's distribution
         cpu.rmsnorm(x, m.norm, c.rms_norm_eps, x)
-        logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [T or 1, V]
+        logits = np.empty((x.shape[0], c.vocab_size), np.float32)   # [len(logit_rows), V]
         linear.linear(x, m.lm_head, logits, False)
         if check:
             check(len(m.layers), logits)

@@ -120,6 +120,14 @@ def attention(q, k, v, positions, window=0, scale=None):
     return np.einsum("hts,shd->thd", p, v)
 
 
+def paged(cache, scales, table, length):
+    """[length, Hkv, hd] float64: positions 0..length-1 of one sequence, read through its block
+    table from a cache [blocks, Hkv, BLOCK, hd] times its scales [blocks, Hkv, BLOCK]."""
+    blocks = cache[table].astype(np.float64) * scales[table][..., None]   # [n, Hkv, BLOCK, hd]
+    n, Hkv, block, hd = blocks.shape
+    return blocks.transpose(0, 2, 1, 3).reshape(n * block, Hkv, hd)[:length]
+
+
 def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = None) -> np.ndarray:
     """logits [T, V] for the whole sequence, float64. `inputs`, if given, receives the input
     activations [T, K] of every linear layer under its weight's name."""

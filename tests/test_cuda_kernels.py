@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from nibble.runner.cache import Rows
 from nibble.runner.kernels import cuda as gpu
 from nibble.runner.kernels import layer as cpu_layer
 from nibble.runner.kernels.layer import LayerWeights
@@ -255,8 +256,8 @@ def test_decoder_layer_matches_the_cpu(kind, window, tol):
     D, H, Hkv, hd, F, ctx, eps = 64, 2, 1, 16, 32, 8, 1e-5
     weights = tiny_layer(kind, D, H, Hkv, hd, F)
     _, cos, sin = rope_tables(hd, ctx)
-    zeros = lambda: np.zeros((Hkv, ctx, hd), np.float32)
-    kv_cpu = (zeros(), zeros(), np.ones((Hkv, ctx), np.float32), np.ones((Hkv, ctx), np.float32))
+    zeros = lambda: np.zeros((1, Hkv, ctx, hd), np.float32)   # the CPU's cache: one block of ctx positions
+    kv_cpu = (zeros(), zeros(), np.ones((1, Hkv, ctx), np.float32), np.ones((1, Hkv, ctx), np.float32))
     kv_gpu = gpu.allocate_kv(Hkv, ctx, hd)
     on_gpu = gpu.upload_layer(weights)
     cos_dev, sin_dev = on_device(cos, sin)
@@ -265,9 +266,10 @@ def test_decoder_layer_matches_the_cpu(kind, window, tol):
     for T in (3, 1, 1):
         x = f32(T, D)
         x_dev = cuda.to_device(x)
-        cpu_layer.decoder_layer(x, weights, kv_cpu, pos0, cos, sin, eps, window, np.zeros((0, 0)))
+        cpu_layer.decoder_layer(x, weights, kv_cpu, Rows.single(pos0, T, np.zeros(1)), cos, sin, eps, window,
+                                np.zeros((0, 0)))
         gpu.decoder_layer(x_dev, on_gpu, kv_gpu, device_pos(pos0), cos_dev, sin_dev, eps, window, work)
         np.testing.assert_allclose(x_dev.copy_to_host(), x, rtol=tol, atol=tol * np.abs(x).max())
         pos0 += T
     k_gpu = kv_gpu[0].copy_to_host()[:, :pos0]
-    np.testing.assert_allclose(k_gpu, kv_cpu[0][:, :pos0], rtol=tol, atol=tol * np.abs(k_gpu).max())
+    np.testing.assert_allclose(k_gpu, kv_cpu[0][0, :, :pos0], rtol=tol, atol=tol * np.abs(k_gpu).max())

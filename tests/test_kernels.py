@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from nibble.runner.cache import BLOCK, Rows
 from nibble.runner.kernels import cpu
 from tests import reference
 
@@ -53,43 +54,99 @@ def test_rmsnorm_in_place():
 
 @pytest.mark.parametrize("rotated", [16, 12, 0])   # whole heads, phi3's partial rotary, none
 def test_rope(rotated):
-    hd, pos0 = 16, 5
+    hd, positions = 16, np.array([5, 6, 40, 0])   # each row its own position (rows of a batch)
     inv_freq = 1.0 / 10000 ** (np.arange(0, rotated, 2) / max(rotated, 1))
     ang = np.outer(np.arange(64), inv_freq)
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     x = f32(4, 3, hd)
-    want = reference.rotate(x.astype(np.float64), np.arange(pos0, pos0 + 4), inv_freq)
-    cpu.rope(x, cos, sin, pos0)
+    want = reference.rotate(x.astype(np.float64), positions, inv_freq)
+    cpu.rope(x, cos, sin, positions)
     np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(x[..., rotated:], want[..., rotated:])   # passed through as they were
 
 
-@pytest.mark.parametrize("T,pos0,window", [(1, 9, 0), (6, 0, 0), (4, 3, 0), (6, 2, 3)])
-def test_attention(T, pos0, window):
-    H, Hkv, hd, ctx = 6, 2, 8, 16
-    q = f32(T, H, hd)
-    k_cache, v_cache = f32(Hkv, ctx, hd), f32(Hkv, ctx, hd)
+def pool(blocks, Hkv, hd):
+    """A float32 KV pool full of keys and values, and its scales (ones)."""
+    ones = np.ones((blocks, Hkv, BLOCK), np.float32)
+    return f32(blocks, Hkv, BLOCK, hd), f32(blocks, Hkv, BLOCK, hd), ones, ones
+
+
+def attend(q, kv, rows, window):
     out = np.empty_like(q)
-    ones = np.ones((Hkv, ctx), np.float32)
-    cpu.attention(q, k_cache, v_cache, ones, ones, pos0, window, out)
-    S = pos0 + T   # keys 0..S-1 are filled
-    want = reference.attention(q.astype(np.float64), k_cache[:, :S].transpose(1, 0, 2),
-                               v_cache[:, :S].transpose(1, 0, 2), np.arange(pos0, S), window)
-    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    cpu.attention(q, *kv, rows, window, out)
+    return out
+
+
+def want_attention(q, kv, rows, window):
+    """Each row against its own sequence's keys and values, read through its table in numpy."""
+    k, v, ks, vs = kv
+    want = np.empty(q.shape)
+    for t, (p, s) in enumerate(zip(rows.positions, rows.seq)):
+        table = rows.tables[s]
+        want[t] = reference.attention(q[t:t + 1].astype(np.float64), reference.paged(k, ks, table, p + 1),
+                                      reference.paged(v, vs, table, p + 1), np.array([p]), window)[0]
+    return want
+
+
+@pytest.mark.parametrize("T,pos0,window", [(1, 9, 0), (6, 0, 0), (4, 3, 0), (6, 2, 3), (5, 30, 0), (9, 40, 19)])
+def test_attention_through_a_shuffled_block_table(T, pos0, window):
+    """One sequence whose blocks are anywhere in the pool; windows ending across block edges."""
+    H, Hkv, hd = 6, 2, 8
+    kv = pool(12, Hkv, hd)
+    rows = Rows.single(pos0, T, rng.permutation(12)[:4])
+    q = f32(T, H, hd)
+    np.testing.assert_allclose(attend(q, kv, rows, window), want_attention(q, kv, rows, window),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_attention_of_several_sequences_in_one_pass(window):
+    """Decoded rows of three sequences and a chunk of a fourth's prompt, each at its own position
+    in its own blocks of one pool: each row equals its sequence attended alone."""
+    H, Hkv, hd = 4, 2, 8
+    kv = pool(16, Hkv, hd)
+    tables = rng.permutation(16).reshape(4, 4)
+    rows = Rows.of([37, 0, 16, 12, 13, 14, 15], [2, 0, 1, 3, 3, 3, 3], tables)
+    q = f32(7, H, hd)
+    got = attend(q, kv, rows, window)
+    np.testing.assert_allclose(got, want_attention(q, kv, rows, window), rtol=1e-4, atol=1e-5)
+    alone = Rows.of([37], [0], tables[2:3])
+    np.testing.assert_array_equal(got[:1], attend(q[:1], kv, alone, window))   # batch invariant
 
 
 def test_attention_when_each_key_sets_a_new_maximum():
     """The online softmax rescales its sums at every new maximum: scores rising along the context
     (from ~0 to ~40) make it rescale at about every other key, from weights of exp(-40) up."""
-    T, H, Hkv, hd, ctx = 3, 4, 2, 8, 40
+    T, H, Hkv, hd, ctx = 3, 4, 2, 8, 48
     q = np.abs(f32(T, H, hd)) * 4
-    k_cache = np.abs(f32(Hkv, ctx, hd)) * np.linspace(0.1, 2, ctx, dtype=np.float32)[:, None]
-    v_cache = f32(Hkv, ctx, hd)
-    out, ones = np.empty_like(q), np.ones((Hkv, ctx), np.float32)
-    cpu.attention(q, k_cache, v_cache, ones, ones, ctx - T, 0, out)
-    want = reference.attention(q.astype(np.float64), k_cache.transpose(1, 0, 2),
-                               v_cache.transpose(1, 0, 2), np.arange(ctx - T, ctx))
-    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    k, v, ones, _ = pool(ctx // BLOCK, Hkv, hd)
+    rising = np.linspace(0.1, 2, ctx, dtype=np.float32).reshape(ctx // BLOCK, 1, BLOCK, 1)
+    kv = (np.abs(k) * rising, v, ones, ones)
+    rows = Rows.single(ctx - T, T, np.arange(ctx // BLOCK))
+    np.testing.assert_allclose(attend(q, kv, rows, 0), want_attention(q, kv, rows, 0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8])
+def test_store_kv_through_a_block_table(dtype):
+    """Rows stored at their positions in their sequences' blocks read back through the tables: a
+    float32 cache as they were, an int8 one to 1/254 of each head's largest value; attention over
+    an int8 cache equals attention over the rows it decodes to."""
+    Hkv, hd, blocks = 2, 16, 6
+    cache = np.zeros((blocks, Hkv, BLOCK, hd), dtype)
+    scales = np.ones((blocks, Hkv, BLOCK), np.float32)
+    tables = np.array([[4, 1, 5], [0, 3, 2]], np.int32)
+    rows = Rows.of(np.r_[0:40, 0:20], np.r_[[0] * 40, [1] * 20], tables)
+    x = f32(60, Hkv, hd)
+    for t in range(60):
+        cpu.store_kv(cache, scales, x[t], rows, t)
+    for s, (first, n) in enumerate([(0, 40), (40, 20)]):
+        got, want = reference.paged(cache, scales, tables[s], n), x[first:first + n]
+        assert np.all(np.abs(got - want) <= np.abs(want).max(-1, keepdims=True) / 254 + 1e-7)
+        if dtype == np.float32:
+            np.testing.assert_array_equal(got, want)
+    kv = (cache, cache, scales, scales)
+    q, rows = f32(3, 4, hd), Rows.single(37, 3, tables[0])
+    np.testing.assert_allclose(attend(q, kv, rows, 0), want_attention(q, kv, rows, 0), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 3])
@@ -100,18 +157,3 @@ def test_project_qkv(T):
     for got, w in ((q, wq), (k, wk), (v, wv)):
         np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
 
-
-def test_int8_kv_rows_and_attention():
-    """An int8 cache stores each head's row to 1/254 of its largest value; attention over it
-    equals attention over the rows it decodes to."""
-    Hkv, ctx, hd = 2, 8, 16
-    x = f32(ctx, Hkv, hd)
-    cache, scales = np.zeros((Hkv, ctx, hd), np.int8), np.ones((Hkv, ctx), np.float32)
-    for pos in range(ctx):
-        cpu.store_kv(cache, scales, x[pos], pos)
-    decoded = (cache * scales[..., None]).transpose(1, 0, 2)
-    assert np.all(np.abs(decoded - x) <= np.abs(x).max(-1, keepdims=True) / 254 + 1e-7)
-    q, out = f32(3, 4, hd), np.empty((3, 4, hd), np.float32)
-    cpu.attention(q, cache, cache, scales, scales, 5, 0, out)
-    want = reference.attention(q.astype(np.float64), decoded[:8], decoded[:8], np.arange(5, 8))
-    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)

@@ -8,6 +8,7 @@ from numba import cuda
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import quantize_model
+from nibble.runner.cache import Rows
 from nibble.runner.kernels import cpu
 from nibble.runner.loader import from_model_dir
 from nibble.runner.model import NonFinite
@@ -43,7 +44,8 @@ def test_attention_over_a_non_finite_key_is_not_finite_for_the_queries_that_see_
     k[0, 2, 3] = np.inf   # the key of position 2: queries 2 and 3 see it
     ones = np.ones((Hkv, T), np.float32)
     out = np.empty_like(q)
-    cpu.attention(q, k, v, ones, ones, 0, 0, out)
+    one_block = Rows.single(0, T, np.zeros(1))   # the cache as one block of T positions
+    cpu.attention(q, k[None], v[None], ones[None], ones[None], one_block, 0, out)
     with np.errstate(invalid="ignore"):
         want = reference.attention(q.astype(np.float64), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
                                    np.arange(T))

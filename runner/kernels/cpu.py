@@ -166,8 +166,9 @@ def rmsnorm(x, weight, eps, out):
 
 
 @njit(**_jit)
-def rope(x, cos, sin, pos0):
-    """Rotate x[T, H, hd] in place for positions pos0.. (the rotate-half layout of HF models).
+def rope(x, cos, sin, positions):
+    """Rotate x[T, H, hd] in place, row t for position positions[t] (the rotate-half layout of HF
+    models).
 
     cos, sin: [max_ctx, r/2] tables built once at load, rotating the first r dims of each head
     (r = hd but for partial rotary; r = 0: a layer without RoPE).
@@ -175,8 +176,8 @@ def rope(x, cos, sin, pos0):
     T, H, hd = x.shape
     half = cos.shape[1]
     for t in range(T):
-        c = cos[pos0 + t]
-        s = sin[pos0 + t]
+        c = cos[positions[t]]
+        s = sin[positions[t]]
         for h in range(H):
             for i in range(half):
                 x1 = x[t, h, i]
@@ -186,62 +187,73 @@ def rope(x, cos, sin, pos0):
 
 
 @njit(parallel=True, **_jit)
-def attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, out):
-    """Causal grouped-query attention of new queries against the cache.
+def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, out):
+    """Causal grouped-query attention of new queries against the cache, read through block tables.
 
-    q: [T, H, hd] for positions pos0..pos0+T-1; k_cache, v_cache: [Hkv, ctx, hd] (float32, or
-    int8 rows times k_scale, v_scale [Hkv, ctx]) already holding positions 0..pos0+T-1;
-    out: [T, H, hd]. window > 0 limits each query to its last `window` positions (Mistral's
-    sliding window). One (token, head) pair per task, with an online softmax: one pass over the
-    keys and values, keeping a running maximum, sum and weighted sum of values; no scores are
-    held, neither a T x T matrix nor a row.
+    q: [T, H, hd], row t the query of position p = rows.positions[t] of sequence rows.seq[t];
+    k_cache, v_cache: [blocks, Hkv, BLOCK, hd] (float32, or int8 rows times k_scale, v_scale
+    [blocks, Hkv, BLOCK]), already holding that sequence's positions 0..p in the blocks its table
+    rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
+    its last `window` positions (Mistral's sliding window). One (row, head) pair per task, with
+    an online softmax: one pass over the keys and values, keeping a running maximum, sum and
+    weighted sum of values; no scores are held, neither a T x T matrix nor a row. A row's result
+    depends on its own sequence only: the same whatever else is in the pass.
     """
     T, H, hd = q.shape
-    group = H // k_cache.shape[0]
+    B = k_cache.shape[2]
+    group = H // k_cache.shape[1]
     scale = np.float32(1.0 / math.sqrt(hd))
     for task in prange(T * H):
         t = task // H
         h = task % H
         kv = h // group
-        end = pos0 + t + 1
+        table = rows.tables[rows.seq[t]]
+        end = rows.positions[t] + 1
         start = max(0, end - window) if window > 0 else 0
         acc = np.zeros(hd, np.float32)
         best, total = np.float32(-np.inf), np.float32(0.0)
-        for j in range(start, end):
-            s = np.float32(0.0)
-            for i in range(hd):
-                s += q[t, h, i] * k_cache[kv, j, i]
-            s *= scale * k_scale[kv, j]
-            if s > best:   # a new maximum: rescale what was summed against the old one
-                c = np.exp(best - s)
-                total *= c
+        for jb in range(start // B, (end + B - 1) // B):   # one table lookup a block
+            blk = table[jb]
+            for j in range(max(start, jb * B) - jb * B, min(end, jb * B + B) - jb * B):
+                s = np.float32(0.0)
                 for i in range(hd):
-                    acc[i] *= c
-                best = s
-            p = np.exp(s - best)
-            total += p
-            p *= v_scale[kv, j]
-            for i in range(hd):
-                acc[i] += p * v_cache[kv, j, i]
+                    s += q[t, h, i] * k_cache[blk, kv, j, i]
+                s *= scale * k_scale[blk, kv, j]
+                if s > best:   # a new maximum: rescale what was summed against the old one
+                    c = np.exp(best - s)
+                    total *= c
+                    for i in range(hd):
+                        acc[i] *= c
+                    best = s
+                p = np.exp(s - best)
+                total += p
+                p *= v_scale[blk, kv, j]
+                for i in range(hd):
+                    acc[i] += p * v_cache[blk, kv, j, i]
         for i in range(hd):
             out[t, h, i] = acc[i] / total
 
 
 @njit(**_jit)
-def store_kv(cache, scales, x, pos):
-    """cache[:, pos] = x [Hkv, hd]. An int8 cache keeps each head's row as round(x / s) with
-    s = max|x| / 127 in scales[:, pos]; a float32 cache keeps x as it is (its scales stay 1)."""
+def store_kv(cache, scales, x, rows, t):
+    """Row t's keys or values x [Hkv, hd] into the cache [blocks, Hkv, BLOCK, hd] at its position
+    in its sequence's blocks (see attention). An int8 cache keeps each head's row as round(x / s)
+    with s = max|x| / 127 in scales [blocks, Hkv, BLOCK]; a float32 cache keeps x as it is (its
+    scales stay 1)."""
+    B = cache.shape[2]
+    pos = rows.positions[t]
+    blk, j = rows.tables[rows.seq[t], pos // B], pos % B
     for h in range(x.shape[0]):
         if cache.itemsize == 1:
             s = np.abs(x[h]).max() / np.float32(127.0)
             if s == 0:
                 s = np.float32(1.0)
-            scales[h, pos] = s
+            scales[blk, h, j] = s
             for i in range(x.shape[1]):
-                cache[h, pos, i] = np.int8(np.rint(x[h, i] / s))
+                cache[blk, h, j, i] = np.int8(np.rint(x[h, i] / s))
         else:
             for i in range(x.shape[1]):
-                cache[h, pos, i] = x[h, i]
+                cache[blk, h, j, i] = x[h, i]
 
 
 @njit(**_jit)

@@ -12,7 +12,7 @@ from numba import njit
 
 from . import cpu
 from .layer import self_attention
-from .linear import Weight, linear, rows
+from .linear import Weight, linear, out_features
 
 
 class Gemma3Weights(NamedTuple):
@@ -39,7 +39,7 @@ class Gemma3Weights(NamedTuple):
 
 
 @njit(**cpu._jit)
-def gemma3_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
+def gemma3_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     """One Gemma 3 block on the residual stream x[T, D], in place; arguments as layer.decoder_layer's
     (weights: Gemma3Weights)."""
     w = weights
@@ -52,7 +52,7 @@ def gemma3_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     if collect:
         cpu.add_squares(h, act_sq[0])
     attn = self_attention(h, w.wq, w.wk, w.wv, no_bias, no_bias, no_bias, w.q_norm, w.k_norm,
-                          kv, pos0, cos, sin, eps, window)  # [T, H*hd]
+                          kv, rows, cos, sin, eps, window)  # [T, H*hd]
     if collect:
         cpu.add_squares(attn, act_sq[1])
     linear(attn, w.wo, h, False)                            # h = attn @ wo.T
@@ -60,7 +60,7 @@ def gemma3_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     x += h
     # feed-forward block: x += norm((gelu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T), h = norm(x)
     cpu.rmsnorm(x, w.pre_feedforward_norm, eps, h)
-    mlp = np.empty((T, rows(w.w_gate)), np.float32)         # [T, F]
+    mlp = np.empty((T, out_features(w.w_gate)), np.float32)         # [T, F]
     up = np.empty_like(mlp)
     linear(h, w.w_gate, mlp, False)
     linear(h, w.w_up, up, False)

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit
 
 from . import cpu
-from .linear import Weight, linear, project_qkv, rows, swiglu
+from .linear import Weight, linear, out_features, project_qkv, swiglu
 
 
 class LayerWeights(NamedTuple):
@@ -38,10 +38,11 @@ class LayerWeights(NamedTuple):
 
 
 @njit(**cpu._jit)
-def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
-    """One transformer block on the residual stream x[T, D], in place; k/v of the new positions
-    are written into the layer's cache kv = (k, v [Hkv, ctx, hd], k_scale, v_scale [Hkv, ctx]).
-    One call per layer keeps Python out of the token loop's inner steps.
+def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
+    """One transformer block on the residual stream x[T, D], in place; row t is position
+    rows.positions[t] of sequence rows.seq[t] (cache.Rows), its k/v written into that sequence's
+    blocks of the layer's cache kv = (k, v [blocks, Hkv, BLOCK, hd], k_scale, v_scale [blocks,
+    Hkv, BLOCK]). One call per layer keeps Python out of the token loop's inner steps.
 
     weights: LayerWeights. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
     the q/k/v, o, gate/up and down projections (for the importance matrix of quantization), or
@@ -56,13 +57,13 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
     if collect:
         cpu.add_squares(h, act_sq[0])
     attn = self_attention(h, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, w.q_norm, w.k_norm,
-                          kv, pos0, cos, sin, eps, window)  # [T, H*hd]
+                          kv, rows, cos, sin, eps, window)  # [T, H*hd]
     if collect:
         cpu.add_squares(attn, act_sq[1])
     linear(attn, w.wo, x, True)                             # residual: x += attn @ wo.T
     # feed-forward block
     cpu.rmsnorm(x, w.post_norm, eps, h)
-    mlp = np.empty((T, rows(w.w_gate)), np.float32)         # [T, F]
+    mlp = np.empty((T, out_features(w.w_gate)), np.float32)         # [T, F]
     swiglu(h, w.w_gate, w.w_up, mlp)
     if collect:
         cpu.add_squares(h, act_sq[2])
@@ -71,14 +72,15 @@ def decoder_layer(x, weights, kv, pos0, cos, sin, eps, window, act_sq):
 
 
 @njit(inline="always", **cpu._jit)
-def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, pos0, cos, sin, eps, window):
+def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps, window):
     """-> [T, H*hd]: causal attention of the normed input h[T, D] (before the output projection),
-    the new positions' k and v stored in the layer's cache kv (see decoder_layer). Biases of
-    shape (0,) are skipped, and so are q/k norms (RMSNorm of each head, before RoPE)."""
+    the rows' k and v stored first in the layer's cache kv (see decoder_layer), so that the rows
+    of one prompt chunk see each other. Biases of shape (0,) are skipped, and so are q/k norms
+    (RMSNorm of each head, before RoPE)."""
     k_cache, v_cache, k_scale, v_scale = kv
     T = h.shape[0]
-    Hkv, _, hd = k_cache.shape
-    H = rows(wq) // hd
+    Hkv, hd = k_cache.shape[1], k_cache.shape[3]
+    H = out_features(wq) // hd
     q = np.empty((T, H * hd), np.float32)
     k = np.empty((T, Hkv * hd), np.float32)
     v = np.empty((T, Hkv * hd), np.float32)
@@ -93,11 +95,11 @@ def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, pos0, cos, sin
     q = q.reshape(T, H, hd)
     k = k.reshape(T, Hkv, hd)
     v = v.reshape(T, Hkv, hd)
-    cpu.rope(q, cos, sin, pos0)
-    cpu.rope(k, cos, sin, pos0)
+    cpu.rope(q, cos, sin, rows.positions)
+    cpu.rope(k, cos, sin, rows.positions)
     for t in range(T):
-        cpu.store_kv(k_cache, k_scale, k[t], pos0 + t)
-        cpu.store_kv(v_cache, v_scale, v[t], pos0 + t)
+        cpu.store_kv(k_cache, k_scale, k[t], rows, t)
+        cpu.store_kv(v_cache, v_scale, v[t], rows, t)
     attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
-    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, pos0, window, attn.reshape(T, H, hd))
+    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, attn.reshape(T, H, hd))
     return attn

@@ -18,6 +18,10 @@ from .cpu import _jit
 # a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits
 Weight = np.ndarray | QuantizedTensor | HalfTensor
 
+# Most rows that go through the per-row (decode) kernels, which compute each row as they would
+# alone; more go through prefill's tiles. Model.forward_batch groups decoded rows by it.
+SMALL = 1
+
 
 def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     """`qt` as the kernels take it: called once at load.
@@ -63,7 +67,7 @@ def qmatmul(x, w, out, accumulate):
     N, Kw = prefill.dims(w)
     if Kw != K or out.shape[0] != T or out.shape[1] != N:
         raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
-    if T == 1:
+    if T <= SMALL:
         _matvec(x, w, out, accumulate)
     else:
         prefill.matmul(x, w, out, accumulate)
@@ -101,13 +105,13 @@ def _linear_typed(x, w, out, accumulate):
         return lambda x, w, out, accumulate: qmatmul(x, w, out, accumulate)
 
 
-def rows(w) -> int:
+def out_features(w) -> int:
     """Output size of a float [N, K], quantized or 16-bit weight."""
     return w.shape[0]
 
 
-@overload(rows)
-def _rows(w):
+@overload(out_features)
+def _out_features(w):
     if isinstance(w, types.Array):
         return lambda w: w.shape[0]
     return lambda w: prefill.dims(w)[0]   # numba sees a named tuple's fields, not its properties

@@ -5,7 +5,7 @@ ARCHITECTURES; a family module has:
 
     layer(get, config, i) -> the weights of block i (a NamedTuple the block kernel takes), read
         with get(name, shape) for vectors and get.linear(path, shape) for matrices
-    block(x, weights, kv, pos0, cos, sin, eps, window, act_sq): the jitted kernel of one block
+    block(x, weights, kv, rows, cos, sin, eps, window, act_sq): the jitted kernel of one block
     ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
     norm(get, name, shape) -> an RMSNorm's weight as the kernels multiply by it (the final norm's too)
     embed_scale(config, embed) -> the factor on the embedded rows (embed: the embedding as loaded)
