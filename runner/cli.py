@@ -204,11 +204,15 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and stats.")
+@click.option("--json-schema", type=click.Path(dir_okay=False),
+              help="Reply with JSON that validates against the JSON schema in this file.")
+@click.option("--json-object", is_flag=True, help="Reply with a JSON object (say in the prompt what it should hold).")
 def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache,
-        gpu_layers, require_gpu, stop, raw, as_json):
+        gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
     system = _text(system, "the system prompt") if system is not None else None
+    grammar = _grammar(json_schema, json_object)   # a bad schema is refused before the model loads
     _set_threads(threads)
     from .generate import stream_generate
     from .sample import make_sampler
@@ -218,10 +222,11 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     sampling = replace(tokenizer.sampling, **sampling)   # the flags given, over the model's defaults
     ids = tokenizer.prompt(text, system=system, raw=raw)
     cache = llm.new_cache(ctx_size, kv_cache)
+    constraint = grammar.constraint(tokenizer) if grammar else None
     pieces, last = [], None
     try:
         for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling), max_tokens=max_tokens,
-                                    stop=stop, cache=cache):
+                                    stop=stop, cache=cache, constraint=constraint):
             pieces.append(last.text)
             if not as_json:
                 click.echo(last.text, nl=False)
@@ -234,7 +239,30 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
         sys.exit(130)
     if not as_json:
         click.echo()
+    if grammar and last and last.finish_reason != "stop":
+        _say(f"the reply ended ({last.finish_reason}) before its JSON was complete: raise -n or -c")
     _report(last, "".join(pieces), as_json)
+
+
+def _grammar(json_schema: str | None, json_object: bool):
+    """--json-schema FILE or --json-object as a Grammar (None without either)."""
+    if json_schema is None and not json_object:
+        return None
+    if json_schema is not None and json_object:
+        raise click.UsageError("give --json-schema or --json-object, not both")
+    from .grammar import Grammar, GrammarError
+    if json_object:
+        return Grammar.json_object()
+    with open(json_schema, "rb") as f:
+        source = _text(f.read(), json_schema)
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"{json_schema} is not JSON: {e}") from None
+    try:
+        return Grammar.json_schema(schema)
+    except GrammarError as e:
+        raise GrammarError(f"{json_schema}: {e}") from None
 
 
 def _report(r, text: str, as_json: bool, interrupted: bool = False):

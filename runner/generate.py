@@ -4,12 +4,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .cache import KVCache
 from .model import ContextFull, Model
 from .sample import Sampler, make_sampler
 from .settings import MAX_TOKENS
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:   # llguidance is imported only by those who constrain a reply
+    from .grammar import Constraint
 
 # Prompt tokens per forward pass of a long prefill: the consumer may stop between two chunks.
 PREFILL_CHUNK = 256
@@ -30,9 +34,9 @@ class GenerationResponse:
 
 
 def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler,
-                  prefill_chunk: int = PREFILL_CHUNK) -> Iterator[int | None]:
+                  prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None) -> Iterator[int | None]:
     """Prefill the prompt in chunks of at most `prefill_chunk` tokens, then yield sampled ids, one
-    forward pass each.
+    forward pass each; with a `constraint`, only ids its grammar allows.
 
     Yields None after each prefill chunk but the last, so that a consumer can stop a long prefill;
     the cache then holds whole chunks. Ends when the context is full. The consumer cancels by
@@ -47,7 +51,11 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampl
         yield None
     logits = model.forward(prompt_ids[done:], cache)[-1]
     while True:
+        if constraint is not None:
+            constraint.mask(logits)
         token = sampler(logits, cache.tokens)
+        if constraint is not None:
+            constraint.advance(token)
         yield token
         if cache.pos >= cache.size:
             return
@@ -57,12 +65,14 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampl
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], *,
                     sampler: Sampler | None = None, max_tokens: int = MAX_TOKENS,
                     stop: Sequence[str] = (), cache: KVCache | None = None,
-                    prefill_chunk: int = PREFILL_CHUNK) -> Iterator[GenerationResponse]:
+                    prefill_chunk: int = PREFILL_CHUNK,
+                    constraint: Constraint | None = None) -> Iterator[GenerationResponse]:
     """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None).
 
     The consumer cancels by stopping the iteration, between two tokens or two prefill chunks: the
     cache keeps what ran. The timings are measured here, from the call. Without a `sampler`, the
-    model's sampling defaults apply (tokenizer.sampling).
+    model's sampling defaults apply (tokenizer.sampling). With a `constraint` (a grammar's,
+    runner/grammar.py), the reply follows the grammar and ends "stop" where the grammar is complete.
     """
     cache = cache if cache is not None else model.new_cache()
     room = cache.size - cache.pos
@@ -82,7 +92,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
         return GenerationResponse(text, token, len(prompt_ids), prompt_tps, n, decode_tps,
                                   first - start if n else 0.0, reply.finish_reason)
 
-    for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk):
+    for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk, constraint):
         if token is None:   # a prefill chunk ran: a point to stop at
             yield response("", None)
             continue
@@ -91,6 +101,8 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
             first = time.perf_counter()
             prompt_tps = len(prompt_ids) / (first - start)
         text = reply.add(token)
+        if constraint is not None and constraint.done and not reply.finish_reason:
+            text += reply.close("stop")
         if text or reply.finish_reason:
             yield response(text, token)
         if reply.finish_reason:

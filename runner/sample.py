@@ -1,12 +1,14 @@
 """Token samplers: small composed filters over (ids, logits) candidate pairs, as llama.cpp does.
 
-The chain is llama.cpp's default: repetition penalty -> top-k -> top-p -> min-p -> temperature
--> draw. Truncation sees the untempered distribution, so temperature only reshapes what is kept.
+The chain is llama.cpp's default: repetition penalty -> presence and frequency penalties -> top-k
+-> top-p -> min-p -> temperature -> draw. Truncation sees the untempered distribution, so
+temperature only reshapes what is kept.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,22 +22,32 @@ NUCLEUS_GUESS = 256
 
 
 def make_sampler(settings: SamplerSettings) -> Sampler:
-    """Build `sample(logits, recent_ids) -> token id` from `settings`.
+    """Build `sample(logits, recent_ids) -> token id` from `settings`, for one reply.
 
     The sampler owns a `np.random.Generator`, so two samplers with the same seed, fed the same
-    logits, draw the same tokens. `logits` is never modified.
+    logits, draw the same tokens. It also counts the tokens it has drawn: those are the reply,
+    which the presence and frequency penalties look at (OpenAI's rule), while the repetition
+    penalty looks at `recent_ids` (the sequence, prompt included: llama.cpp's). So a reply needs a
+    sampler of its own. `logits` is never modified.
     """
     s = settings
     rng = np.random.default_rng(s.seed)
+    drawn = Counter() if s.presence_penalty or s.frequency_penalty else None   # the reply so far
 
     def sample(logits: np.ndarray, recent_ids: Sequence[int] = ()) -> int:
         if s.repetition_penalty != 1.0 and s.repeat_last_n > 0:
             logits = apply_repetition_penalty(logits, recent_ids[-s.repeat_last_n:], s.repetition_penalty)
+        if drawn:
+            logits = apply_presence_frequency_penalty(logits, drawn, s.presence_penalty, s.frequency_penalty)
         if s.temperature == 0:
-            return int(np.argmax(logits))
-        ids, cand = top_k(logits, s.top_k)
-        ids, cand = top_p_min_p(ids, cand, s.top_p, s.min_p)
-        return int(ids[draw(cand / s.temperature, rng)])
+            token = int(np.argmax(logits))
+        else:
+            ids, cand = top_k(logits, s.top_k)
+            ids, cand = top_p_min_p(ids, cand, s.top_p, s.min_p)
+            token = int(ids[draw(cand / s.temperature, rng)])
+        if drawn is not None:
+            drawn[token] += 1
+        return token
 
     return sample
 
@@ -51,6 +63,17 @@ def apply_repetition_penalty(logits: np.ndarray, recent_ids: Sequence[int], pena
     seen = logits[ids]
     out = logits.copy()
     out[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return out
+
+
+def apply_presence_frequency_penalty(logits: np.ndarray, counts: Mapping[int, int], presence: float,
+                                     frequency: float) -> np.ndarray:
+    """A copy of `logits` less `presence` for each id in `counts` and `frequency` times its count
+    (OpenAI's rule, over the reply's own tokens)."""
+    ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+    n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+    out = logits.copy()
+    out[ids] -= np.float32(presence) + np.float32(frequency) * n
     return out
 
 

@@ -22,6 +22,8 @@ _RULES = {
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0 is off)"),
     "repetition_penalty": (lambda v: math.isfinite(v) and v > 0, "positive (1 is off)"),
     "repeat_last_n": (lambda v: v >= 0, "0 or more"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 is off)"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 is off)"),
     "seed": (lambda v: v is None or v >= 0, "0 or more"),
 }
 
@@ -39,6 +41,10 @@ class SamplerSettings:
     min_p: float = 0.05              # 0.0: off; keep tokens with p >= min_p * max p
     repetition_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64          # how many recent ids the penalty looks at
+    # OpenAI's: a token's logit minus presence_penalty if it is in the reply so far, minus
+    # frequency_penalty times how often; negative values favour repeats
+    presence_penalty: float = 0.0    # 0.0: off
+    frequency_penalty: float = 0.0   # 0.0: off
     seed: int | None = None          # None: a fresh random seed each run
 
     def __post_init__(self):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from nibble.formats.errors import NibbleError
-from nibble.runner.sample import apply_repetition_penalty, draw, make_sampler, top_k, top_p_min_p
+from nibble.runner.sample import (apply_presence_frequency_penalty, apply_repetition_penalty, draw, make_sampler,
+                                  top_k, top_p_min_p)
 from nibble.runner.settings import SamplerSettings
 
 VOCAB = 49_152  # SmolLM2's vocabulary
@@ -45,6 +46,40 @@ def test_repeat_last_n_limits_the_window():
     sample = make_sampler(SamplerSettings(temperature=0.0, repetition_penalty=10.0, repeat_last_n=1))
     assert sample(logits, [0, 1]) == 0  # id 0 is outside the last 1 id, so not penalised
     assert sample(logits, [1, 0]) == 1
+
+
+def reference_presence_frequency(logits, reply_ids, presence, frequency):
+    """OpenAI's definition, token by token: mu[j] - c[j] * frequency - (c[j] > 0) * presence."""
+    out = logits.astype(np.float64)
+    for j in range(len(out)):
+        c = reply_ids.count(j)
+        out[j] -= c * frequency + (c > 0) * presence
+    return out
+
+
+@pytest.mark.parametrize("presence,frequency", [(0.5, 0.0), (0.0, 0.7), (1.5, -0.4), (-2.0, 2.0)])
+def test_presence_and_frequency_penalties_match_openais_rule(presence, frequency):
+    logits = random_logits(2, 500)
+    reply = list(np.random.default_rng(3).integers(0, 40, 60))
+    from collections import Counter
+    out = apply_presence_frequency_penalty(logits, Counter(reply), presence, frequency)
+    np.testing.assert_allclose(out, reference_presence_frequency(logits, reply, presence, frequency), rtol=1e-6)
+    assert out.dtype == np.float32 and not np.shares_memory(out, logits)
+
+
+def test_the_sampler_penalises_the_tokens_it_drew_not_the_prompts():
+    logits = np.array([3.0, 2.5, 0.0], dtype=np.float32)
+    sample = make_sampler(SamplerSettings(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.25))
+    prompt = [1, 1, 1]   # the sequence so far: not the reply, so not penalised
+    assert [sample(logits, prompt) for _ in range(4)] == [0, 1, 0, 0]
+    # 3.0 vs 2.5; 3.0 - 1.25 vs 2.5; 1.75 vs 2.5 - 1.25; 3.0 - 1.5 vs 1.25
+
+
+def test_a_negative_presence_penalty_favours_repeats():
+    logits = np.array([1.0, 1.2], dtype=np.float32)
+    sample = make_sampler(SamplerSettings(temperature=0.0, presence_penalty=-0.5))
+    assert [sample(logits) for _ in range(3)] == [1, 1, 1]
+    assert make_sampler(SamplerSettings(temperature=0.0))(logits) == 1
 
 
 def test_top_k_keeps_the_k_largest():
@@ -107,7 +142,8 @@ def test_seeded_runs_reproduce():
 @pytest.mark.parametrize("bad", [
     dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1), dict(top_p=0.0),
     dict(top_p=1.5), dict(min_p=-0.1), dict(min_p=1.1), dict(repetition_penalty=0.0),
-    dict(repeat_last_n=-1), dict(seed=-3),
+    dict(repeat_last_n=-1), dict(seed=-3), dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
+    dict(presence_penalty=float("nan")),
 ])
 def test_bad_settings_raise_nibble_error(bad):
     with pytest.raises(NibbleError, match="Bad sampler setting"):
