@@ -16,6 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from .sample import Sampler, make_sampler
 from .settings import SamplerSettings
 from .tokenizer import Tokenizer
 
+if TYPE_CHECKING:   # llguidance is imported only by those who constrain a reply
+    from .grammar import Constraint
+
 MAX_LOGPROBS = 20   # top alternatives per token, at most (OpenAI's limit)
 
 
@@ -37,7 +41,7 @@ class Request:
     settings: SamplerSettings
     max_tokens: int
     stop: tuple[str, ...] = ()
-    constraint: object | None = None         # grammar.Constraint: masks what may not follow
+    constraint: Constraint | None = None     # a grammar's: masks what may not come next
     logprobs: int | None = None              # top-n alternatives per token (0..20); None: off
     skip_special: bool = True                # False when tools are on (markers may be special tokens)
 

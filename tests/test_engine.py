@@ -1,5 +1,6 @@
 """The serving engine on the tiny model: replies under load equal to each one's reply alone,
 prefix reuse, cancel, Busy, drain, stops, logprobs."""
+import json
 import queue
 from itertools import islice
 import threading
@@ -192,3 +193,21 @@ def test_a_reply_ends_at_the_context(tiny):
     last = c.last()
     e.close()
     assert last.finish_reason == "length" and last.usage.completion_tokens == 48 - len(p) + 1
+
+
+def test_a_grammar_per_sequence(tiny, engine):
+    """One reply under a JSON schema beside one without: the constrained one is the reply
+    stream_generate gives under the same grammar, parses, and ends "stop" where the JSON ends."""
+    from nibble.runner.grammar import Grammar
+    model, tok = tiny
+    grammar = Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                   "required": ["n"], "additionalProperties": False})
+    ids = prompts(tok)[:2]
+    shaped = submit(engine, ids[0], 60, constraint=grammar.constraint(tok))
+    free = submit(engine, ids[1], 30)
+    expected = "".join(r.text for r in stream_generate(model, tok, ids[0], sampler=make_sampler(GREEDY),
+                                                         max_tokens=60, prefill_chunk=8,
+                                                         constraint=grammar.constraint(tok)))
+    assert shaped.text() == expected and isinstance(json.loads(expected)["n"], int)
+    assert shaped.last().finish_reason == "stop"
+    assert free.text() == alone(tiny, ids[1], max_tokens=30)
