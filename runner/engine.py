@@ -68,6 +68,10 @@ class Event:
     finish_reason: str | None                # None while running; "stop", "length" or "error" last
     usage: Usage | None                      # on the last event only
     error: str | None = None                 # with finish_reason "error": what went wrong
+    # The sampled ids behind this event's text, an end token (whose text is never shown) left
+    # out: a server remembers prompt text + reply text -> prompt ids + these (runner/prompt_ids.py)
+    # when they decode to the reply's text (a stop string cuts the text, not the ids).
+    tokens: tuple[int, ...] = ()
 
 
 class Busy(NibbleError):
@@ -92,7 +96,8 @@ class _Sequence:
     ids: list[int]             # the prompt, then the sampled tokens
     prompt_len: int
     pos: int                   # positions whose keys and values are in the pool
-    logprobs: list = field(default_factory=list)   # of the tokens not yet emitted
+    unsent: list[int] = field(default_factory=list)   # sampled ids not yet emitted (end tokens left out)
+    logprobs: list = field(default_factory=list)      # of the tokens not yet emitted
 
     @property
     def prefilling(self) -> bool:
@@ -298,6 +303,8 @@ class Engine:
         if r.constraint is not None:
             r.constraint.advance(token)
         s.ids.append(token)
+        if token not in self.tokenizer.eos_ids:
+            s.unsent.append(token)
         text = s.reply.add(token)
         if r.logprobs is not None:
             s.logprobs.append(self._token_logprob(token, token_logprobs, r.logprobs))
@@ -306,8 +313,9 @@ class Engine:
         if s.reply.finish_reason is not None:
             self._finish(s, text)
         elif text or s.logprobs:
-            self._emit(s.handle, Event(text, tuple(s.logprobs), None, None))
+            self._emit(s.handle, Event(text, tuple(s.logprobs), None, None, tokens=tuple(s.unsent)))
             s.logprobs.clear()
+            s.unsent.clear()
 
     def _token_logprob(self, token: int, logprobs: np.ndarray, n: int) -> TokenLogprob:
         top = np.argpartition(-logprobs, n)[:n] if n else np.empty(0, np.int64)
@@ -317,7 +325,7 @@ class Engine:
                             tuple((int(t), text([t]), float(logprobs[t])) for t in top))
 
     def _finish(self, s: _Sequence, text: str):
-        self._end(s, Event(text, tuple(s.logprobs), s.reply.finish_reason, self._usage(s)))
+        self._end(s, Event(text, tuple(s.logprobs), s.reply.finish_reason, self._usage(s), tokens=tuple(s.unsent)))
 
     def _end(self, s: _Sequence, last: Event):
         with self._lock:
