@@ -2,6 +2,10 @@
 
 Decode reads every weight once per token, so tokens/s x weight bytes / bandwidth says how close
 it runs to the machine's limit. Each figure is the median of several repetitions.
+
+With several streams (`--parallel N`), N sequences decode together, one forward pass a step for
+all of them as the serving engine runs them: the weights are read once per step, so the streams'
+tokens/s together can be a multiple of one stream's.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numba import njit, prange
 
+from .cache import Rows, blocks_for
 from .model import Model
 
 # Ordinary English to tokenize for the prompt (the text of ../shared/reference/llamacpp_bench.py
@@ -118,6 +123,55 @@ def _one_run(model, cache, prompt_ids, gen_tokens):
     if on_gpu:
         on_gpu.events = None
     return len(prompt_ids) / (first - start), gen_tokens / (end - first), first - start, busy
+
+
+@dataclass
+class ParallelResult:
+    streams: int
+    prompt_tokens: int      # of each stream
+    gen_tokens: int         # decoded by each stream
+    single_tps: float       # median: one stream's decode tokens/s
+    parallel_tps: float     # median: the N streams' decode tokens/s together
+    repeats: int            # of each, one after the other
+
+    @property
+    def speedup(self) -> float:
+        return self.parallel_tps / self.single_tps
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "speedup": self.speedup}
+
+    def summary(self) -> str:
+        return (f"decode: 1 stream {self.single_tps:.1f} tok/s | {self.streams} streams together "
+                f"{self.parallel_tps:.1f} tok/s ({self.speedup:.2f}x) | {self.prompt_tokens} prompt "
+                f"tokens, {self.gen_tokens} decoded a stream (median of {self.repeats}, interleaved)")
+
+
+def run_parallel_bench(model: Model, prompt_ids: list[int], streams: int, gen_tokens: int = 128,
+                       repeats: int = 3, kv_type: str = "f32") -> ParallelResult:
+    """Decode `gen_tokens` greedy tokens after `prompt_ids` in 1 stream, then in `streams` streams
+    together (Model.forward_batch, one pass a step), `repeats` times in turn: the machine's load
+    weighs on both alike."""
+    P, width = len(prompt_ids), blocks_for(len(prompt_ids) + gen_tokens + 1)
+    pool = model.new_pool(streams * width, kv_type)
+    tables = np.arange(streams * width, dtype=np.int32).reshape(streams, width)   # each stream's blocks
+    first = []
+    for s in range(streams):   # every stream's prompt, once: each run decodes after it again
+        rows = Rows.of(np.arange(P), np.full(P, s), tables)
+        first.append(int(np.argmax(model.forward_batch(prompt_ids, rows, pool, [P - 1])[0])))
+
+    def decode(n: int, steps: int) -> float:
+        tokens = first[:n]
+        start = time.perf_counter()
+        for step in range(steps):
+            rows = Rows.of(np.full(n, P + step), np.arange(n), tables[:n])
+            tokens = model.forward_batch(tokens, rows, pool, np.arange(n)).argmax(axis=1)
+        return n * steps / (time.perf_counter() - start)
+
+    decode(streams, 2)   # load the compiled kernels before timing
+    runs = [(decode(1, gen_tokens), decode(streams, gen_tokens)) for _ in range(repeats)]
+    return ParallelResult(streams, P, gen_tokens, statistics.median(r[0] for r in runs),
+                          statistics.median(r[1] for r in runs), repeats)
 
 
 def weight_bytes_per_token(model: Model) -> int:

@@ -428,9 +428,12 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("--write-checkpoint", metavar="DIR", type=click.Path(file_okay=False),
               help="With --shapes: instead of measuring, write a model directory of those shapes with "
                    "random bf16 weights, for nibble quantize and run at that size.")
+@click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Decode N streams together (one forward pass a step, as `nibble serve` does) and "
+                   "compare their tokens/s with one stream's, measured in turn.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu,
-          shapes, write_checkpoint, as_json):
+          shapes, write_checkpoint, parallel, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
     if write_checkpoint:
         if not shapes:
@@ -438,7 +441,7 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         from .synthetic import write_random_checkpoint
         click.echo(f"wrote {write_random_checkpoint(shapes, write_checkpoint)}", err=True)
         return
-    from .bench import PROMPT_TEXT, run_bench
+    from .bench import PROMPT_TEXT, run_bench, run_parallel_bench
     _set_threads(threads)
     ctx = prompt_tokens + gen_tokens + 1
     if shapes:
@@ -456,7 +459,10 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
     else:
         ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
         ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
-    result = run_bench(llm, ids, gen_tokens, repeats, kv_cache)
+    if parallel > 1:
+        result = run_parallel_bench(llm, ids, parallel, gen_tokens, repeats, kv_cache)
+    else:
+        result = run_bench(llm, ids, gen_tokens, repeats, kv_cache)
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 
 

@@ -16,6 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from .sample import Sampler, make_sampler
 from .settings import SamplerSettings
 from .tokenizer import Tokenizer
 
+if TYPE_CHECKING:   # llguidance is imported only by those who constrain a reply
+    from .grammar import Constraint
+
 MAX_LOGPROBS = 20   # top alternatives per token, at most (OpenAI's limit)
 
 
@@ -37,7 +41,7 @@ class Request:
     settings: SamplerSettings
     max_tokens: int
     stop: tuple[str, ...] = ()
-    constraint: object | None = None         # grammar.Constraint: masks what may not follow
+    constraint: Constraint | None = None     # a grammar's: masks what may not come next
     logprobs: int | None = None              # top-n alternatives per token (0..20); None: off
     skip_special: bool = True                # False when tools are on (markers may be special tokens)
 
@@ -64,6 +68,10 @@ class Event:
     finish_reason: str | None                # None while running; "stop", "length" or "error" last
     usage: Usage | None                      # on the last event only
     error: str | None = None                 # with finish_reason "error": what went wrong
+    # The sampled ids behind this event's text, an end token (whose text is never shown) left
+    # out: a server remembers prompt text + reply text -> prompt ids + these (runner/prompt_ids.py)
+    # when they decode to the reply's text (a stop string cuts the text, not the ids).
+    tokens: tuple[int, ...] = ()
 
 
 class Busy(NibbleError):
@@ -88,7 +96,8 @@ class _Sequence:
     ids: list[int]             # the prompt, then the sampled tokens
     prompt_len: int
     pos: int                   # positions whose keys and values are in the pool
-    logprobs: list = field(default_factory=list)   # of the tokens not yet emitted
+    unsent: list[int] = field(default_factory=list)   # sampled ids not yet emitted (end tokens left out)
+    logprobs: list = field(default_factory=list)      # of the tokens not yet emitted
 
     @property
     def prefilling(self) -> bool:
@@ -294,6 +303,8 @@ class Engine:
         if r.constraint is not None:
             r.constraint.advance(token)
         s.ids.append(token)
+        if token not in self.tokenizer.eos_ids:
+            s.unsent.append(token)
         text = s.reply.add(token)
         if r.logprobs is not None:
             s.logprobs.append(self._token_logprob(token, token_logprobs, r.logprobs))
@@ -302,8 +313,9 @@ class Engine:
         if s.reply.finish_reason is not None:
             self._finish(s, text)
         elif text or s.logprobs:
-            self._emit(s.handle, Event(text, tuple(s.logprobs), None, None))
+            self._emit(s.handle, Event(text, tuple(s.logprobs), None, None, tokens=tuple(s.unsent)))
             s.logprobs.clear()
+            s.unsent.clear()
 
     def _token_logprob(self, token: int, logprobs: np.ndarray, n: int) -> TokenLogprob:
         top = np.argpartition(-logprobs, n)[:n] if n else np.empty(0, np.int64)
@@ -313,7 +325,7 @@ class Engine:
                             tuple((int(t), text([t]), float(logprobs[t])) for t in top))
 
     def _finish(self, s: _Sequence, text: str):
-        self._end(s, Event(text, tuple(s.logprobs), s.reply.finish_reason, self._usage(s)))
+        self._end(s, Event(text, tuple(s.logprobs), s.reply.finish_reason, self._usage(s), tokens=tuple(s.unsent)))
 
     def _end(self, s: _Sequence, last: Event):
         with self._lock:

@@ -62,3 +62,13 @@ def test_bench_with_shapes(monkeypatch):
 
 def test_bench_with_unknown_shapes():
     assert_one_line_error(invoke("bench", "--shapes", "llama-9b"), match="unknown shapes 'llama-9b'")
+
+
+def test_bench_parallel_json(tiny_dir):
+    r = invoke("bench", "-m", tiny_dir, "-p", 20, "-n", 6, "-r", 2, "--parallel", 3, "--json")
+    assert r.exit_code == 0, r.output
+    f = json.loads(r.stdout)
+    assert (f["streams"], f["prompt_tokens"], f["gen_tokens"], f["repeats"]) == (3, 20, 6, 2)
+    assert f["single_tps"] > 0 and f["parallel_tps"] > 0
+    assert f["speedup"] == f["parallel_tps"] / f["single_tps"]
+

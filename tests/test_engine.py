@@ -1,16 +1,17 @@
 """The serving engine on the tiny model: replies under load equal to each one's reply alone,
 prefix reuse, cancel, Busy, drain, stops, logprobs."""
+import json
 import queue
-from itertools import islice
 import threading
 
 import numpy as np
 import pytest
 
 from nibble.runner.engine import Busy, Engine, Request
-from nibble.runner.generate import generate_step, stream_generate
+from nibble.runner.generate import stream_generate
 from nibble.runner.loader import load
 from nibble.runner.model import ContextFull
+from nibble.runner.prompt_ids import PromptMemo
 from nibble.runner.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
 
@@ -109,15 +110,23 @@ def test_a_second_request_with_the_same_prefix_prefills_only_its_tail(tiny, engi
     assert reply.last().usage.cached_tokens == common // 16 * 16 > 0
 
 
-def test_a_follow_up_turn_reuses_the_prompt_and_the_reply(tiny, engine):
-    model, tok = tiny
-    p = tok.chat([{"role": "user", "content": "the sky"}])
-    steps = generate_step(model, p, model.new_cache(256), make_sampler(GREEDY), prefill_chunk=8)
-    sampled = list(islice((t for t in steps if t is not None), 20))
-    assert submit(engine, p, max_tokens=20).text() == tok.decode(sampled)
-    follow = p + sampled + tok.encode("<|im_end|>\n<|im_start|>user\nmore<|im_end|>", add_bos=False)
+def test_a_follow_up_turn_reuses_the_prompt_and_the_sampled_reply(tiny, engine):
+    """The server's way: the memo remembers the reply's sampled ids, which the next prompt's text
+    starts with, and the pool still holds them (BPE may tokenize the reply's text otherwise)."""
+    tok = tiny[1]
+    memo = PromptMemo(tok)
+    conv = [{"role": "user", "content": "the sky"}]
+    text = tok.chat_template.render(conv)
+    ids = memo.encode(text)
+    first = submit(engine, ids, max_tokens=20, settings=SamplerSettings(temperature=1.5, seed=3))
+    reply, sampled = first.text(), [t for e in first.all() for t in e.tokens]
+    assert len(sampled) == 20 and tok.decode(sampled) == reply
+    memo.remember(text + reply, ids + sampled)
+    follow = memo.encode(tok.chat_template.render(conv + [{"role": "assistant", "content": reply},
+                                                          {"role": "user", "content": "more"}]))
+    assert follow[:len(ids) + 20] == ids + sampled
     # all that ran: the prompt and the reply but its last token, in full blocks and a partial one
-    assert submit(engine, follow).last().usage.cached_tokens == len(p) + 19
+    assert submit(engine, follow).last().usage.cached_tokens == len(ids) + 19
 
 
 def test_cancel_frees_the_blocks_at_the_next_step(tiny, engine):
@@ -192,3 +201,21 @@ def test_a_reply_ends_at_the_context(tiny):
     last = c.last()
     e.close()
     assert last.finish_reason == "length" and last.usage.completion_tokens == 48 - len(p) + 1
+
+
+def test_a_grammar_per_sequence(tiny, engine):
+    """One reply under a JSON schema beside one without: the constrained one is the reply
+    stream_generate gives under the same grammar, parses, and ends "stop" where the JSON ends."""
+    from nibble.runner.grammar import Grammar
+    model, tok = tiny
+    grammar = Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                   "required": ["n"], "additionalProperties": False})
+    ids = prompts(tok)[:2]
+    shaped = submit(engine, ids[0], 60, constraint=grammar.constraint(tok))
+    free = submit(engine, ids[1], 30)
+    expected = "".join(r.text for r in stream_generate(model, tok, ids[0], sampler=make_sampler(GREEDY),
+                                                         max_tokens=60, prefill_chunk=8,
+                                                         constraint=grammar.constraint(tok)))
+    assert shaped.text() == expected and isinstance(json.loads(expected)["n"], int)
+    assert shaped.last().finish_reason == "stop"
+    assert free.text() == alone(tiny, ids[1], max_tokens=30)

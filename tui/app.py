@@ -24,6 +24,9 @@ from .screens.models import ModelPicker
 from .store import ChatSettings, Store
 
 LOAD_STEPS = 3
+# Chats whose KV blocks the app's pool holds at once (contexts' worth): switching back to one of
+# the last few chats prefills only its new message.
+POOL_CONTEXTS = 4
 
 
 @dataclass
@@ -157,13 +160,23 @@ class ChatApp(App):
             tokenizer.chat_template   # a broken template is a load error, not a first-reply one
             self._post(LoadProgress(ref, 2, "preparing the kernels"))
             session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
-                                  threads=self.threads)
+                                  threads=self.threads, pool=self._pool(model))
             session.warm_up()
         except Exception as e:   # any failure becomes a notification; the app stays usable
             from nibble.formats.errors import NibbleError
             self._post(LoadFailed(ref, str(e) if isinstance(e, NibbleError) else f"{type(e).__name__}: {e}"))
             return
         self._post(ModelLoaded(ref, session, time.perf_counter() - start))
+
+    def _pool(self, model):
+        """The app's one pool of KV blocks, shared by its chats (None with GPU layers, whose
+        cache is their own)."""
+        if model.gpu_stage is not None:
+            return None
+        from nibble.runner.blocks import BlockPool
+        from nibble.runner.cache import blocks_for
+        ctx = min(self.ctx_size, model.config.max_position_embeddings)
+        return BlockPool(model.new_pool(POOL_CONTEXTS * blocks_for(ctx), self.kv_cache))
 
     def on_load_progress(self, m: LoadProgress):
         if m.ref == self.loading:
