@@ -72,6 +72,20 @@ def test_without_prepare_messages_templates_encode_arguments_twice():
     assert '"arguments": "{\\"city\\": \\"Paris\\"' in text
 
 
+def test_a_conversation_with_tools_goes_through_the_tool_use_template():
+    from nibble.runner.tokenizer import Tokenizer
+    from tests.tiny import tiny_model_dir
+    md = tiny_model_dir()
+    hermes = (TEMPLATES / "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
+    md.tokenizer_config = dict(md.tokenizer_config, chat_template=[{"name": "default", "template": CHATML},
+                                                                   {"name": "tool_use", "template": hermes}])
+    tok = Tokenizer(md)
+    assert tool_family(tok.tool_template.source) == "hermes" and tool_family(tok.chat_template.source) == "generic"
+    user = [{"role": "user", "content": "Hi"}]
+    assert "function calling AI model" in tok.tokenizer.decode(tok.chat(user, tools=TOOLS))
+    assert tok.chat(user) == tok.encode(ChatTemplate(CHATML).render(user))
+
+
 def test_mistral_ids_become_nine_alphanumerics_the_same_each_turn():
     source = (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
     with pytest.raises(Exception, match="Tool call IDs should be alphanumeric strings with length 9"):
