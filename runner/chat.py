@@ -54,9 +54,10 @@ class ChatTemplate:
             raise _failure("could not be compiled", e) from None
 
     @classmethod
-    def from_tokenizer_config(cls, config: dict) -> ChatTemplate:
-        """The template named "default" (or the only one) in a tokenizer_config.json dict."""
-        source = _pick_template(config.get("chat_template"))
+    def from_tokenizer_config(cls, config: dict, name: str = "default") -> ChatTemplate:
+        """The template named `name` in a tokenizer_config.json dict; else the one named "default"
+        (or the only one). transformers renders a conversation with tools through "tool_use"."""
+        source = _pick_template(config.get("chat_template"), name)
         tokens = {key: _token_text(config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key)}
         return cls(source, tokens)
 
@@ -95,7 +96,7 @@ def build_messages(prompt: str, system: str | None = None) -> list[dict]:
     return messages + [{"role": "user", "content": prompt}]
 
 
-def _pick_template(chat_template: str | list | None) -> str:
+def _pick_template(chat_template: str | list | None, name: str) -> str:
     """The template text; tokenizer_config.json may hold several as [{"name", "template"}, ...]."""
     if not chat_template:
         raise ChatTemplateError("This model has no chat template, so it cannot be sent a conversation. "
@@ -103,6 +104,8 @@ def _pick_template(chat_template: str | list | None) -> str:
     if isinstance(chat_template, str):
         return chat_template
     named = {t["name"]: t["template"] for t in chat_template}
+    if name in named:
+        return named[name]
     if "default" in named:
         return named["default"]
     if len(named) == 1:

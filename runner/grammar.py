@@ -97,7 +97,8 @@ class Constraint:
 
     def _check(self):
         if self.matcher.is_error():   # a token the mask did not allow, or a limit of llguidance's
-            raise GrammarError(f"the grammar failed: {_one_line(self.matcher.get_error())}")
+            # its first line; the rest dumps the parser's state and the whole grammar
+            raise GrammarError(f"the grammar failed: {self.matcher.get_error().strip().splitlines()[0]}")
 
 
 def _one_line(message: str) -> str:

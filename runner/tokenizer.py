@@ -44,6 +44,14 @@ class Tokenizer:
         return ChatTemplate.from_tokenizer_config(self.config)
 
     @cached_property
+    def tool_template(self) -> ChatTemplate:
+        """The template for a conversation with tools: the one named "tool_use" if the model has
+        one (Hermes 2 and 3 do), as transformers picks it; else chat_template."""
+        if isinstance(self.config.get("chat_template"), list):
+            return ChatTemplate.from_tokenizer_config(self.config, "tool_use")
+        return self.chat_template
+
+    @cached_property
     def eos_ids(self) -> frozenset[int]:
         """Every id that ends a reply: config.json's, generation_config.json's and the eos token's."""
         config_ids, generation_ids, eos_token = self._eos
@@ -79,7 +87,8 @@ class Tokenizer:
     def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Ids of a conversation (and the tools it may call) through the model's chat template,
         ready for the reply."""
-        return self.encode(self.chat_template.render(messages, tools=tools))
+        template = self.tool_template if tools else self.chat_template
+        return self.encode(template.render(messages, tools=tools))
 
     def prompt(self, text: str, system: str | None = None, raw: bool = False) -> list[int]:
         """Ids for a one-shot prompt: raw text, or one user turn through the chat template."""

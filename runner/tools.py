@@ -4,10 +4,14 @@ back, as they stream.
 Each family of templates asks for calls in its own syntax (issue 13's design §4), told apart by
 what the template's source holds, as llama.cpp does:
 
-    hermes   `<tool_call>`: Qwen 2.5/3, Hermes 2/3, SmolLM3   <tool_call>\\n{"name": n, "arguments": {…}}\\n</tool_call>, repeatable
-    llama3   `<|start_header_id|>ipython…`: Llama 3.x         {"name": n, "parameters": {…}}, maybe after <|python_tag|>
-    mistral  `[TOOL_CALLS]`: Mistral                          [TOOL_CALLS][{"name": n, "arguments": {…}}, …]
-    generic  any other template (it ignores tools): nibble lists them in a system message and asks for hermes' form
+    hermes   `<tool_call>` (Qwen 2.5/3, Hermes 2/3, SmolLM3), one block per call:
+             <tool_call>\n{"name": n, "arguments": {…}}\n</tool_call>
+    llama3   `<|start_header_id|>ipython…` (Llama 3.x), one call, maybe after <|python_tag|>:
+             {"name": n, "parameters": {…}}
+    mistral  `[TOOL_CALLS]` (Mistral), the calls in one list:
+             [TOOL_CALLS][{"name": n, "arguments": {…}}, …]
+    generic  any other template (it ignores tools): nibble lists the tools in a system message
+             and asks for hermes' form
 """
 from __future__ import annotations
 
@@ -89,8 +93,8 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None,
     Content None becomes "" and text parts are joined (templates expect a string); a call's
     `arguments`, a JSON string in OpenAI's API, becomes the object it holds (templates write it
     with tojson, which would encode it twice), as does a tool's JSON result for Llama 3's template;
-    Mistral's call ids become 9 alphanumerics. A
-    generic template gets the tools in a system message and the calls and results as text.
+    Mistral's call ids become 9 alphanumerics. A generic template gets the tools in a system
+    message and the calls and results as text. The caller's messages are left as they are.
     """
     out = []
     for m in messages:
@@ -116,7 +120,8 @@ def _text(content, role) -> str:
         kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"}
         if not kinds:
             return "".join(p.get("text", "") for p in content)
-        raise MessageError(f"a {role} message's content may hold text parts only, not {', '.join(sorted(map(str, kinds)))}")
+        others = ", ".join(sorted(map(str, kinds)))
+        raise MessageError(f"a {role} message's content may hold text parts only, not {others}")
     raise MessageError(f"a {role} message's content must be text or a list of text parts")
 
 
@@ -144,8 +149,8 @@ def _mistral_id(call_id: str) -> str:
     conversation renders the same text each turn (its prefix stays cached)."""
     if MISTRAL_ID.fullmatch(call_id):
         return call_id
-    digest = hashlib.blake2b(call_id.encode(), digest_size=8).digest()
-    return "".join("abcdefghijklmnopqrstuvwxyz0123456789"[b % 36] for b in digest + digest[:1])
+    digest = hashlib.blake2b(call_id.encode(), digest_size=9).digest()
+    return "".join("abcdefghijklmnopqrstuvwxyz0123456789"[b % 36] for b in digest)
 
 
 def _generic(messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], None]:
@@ -198,8 +203,9 @@ def forced_call_grammar(family: str, tools: list[dict], name: str | None = None)
         start = f'start: {json.dumps(syntax.start)} "[" call (", " call)* "]"\n'
     elif syntax.end is None:   # llama3: one call, its JSON alone
         start = "start: call\n"
-    else:
-        start = f'start: tagged ("\\n" tagged)*\ntagged: {json.dumps(syntax.start + chr(10))} call {json.dumps(chr(10) + syntax.end)}\n'
+    else:   # hermes: each call in its markers, on lines of their own
+        opening, closing = json.dumps(syntax.start + "\n"), json.dumps("\n" + syntax.end)
+        start = f'start: tagged ("\\n" tagged)*\ntagged: {opening} call {closing}\n'
     return Grammar.lark(start + rules)
 
 
@@ -282,7 +288,8 @@ class ToolCallParser:
             return self._content(raw)
         out = []
         for name, arguments in calls:
-            out.append(Call(self.calls, secrets.token_hex(5)[:9], name, json.dumps(arguments, ensure_ascii=False)))
+            call_id = secrets.token_hex(5)[:9]
+            out.append(Call(self.calls, call_id, name, json.dumps(arguments, ensure_ascii=False)))
             self.calls += 1
         self._after_call = True
         return out

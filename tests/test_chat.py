@@ -65,9 +65,17 @@ def test_named_templates_pick_default_and_added_token_dicts():
                                 {"name": "default", "template": "{{ bos_token }}{{ eos_token }}"}],
               "bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>"}
     assert ChatTemplate.from_tokenizer_config(config).render([]) == "<s></s>"
+    assert ChatTemplate.from_tokenizer_config(config, "tool_use").render([]) == "tools"   # with tools
+    assert ChatTemplate.from_tokenizer_config(config, "nope").render([]) == "<s></s>"
     config["chat_template"] = config["chat_template"][:1] + [{"name": "rag", "template": "x"}]
     with pytest.raises(NibbleError, match="default"):
         ChatTemplate.from_tokenizer_config(config)
+
+
+def test_tools_reach_the_template_as_transformers_passes_them():
+    t = ChatTemplate("{% if tools is none %}none{% else %}{{ tools | map(attribute='function.name') | join(',') }}{% endif %}")
+    tools = [{"type": "function", "function": {"name": n}} for n in ("a", "b")]
+    assert (t.render([]), t.render([], tools=tools)) == ("none", "a,b")
 
 
 def test_hugging_face_environment():

@@ -127,6 +127,15 @@ def test_a_bad_lark_grammar_is_one_line():
         Grammar.lark("start: foo")
 
 
+def test_a_token_the_grammar_forbids_is_one_line():
+    tok = Tokenizer(tiny_model_dir())
+    constraint = Grammar.json_object().constraint(tok)
+    with pytest.raises(GrammarError) as e:
+        constraint.advance(tok.encode("x")[0])
+    assert str(e.value).startswith("the grammar failed: ") and "token \"x\" doesn't satisfy the grammar" in str(e.value)
+    assert "<grammar>" not in str(e.value)
+
+
 def test_a_special_token_the_tokenizer_lacks_is_refused_at_the_constraint():
     grammar = Grammar.lark('start: "x" <|nope|>')
     with pytest.raises(GrammarError, match="bad grammar: .*nope"):

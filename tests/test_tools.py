@@ -19,18 +19,21 @@ FAMILY = {
     "meta-llama-Llama-3.2-3B-Instruct": "llama3",
     "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
 }
+# SmolLM2's kind of template: it ignores tools
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")   # SmolLM2's kind
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city", "maxLength": 12},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "description": "the city", "maxLength": 12},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 ADD = {"type": "function", "function": {
     "name": "add", "description": "a + b",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+    "parameters": {"type": "object",
+                   "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
                    "required": ["a", "b"], "additionalProperties": False}}}
 TOOLS = [WEATHER, ADD]
 NAMES = ["get_weather", "add"]
@@ -70,6 +73,20 @@ def test_without_prepare_messages_templates_encode_arguments_twice():
     """The quirk prepare_messages is for (design §4): Qwen 2.5 writes a string with tojson."""
     text = ChatTemplate((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()).render(TURN, tools=TOOLS)
     assert '"arguments": "{\\"city\\": \\"Paris\\"' in text
+
+
+def test_a_conversation_with_tools_goes_through_the_tool_use_template():
+    from nibble.runner.tokenizer import Tokenizer
+    from tests.tiny import tiny_model_dir
+    md = tiny_model_dir()
+    hermes = (TEMPLATES / "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
+    md.tokenizer_config = dict(md.tokenizer_config, chat_template=[{"name": "default", "template": CHATML},
+                                                                   {"name": "tool_use", "template": hermes}])
+    tok = Tokenizer(md)
+    assert tool_family(tok.tool_template.source) == "hermes" and tool_family(tok.chat_template.source) == "generic"
+    user = [{"role": "user", "content": "Hi"}]
+    assert "function calling AI model" in tok.tokenizer.decode(tok.chat(user, tools=TOOLS))
+    assert tok.chat(user) == tok.encode(ChatTemplate(CHATML).render(user))
 
 
 def test_mistral_ids_become_nine_alphanumerics_the_same_each_turn():
@@ -121,7 +138,8 @@ def parse(family, text, pieces=1):
             merged[-1] = Content(merged[-1].text + d.text)
         else:
             merged.append(d)
-    return [(d.text if isinstance(d, Content) else (d.index, d.name, json.loads(d.arguments))) for d in merged], parser
+    got = [d.text if isinstance(d, Content) else (d.index, d.name, json.loads(d.arguments)) for d in merged]
+    return got, parser
 
 
 HERMES_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
