@@ -105,6 +105,17 @@ def test_a_streamed_chat_reply_is_the_blocking_one_in_pieces(server):
     assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_a_follow_up_turn_finds_the_first_turn_and_its_reply_in_the_cache(server):
+    """The reply as sampled, not as its text tokenizes again: the server remembers the ids."""
+    messages = [{"role": "user", "content": "Numba compiles Python to machine code, said the fox"}]
+    first = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, **GREEDY)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    then = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **GREEDY)
+    held = first.usage.prompt_tokens + first.usage.completion_tokens - 1   # the last token sampled, never run
+    assert then.usage.prompt_tokens_details.cached_tokens >= held // 16 * 16   # every full block of them
+
+
 def test_completions_streamed_and_not(server):
     whole = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=10,
                                              logprobs=2, **GREEDY)

@@ -22,10 +22,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nibble.formats.errors import NibbleError
-from ..engine import Busy, Engine, Event
+from ..engine import Busy, Event
 from . import api
 from .api import ApiError, Stamp
-from .replies import ChatDeltas, Served, chat_turn, completion_request
+from .replies import ChatDeltas, Served, Turn, chat_turn, completion_turn
 
 MAX_BODY = 1 << 20   # bytes: a 32k-token conversation is ~130 KB of JSON
 
@@ -62,7 +62,7 @@ async def chat(served: Served, request: Request) -> Response:
     _check_model(served, body.options.model)
     turn = await run_in_threadpool(chat_turn, served, body)   # template, tokenizer, grammar: off the loop
     stamp, deltas = Stamp.new("chatcmpl", served.name), ChatDeltas(turn.tool_names, served.family)
-    pending = Pending(served.engine, turn.request)
+    pending = Pending(served, turn)
     if body.options.stream:
         return EventStream(chat_chunks(stamp, pending, deltas, body.options.include_usage), pending)
     with pending:
@@ -72,8 +72,8 @@ async def chat(served: Served, request: Request) -> Response:
 async def completions(served: Served, request: Request) -> Response:
     body = api.parse_completion(await read_json(request))
     _check_model(served, body.options.model)
-    engine_request = await run_in_threadpool(completion_request, served, body)
-    stamp, pending = Stamp.new("cmpl", served.name), Pending(served.engine, engine_request)
+    turn = await run_in_threadpool(completion_turn, served, body)
+    stamp, pending = Stamp.new("cmpl", served.name), Pending(served, turn)
     if body.options.stream:
         return EventStream(text_chunks(stamp, pending, body.options.include_usage), pending)
     with pending:
@@ -89,9 +89,10 @@ async def health(served: Served, request: Request) -> Response:
 
 
 class Pending:
-    """A submitted request, its events arriving on the event loop (the engine emits on its thread)."""
+    """A submitted request, its events arriving on the event loop (the engine emits on its thread).
+    A reply that ends well is remembered for the next turn (Served.remember)."""
 
-    def __init__(self, engine: Engine, request):
+    def __init__(self, served: Served, turn: Turn):
         loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(event: Event):
@@ -100,14 +101,19 @@ class Pending:
             except RuntimeError:   # the loop has closed: the server stopped, nobody is waiting
                 pass
         try:
-            self.handle = engine.submit(request, emit)
+            self.handle = served.engine.submit(turn.request, emit)
         except Busy as e:
             raise ApiError(503, f"{e}: try again in a moment", type="server_error", code="server_busy") from None
-        self.engine, self.done = engine, False
+        self.served, self.turn, self.done = served, turn, False
+        self.text, self.tokens = [], []   # the reply so far
 
     async def next(self) -> Event:
         event = await self.events.get()
+        self.text.append(event.text)
+        self.tokens += event.tokens
         self.done = event.finish_reason is not None
+        if event.finish_reason in ("stop", "length"):
+            self.served.remember(self.turn, "".join(self.text), self.tokens)
         return event
 
     def __enter__(self) -> Pending:
@@ -116,7 +122,7 @@ class Pending:
     def __exit__(self, *exc):
         """Cancel the request unless it has finished: the client left, or the handler failed."""
         if not self.done:
-            self.engine.cancel(self.handle)
+            self.served.engine.cancel(self.handle)
 
 
 async def chat_chunks(stamp: Stamp, pending: Pending, deltas: ChatDeltas, include_usage: bool) -> AsyncIterator[dict]:
@@ -171,16 +177,15 @@ async def text_chunks(stamp: Stamp, pending: Pending, include_usage: bool) -> As
 
 
 async def text_reply(stamp: Stamp, pending: Pending) -> Response:
-    texts, tokens = [], []
+    tokens = []
     while True:
         event = await pending.next()
         if event.finish_reason == "error":
             return error_response(_failed(event))
-        texts.append(event.text)
         tokens += event.logprobs
         if event.finish_reason:
             break
-    return JSONResponse(api.text_completion(stamp, "".join(texts), event.finish_reason, tokens, event.usage))
+    return JSONResponse(api.text_completion(stamp, "".join(pending.text), event.finish_reason, tokens, event.usage))
 
 
 def _failed(event: Event) -> ApiError:

@@ -33,21 +33,32 @@ class Served:
         self.memo, self._memo_lock = PromptMemo(self.tokenizer), threading.Lock()
 
     def encode(self, text: str) -> list[int]:
-        """A prompt's ids, starting with those of the longest prompt seen before that it extends
-        (a conversation's earlier turns): the ids the pool holds, so that only the rest runs."""
+        """A prompt's ids, starting with those of the longest prompt or prompt and reply seen
+        before that it extends (a conversation's earlier turns): the ids the pool holds, so that
+        only the rest runs."""
         with self._memo_lock:   # handlers encode on the thread pool
             ids = self.memo.encode(text)
             self.memo.remember(text, ids)
         return ids
 
+    def remember(self, turn: Turn, reply: str, reply_ids: list[int]):
+        """After a reply: its prompt and text are spelled by its prompt's ids and the ids sampled,
+        which a next turn that repeats them finds in the pool (its text tokenized afresh may
+        differ). Not when the ids say more than the text (a stop string cut it)."""
+        if self.tokenizer.decode(reply_ids) == reply:
+            with self._memo_lock:
+                self.memo.remember(turn.text + reply, turn.request.prompt_ids + reply_ids)
+
 
 @dataclass
-class ChatTurn:
+class Turn:
+    """What a request becomes: the engine's Request, and what the server keeps to read its reply."""
     request: Request
-    tool_names: tuple[str, ...]   # the tools whose calls are parsed out of the reply (none: plain text)
+    text: str                          # the prompt as text (the memo's key)
+    tool_names: tuple[str, ...] = ()   # the tools whose calls are parsed out of the reply (none: plain text)
 
 
-def chat_turn(served: Served, body: ChatBody) -> ChatTurn:
+def chat_turn(served: Served, body: ChatBody) -> Turn:
     """The engine request for a chat body: ApiError (400) for what the model cannot take."""
     tools = body.tools if body.tool_choice != "none" else []
     try:   # a generic template gets the tools in a system message, and no `tools`
@@ -68,11 +79,11 @@ def chat_turn(served: Served, body: ChatBody) -> ChatTurn:
     request = _request(served, served.encode(text), body.options, "messages", grammar)
     if tools:   # the family's markers may be special tokens, which plain decoding drops
         request = replace(request, skip_special=False)
-    return ChatTurn(request, tuple(t["function"]["name"] for t in tools))
+    return Turn(request, text, tuple(t["function"]["name"] for t in tools))
 
 
-def completion_request(served: Served, body: CompletionBody) -> Request:
-    return _request(served, served.encode(body.prompt), body.options, "prompt")
+def completion_turn(served: Served, body: CompletionBody) -> Turn:
+    return Turn(_request(served, served.encode(body.prompt), body.options, "prompt"), body.prompt)
 
 
 def _request(served: Served, ids: list[int], options: Options, what: str, grammar: Grammar | None = None) -> Request:
