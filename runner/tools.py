@@ -184,9 +184,12 @@ def _hermes_call(function: dict) -> str:
     return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
 
 
-def forced_call_grammar(family: str, tools: list[dict], name: str | None = None) -> Grammar:
+def forced_call_grammar(family: str, tools: list[dict], name: str | None = None,
+                        parallel: bool = False) -> Grammar:
     """A grammar that lets the model write only calls, in its family's syntax, of `tools` (of the
-    one named `name`): OpenAI's tool_choice "required" (or a named function)."""
+    one named `name`): OpenAI's tool_choice "required" (or a named function). One call unless
+    `parallel` (OpenAI's parallel_tool_calls; off by default, as in llama.cpp): a small model
+    allowed more keeps writing calls until max_tokens rather than ending after the first."""
     functions = [t.get("function") or {} for t in tools]
     if name is not None:
         functions = [f for f in functions if f.get("name") == name]
@@ -200,12 +203,14 @@ def forced_call_grammar(family: str, tools: list[dict], name: str | None = None)
                       for f in functions], "x-guidance": COMPACT}
     rules = f"call: %json {json.dumps(call)}\n"
     if syntax.listed:
-        start = f'start: {json.dumps(syntax.start)} "[" call (", " call)* "]"\n'
+        more = '(", " call)*' if parallel else ""
+        start = f'start: {json.dumps(syntax.start)} "[" call {more} "]"\n'
     elif syntax.end is None:   # llama3: one call, its JSON alone
         start = "start: call\n"
     else:   # hermes: each call in its markers, on lines of their own
         opening, closing = json.dumps(syntax.start + "\n"), json.dumps("\n" + syntax.end)
-        start = f'start: tagged ("\\n" tagged)*\ntagged: {opening} call {closing}\n'
+        more = '("\\n" tagged)*' if parallel else ""
+        start = f'start: tagged {more}\ntagged: {opening} call {closing}\n'
     return Grammar.lark(start + rules)
 
 

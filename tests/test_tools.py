@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from nibble.runner.chat import ChatTemplate
+from nibble.runner.grammar import GrammarError
 from nibble.runner.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.tools import (Call, Content, MessageError, ToolCallParser, forced_call_grammar,
@@ -196,6 +197,26 @@ def test_llama3_holds_a_reply_that_starts_with_a_brace_until_its_end():
 def test_a_forced_call_names_a_listed_function():
     with pytest.raises(MessageError, match="tool_choice names the function 'rm', which is not among the tools"):
         forced_call_grammar("hermes", TOOLS, "rm")
+
+
+@pytest.mark.parametrize("family", ["hermes", "mistral"])
+def test_a_forced_grammar_allows_a_second_call_only_when_parallel(tiny, family):
+    _, tok = tiny
+    one = {"name": "add", "arguments": {"a": 1, "b": 2}}
+    text = ("[TOOL_CALLS][" + json.dumps(one) + ", " + json.dumps(one) + "]" if family == "mistral"
+            else "<tool_call>\n" + json.dumps(one) + "\n</tool_call>\n<tool_call>\n" + json.dumps(one)
+            + "\n</tool_call>")
+
+    def consumed(parallel):
+        constraint = forced_call_grammar(family, TOOLS, parallel=parallel).constraint(tok)
+        for token in tok.encode(text, add_bos=False):
+            try:
+                constraint.advance(token)
+            except GrammarError:
+                return False
+        return True
+
+    assert consumed(parallel=True) and not consumed(parallel=False)
 
 
 # Forced calls on the tiny model: whatever its weights, the reply is a call the parser takes.

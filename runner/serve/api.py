@@ -67,6 +67,7 @@ class ChatBody:
     tools: list[dict]              # OpenAI's [{"type": "function", "function": {...}}], as given
     tool_choice: str               # "none" | "auto" | "required" (a named tool: "required" + tool_name)
     tool_name: str | None
+    parallel_tool_calls: bool      # a forced call may be several (OpenAI's field; off unless true, as in llama.cpp)
     response_format: str           # "text" | "json_object" | "json_schema"
     schema: dict | None            # json_schema's schema
 
@@ -89,6 +90,7 @@ def parse_chat(body) -> ChatBody:
     options = _options(body, newer if newer is not None else max_tokens, (top or 0) if logprobs else None)
     tools = _tools(body)
     tool_choice, tool_name = _tool_choice(body, tools)
+    parallel_tool_calls = _value(body, "parallel_tool_calls", bool) or False
     response_format, schema = _response_format(body)
     if response_format != "text" and tool_choice != "none":
         raise bad("response_format", "cannot be combined with tools: send one or the other")
@@ -96,7 +98,7 @@ def parse_chat(body) -> ChatBody:
     if not messages:
         raise bad("messages", "must be a non-empty list of messages")
     return ChatBody([_message(m, i) for i, m in enumerate(messages)], options, tools, tool_choice, tool_name,
-                    response_format, schema)
+                    parallel_tool_calls, response_format, schema)
 
 
 def parse_completion(body) -> CompletionBody:

@@ -27,7 +27,7 @@ class Served:
 
     def __post_init__(self):
         try:
-            self.family = tool_family(self.tokenizer.chat_template.source)
+            self.family = tool_family(self.tokenizer.tool_template.source)
         except ChatTemplateError:   # no chat template: /v1/completions still works
             self.family = "generic"
         self.memo, self._memo_lock = PromptMemo(self.tokenizer), threading.Lock()
@@ -63,13 +63,15 @@ def chat_turn(served: Served, body: ChatBody) -> Turn:
     tools = body.tools if body.tool_choice != "none" else []
     try:   # a generic template gets the tools in a system message, and no `tools`
         messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
-        text = served.tokenizer.chat_template.render(messages, tools=template_tools)
+        template = served.tokenizer.tool_template if tools else served.tokenizer.chat_template
+        text = template.render(messages, tools=template_tools)
     except MessageError as e:
         raise ApiError(400, str(e), "messages") from None
     except ChatTemplateError as e:
         raise ApiError(400, _server_words(str(e)), "messages") from None
     if tools and body.tool_choice == "required":
-        grammar = _grammar(lambda: forced_call_grammar(served.family, tools, body.tool_name), "tools")
+        grammar = _grammar(lambda: forced_call_grammar(served.family, tools, body.tool_name,
+                                                               body.parallel_tool_calls), "tools")
     elif body.response_format == "json_schema":
         grammar = _grammar(lambda: Grammar.json_schema(body.schema), "response_format.json_schema.schema")
     elif body.response_format == "json_object":
