@@ -4,19 +4,39 @@ import pytest
 
 from nibble.runner.cache import BLOCK, Rows
 from nibble.runner.kernels import cpu
+from nibble.runner.kernels.cpu import SMALL
 from tests import reference
 
 rng = np.random.default_rng(0)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("T,K,N", [(1, 96, 40), (7, 96, 42), (70, 33, 21)])   # tiles and their edges
+@pytest.mark.parametrize("T,K,N", [(1, 96, 40), (7, 96, 42), (70, 33, 21), (71, 96, 42)])   # tiles and their edges
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_matmul(T, K, N, accumulate):
     x, w, out = f32(T, K), f32(N, K), f32(T, N)
     want = x.astype(np.float64) @ w.T + (out if accumulate else 0)
     cpu.matmul(x, w, out, accumulate)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("K", [96, 33])   # whole steps of 16, and leftovers
+def test_decode_rows_are_each_as_alone(K):
+    """Up to SMALL rows (decoded tokens of several sequences): each row of matmul, project_qkv
+    and swiglu bit-identical to the same row alone."""
+    x, w, w2, w3 = f32(SMALL, K), f32(40, K), f32(16, K), f32(16, K)
+    out = lambda T, N: np.empty((T, N), np.float32)
+    runs = [(lambda x, o: cpu.matmul(x, w, o[0], False), (40,)),
+            (lambda x, o: cpu.project_qkv(x, w, w2, w3, *o), (40, 16, 16)),
+            (lambda x, o: cpu.swiglu(x, w2, w3, o[0]), (16,))]
+    for run, widths in runs:
+        together = [out(SMALL, N) for N in widths]
+        run(x, together)
+        for t in range(SMALL):
+            alone = [out(1, N) for N in widths]
+            run(x[t:t + 1], alone)
+            for a, b in zip(together, alone):
+                np.testing.assert_array_equal(a[t], b[0])
 
 
 def test_matmul_reads_memmapped_weights(tmp_path):
@@ -28,7 +48,7 @@ def test_matmul_reads_memmapped_weights(tmp_path):
     np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, 5, 12])
 def test_swiglu(T):
     x, wg, wu = f32(T, 64), f32(48, 64), f32(48, 64)
     out = np.empty((T, 48), np.float32)
@@ -149,7 +169,7 @@ def test_store_kv_through_a_block_table(dtype):
     np.testing.assert_allclose(attend(q, kv, rows, 0), want_attention(q, kv, rows, 0), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("T", [1, 3, 12])
 def test_project_qkv(T):
     x, wq, wk, wv = f32(T, 32), f32(24, 32), f32(8, 32), f32(8, 32)
     q, k, v = np.empty((T, 24), np.float32), np.empty((T, 8), np.float32), np.empty((T, 8), np.float32)

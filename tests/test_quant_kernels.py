@@ -2,15 +2,18 @@
 
 The twin unpacks the uint32 words with numpy shifts (element k of a row: word k*bits//32, bit offset
 (k*bits) % 32) and computes in float64; it shares no code with the kernels, which read bytes.
-Decode (T = 1) quantizes the activations to int16 per group, so it is compared at 1e-4 of the
-magnitude bound |x| @ |W|.T; prefill is float32 throughout.
+Decode (T <= SMALL) quantizes the activations to int16 per group, so it is compared at 1e-4 of
+the magnitude bound |x| @ |W|.T; prefill is float32 throughout.
 """
 import numpy as np
 import pytest
 from numba import njit
 
+from nibble.formats.half import HalfTensor
 from nibble.runner.kernels import linear
 from nibble.quant.affine import QuantizedTensor
+from nibble.runner.kernels.cpu import SMALL
+from nibble.runner.kernels.quant_decode import matvec_rows
 from nibble.runner.kernels.linear import prepare, qmatmul
 from nibble.runner.kernels.prefill import dequantize, dequantize_rows
 
@@ -48,7 +51,7 @@ def k_for(bits, G):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("G", [32, 64, 128])
-@pytest.mark.parametrize("T", [1, 3, 70])
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 70])   # decode rows: pairs and a remainder; tiles
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_qmatmul(bits, G, T, accumulate):
     N, K = 37, k_for(bits, G)          # N odd: rows pair up as (i, i + 19), the last one alone
@@ -70,6 +73,41 @@ def test_decode_on_larger_rows(bits):
     out = np.empty((1, N), np.float32)
     qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, False)
     check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("B", [2, 3, 5, SMALL])
+def test_decode_rows_are_each_as_alone(bits, G, B):
+    """matvec_rows: every row of x bit-identical to the same row through it alone (B = 1, which
+    is decode): batched sequences decode as they would one by one."""
+    N, K = 37, k_for(bits, G)
+    w, s, b = mlx_weight(N, K, bits, G)
+    qw = prepare(QuantizedTensor(w, s, b, bits, G))
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    x[1, 3] = 30.0                                   # rows of other magnitudes beside each other
+    out = np.empty((B, N), np.float32)
+    matvec_rows(x, qw, out, False)
+    check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
+    for r in range(B):
+        alone = np.empty((1, N), np.float32)
+        matvec_rows(x[r:r + 1], qw, alone, False)
+        np.testing.assert_array_equal(out[r], alone[0])
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+@pytest.mark.parametrize("K", [64, 70])          # whole steps of 16, and leftovers
+def test_16_bit_decode_rows_are_each_as_alone(bf16, K):
+    w32 = rng.standard_normal((29, K)).astype(np.float32)
+    w = HalfTensor((w32.view(np.uint32) >> 16).astype(np.uint16) if bf16 else w32.astype(np.float16).view(np.uint16), bf16)
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    out = np.empty((5, 29), np.float32)
+    qmatmul(x, w, out, False)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.widen().T, rtol=1e-5, atol=1e-5)
+    for r in range(5):
+        alone = np.empty((1, 29), np.float32)
+        qmatmul(x[r:r + 1], w, alone, False)
+        np.testing.assert_array_equal(out[r], alone[0])
 
 
 def test_zero_activations():

@@ -5,6 +5,7 @@ import pytest
 from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.affine import dequantize
 from nibble.quant.convert import quantize_model, read_linear
+from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.model import Model
 from tests import reference
 from tests.tiny import tiny_model_dir
@@ -25,16 +26,17 @@ def test_quantized_forward_matches_reference(model_type, bits, group, tmp_path):
     q = quantize_model(tiny_model_dir(model_type), bits, group).model
     md = read_model_dir(write_model_dir(q, tmp_path / "q"))   # memory-mapped, as `nibble run` reads it
     floats = dequantized(md.tensors, md.config.quantization)
-    tokens = np.random.default_rng(5).integers(0, md.config.vocab_size, 14)
+    n = SMALL + 2   # more tokens than the decode kernels take: the float prefill path
+    tokens = np.random.default_rng(5).integers(0, md.config.vocab_size, n + 8)
     want = reference.forward(md.config, floats, tokens)
     model = Model(md.config, md.tensors)
     cache = model.new_cache(32)
-    prefill = model.forward(tokens[:6], cache, all_logits=True)      # the float prefill path
-    decode = np.array([model.forward([t], cache)[0] for t in tokens[6:]])   # the integer decode path
+    prefill = model.forward(tokens[:n], cache, all_logits=True)
+    decode = np.array([model.forward([t], cache)[0] for t in tokens[n:]])   # the integer decode path
     scale = np.abs(want).max()
-    assert np.abs(prefill - want[:6]).max() < 1e-4 * scale
+    assert np.abs(prefill - want[:n]).max() < 1e-4 * scale
     # decode rounds activations to 16 bits per group: close, not exact
-    assert np.abs(decode - want[6:]).max() < 2e-3 * scale
+    assert np.abs(decode - want[n:]).max() < 2e-3 * scale
 
 
 def test_quantized_weights_are_not_copied(tmp_path):

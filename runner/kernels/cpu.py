@@ -8,27 +8,35 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .simd import fma, hsum, load_f32x8, zero_f32
+
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
 _jit = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")
+
+# Most rows that go through the decode kernels (here, quant_decode's, half's), which read each
+# weight once for all rows and compute each row as they would alone; more rows go through the
+# tiles. Model.forward_batch decodes sequences in groups of SMALL. Where the tiles catch up
+# (tests/bench_batch.py, int4, 2 threads): SmolLM2's matrices at 12-16 rows, Llama-2-7B's past 16.
+SMALL = 16
 
 
 @njit(parallel=True, **_jit)
 def matmul(x, w, out, accumulate):
     """out[T, N] (+)= x[T, K] @ w[N, K].T -- by far the most time is spent here.
 
-    Decode (T = 1) is a matrix-vector product bound by reading w: rows split across threads.
-    Prefill multiplies in tiles of 16 rows x 64 tokens (about 100 KB, kept in L2) with a
-    register-blocked 2-token x 4-row micro-kernel, so each load feeds several FMAs.
+    Decode (T <= SMALL) is bound by reading w: rows split across threads, each row read once and
+    dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill multiplies
+    in tiles of 16 rows x 64 tokens (about 100 KB, kept in L2) with a register-blocked 2-token x
+    4-row micro-kernel, so each load feeds several FMAs.
     """
     T, K = x.shape
     N = w.shape[0]
-    if T == 1:
+    if T <= SMALL:
         for n in prange(N):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += x[0, k] * w[n, k]
-            out[0, n] = out[0, n] + acc if accumulate else acc
+            for t in range(T):
+                acc = _dot(x, t, w, n)
+                out[t, n] = out[t, n] + acc if accumulate else acc
         return
     for nb in prange((N + ROWS - 1) // ROWS):
         n_end = min(N, nb * ROWS + ROWS)
@@ -88,6 +96,22 @@ def _dots(x, w, out, t0, t1, n0, n1, accumulate):
             out[t, n] = out[t, n] + acc if accumulate else acc
 
 
+@njit(inline="always", **_jit)
+def _dot(x, t, w, n):
+    """x[t] . w[n] (C-contiguous rows of K): two accumulators of 8 lanes, K % 16 one by one."""
+    K = x.shape[1]
+    K16 = K - K % 16
+    xt, wn = t * K, n * K   # flat indexes of the rows
+    a0, a1 = zero_f32(), zero_f32()
+    for k in range(0, K16, 16):
+        a0 = fma(load_f32x8(x, xt + k), load_f32x8(w, wn + k), a0)
+        a1 = fma(load_f32x8(x, xt + k + 8), load_f32x8(w, wn + k + 8), a1)
+    s = hsum(a0) + hsum(a1)
+    for k in range(K16, K):
+        s += x[t, k] * w[n, k]
+    return s
+
+
 @njit(parallel=True, **_jit)
 def silu_mul(g, up):
     """g[T, F] = silu(g) * up, in place"""
@@ -110,7 +134,7 @@ def gelu_tanh_mul(g, up):
 @njit(parallel=True, **_jit)
 def project_qkv(x, wq, wk, wv, q, k, v):
     """q, k, v = x @ wq.T, x @ wk.T, x @ wv.T; for decode all rows in one parallel region."""
-    if x.shape[0] > 1:
+    if x.shape[0] > SMALL:
         matmul(x, wq, q, False)
         matmul(x, wk, k, False)
         matmul(x, wv, v, False)
@@ -124,29 +148,24 @@ def project_qkv(x, wq, wk, wv, q, k, v):
             w, out, row = wk, k, n - nq
         else:
             w, out, row = wv, v, n - nq - nk
-        acc = np.float32(0.0)
-        for i in range(x.shape[1]):
-            acc += x[0, i] * w[row, i]
-        out[0, row] = acc
+        for t in range(x.shape[0]):
+            out[t, row] = _dot(x, t, w, row)
 
 
 @njit(parallel=True, **_jit)
 def swiglu(x, w_gate, w_up, out):
     """out[T, F] = silu(x @ w_gate.T) * (x @ w_up.T); for decode both matrices in one pass."""
     T, K = x.shape
-    if T > 1:
+    if T > SMALL:
         up = np.empty_like(out)
         matmul(x, w_gate, out, False)
         matmul(x, w_up, up, False)
         silu_mul(out, up)
         return
     for f in prange(w_gate.shape[0]):
-        g = np.float32(0.0)
-        u = np.float32(0.0)
-        for k in range(K):
-            g += x[0, k] * w_gate[f, k]
-            u += x[0, k] * w_up[f, k]
-        out[0, f] = g / (np.float32(1.0) + np.exp(-g)) * u
+        for t in range(T):
+            g, u = _dot(x, t, w_gate, f), _dot(x, t, w_up, f)
+            out[t, f] = g / (np.float32(1.0) + np.exp(-g)) * u
 
 
 @njit(**_jit)

@@ -1,6 +1,6 @@
 """out (+)= x @ W.T for any weight: the one place that chooses between the float32 kernels
-(cpu.py), the quantized ones (quant_decode.py for one token) and the 16-bit float ones (half.py
-for one token); several tokens through either of the last two go through prefill.py's tiles.
+(cpu.py), the quantized ones (quant_decode.py for up to SMALL tokens) and the 16-bit float ones
+(half.py, the same); more tokens through either of the last two go through prefill.py's tiles.
 
 Inside njit code the choice is made at compile time from the weight's numba type (the overloads
 below), so one jitted decoder layer serves float32, bf16/f16 and quantized models; from Python,
@@ -13,14 +13,10 @@ from numba.extending import overload
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
 from . import cpu, half, prefill, quant_decode
-from .cpu import _jit
+from .cpu import SMALL, _jit
 
 # a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits
 Weight = np.ndarray | QuantizedTensor | HalfTensor
-
-# Most rows that go through the per-row (decode) kernels, which compute each row as they would
-# alone; more go through prefill's tiles. Model.forward_batch groups decoded rows by it.
-SMALL = 1
 
 
 def prepare(qt: QuantizedTensor) -> QuantizedTensor:
@@ -60,8 +56,9 @@ def qmatmul(x, w, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor or a HalfTensor W; x, out
     float32. Callable from Python and from inside other njit functions.
 
-    T = 1 takes the decode path, bound by memory bandwidth (quantized: x quantized to int16 per
-    group, integer dot products; 16-bit: widened on the fly); T > 1 prefill's float tiles.
+    T <= SMALL takes the decode path, bound by memory bandwidth, each weight read once for all
+    rows (quantized: x quantized to int16 per group, integer dot products; 16-bit: widened on the
+    fly); more rows prefill's float tiles.
     """
     T, K = x.shape
     N, Kw = prefill.dims(w)
@@ -74,15 +71,15 @@ def qmatmul(x, w, out, accumulate):
 
 
 def _matvec(x, w, out, accumulate):
-    """out[1, N] (+)= x[1, K] @ W.T (njit code only)."""
+    """out[T, N] (+)= x[T, K] @ W.T for a few rows (njit code only)."""
 
 
 @overload(_matvec)
 def _matvec_typed(x, w, out, accumulate):
     if w.instance_class is QuantizedTensor:
-        return lambda x, w, out, accumulate: quant_decode.matvec(x, w, out, accumulate)
+        return lambda x, w, out, accumulate: quant_decode.matvec_rows(x, w, out, accumulate)
     if w.instance_class is HalfTensor:
-        return lambda x, w, out, accumulate: half.matvec(x, w, out, accumulate)
+        return lambda x, w, out, accumulate: half.matvec_rows(x, w, out, accumulate)
 
 
 def linear(x, w, out, accumulate):

@@ -1,4 +1,4 @@
-"""Prefill (several tokens) through a quantized or 16-bit float weight W: out[T, N] (+)= x[T, K]
+"""Prefill (more than cpu.SMALL tokens) through a quantized or 16-bit float weight W: out[T, N] (+)= x[T, K]
 @ W.T, and W as float32 (whole, or the rows of an embedding lookup).
 
 Prefill is bound by arithmetic: a tile of rows is made float32 once (dequantized: a prepared

@@ -1,12 +1,17 @@
-"""Quantized decode (one token): out[1, N] (+)= x[1, K] @ W.T for a prepared QuantizedTensor W.
+"""Quantized decode (a few tokens): out[B, N] (+)= x[B, K] @ W.T for a prepared QuantizedTensor W.
 
-Decode reads each weight once and is bound by memory bandwidth. The activation row is quantized
+Decode reads each weight once and is bound by memory bandwidth. Each activation row is quantized
 to int16 per group (dx: its scale) and the dot products run on integers, 16 multiply-adds an
 instruction (x86 vpmaddwd), 8 lanes wide (simd.py). Per row,
 
-    out[n] = sum_g scales[n, g] * dx[g] * sum_k xq[k] q[n, k]  +  sum_g biases[n, g] * sum_k x[k]
+    out[r, n] = sum_g scales[n, g] * dx[r, g] * sum_k xq[r, k] q[n, k]  +  sum_g biases[n, g] * xs[r, g]
 
-where q are the weight's integers, read as the little-endian bytes of MLX's uint32 words.
+where q are the weight's integers, read as the little-endian bytes of MLX's uint32 words, and
+xs[r, g] the sums of x's groups. Several rows of x (the decoded tokens of several sequences)
+share each weight read from memory: a task unpacks two weight rows and dots them with two rows
+of x at a time, from L1 again for the next two. Each output is summed in the same order whatever
+B and whichever x rows it is paired with (the integer sums are exact): a row's result does not
+depend on the other rows, which makes a batch of sequences decode as each would alone.
 """
 import numpy as np
 from numba import njit, prange
@@ -15,47 +20,69 @@ from .cpu import _jit
 from .simd import hsum, load_16x16, load_u8x16, madd, nibble, scale_add, vadd, zero_f32, zero_i32
 
 f32 = np.float32
+# no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
+# x row than for two (the SLP vectorizer packs some rows' scalar sums into vectors)
+_jit = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
 
 
 @njit(**_jit)
-def matvec(x, qw, out, accumulate):
-    """out[1, N] (+)= x[1, K] @ W.T, shapes checked by the caller (linear.qmatmul)."""
-    K, G = x.shape[1], qw.group_size
-    xq = np.empty(K, np.int16)
-    dx = np.empty(K // G, np.float32)
-    xs = np.empty(K // G, np.float32)
-    quantize_activation(x[0], G, qw.bits, xq, dx, xs)
-    _rows(xq, dx, xs, x[0], qw.weight.view(np.uint8), qw.scales, qw.biases, qw.bits, G, out, accumulate)
+def matvec_rows(x, qw, out, accumulate):
+    """out[B, N] (+)= x[B, K] @ W.T, shapes checked by the caller (linear.qmatmul)."""
+    B, K = x.shape
+    G = qw.group_size
+    xq = np.empty((B, K), np.int16)
+    dx = np.empty((B, K // G), np.float32)
+    xs = np.empty((B, K // G), np.float32)
+    for r in range(B):
+        quantize_activation(x[r], G, qw.bits, xq[r], dx[r], xs[r])
+    _rows(xq, dx, xs, x, qw.weight.view(np.uint8), qw.scales, qw.biases, qw.bits, G, out, accumulate)
 
 
 @njit(parallel=True, **_jit)
 def _rows(xq, dx, xs, x, q, s, b, bits, G, out, accumulate):
-    """Every row's dot product with x, two rows a task."""
-    N = q.shape[0]
+    """Every weight row's dot products with the rows of x, two weight rows a task."""
+    N, B = q.shape[0], x.shape[0]
     H = (N + 1) // 2
     for j in prange(H):        # each thread: a range of rows and the same range + H
         i = np.int64(j)        # prange's index is unsigned: i + H would type as float
         m = i + H if i + H < N else i
-        v0, v1 = _pair(xq, dx, xs, x, q, s, b, i, m, bits, G)
-        out[0, i] = out[0, i] + v0 if accumulate else v0
-        if m != i:
-            out[0, m] = out[0, m] + v1 if accumulate else v1
+        for r in range(0, B, 2):
+            two = r + 1 < B
+            v0, v1, v2, v3 = _pair(xq, dx, xs, x, q, s, b, i, m, r, two, bits, G)
+            _put(out, r, i, m, v0, v1, accumulate)
+            if two:
+                _put(out, r + 1, i, m, v2, v3, accumulate)
 
 
 @njit(inline="always", **_jit)
-def _pair(xq, dx, xs, x, q, s, b, n, m, bits, G):
-    """(row n, row m) . x, with G passed on as a constant: each inner loop gets fixed bounds."""
+def _put(out, r, n, m, v0, v1, accumulate):
+    out[r, n] = out[r, n] + v0 if accumulate else v0
+    if m != n:
+        out[r, m] = out[r, m] + v1 if accumulate else v1
+
+
+@njit(inline="always", **_jit)
+def _pair(xq, dx, xs, x, q, s, b, n, m, r, two, bits, G):
+    """(rows n, m) . (x rows r, and r + 1 if `two`), with G and `two` passed on as constants:
+    each inner loop gets fixed bounds, and one x row no code for a second."""
+    if two:
+        return _pair_g(xq, dx, xs, x, q, s, b, n, m, r, True, bits, G)
+    return _pair_g(xq, dx, xs, x, q, s, b, n, m, r, False, bits, G)
+
+
+@njit(inline="always", **_jit)
+def _pair_g(xq, dx, xs, x, q, s, b, n, m, r, two, bits, G):
     if bits == 8:
         if G == 64:
-            return _pair8(xq, dx, xs, q, s, b, n, m, 64)
+            return _pair8(xq, dx, xs, q, s, b, n, m, r, two, 64)
         if G == 32:
-            return _pair8(xq, dx, xs, q, s, b, n, m, 32)
-        return _pair8(xq, dx, xs, q, s, b, n, m, 128)
+            return _pair8(xq, dx, xs, q, s, b, n, m, r, two, 32)
+        return _pair8(xq, dx, xs, q, s, b, n, m, r, two, 128)
     if G == 64:
-        return _pair4(xq, dx, xs, x, q, s, b, n, m, 64)
+        return _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, 64)
     if G == 32:
-        return _pair4(xq, dx, xs, x, q, s, b, n, m, 32)
-    return _pair4(xq, dx, xs, x, q, s, b, n, m, 128)
+        return _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, 32)
+    return _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, 128)
 
 
 @njit(**_jit)
@@ -92,71 +119,104 @@ def quantize_activation(x, G, bits, xq, dx, xs):
 
 
 @njit(inline="always", **_jit)
-def _pair8(xq, dx, xs, q, s, b, n, m, G):
-    """(row n, row m) . x for 8 bits: two rows far apart are two sequential streams (two adjacent
-    rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
+def _madd4(a0, a1, a2, a3, w0, w1, xq, j0, j1, two):
+    """Add weight lanes w0 (row n), w1 (row m) times the 16 activations at j0 of xq to a0, a1,
+    and times those at j1 to a2, a3 if `two`."""
+    x = load_16x16(xq, j0)
+    a0, a1 = vadd(a0, madd(w0, x)), vadd(a1, madd(w1, x))
+    if two:
+        x = load_16x16(xq, j1)
+        a2, a3 = vadd(a2, madd(w0, x)), vadd(a3, madd(w1, x))
+    return a0, a1, a2, a3
+
+
+@njit(inline="always", **_jit)
+def _pair8(xq, dx, xs, q, s, b, n, m, r, two, G):
+    """(rows n, m) . (x rows r, r + 1) for 8 bits: two rows far apart are two sequential streams
+    (two adjacent rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
     Kb = q.shape[1]
-    f0, f1 = zero_f32(), zero_f32()
-    t0, t1 = f32(0.0), f32(0.0)
+    j0, j1 = r * Kb, (r + 1) * Kb
+    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     for g in range(s.shape[1]):
-        a0, a1 = zero_i32(), zero_i32()
+        a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for k in range(g * G, g * G + G, 16):
-            xv = load_16x16(xq, k)
-            a0 = vadd(a0, madd(load_u8x16(q, n * Kb + k), xv))
-            a1 = vadd(a1, madd(load_u8x16(q, m * Kb + k), xv))
-        f0 = scale_add(f0, a0, s[n, g] * dx[g], s[n, g] * dx[g])
-        f1 = scale_add(f1, a1, s[m, g] * dx[g], s[m, g] * dx[g])
-        t0 += b[n, g] * xs[g]
-        t1 += b[m, g] * xs[g]
-    return hsum(f0) + t0, hsum(f1) + t1
+            a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k), load_u8x16(q, m * Kb + k),
+                                    xq, j0 + k, j1 + k, two)
+        f0 = scale_add(f0, a0, s[n, g] * dx[r, g], s[n, g] * dx[r, g])
+        f1 = scale_add(f1, a1, s[m, g] * dx[r, g], s[m, g] * dx[r, g])
+        t0 += b[n, g] * xs[r, g]
+        t1 += b[m, g] * xs[r, g]
+        if two:
+            f2 = scale_add(f2, a2, s[n, g] * dx[r + 1, g], s[n, g] * dx[r + 1, g])
+            f3 = scale_add(f3, a3, s[m, g] * dx[r + 1, g], s[m, g] * dx[r + 1, g])
+            t2 += b[n, g] * xs[r + 1, g]
+            t3 += b[m, g] * xs[r + 1, g]
+    return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
 @njit(inline="always", **_jit)
-def _block4(a0, a1, q, i0, i1, xq, c):
-    """Add block c (64 weights) of the 4-bit rows starting at bytes i0, i1 of q: 32 bytes = 16
-    lanes of 4 nibbles; xq is in the matching order."""
+def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
+    """Add block c (64 weights) of the 4-bit rows starting at bytes i0, i1 of q, times the x rows
+    starting at j0 (and j1) of xq: 32 bytes = 16 lanes of 4 nibbles; xq is in the matching order."""
     v0, v1 = load_16x16(q, i0 + 32 * c), load_16x16(q, i1 + 32 * c)
-    x = load_16x16(xq, 64 * c)
-    a0, a1 = vadd(a0, madd(nibble(v0, 0), x)), vadd(a1, madd(nibble(v1, 0), x))
-    x = load_16x16(xq, 64 * c + 16)
-    a0, a1 = vadd(a0, madd(nibble(v0, 1), x)), vadd(a1, madd(nibble(v1, 1), x))
-    x = load_16x16(xq, 64 * c + 32)
-    a0, a1 = vadd(a0, madd(nibble(v0, 2), x)), vadd(a1, madd(nibble(v1, 2), x))
-    x = load_16x16(xq, 64 * c + 48)
-    return vadd(a0, madd(nibble(v0, 3), x)), vadd(a1, madd(nibble(v1, 3), x))
+    k = 64 * c
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, nibble(v0, 0), nibble(v1, 0), xq, j0 + k, j1 + k, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, nibble(v0, 1), nibble(v1, 1), xq, j0 + k + 16, j1 + k + 16, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, nibble(v0, 2), nibble(v1, 2), xq, j0 + k + 32, j1 + k + 32, two)
+    return _madd4(a0, a1, a2, a3, nibble(v0, 3), nibble(v1, 3), xq, j0 + k + 48, j1 + k + 48, two)
 
 
 @njit(inline="always", **_jit)
-def _pair4(xq, dx, xs, x, q, s, b, n, m, G):
-    """(row n, row m) . x for 4 bits. A block of 64 holds one group, half of one, or (G = 32) two:
-    int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
+def _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, G):
+    """(rows n, m) . (x rows r, r + 1) for 4 bits. A block of 64 holds one group, half of one, or
+    (G = 32) two: int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
     Kb = q.shape[1]
     K = 2 * Kb
-    f0, f1 = zero_f32(), zero_f32()
-    t0, t1 = f32(0.0), f32(0.0)
-    if G == 32:
-        for c in range(K // 64):
-            a0, a1 = _block4(zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, c)
-            g = 2 * c
-            f0 = scale_add(f0, a0, s[n, g] * dx[g], s[n, g + 1] * dx[g + 1])
-            f1 = scale_add(f1, a1, s[m, g] * dx[g], s[m, g + 1] * dx[g + 1])
-            t0 += b[n, g] * xs[g] + b[n, g + 1] * xs[g + 1]
-            t1 += b[m, g] * xs[g] + b[m, g + 1] * xs[g + 1]
-    else:
-        for g in range(K // G):
-            a0, a1 = zero_i32(), zero_i32()
-            for c in range(g * (G // 64), (g + 1) * (G // 64)):
-                a0, a1 = _block4(a0, a1, q, n * Kb, m * Kb, xq, c)
-            f0 = scale_add(f0, a0, s[n, g] * dx[g], s[n, g] * dx[g])
-            f1 = scale_add(f1, a1, s[m, g] * dx[g], s[m, g] * dx[g])
-            t0 += b[n, g] * xs[g]
-            t1 += b[m, g] * xs[g]
+    j0, j1 = r * K, (r + 1) * K
+    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+    per = 2 if G == 32 else 1      # groups a block holds
+    for c in range(K // 64 if G == 32 else K // G):
+        a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
+        if G == 32:
+            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two)
+            g, h = 2 * c, 2 * c + 1
+        else:
+            for cc in range(c * (G // 64), (c + 1) * (G // 64)):
+                a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, cc, two)
+            g, h = c, c
+        f0 = scale_add(f0, a0, s[n, g] * dx[r, g], s[n, h] * dx[r, h])
+        f1 = scale_add(f1, a1, s[m, g] * dx[r, g], s[m, h] * dx[r, h])
+        t0 += _bias(b, xs, n, r, g, h, per)
+        t1 += _bias(b, xs, m, r, g, h, per)
+        if two:
+            f2 = scale_add(f2, a2, s[n, g] * dx[r + 1, g], s[n, h] * dx[r + 1, h])
+            f3 = scale_add(f3, a3, s[m, g] * dx[r + 1, g], s[m, h] * dx[r + 1, h])
+            t2 += _bias(b, xs, n, r + 1, g, h, per)
+            t3 += _bias(b, xs, m, r + 1, g, h, per)
     if K % 64:   # G = 32 and an odd number of groups: the last one in float
         g = K // 32 - 1
-        e0, e1 = f32(0.0), f32(0.0)
-        for k in range(32 * g, K):
-            e0 += x[k] * f32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
-            e1 += x[k] * f32((q[m, k >> 1] >> (4 * (k & 1))) & 15)
-        t0 += s[n, g] * e0 + b[n, g] * xs[g]
-        t1 += s[m, g] * e1 + b[m, g] * xs[g]
-    return hsum(f0) + t0, hsum(f1) + t1
+        t0 += _tail4(x, q, s, b, xs, n, r, g, K)
+        t1 += _tail4(x, q, s, b, xs, m, r, g, K)
+        if two:
+            t2 += _tail4(x, q, s, b, xs, n, r + 1, g, K)
+            t3 += _tail4(x, q, s, b, xs, m, r + 1, g, K)
+    return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
+
+
+@njit(inline="always", **_jit)
+def _bias(b, xs, n, r, g, h, per):
+    """The biases' part of a block: row n's bias of each group it holds times x row r's sum there."""
+    if per == 2:
+        return b[n, g] * xs[r, g] + b[n, h] * xs[r, h]
+    return b[n, g] * xs[r, g]
+
+
+@njit(inline="always", **_jit)
+def _tail4(x, q, s, b, xs, n, r, g, K):
+    """Group g, the last half block of a 4-bit row n, dotted with x row r in float."""
+    e = f32(0.0)
+    for k in range(32 * g, K):
+        e += x[r, k] * f32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
+    return s[n, g] * e + b[n, g] * xs[r, g]
