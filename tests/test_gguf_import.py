@@ -10,6 +10,7 @@ from nibble.formats.model_dir import read_model_dir
 from nibble.quant.affine import dequantize, reconstruction_error
 from nibble.quant.convert import read_linear
 from nibble.quant.gguf_import import TypeOutcome, import_gguf_model
+from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.loader import from_model_dir, load
 from tests.test_cli import invoke
 from tests.test_gguf import TOKENS, gguf_name, llama_cpp_tensors, random_blocks, write_gguf
@@ -83,9 +84,10 @@ def test_runs_as_its_dequantized_weights(mixed_gguf):
             floats[name] = t
     quantized, _ = from_model_dir(md)
     reference, _ = from_model_dir(replace(md, tensors=floats, config=replace(md.config, quantization=None)))
-    ids = [5, 17, 42, 99, 7, 3]
-    got = quantized.forward(ids, quantized.new_cache(16), all_logits=True)
-    want = reference.forward(ids, reference.new_cache(16), all_logits=True)
+    ids = [5, 17, 42, 99, 7, 3] * 3   # more than the decode kernels take (SMALL): the tiles
+    assert len(ids) > SMALL
+    got = quantized.forward(ids, quantized.new_cache(32), all_logits=True)
+    want = reference.forward(ids, reference.new_cache(32), all_logits=True)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -6,7 +6,8 @@ thread) and are cached on disk so a second start does not compile again.
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .simd import fma, hsum, load_f32x8, zero_f32
 
@@ -96,9 +97,19 @@ def _dots(x, w, out, t0, t1, n0, n1, accumulate):
             out[t, n] = out[t, n] + acc if accumulate else acc
 
 
-@njit(inline="always", **_jit)
 def _dot(x, t, w, n):
-    """x[t] . w[n] (C-contiguous rows of K): two accumulators of 8 lanes, K % 16 one by one."""
+    """x[t] . w[n] in float32, summed in the same order whatever the other rows (njit code only)."""
+
+
+@overload(_dot, inline="always", jit_options=_jit)
+def _dot_typed(x, t, w, n):
+    if all(a.dtype == types.float32 and a.layout == "C" for a in (x, w)):
+        return _dot_vectors
+    return _dot_any   # other dtypes or layouts (tests' float64 weights, views): one by one
+
+
+def _dot_vectors(x, t, w, n):
+    """Rows of K float32 in C order: two accumulators of 8 lanes, K % 16 one by one."""
     K = x.shape[1]
     K16 = K - K % 16
     xt, wn = t * K, n * K   # flat indexes of the rows
@@ -108,6 +119,13 @@ def _dot(x, t, w, n):
         a1 = fma(load_f32x8(x, xt + k + 8), load_f32x8(w, wn + k + 8), a1)
     s = hsum(a0) + hsum(a1)
     for k in range(K16, K):
+        s += x[t, k] * w[n, k]
+    return s
+
+
+def _dot_any(x, t, w, n):
+    s = np.float32(0.0)
+    for k in range(x.shape[1]):
         s += x[t, k] * w[n, k]
     return s
 
