@@ -101,7 +101,7 @@ def _dot(x, t, w, n):
     """x[t] . w[n] in float32, summed in the same order whatever the other rows (njit code only)."""
 
 
-@overload(_dot, inline="always", jit_options=_jit)
+@overload(_dot, jit_options=_jit)
 def _dot_typed(x, t, w, n):
     if all(a.dtype == types.float32 and a.layout == "C" for a in (x, w)):
         return _dot_vectors
