@@ -317,7 +317,7 @@ def test_nibble_serve_says_where_it_listens_refuses_past_its_queue_and_drains_on
         lines = [line for line in running.read().decode().split("\n\n") if line.strip()]
         assert lines[-1].strip() == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "stop"
-        assert proc.wait(timeout=5) == 0
+        assert proc.wait(timeout=30) == 0   # a guard against a hang, not a speed check (busy CI machines)
         assert "Traceback" not in proc.stderr.read()
     finally:
         proc.kill()
