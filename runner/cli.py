@@ -70,7 +70,8 @@ def model_option(f):
 
 
 threads_option = click.option("-t", "--threads", type=click.IntRange(min=1),
-                              help="CPU threads, at most the cores' [default: all cores].")
+                              help="CPU threads, at most the cores' [default: all cores, fewer while other "
+                                   "programs keep some busy (measured as it runs)].")
 kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, type=click.Choice(["f32", "int8"]),
                                help="KV cache precision: int8 keeps a quarter of the memory.")
 
@@ -156,12 +157,6 @@ def _threads(threads: int | None) -> int | None:
     return _at_most("-t", threads, limit, f"the {limit} CPU threads here")
 
 
-def _set_threads(threads: int | None):
-    import numba
-    if threads := _threads(threads):
-        numba.set_num_threads(threads)
-
-
 def _context(flag: str, ctx: int | None, llm) -> int:
     """-c (or perplexity's --ctx), at most the model's context; DEFAULT_CTX or less if not given."""
     limit = llm.config.max_position_embeddings
@@ -213,10 +208,11 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
     system = _text(system, "the system prompt") if system is not None else None
     grammar = _grammar(json_schema, json_object)   # a bad schema is refused before the model loads
-    _set_threads(threads)
+    threads = _threads(threads)
     from .generate import stream_generate
     from .sample import make_sampler
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
+    llm.threads.pin(threads)
     ctx_size = _context("-c", ctx_size, llm)
     _say(tokenizer.sampling_note)
     sampling = replace(tokenizer.sampling, **sampling)   # the flags given, over the model's defaults
@@ -397,8 +393,9 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
     """Perplexity of MODEL over TEXT_FILE in non-overlapping windows of --ctx tokens."""
     from .loader import load
     from .perplexity import evaluate
-    _set_threads(threads)
+    threads = _threads(threads)
     llm, tokenizer = load(model, quant)
+    llm.threads.pin(threads)
     ctx = _context("--ctx", ctx, llm)
     with open(text_file, "rb") as f:
         tokens = tokenizer.encode(_text(f.read(), text_file), add_bos=False)
@@ -442,7 +439,7 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         click.echo(f"wrote {write_random_checkpoint(shapes, write_checkpoint)}", err=True)
         return
     from .bench import PROMPT_TEXT, run_bench, run_parallel_bench
-    _set_threads(threads)
+    threads = _threads(threads)
     ctx = prompt_tokens + gen_tokens + 1
     if shapes:
         from .loader import QUANT_BITS
@@ -451,6 +448,7 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         _say(llm.offload_layers(gpu_layers, ctx, require_gpu))
     else:
         llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx)
+    llm.threads.pin(threads)
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:
         raise NibbleError(f"{prompt_tokens} + {gen_tokens} tokens do not fit in the model's context "
                           f"of {llm.config.max_position_embeddings}")

@@ -126,7 +126,8 @@ class Engine:
             raise NibbleError("the engine runs on the CPU only: load the model without --gpu-layers")
         longest = model.config.max_position_embeddings
         self.model, self.tokenizer = model, tokenizer
-        self.parallel, self.queue, self.threads = parallel, queue, threads
+        self.parallel, self.queue = parallel, queue
+        model.threads.pin(threads)
         self.ctx = min(ctx or longest, longest)        # each sequence's context
         self.prefill_chunk = prefill_chunk
         # Room for every running sequence's whole context, so that a step never runs out of
@@ -209,9 +210,6 @@ class Engine:
     # The engine thread
 
     def _loop(self):
-        if self.threads:
-            import numba
-            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         self._warm_up()
         self._ready.set()
         while True:

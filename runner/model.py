@@ -12,6 +12,7 @@ from .kernels import prefill
 from .kernels.linear import SMALL, Weight, prepare
 from .models import family
 from .stages import CPUStage
+from .threads import ThreadChooser
 
 
 class ContextFull(NibbleError):
@@ -39,6 +40,7 @@ class Model:
         self.ropes = self.family.ropes(c, c.max_position_embeddings)   # each layer's (cos, sin)
         self.stages = [CPUStage(self, 0, len(self.layers), head=True)]   # see stages.py
         self.offload_note = ""   # what offload_layers has to tell the user
+        self.threads = ThreadChooser()   # the kernels' thread count, pass by pass (threads.py)
 
     @property
     def gpu_stage(self):
@@ -137,9 +139,10 @@ class Model:
     def _run(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray,
              act_sq: np.ndarray | None = None) -> np.ndarray:
         """The pass itself: embedding, the stages, the head on x[logit_rows]."""
-        x = self.embedding(tokens)                                   # [T, D] residual stream
-        for stage, kv in zip(self.stages, pool.parts):   # the last one returns the logits
-            x = stage.run(x, kv, rows, logit_rows, act_sq)
+        with self.threads.pass_of(len(tokens)):
+            x = self.embedding(tokens)                                   # [T, D] residual stream
+            for stage, kv in zip(self.stages, pool.parts):   # the last one returns the logits
+                x = stage.run(x, kv, rows, logit_rows, act_sq)
         # One check of the logits a pass (the sampler reads them anyway); which layer went wrong
         # is looked for only when they are not finite, so decoding is as fast as without it.
         if not np.isfinite(x).all():

@@ -78,7 +78,7 @@ class ChatSession:
             self.cache = KVCache.on_pool(pool.kv, np.zeros(0, np.int32), min(ctx or longest, longest))
             self.blocks = SeqBlocks()   # the cache's blocks in the pool
         self.kv_type = kv_type
-        self.threads = threads
+        model.threads.pin(threads)
         self.prefill_chunk = prefill_chunk   # prompt tokens per forward pass of a long prefill
         self.memo = PromptMemo(tokenizer)
         self.last_prompt_ids: list[int] = []                # the ids of the last turn's prompt
@@ -91,8 +91,6 @@ class ChatSession:
     def warm_up(self):
         """Run the kernels once: Numba compiles them (or loads them from its cache) on first use,
         which would otherwise delay the first reply by a second or more."""
-        if self.threads:
-            _set_threads(self.threads)
         scratch = self.model.new_cache(4, self.kv_type)
         self.model.forward([0, 0], scratch)   # the prefill kernels
         self.model.forward([0], scratch)      # the decode kernels
@@ -148,8 +146,6 @@ class ChatSession:
         this generator) between two chunks: the cache and the session keep what ran, and the last
         chunk's stats with finish_reason "stopped" describe the turn.
         """
-        if self.threads:
-            _set_threads(self.threads)   # numba's thread count is per calling thread
         text, ids, dropped = self._fit(messages, max_tokens)
         self.last_prompt_ids = ids
         cache = self.cache
@@ -214,8 +210,3 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def _set_threads(threads: int):
-    import numba
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
