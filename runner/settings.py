@@ -14,6 +14,10 @@ from nibble.formats.errors import NibbleError
 # The most tokens a reply may have, unless asked otherwise (nibble run -n, a chat's max tokens).
 MAX_TOKENS = 512
 
+# The most tokens a decode pass guesses ahead by prompt lookup (runner/draft.py; nibble run --draft):
+# measured on SmolLM2 (see draft.py).
+DEFAULT_DRAFT = 8
+
 # Each setting's valid values: a test, and how to say it.
 _RULES = {
     "temperature": (lambda v: math.isfinite(v) and v >= 0, "0 (greedy) or positive"),
