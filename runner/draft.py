@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .settings import DEFAULT_DRAFT
-# The n-grams looked up: the longest first, as a longer match predicts better.
-NGRAM_MAX, NGRAM_MIN = 3, 1
-# After this many drafts in a row that missed from their first token, draft nothing for a while:
-# the rest doubles each time it is taken (up to REST_MAX tokens), and a hit ends it.
-MISSES, REST_MAX = 2, 64
+
+# The n-grams looked up: the longest first, as a longer match predicts better (in code, a short
+# one recurs: `len(x)`); 8 drafted more of a quote than 3 or 5 did on SmolLM2.
+NGRAM_MAX, NGRAM_MIN = 8, 2
+# After a draft that missed from its first token, draft nothing for a while: the rest doubles
+# with each such miss (up to REST_MAX tokens), and a draft with two or more tokens accepted ends it.
+REST_MAX = 64
 
 
 class NgramIndex:
@@ -51,16 +53,19 @@ class PromptLookup:
     """Drafts for one reply, at most `max_tokens` each, fewer where recent drafts missed.
 
         drafter = PromptLookup(8)
-        draft = drafter.draft(sequence)         # the prompt and the reply so far
+        draft = drafter.draft(sequence, room)   # the prompt and the reply so far
         ...                                      # the model checks it: `accepted` of them agree
         drafter.update(len(draft), accepted)
+
+    A checked draft token costs about half a pass (SmolLM2, int4): drafts start at one token,
+    double while the model takes them all and shrink to what it took, so that a reply leaving
+    its quote wastes little.
     """
 
     def __init__(self, max_tokens: int = DEFAULT_DRAFT):
         self.max_tokens = max_tokens
         self.index = NgramIndex()
-        self.limit = max_tokens   # this draft's length: halved by a partial hit, doubled by a whole one
-        self.misses = 0           # drafts in a row that missed from their first token
+        self.limit = 1            # the next draft's length
         self.rest = 0             # tokens to go without drafting
         self.next_rest = 1        # how long the next rest lasts
 
@@ -78,10 +83,7 @@ class PromptLookup:
             self.limit = min(self.max_tokens, 2 * self.limit)
         else:
             self.limit = max(1, min(self.limit, 2 * accepted))
-        if accepted:
-            self.misses, self.next_rest = 0, 1
-            return
-        self.misses += 1
-        if self.misses >= MISSES:
-            self.misses, self.rest = 0, self.next_rest
-            self.next_rest = min(REST_MAX, 2 * self.next_rest)
+        if accepted == 0:
+            self.rest, self.next_rest = self.next_rest, min(REST_MAX, 2 * self.next_rest)
+        elif accepted >= 2:
+            self.next_rest = 1

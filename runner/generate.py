@@ -74,8 +74,8 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampl
         for i, token in enumerate(tokens):
             try:
                 yield token
-            except GeneratorExit:   # the consumer stopped: keep only what it was given, but the last
-                cache.truncate(ran - len(tokens) + 1 + i)
+            except GeneratorExit:   # the consumer stopped: keep what it was given, but the last
+                cache.truncate(ran - (len(tokens) - 1 - i))
                 raise
         if cache.pos >= cache.size:
             return
@@ -89,9 +89,9 @@ def _verify(logits: np.ndarray, proposed: list[int], cache: KVCache, sampler: Sa
     """The ids to emit after a pass over the last token and the draft `proposed`, which end the
     cache now; logits [len(proposed) + 1, V], row i the one after the pass's token i. -> the
     draft's ids the sampler accepts, in order, then the id it drew where it stopped."""
-    seen = cache.pos - len(proposed)   # the sequence up to the pass's first token
+    first = cache.pos - len(proposed)   # positions up to the pass's first token, and it
     for i, guess in enumerate(proposed):
-        token = sampler.accept(logits[i], cache.tokens[:seen + i], guess)
+        token = sampler.accept(logits[i], cache.tokens[:first + i], guess)
         if token != guess:
             return proposed[:i] + [token]
     if constraint is not None:
