@@ -67,16 +67,15 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampl
     proposed: list[int] = []
     while True:
         tokens = _verify(logits, proposed, cache, sampler, constraint)
-        ran = cache.pos - len(proposed) + len(tokens) - 1   # positions whose tokens were accepted
-        cache.truncate(ran)
         if drafter and proposed:
             drafter.update(len(proposed), len(tokens) - 1)
+        # At each yield the cache holds what one pass a token would: the ids yielded but the
+        # last. The draft's accepted ids come back one by one (their keys and values are stored).
+        cache.truncate(cache.pos - len(proposed))
         for i, token in enumerate(tokens):
-            try:
-                yield token
-            except GeneratorExit:   # the consumer stopped: keep what it was given, but the last
-                cache.truncate(ran - (len(tokens) - 1 - i))
-                raise
+            if i:
+                cache.advance(tokens[i - 1:i])
+            yield token
         if cache.pos >= cache.size:
             return
         room = min(cache.size, len(cache.table) * BLOCK) - cache.pos - 1
