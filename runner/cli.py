@@ -11,7 +11,7 @@ import click
 
 from nibble.formats.errors import NibbleError, one_line
 
-from .settings import MAX_TOKENS, SamplerSettings
+from .settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_CTX = 4096   # -c when not given (or the model's context, if smaller)
@@ -115,8 +115,22 @@ def generation_options(f):
                      help=f"Context size in tokens, at most the model's [default: {DEFAULT_CTX}, or the "
                           f"model's if smaller]."),
         kv_cache_option,
+        draft_options,
     ]
     return functools.reduce(lambda g, option: option(g), reversed(options), f)
+
+
+def draft_options(f):
+    """--draft N and --no-draft, handed to the command as `draft` (0: none)."""
+    @functools.wraps(f)
+    def command(no_draft, **kwargs):
+        if no_draft:
+            kwargs["draft"] = 0
+        return f(**kwargs)
+    command = click.option("--no-draft", is_flag=True, help="Decode one token a pass: no drafts.")(command)
+    return click.option("--draft", default=DEFAULT_DRAFT, show_default=True, type=click.IntRange(0, 15),
+                        help="Guess up to N tokens a pass from the prompt and the reply so far, "
+                             "checked in the same pass (the reply is the same, often sooner).")(command)
 
 
 def gpu_options(f):
@@ -202,7 +216,7 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--json-schema", type=click.Path(dir_okay=False),
               help="Reply with JSON that validates against the JSON schema in this file.")
 @click.option("--json-object", is_flag=True, help="Reply with a JSON object (say in the prompt what it should hold).")
-def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache,
+def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, draft,
         gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
@@ -222,7 +236,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     pieces, last = [], None
     try:
         for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling), max_tokens=max_tokens,
-                                    stop=stop, cache=cache, constraint=constraint):
+                                    stop=stop, cache=cache, constraint=constraint, draft=draft):
             pieces.append(last.text)
             if not as_json:
                 click.echo(last.text, nl=False)
@@ -282,7 +296,7 @@ def _report(r, text: str, as_json: bool, interrupted: bool = False):
 @click.option("-s", "--system", default="", help="System prompt of new chats (editable per chat).")
 @generation_options
 @gpu_options
-def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, gpu_layers, require_gpu):
+def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, draft, gpu_layers, require_gpu):
     """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
@@ -294,7 +308,7 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     seed = sampling.pop("seed", None)
     ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, threads=threads, seed=seed,
             system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
-            require_gpu=require_gpu).run()
+            require_gpu=require_gpu, draft=draft).run()
 
 
 def _in_terminal() -> bool:

@@ -6,10 +6,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .cache import KVCache
+import numpy as np
+
+from .cache import BLOCK, KVCache
+from .draft import PromptLookup
+from .kernels.cpu import SMALL
 from .model import ContextFull, Model
 from .sample import Sampler, make_sampler
-from .settings import MAX_TOKENS
+from .settings import DEFAULT_DRAFT, MAX_TOKENS
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:   # llguidance is imported only by those who constrain a reply
@@ -34,9 +38,15 @@ class GenerationResponse:
 
 
 def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler,
-                  prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None) -> Iterator[int | None]:
-    """Prefill the prompt in chunks of at most `prefill_chunk` tokens, then yield sampled ids, one
-    forward pass each; with a `constraint`, only ids its grammar allows.
+                  prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
+                  draft: int = DEFAULT_DRAFT) -> Iterator[int | None]:
+    """Prefill the prompt in chunks of at most `prefill_chunk` tokens, then yield sampled ids;
+    with a `constraint`, only ids its grammar allows.
+
+    Each pass runs the last token and a draft of up to `draft` tokens looked up in the sequence
+    (runner/draft.py), and yields the draft's tokens the sampler accepts, then one of the model's
+    own: the ids come as they would one pass each (greedy: the same ids; sampling: the same
+    distribution). No draft (draft=0, a constraint, a model with GPU layers): one pass a token.
 
     Yields None after each prefill chunk but the last, so that a consumer can stop a long prefill;
     the cache then holds whole chunks. Ends when the context is full. The consumer cancels by
@@ -49,30 +59,61 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampl
         model.forward(prompt_ids[done:done + prefill_chunk], cache)
         done += prefill_chunk
         yield None
-    logits = model.forward(prompt_ids[done:], cache)[-1]
+    logits = model.forward(prompt_ids[done:], cache)[-1:]
+    # A draft is checked in one pass of up to SMALL rows, which the kernels compute each as they
+    # would alone (on the CPU): its logits are those of one pass a token, bit for bit.
+    drafter = (PromptLookup(min(draft, SMALL - 1))
+               if draft > 0 and constraint is None and model.gpu_stage is None else None)
+    proposed: list[int] = []
     while True:
-        if constraint is not None:
-            constraint.mask(logits)
-        token = sampler(logits, cache.tokens)
-        if constraint is not None:
-            constraint.advance(token)
-        yield token
+        tokens = _verify(logits, proposed, cache, sampler, constraint)
+        if drafter and proposed:
+            drafter.update(len(proposed), len(tokens) - 1)
+        # At each yield the cache holds what one pass a token would: the ids yielded but the
+        # last. The draft's accepted ids come back one by one (their keys and values are stored).
+        cache.truncate(cache.pos - len(proposed))
+        for i, token in enumerate(tokens):
+            if i:
+                cache.advance(tokens[i - 1:i])
+            yield token
         if cache.pos >= cache.size:
             return
-        logits = model.forward([token], cache)[-1]
+        room = min(cache.size, len(cache.table) * BLOCK) - cache.pos - 1
+        proposed = drafter.draft(cache.tokens + [token], room) if drafter else []
+        logits = model.forward([token] + proposed, cache, all_logits=bool(proposed))
+
+
+def _verify(logits: np.ndarray, proposed: list[int], cache: KVCache, sampler: Sampler,
+            constraint: Constraint | None) -> list[int]:
+    """The ids to emit after a pass over the last token and the draft `proposed`, which end the
+    cache now; logits [len(proposed) + 1, V], row i the one after the pass's token i. -> the
+    draft's ids the sampler accepts, in order, then the id it drew where it stopped."""
+    first = cache.pos - len(proposed)   # positions up to the pass's first token, and it
+    for i, guess in enumerate(proposed):
+        token = sampler.accept(logits[i], cache.tokens[:first + i], guess)
+        if token != guess:
+            return proposed[:i] + [token]
+    if constraint is not None:
+        constraint.mask(logits[-1])
+    token = sampler(logits[-1], cache.tokens)
+    if constraint is not None:
+        constraint.advance(token)
+    return proposed + [token]
 
 
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], *,
                     sampler: Sampler | None = None, max_tokens: int = MAX_TOKENS,
                     stop: Sequence[str] = (), cache: KVCache | None = None,
-                    prefill_chunk: int = PREFILL_CHUNK,
-                    constraint: Constraint | None = None) -> Iterator[GenerationResponse]:
+                    prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
+                    draft: int = DEFAULT_DRAFT) -> Iterator[GenerationResponse]:
     """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None).
 
     The consumer cancels by stopping the iteration, between two tokens or two prefill chunks: the
     cache keeps what ran. The timings are measured here, from the call. Without a `sampler`, the
     model's sampling defaults apply (tokenizer.sampling). With a `constraint` (a grammar's,
     runner/grammar.py), the reply follows the grammar and ends "stop" where the grammar is complete.
+    `draft`: the most tokens a pass guesses ahead (generate_step); 0 for one pass a token. The
+    decode tokens/s count the tokens emitted.
     """
     cache = cache if cache is not None else model.new_cache()
     room = cache.size - cache.pos
@@ -92,7 +133,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
         return GenerationResponse(text, token, len(prompt_ids), prompt_tps, n, decode_tps,
                                   first - start if n else 0.0, reply.finish_reason)
 
-    for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk, constraint):
+    for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk, constraint, draft):
         if token is None:   # a prefill chunk ran: a point to stop at
             yield response("", None)
             continue

@@ -8,48 +8,78 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from .settings import SamplerSettings
 
-# logits (vocab,) float32, recent token ids (oldest first) -> the next token id
-Sampler = Callable[[np.ndarray, Sequence[int]], int]
-
 # How many top candidates nucleus() tries before falling back to sorting all of them.
 NUCLEUS_GUESS = 256
 
 
-def make_sampler(settings: SamplerSettings) -> Sampler:
-    """Build `sample(logits, recent_ids) -> token id` from `settings`, for one reply.
+class Sampler:
+    """One reply's sampler: `sampler(logits, recent_ids) -> token id` draws the next token, and
+    `sampler.accept(logits, recent_ids, proposed)` judges a draft's token (speculative decoding).
 
-    The sampler owns a `np.random.Generator`, so two samplers with the same seed, fed the same
-    logits, draw the same tokens. It also counts the tokens it has drawn: those are the reply,
-    which the presence and frequency penalties look at (OpenAI's rule), while the repetition
-    penalty looks at `recent_ids` (the sequence, prompt included: llama.cpp's). So a reply needs a
-    sampler of its own. `logits` is never modified.
+    It owns a `np.random.Generator`, so two samplers with the same seed, fed the same logits, draw
+    the same tokens. It also counts the tokens it has drawn: those are the reply, which the
+    presence and frequency penalties look at (OpenAI's rule), while the repetition penalty looks
+    at `recent_ids` (the sequence, prompt included: llama.cpp's). So a reply needs a sampler of
+    its own. `logits` [vocab] float32 is never modified.
     """
-    s = settings
-    rng = np.random.default_rng(s.seed)
-    drawn = Counter() if s.presence_penalty or s.frequency_penalty else None   # the reply so far
 
-    def sample(logits: np.ndarray, recent_ids: Sequence[int] = ()) -> int:
+    def __init__(self, settings: SamplerSettings):
+        self.settings = settings
+        self.rng = np.random.default_rng(settings.seed)
+        penalised = settings.presence_penalty or settings.frequency_penalty
+        self.drawn = Counter() if penalised else None   # the reply so far
+        self.greedy = settings.temperature == 0
+
+    def __call__(self, logits: np.ndarray, recent_ids: Sequence[int] = ()) -> int:
+        ids, cand = self.candidates(logits, recent_ids)
+        return self._drawn(int(ids[0] if self.greedy else ids[draw(cand, self.rng)]))
+
+    def accept(self, logits: np.ndarray, recent_ids: Sequence[int], proposed: int) -> int:
+        """The next token where a draft proposes `proposed`, distributed exactly as __call__'s
+        draw (the rejection rule of speculative sampling, for a draft that is one token for sure):
+        `proposed` with its probability p, else a draw from the others renormalised. Greedy:
+        the argmax, whatever was proposed."""
+        ids, cand = self.candidates(logits, recent_ids)
+        if self.greedy:
+            return self._drawn(int(ids[0]))
+        at = np.flatnonzero(ids == proposed)
+        if len(at):
+            if self.rng.random() < probabilities(cand, logsumexp(cand))[at[0]]:
+                return self._drawn(proposed)
+            cand = cand.copy()
+            cand[at[0]] = -np.inf   # a draw without it: the rest of the mass, renormalised
+        return self._drawn(int(ids[draw(cand, self.rng)]))
+
+    def candidates(self, logits: np.ndarray, recent_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids left after the penalties and filters, and their logits over the temperature,
+        whose softmax is the distribution drawn from; greedy: the argmax alone."""
+        s = self.settings
         if s.repetition_penalty != 1.0 and s.repeat_last_n > 0:
             logits = apply_repetition_penalty(logits, recent_ids[-s.repeat_last_n:], s.repetition_penalty)
-        if drawn:
-            logits = apply_presence_frequency_penalty(logits, drawn, s.presence_penalty, s.frequency_penalty)
-        if s.temperature == 0:
-            token = int(np.argmax(logits))
-        else:
-            ids, cand = top_k(logits, s.top_k)
-            ids, cand = top_p_min_p(ids, cand, s.top_p, s.min_p)
-            token = int(ids[draw(cand / s.temperature, rng)])
-        if drawn is not None:
-            drawn[token] += 1
+        if self.drawn:
+            logits = apply_presence_frequency_penalty(logits, self.drawn, s.presence_penalty,
+                                                      s.frequency_penalty)
+        if self.greedy:
+            return np.array([np.argmax(logits)]), logits[:0]
+        ids, cand = top_k(logits, s.top_k)
+        ids, cand = top_p_min_p(ids, cand, s.top_p, s.min_p)
+        return ids, cand / s.temperature
+
+    def _drawn(self, token: int) -> int:
+        if self.drawn is not None:
+            self.drawn[token] += 1
         return token
 
-    return sample
+
+def make_sampler(settings: SamplerSettings) -> Sampler:
+    """A Sampler for one reply, drawing as `settings` say."""
+    return Sampler(settings)
 
 
 def apply_repetition_penalty(logits: np.ndarray, recent_ids: Sequence[int], penalty: float) -> np.ndarray:

@@ -25,7 +25,7 @@ from .generate import PREFILL_CHUNK, stream_generate
 from .model import ContextFull, Model
 from .prompt_ids import PromptMemo
 from .sample import make_sampler
-from .settings import MAX_TOKENS, SamplerSettings
+from .settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 from .tokenizer import Tokenizer
 
 
@@ -67,7 +67,7 @@ class ChatSession:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx: int | None = None,
                  kv_type: str = "f32", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 pool: BlockPool | None = None):
+                 pool: BlockPool | None = None, draft: int = DEFAULT_DRAFT):
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -80,6 +80,7 @@ class ChatSession:
         self.kv_type = kv_type
         model.threads.pin(threads)
         self.prefill_chunk = prefill_chunk   # prompt tokens per forward pass of a long prefill
+        self.draft = draft                   # tokens a decode pass guesses ahead (0: none)
         self.memo = PromptMemo(tokenizer)
         self.last_prompt_ids: list[int] = []                # the ids of the last turn's prompt
 
@@ -164,7 +165,8 @@ class ChatSession:
         reply = []
         try:
             for r in stream_generate(self.model, self.tokenizer, ids[reused:], sampler=sampler,
-                                     max_tokens=max_tokens, cache=cache, prefill_chunk=self.prefill_chunk):
+                                     max_tokens=max_tokens, cache=cache, prefill_chunk=self.prefill_chunk,
+                                     draft=self.draft):
                 stats = replace(stats, generation_tokens=r.generation_tokens, prompt_tps=r.prompt_tps,
                                 generation_tps=r.generation_tps, ttft=r.ttft, ctx_used=cache.pos,
                                 finish_reason=r.finish_reason)

@@ -269,6 +269,23 @@ def test_chat_lowers_threads_before_the_app_starts(tiny_dir, monkeypatch):
     assert seen == {"threads": cores, "ctx": 4096}   # each session then as long as its model allows
 
 
+@pytest.mark.parametrize("flags,draft", [((), "default"), (("--draft", 3), 3), (("--no-draft",), 0),
+                                         (("--draft", 5, "--no-draft"), 0)])
+def test_draft_flags_reach_generation_and_the_chat_app(tiny_dir, monkeypatch, flags, draft):
+    from nibble.runner import generate
+    from nibble.runner.settings import DEFAULT_DRAFT
+    from nibble.tui.app import ChatApp
+    draft = DEFAULT_DRAFT if draft == "default" else draft
+    seen = {}
+    monkeypatch.setattr(generate, "stream_generate", lambda *a, draft, **kw: seen.update(run=draft) or iter(()))
+    monkeypatch.setattr("nibble.runner.cli._in_terminal", lambda: True)
+    monkeypatch.setattr(ChatApp, "run", lambda app: seen.update(chat=app.draft))
+    assert invoke("run", "-m", tiny_dir, *flags, "Hi").exit_code == 0
+    assert invoke("chat", "-m", tiny_dir, *flags).exit_code == 0
+    assert seen == {"run": draft, "chat": draft}
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "--draft", 16, "Hi"), code=2, match="--draft")
+
+
 def test_invalid_utf8_is_read_as_replacement_characters_with_one_line(tiny_dir, tmp_path):
     """As llama.cpp's tokenizer and ollama's JSON do (silently): the prompt runs, and a note says so."""
     want = invoke("run", "-m", tiny_dir, *GREEDY, "--json", "caf\ufffd \ufffd\ufffd!")

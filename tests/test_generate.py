@@ -57,8 +57,8 @@ def test_a_long_prompt_is_prefilled_in_chunks(tiny_dir, monkeypatch):
     whole = "".join(r.text for r in stream_generate(model, tok, ids, sampler=GREEDY, max_tokens=3))
     sizes = []   # tokens per forward pass
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda tokens, cache: sizes.append(len(tokens)) or forward(tokens, cache))
-    responses = list(stream_generate(model, tok, ids, sampler=GREEDY, max_tokens=3, prefill_chunk=8))
+    monkeypatch.setattr(model, "forward", lambda tokens, cache, **kw: sizes.append(len(tokens)) or forward(tokens, cache, **kw))
+    responses = list(stream_generate(model, tok, ids, sampler=GREEDY, max_tokens=3, prefill_chunk=8, draft=0))
     full, rest = divmod(len(ids) - 1, 8)   # the last chunk holds 1 to 8 tokens
     assert full >= 2 and sizes == [8] * full + [rest + 1] + [1, 1]   # then one pass per token that ran
     prefilling = responses[:full]

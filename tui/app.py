@@ -16,7 +16,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.message import Message
 
-from nibble.runner.settings import MAX_TOKENS, SamplerSettings
+from nibble.runner.settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
 from .screens.chat import ChatScreen
 from .screens.keys import KeysScreen, key_rows
@@ -78,10 +78,11 @@ class ChatApp(App):
                  kv_cache: str = "f32", threads: int | None = None, seed: int | None = None,
                  system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
                  store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,
-                 require_gpu: bool = False):
+                 require_gpu: bool = False, draft: int = DEFAULT_DRAFT):
         """`model` is loaded at start (None: none until one is picked with ctrl+o).
         New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
         `sampling` ({SamplerSettings field: value}, the command line's flags) laid over them.
+        `draft`: the most tokens a decode pass guesses ahead (0: none; runner/draft.py).
         `load(ref, quant) -> (model, tokenizer)` replaces runner.loader.load (tests share one
         loaded model this way)."""
         super().__init__()
@@ -89,6 +90,7 @@ class ChatApp(App):
         self.quant, self.ctx_size, self.kv_cache = quant, ctx_size, kv_cache
         self.threads, self.seed = threads, seed
         self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
+        self.draft = draft
         self.system, self.sampling, self.max_tokens = system, dict(sampling or {}), max_tokens
         self.defaults = self.new_chat_settings(SamplerSettings())   # until a model is loaded
         self.store_path = store_path
@@ -160,7 +162,7 @@ class ChatApp(App):
             tokenizer.chat_template   # a broken template is a load error, not a first-reply one
             self._post(LoadProgress(ref, 2, "preparing the kernels"))
             session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
-                                  threads=self.threads, pool=self._pool(model))
+                                  threads=self.threads, pool=self._pool(model), draft=self.draft)
             session.warm_up()
         except Exception as e:   # any failure becomes a notification; the app stays usable
             from nibble.formats.errors import NibbleError
