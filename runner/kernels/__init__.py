@@ -5,6 +5,8 @@ numba checks each function against its own file only, and a kernel that inlines 
 (decoder_layer inlines cpu's, linear's, quant_decode's, half's and prefill's) would keep the old
 code after an upgrade or an edit. The folders of older sources are deleted when this process first compiles a kernel.
 A NUMBA_CACHE_DIR set by the user is left alone.
+
+Loading a cached kernel skips numba's refresh of its compiler's registries (see _load_cached).
 """
 import hashlib
 import os
@@ -12,7 +14,8 @@ import shutil
 from pathlib import Path
 
 import numba
-from numba.core import event
+from numba.core import caching, event
+from numba.core.runtime import rtsys
 
 from nibble.formats.paths import kernels_dir
 
@@ -30,6 +33,19 @@ def _kernel_cache_dir() -> Path:
     sources = sorted(p for p in Path(__file__).parent.glob("*.py") if not p.name.startswith("cuda"))
     digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
     return kernels_dir() / digest
+
+
+def _load_cached(self, sig, target_context):
+    """numba's Cache.load_overload without its first step, target_context.refresh(): that imports
+    and installs every typing and lowering registry (~0.3 s, a third of start-up), which only a
+    compile needs, and a compile still refreshes first. Machine code read from the cache needs
+    only the runtime (NRT) it calls into, which the refresh would have started."""
+    rtsys.initialize(target_context)
+    with self._guard_against_spurious_io_errors():
+        return self._load_overload(sig, target_context)
+
+
+caching.Cache.load_overload = _load_cached
 
 
 class _RemoveOlderKernels(event.Listener):
