@@ -6,7 +6,7 @@ numba checks each function against its own file only, and a kernel that inlines 
 code after an upgrade or an edit. The folders of older sources are deleted when this process first compiles a kernel.
 A NUMBA_CACHE_DIR set by the user is left alone.
 
-Loading a cached kernel skips numba's refresh of its compiler's registries (see _load_cached).
+Loading a cached kernel skips two steps of numba's that only a compile needs (cache_load.py).
 """
 import hashlib
 import os
@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 
 import numba
-from numba.core import caching, event
-from numba.core.runtime import rtsys
+from numba.core import event
 
 from nibble.formats.paths import kernels_dir
+from . import cache_load
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
@@ -25,6 +25,7 @@ numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 # parallel callees is cached without numba's hook that starts the pool (numba#8578), and loaded
 # into a process without it, its calls into the pool and Python resolve to address 0 (SIGSEGV).
 numba.get_num_threads()
+cache_load.install()
 
 
 def _kernel_cache_dir() -> Path:
@@ -33,19 +34,6 @@ def _kernel_cache_dir() -> Path:
     sources = sorted(p for p in Path(__file__).parent.glob("*.py") if not p.name.startswith("cuda"))
     digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
     return kernels_dir() / digest
-
-
-def _load_cached(self, sig, target_context):
-    """numba's Cache.load_overload without its first step, target_context.refresh(): that imports
-    and installs every typing and lowering registry (~0.3 s, a third of start-up), which only a
-    compile needs, and a compile still refreshes first. Machine code read from the cache needs
-    only the runtime (NRT) it calls into, which the refresh would have started."""
-    rtsys.initialize(target_context)
-    with self._guard_against_spurious_io_errors():
-        return self._load_overload(sig, target_context)
-
-
-caching.Cache.load_overload = _load_cached
 
 
 class _RemoveOlderKernels(event.Listener):
