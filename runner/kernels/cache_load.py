@@ -1,17 +1,20 @@
-"""Loading a cached kernel, made cheaper: two steps of numba's load that only a compile needs.
-
-A warm start of `nibble run` spent about half a second in them (start-up, issue 14):
+"""Loading a cached kernel, made cheaper: three steps of numba's load that only a compile (or
+object mode) needs. A warm start of `nibble run` spent about half a second in them (issue 14):
 - numba refreshes its target context before it reads the cache: that imports and installs every
   typing and lowering registry, for a compile; a compile still refreshes first.
 - each cached library carries, beside its machine code, its LLVM bitcode, parsed at load (about
   0.2 s for the decoder layer and the matmul) only to list the symbols the code defines and to be
   linked into a later compile. The symbols are read from the machine code's ELF symbol table; the
   bitcode is parsed when a compile links the library. Other object formats load as numba does.
+- the environment of each function a kernel inlines is rebuilt around its module's globals, which
+  imports numba's array and math implementations (~0.1 s). Only object mode reads those globals;
+  a numba module nothing has imported yet gets an environment without them.
 """
 import struct
+import sys
 
 import llvmlite.binding as ll
-from numba.core import caching, codegen
+from numba.core import caching, codegen, environment
 from numba.core.runtime import rtsys
 
 
@@ -19,6 +22,7 @@ def install():
     caching.Cache.load_overload = _load_overload
     codegen.CPUCodeLibrary._unserialize = classmethod(_unserialize)
     codegen.CPUCodeLibrary._get_module_for_linking = _get_module_for_linking
+    environment._rebuild_env = _rebuild_env   # what the pickled cache calls, by name
 
 
 def _load_overload(self, sig, target_context):
@@ -53,6 +57,21 @@ def _get_module_for_linking(self):
     if self._shared_module is None and getattr(self, "_shared_bitcode", None) is not None:
         self._shared_module = ll.parse_bitcode(self._shared_bitcode)
     return _numba_module_for_linking(self)
+
+
+_numba_rebuild_env = environment._rebuild_env
+
+
+def _rebuild_env(modname, consts, env_name):
+    if modname in sys.modules or not modname.startswith("numba."):
+        return _numba_rebuild_env(modname, consts, env_name)
+    env = environment.lookup_environment(env_name)
+    if env is None:   # as numba makes one, its globals all but the module's name
+        env = environment.Environment({"__name__": modname})
+        env.consts[:] = consts
+        env.env_name = env_name
+        environment.Environment._memo[env_name] = env
+    return env
 
 
 def elf_defined_symbols(obj: bytes) -> set[str] | None:
