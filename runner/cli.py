@@ -1,8 +1,10 @@
 """The `nibble` command line: thin click commands over the library."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import gc
 import json
 import sys
 from dataclasses import replace
@@ -12,6 +14,11 @@ import click
 from nibble.formats.errors import NibbleError, one_line
 
 from .settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
+
+# At exit, Python's last collection walks every object that imports and a model made (numba's
+# types, the kernels' libraries): ~0.25 s after the reply. Frozen, it skips them; they die with
+# the process. (Registered before the library's exit handlers, it runs after them.)
+atexit.register(gc.freeze)
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_CTX = 4096   # -c when not given (or the model's context, if smaller)

@@ -3,7 +3,6 @@ from nibble.formats.errors import NibbleError
 from nibble.formats.hub import resolve
 from nibble.formats.model_dir import ModelDir, read_model_dir
 from nibble.quant.convert import is_quantized, quantize_model
-from nibble.quant.gguf_import import import_gguf_model
 from .model import Model
 from .tokenizer import Tokenizer
 
@@ -14,7 +13,10 @@ def open_model(ref: str) -> ModelDir:
     """A directory, .safetensors or .gguf file, hub id or alias -> its ModelDir. A GGUF file
     keeps its quantization (see quant.gguf_import)."""
     path = resolve(ref)
-    return import_gguf_model(path).model if path.suffix == ".gguf" else read_model_dir(path)
+    if path.suffix != ".gguf":
+        return read_model_dir(path)
+    from nibble.quant.gguf_import import import_gguf_model   # the gguf package: only for a .gguf
+    return import_gguf_model(path).model
 
 
 def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: bool = False,

@@ -60,3 +60,22 @@ def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_p
     assert all(math.isfinite(p) for runs in ppl.values() for p in runs)
     assert ppl["qwen2 f32"][0] == ppl["qwen2 f32"][1] and ppl["qwen2 bf16"][0] == ppl["qwen2 bf16"][1]
     assert ppl["qwen2 bf16"][0] != ppl["qwen2 f32"][0]      # the bf16 weights were read as such
+
+
+def test_cached_machine_code_names_the_symbols_numba_reads_from_its_bitcode():
+    """cache_load reads them from the ELF symbol table, not from the bitcode (parsed only to link)."""
+    import llvmlite.binding as ll
+    from nibble.runner.kernels import cpu
+    from nibble.runner.kernels.cache_load import elf_defined_symbols
+    x = np.ones((1, 8), np.float32)
+    cpu.rmsnorm(x, np.ones(8, np.float32), 1e-5, x)              # compiled and cached, or loaded
+    cache = cpu.rmsnorm._cache._cache_file
+    data_files = cache._load_index().values()      # one per signature cached
+    assert data_files
+    for data_file in data_files:
+        _, kind, (machine_code, bitcode) = cache._load_data(data_file)[0]   # the CompileResult's library
+        module = ll.parse_bitcode(bitcode)
+        defined = {v.name for values in (module.functions, module.global_variables) for v in values
+                   if not v.is_declaration}
+        assert kind == "object" and defined and elf_defined_symbols(machine_code) == defined
+        assert elf_defined_symbols(b"\xcf\xfa\xed\xfe" + machine_code[4:]) is None   # Mach-O: numba's way

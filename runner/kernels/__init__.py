@@ -5,6 +5,8 @@ numba checks each function against its own file only, and a kernel that inlines 
 (decoder_layer inlines cpu's, linear's, quant_decode's, half's and prefill's) would keep the old
 code after an upgrade or an edit. The folders of older sources are deleted when this process first compiles a kernel.
 A NUMBA_CACHE_DIR set by the user is left alone.
+
+Loading a cached kernel skips two steps of numba's that only a compile needs (cache_load.py).
 """
 import hashlib
 import os
@@ -15,6 +17,7 @@ import numba
 from numba.core import event
 
 from nibble.formats.paths import kernels_dir
+from . import cache_load
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
@@ -22,6 +25,7 @@ numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 # parallel callees is cached without numba's hook that starts the pool (numba#8578), and loaded
 # into a process without it, its calls into the pool and Python resolve to address 0 (SIGSEGV).
 numba.get_num_threads()
+cache_load.install()
 
 
 def _kernel_cache_dir() -> Path:

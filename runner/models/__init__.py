@@ -12,13 +12,13 @@ ARCHITECTURES; a family module has:
     INPUTS: the weight names (after model.layers.<i>.) whose input each of the block's four act_sq
         rows collects: the q/k/v, o, gate/up and down projections (runner/calibrate.py)
 """
+import importlib
 from types import ModuleType
 
 from nibble.formats.config import ARCHITECTURES, ModelConfig
-from . import gemma3, llama, phi3
-
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "gemma3": gemma3, "phi3": phi3}
 
 
 def family(config: ModelConfig) -> ModuleType:
-    return FAMILIES[ARCHITECTURES[config.model_type]]
+    """The family module of `config`'s model_type, imported on first use: each defines its
+    block's kernels, which a model of another family does not need."""
+    return importlib.import_module(f".{ARCHITECTURES[config.model_type]}", __name__)

@@ -1,0 +1,96 @@
+"""Loading a cached kernel, made cheaper: three steps of numba's load that only a compile (or
+object mode) needs. A warm start of `nibble run` spent about half a second in them (issue 14):
+- numba refreshes its target context before it reads the cache: that imports and installs every
+  typing and lowering registry, for a compile; a compile still refreshes first.
+- each cached library carries, beside its machine code, its LLVM bitcode, parsed at load (about
+  0.2 s for the decoder layer and the matmul) only to list the symbols the code defines and to be
+  linked into a later compile. The symbols are read from the machine code's ELF symbol table; the
+  bitcode is parsed when a compile links the library. Other object formats load as numba does.
+- the environment of each function a kernel inlines is rebuilt around its module's globals, which
+  imports numba's array and math implementations (~0.1 s). Only object mode reads those globals;
+  a numba module nothing has imported yet gets an environment without them.
+"""
+import struct
+import sys
+
+import llvmlite.binding as ll
+from numba.core import caching, codegen, environment
+from numba.core.runtime import rtsys
+
+
+def install():
+    caching.Cache.load_overload = _load_overload
+    codegen.CPUCodeLibrary._unserialize = classmethod(_unserialize)
+    codegen.CPUCodeLibrary._get_module_for_linking = _get_module_for_linking
+    environment._rebuild_env = _rebuild_env   # what the pickled cache calls, by name
+
+
+def _load_overload(self, sig, target_context):
+    """numba's Cache.load_overload without target_context.refresh(): machine code read from the
+    cache needs only the runtime (NRT) it calls into, which the refresh would have started."""
+    rtsys.initialize(target_context)
+    with self._guard_against_spurious_io_errors():
+        return self._load_overload(sig, target_context)
+
+
+_numba_unserialize = codegen.CPUCodeLibrary._unserialize.__func__
+_numba_module_for_linking = codegen.CPUCodeLibrary._get_module_for_linking
+
+
+def _unserialize(cls, codegen_, state):
+    """numba's CPUCodeLibrary._unserialize of a library cached as machine code, its bitcode kept
+    unparsed (see _get_module_for_linking)."""
+    name, kind, data = state
+    symbols = elf_defined_symbols(data[0]) if kind == "object" else None
+    if symbols is None:
+        return _numba_unserialize(cls, codegen_, state)
+    library = codegen_.create_library(name)
+    library.enable_object_caching()
+    library._set_compiled_object(data[0])
+    library._shared_bitcode = data[1]
+    library._finalize_final_module()
+    codegen_._engine._defined_symbols |= symbols   # what numba reads from the parsed bitcode
+    return library
+
+
+def _get_module_for_linking(self):
+    if self._shared_module is None and getattr(self, "_shared_bitcode", None) is not None:
+        self._shared_module = ll.parse_bitcode(self._shared_bitcode)
+    return _numba_module_for_linking(self)
+
+
+_numba_rebuild_env = environment._rebuild_env
+
+
+def _rebuild_env(modname, consts, env_name):
+    if modname in sys.modules or not modname.startswith("numba."):
+        return _numba_rebuild_env(modname, consts, env_name)
+    env = environment.lookup_environment(env_name)
+    if env is None:   # as numba makes one, its globals all but the module's name
+        env = environment.Environment({"__name__": modname})
+        env.consts[:] = consts
+        env.env_name = env_name
+        environment.Environment._memo[env_name] = env
+    return env
+
+
+def elf_defined_symbols(obj: bytes) -> set[str] | None:
+    """The names of the functions and data a 64-bit little-endian ELF object defines (numba's
+    machine code on Linux); None for another format."""
+    if obj[:4] != b"\x7fELF" or obj[4:6] != b"\x02\x01":
+        return None
+    section_table, = struct.unpack_from("<Q", obj, 0x28)           # Elf64_Ehdr.e_shoff
+    entry_size, count = struct.unpack_from("<HH", obj, 0x3A)       # e_shentsize, e_shnum
+    # Elf64_Shdr: name, type, flags, addr, offset, size, link, info, addralign, entsize
+    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, section_table + i * entry_size) for i in range(count)]
+    names = set()
+    for _, kind, _, _, offset, size, link, _, _, sym_size in sections:
+        if kind != 2:   # SHT_SYMTAB; its strings are in section `link`
+            continue
+        strings = sections[link][4]
+        for at in range(offset + sym_size, offset + size, sym_size):   # entry 0 is the null symbol
+            name, info, _, section = struct.unpack_from("<IBBH", obj, at)   # Elf64_Sym
+            if section != 0 and info & 0xF <= 2:   # defined; no type, data or function
+                start = strings + name
+                names.add(obj[start:obj.index(b"\0", start)].decode())
+    return names
