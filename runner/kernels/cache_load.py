@@ -9,16 +9,27 @@ object mode) needs. A warm start of `nibble run` spent about half a second in th
 - the environment of each function a kernel inlines is rebuilt around its module's globals, which
   imports numba's array and math implementations (~0.1 s). Only object mode reads those globals;
   a numba module nothing has imported yet gets an environment without them.
+They replace numba internals, so they are installed only on the numba they follow (TESTED):
+another numba loads as it always does, slower to start, the same kernels.
 """
 import struct
 import sys
 
 import llvmlite.binding as ll
+import numba
 from numba.core import caching, codegen, environment
 from numba.core.runtime import rtsys
 
+TESTED = "0.68."
+
 
 def install():
+    global _numba_unserialize, _numba_module_for_linking, _numba_rebuild_env
+    if not numba.__version__.startswith(TESTED):
+        return
+    _numba_unserialize = codegen.CPUCodeLibrary._unserialize.__func__
+    _numba_module_for_linking = codegen.CPUCodeLibrary._get_module_for_linking
+    _numba_rebuild_env = environment._rebuild_env
     caching.Cache.load_overload = _load_overload
     codegen.CPUCodeLibrary._unserialize = classmethod(_unserialize)
     codegen.CPUCodeLibrary._get_module_for_linking = _get_module_for_linking
@@ -31,10 +42,6 @@ def _load_overload(self, sig, target_context):
     rtsys.initialize(target_context)
     with self._guard_against_spurious_io_errors():
         return self._load_overload(sig, target_context)
-
-
-_numba_unserialize = codegen.CPUCodeLibrary._unserialize.__func__
-_numba_module_for_linking = codegen.CPUCodeLibrary._get_module_for_linking
 
 
 def _unserialize(cls, codegen_, state):
@@ -57,9 +64,6 @@ def _get_module_for_linking(self):
     if self._shared_module is None and getattr(self, "_shared_bitcode", None) is not None:
         self._shared_module = ll.parse_bitcode(self._shared_bitcode)
     return _numba_module_for_linking(self)
-
-
-_numba_rebuild_env = environment._rebuild_env
 
 
 def _rebuild_env(modname, consts, env_name):
