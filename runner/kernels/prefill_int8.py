@@ -136,33 +136,41 @@ def scale_add(typingctx, acc, a, sw, sx):
 
 @njit(**_jit)
 def layout(K):
-    """Where a row's bytes go: starts[i] is the k of the 4 bytes at position 4i of a reordered row
-    (-1: zeros), lane_block[v] the block of 32 that lane v (8 a superblock) sums (-1: none)."""
+    """Where a row's bytes go, 4 at a time: units[i] = 8 b + u, the unit u (0..7) of block b that
+    positions 4i..4i+3 of a reordered row hold (-1: zeros), and lane_block[v] the block that lane v
+    (8 a superblock) sums (-1: none). A unit is a uint32 word of W's row at 8 bits (weights 4u..4u+3
+    of the block), and its low or high nibbles at 4 bits (word u // 2: weights 8 (u // 2) + 2j +
+    u % 2, j = 0..3), so that a row unpacks a word at a time."""
     blocks = K // 32
     full = blocks // 8
     rest = blocks - 8 * full
     last = 0 if rest == 0 else 1 if rest == 1 else 2 if rest == 2 else 4 if rest <= 4 else 8
-    lanes = 8 * (full + (last > 0))
-    starts = np.full((256 * full + 32 * last) // 4, -1, np.int64)
-    lane_block = np.full(lanes, -1, np.int64)
-    for i in range(starts.shape[0]):
+    units = np.full(64 * full + 8 * last, -1, np.int64)
+    lane_block = np.full(8 * (full + (last > 0)), -1, np.int64)
+    for i in range(units.shape[0]):
         c, step, lane = i // 64, (i // 8) % 8, i % 8
         steps = 8 if c < full else last                  # steps of this superblock
         per = 8 // steps                                 # lanes a block
         block = 8 * c + lane // per
         if block < blocks:
-            starts[i] = 32 * block + 4 * ((lane % per) * steps + step)
+            units[i] = 8 * block + (lane % per) * steps + step
             lane_block[8 * c + lane] = block
-    return starts, lane_block
+    return units, lane_block
+
+
+@njit(inline="always", **_jit)
+def _k(unit, j, bits):
+    """The k of byte j of a unit."""
+    return 4 * unit + j if bits == 8 else 8 * (unit >> 1) + 2 * j + (unit & 1)
 
 
 @njit(**_jit)
-def quantize_rows(x, starts, lane_block):
+def quantize_rows(x, units, lane_block, bits):
     """x [T, K] -> (xq int8 [T, Kp] in the layout, each block of 32 rounded to +-127 dx;
     dx and xs float32 [T, lanes]: a lane's block scale and its bytes' exact sum of x)."""
     T, K = x.shape
     lanes = lane_block.shape[0]
-    xq = np.zeros((T, 4 * starts.shape[0]), np.int8)
+    xq = np.zeros((T, 4 * units.shape[0]), np.int8)
     dx = np.zeros((T, lanes), np.float32)
     xs = np.zeros((T, lanes), np.float32)
     scale, inv = np.empty(K // 32, np.float32), np.empty(K // 32, np.float32)
@@ -176,36 +184,34 @@ def quantize_rows(x, starts, lane_block):
         for v in range(lanes):
             if lane_block[v] >= 0:
                 dx[t, v] = scale[lane_block[v]]
-        for i in range(starts.shape[0]):
-            k = starts[i]
-            if k >= 0:
-                r = inv[k // 32]
+        for i in range(units.shape[0]):
+            if units[i] >= 0:
+                r = inv[units[i] // 8]
                 v = 8 * (i // 64) + i % 8
                 for j in range(4):
-                    xq[t, 4 * i + j] = np.int8(np.rint(x[t, k + j] * r))
-                    xs[t, v] += x[t, k + j]
+                    k = _k(units[i], j, bits)
+                    xq[t, 4 * i + j] = np.int8(np.rint(x[t, k] * r))
+                    xs[t, v] += x[t, k]
     return xq, dx, xs
 
 
 @njit(**_jit)
-def _unpack(qw, n, starts, lane_block, wq, sw, bw):
-    """Row n of qw into the layout: its integers as bytes wq [Kp], and its scales and biases
-    spread over the lanes, sw and bw [lanes]."""
-    q = qw.weight.view(np.uint8)[n]                      # the row's bytes: 2 weights each at 4 bits
-    for i in range(starts.shape[0]):
-        k = starts[i]
-        if k < 0:
-            wq[4 * i:4 * i + 4] = 0
-        elif qw.bits == 8:
-            wq[4 * i:4 * i + 4] = q[k:k + 4]
-        else:
-            lo, hi = q[k // 2], q[k // 2 + 1]
-            wq[4 * i], wq[4 * i + 1], wq[4 * i + 2], wq[4 * i + 3] = lo & 15, lo >> 4, hi & 15, hi >> 4
-    for v in range(lane_block.shape[0]):
-        if lane_block[v] < 0:
+def _unpack(qw, n, units, lane_group, wq, sw, bw):
+    """Row n of qw into the layout: its integers as bytes wq [Kp], a word of W (or its low or high
+    nibbles) at a time, and its scales and biases spread over the lanes, sw and bw [lanes]."""
+    out, q = wq.view(np.uint32), qw.weight[n]            # [Kp/4], [K*bits/32]
+    if qw.bits == 8:
+        for i in range(units.shape[0]):
+            out[i] = q[units[i]] if units[i] >= 0 else 0
+    else:
+        for i in range(units.shape[0]):
+            u = units[i]
+            out[i] = (q[u >> 1] >> (4 * (u & 1))) & 0x0F0F0F0F if u >= 0 else 0
+    for v in range(lane_group.shape[0]):
+        if lane_group[v] < 0:
             sw[v] = bw[v] = 0
         else:
-            sw[v], bw[v] = _scale_bias(qw, n, 32 * lane_block[v] // qw.group_size)
+            sw[v], bw[v] = _scale_bias(qw, n, lane_group[v])
 
 
 # ---- the kernel ------------------------------------------------------------------------------
@@ -213,15 +219,16 @@ def _unpack(qw, n, starts, lane_block, wq, sw, bw):
 @njit(**_jit)
 def matmul_int8(x, qw, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T on integer dot products (where DOT is set)."""
-    starts, lane_block = layout(x.shape[1])
-    xq, dx, xs = quantize_rows(x, starts, lane_block)
-    _tiles(xq, dx, xs, qw, starts, lane_block, out, accumulate)
+    units, lane_block = layout(x.shape[1])
+    xq, dx, xs = quantize_rows(x, units, lane_block, qw.bits)
+    lane_group = np.where(lane_block >= 0, 32 * lane_block // qw.group_size, -1)   # W's group of each lane
+    _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate)
 
 
 @njit(parallel=True, **_jit)
-def _tiles(xq, dx, xs, qw, starts, lane_block, out, accumulate):
+def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
     T, Kp = xq.shape
-    N, lanes = qw.weight.shape[0], lane_block.shape[0]
+    N, lanes = qw.weight.shape[0], lane_group.shape[0]
     small = qw.bits == 4
     for tile in prange((N + TILE - 1) // TILE):
         n0 = tile * TILE
@@ -230,7 +237,7 @@ def _tiles(xq, dx, xs, qw, starts, lane_block, out, accumulate):
         sw = np.empty((TILE, lanes), np.float32)         # their scales and biases by lane
         bw = np.empty((TILE, lanes), np.float32)
         for r in range(rows):
-            _unpack(qw, n0 + r, starts, lane_block, wq[r], sw[r], bw[r])
+            _unpack(qw, n0 + r, units, lane_group, wq[r], sw[r], bw[r])
         t = 0
         while t + 4 <= T:
             r = 0
