@@ -78,3 +78,18 @@ def test_perplexity_matches_llamacpp_f32(smollm2):
     assert result.windows == 32 and result.tokens == 16352
     assert abs(result.ppl / ppl["results"]["F32"]["ppl"] - 1) < 1e-3, result.ppl
     assert abs(result.ppl / ppl["results"]["Q4_1"]["ppl"] - 1) < 5e-3, result.ppl
+
+
+def test_int8_prefill_is_as_close_as_llamacpps_q8_activations(smollm2, tmp_path):
+    """The batch path (prefill: activations rounded to int8 blocks where the CPU has byte dot
+    products) against the decode path (16 bits, close to float) on the same weights: KL and top-1
+    agreement at least as good as llama.cpp's Q4_1 run against its F32 (the same weights; it
+    rounds activations to Q8 blocks)."""
+    model, tok = smollm2
+    q8 = LLAMACPP["perplexity"]["results"]["Q4_1"]
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    tokens = tok.encode(text, add_bos=False)[:2048]
+    evaluate(model, tokens, ctx=512, decode=True, save_logits=str(tmp_path / "decode.bin"))
+    batch = evaluate(model, tokens, ctx=512, kl_base=str(tmp_path / "decode.bin"))
+    assert batch.kl_mean < q8["kl_mean"] and batch.top1_agree > q8["top1_agree"], batch
+

@@ -132,6 +132,44 @@ def scale_add(typingctx, acc, a, sw, sx):
     return F32(acc, a, sw, sx), codegen
 
 
+def _address(context, builder, aryty, ary, i, lltype):
+    """The address of element i of a C-contiguous array, counting row-major across rows, as lltype*."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [i]), lltype.as_pointer())
+
+
+def _transpose(kind):
+    """A whole superblock of W's row unpacked: the words q[j:] of its 8 blocks (8 words a block at
+    8 bits, 4 at 4 bits) stored to out[i:i+64] (uint32) in the layout, step s holding unit s of
+    every block: one shuffle of the 64 or 32 words in registers instead of 64 scalar moves."""
+    words = 8 if kind == 8 else 4
+    i32 = ir.IntType(32)
+
+    def codegen(context, builder, sig, args):
+        src = builder.load(_address(context, builder, sig.args[2], args[2], args[3], ir.VectorType(i32, 8 * words)), align=4)
+        # by_word[w * 8 + l] = word w of block l
+        by_word = builder.shuffle_vector(src, src, ir.Constant(ir.VectorType(i32, 8 * words),
+                                                               [l * words + w for w in range(words) for l in range(8)]))
+        if kind == 8:
+            units = by_word
+        else:   # unit 2w: the low nibbles of word w, unit 2w + 1 its high ones
+            nib = ir.Constant(by_word.type, [0x0F0F0F0F] * 32)
+            lo = builder.and_(by_word, nib)
+            hi = builder.and_(builder.lshr(by_word, ir.Constant(by_word.type, [4] * 32)), nib)
+            units = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 64),
+                                                               [h * 32 + w * 8 + l for w in range(4) for h in range(2) for l in range(8)]))
+        builder.store(units, _address(context, builder, sig.args[0], args[0], args[1], units.type), align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def transpose(typingctx, out, i, q, j):
+        return types.none(out, i, q, j), codegen
+    return transpose
+
+
+transpose8, transpose4 = _transpose(8), _transpose(4)
+
+
 # ---- the layout ------------------------------------------------------------------------------
 
 @njit(**_jit)
@@ -164,7 +202,7 @@ def _k(unit, j, bits):
     return 4 * unit + j if bits == 8 else 8 * (unit >> 1) + 2 * j + (unit & 1)
 
 
-@njit(**_jit)
+@njit(parallel=True, **_jit)
 def quantize_rows(x, units, lane_block, bits):
     """x [T, K] -> (xq int8 [T, Kp] in the layout, each block of 32 rounded to +-127 dx;
     dx and xs float32 [T, lanes]: a lane's block scale and its bytes' exact sum of x)."""
@@ -173,8 +211,8 @@ def quantize_rows(x, units, lane_block, bits):
     xq = np.zeros((T, 4 * units.shape[0]), np.int8)
     dx = np.zeros((T, lanes), np.float32)
     xs = np.zeros((T, lanes), np.float32)
-    scale, inv = np.empty(K // 32, np.float32), np.empty(K // 32, np.float32)
-    for t in range(T):
+    for t in prange(T):
+        scale, inv = np.empty(K // 32, np.float32), np.empty(K // 32, np.float32)
         for b in range(K // 32):
             top = f32(0.0)
             for k in range(32 * b, 32 * b + 32):
@@ -200,11 +238,17 @@ def _unpack(qw, n, units, lane_group, wq, sw, bw):
     """Row n of qw into the layout: its integers as bytes wq [Kp], a word of W (or its low or high
     nibbles) at a time, and its scales and biases spread over the lanes, sw and bw [lanes]."""
     out, q = wq.view(np.uint32), qw.weight[n]            # [Kp/4], [K*bits/32]
+    full = qw.weight.shape[1] // (8 * qw.bits)           # whole superblocks: 8 blocks of 32 weights
+    for c in range(full):
+        if qw.bits == 8:
+            transpose8(out, 64 * c, q, 64 * c)
+        else:
+            transpose4(out, 64 * c, q, 32 * c)
     if qw.bits == 8:
-        for i in range(units.shape[0]):
+        for i in range(64 * full, units.shape[0]):
             out[i] = q[units[i]] if units[i] >= 0 else 0
     else:
-        for i in range(units.shape[0]):
+        for i in range(64 * full, units.shape[0]):
             u = units[i]
             out[i] = (q[u >> 1] >> (4 * (u & 1))) & 0x0F0F0F0F if u >= 0 else 0
     for v in range(lane_group.shape[0]):
