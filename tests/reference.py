@@ -233,14 +233,14 @@ def quantize_blocks_int8(x):
 
 def int8_prefill(x, q, scales, biases, G):
     """x [T, K] @ W.T as the int8 prefill computes it, W = scales * q + biases by groups of G
-    (q: the integers [N, K]): exact integer sums per block of 32, then sum_b s dx isum + sum_g b xs,
-    in float64."""
+    (q: the integers [N, K]): exact integer sums per block of 32, then sum_b s dx isum + sum_g b xs
+    with xs the sums of the rounded x (dx xq), in float64: the rounded x times W."""
     T, K = x.shape
     xq, dx = quantize_blocks_int8(x)
-    isum = np.einsum("tbk,nbk->tnb", xq.reshape(T, -1, 32).astype(np.int64),
-                     q.reshape(q.shape[0], -1, 32).astype(np.int64))            # [T, N, K/32] exact
+    blocks = xq.reshape(T, -1, 32).astype(np.int64)                              # [T, K/32, 32]
+    isum = np.einsum("tbk,nbk->tnb", blocks, q.reshape(q.shape[0], -1, 32).astype(np.int64))   # exact
     s = np.repeat(scales.astype(np.float64), G // 32, axis=1)                    # [N, K/32]
-    xs = x.astype(np.float64).reshape(T, -1, G).sum(-1)                         # [T, K/G]
+    xs = (blocks.sum(-1) * dx.astype(np.float64)).reshape(T, -1, G // 32).sum(-1)   # [T, K/G]
     return (isum * s[None] * dx.astype(np.float64)[:, None]).sum(-1) + xs @ biases.astype(np.float64).T
 
 
@@ -257,12 +257,12 @@ def quantize_blocks_int8(x):
 
 def int8_prefill(x, q, scales, biases, G):
     """x [T, K] @ W.T as the int8 prefill computes it, W = scales * q + biases by groups of G
-    (q: the integers [N, K]): exact integer sums per block of 32, then sum_b s dx isum + sum_g b xs,
-    in float64."""
+    (q: the integers [N, K]): exact integer sums per block of 32, then sum_b s dx isum + sum_g b xs
+    with xs the sums of the rounded x (dx xq), in float64: the rounded x times W."""
     T, K = x.shape
     xq, dx = quantize_blocks_int8(x)
-    isum = np.einsum("tbk,nbk->tnb", xq.reshape(T, -1, 32).astype(np.int64),
-                     q.reshape(q.shape[0], -1, 32).astype(np.int64))            # [T, N, K/32] exact
+    blocks = xq.reshape(T, -1, 32).astype(np.int64)                              # [T, K/32, 32]
+    isum = np.einsum("tbk,nbk->tnb", blocks, q.reshape(q.shape[0], -1, 32).astype(np.int64))   # exact
     s = np.repeat(scales.astype(np.float64), G // 32, axis=1)                    # [N, K/32]
-    xs = x.astype(np.float64).reshape(T, -1, G).sum(-1)                         # [T, K/G]
+    xs = (blocks.sum(-1) * dx.astype(np.float64)).reshape(T, -1, G // 32).sum(-1)   # [T, K/G]
     return (isum * s[None] * dx.astype(np.float64)[:, None]).sum(-1) + xs @ biases.astype(np.float64).T

@@ -8,8 +8,8 @@ W's integers q (0..15 or 0..255) stay as they are, and
 
     out[t, n] = sum_b s[n, g(b)] dx[t, b] sum_{k in b} q[n, k] xq[t, k]  +  sum_g b[n, g] xs[t, g]
 
-over x's blocks b and W's groups g (G >= 32: a block lies in one group), xs the exact float sums
-of x's groups. An int32 lane of a 256-bit u8 x s8 dot product (`udot`) sums 4 adjacent bytes: the
+over x's blocks b and W's groups g (G >= 32: a block lies in one group), xs the sums of x's groups
+as rounded (dx xq): the product of the rounded x with W, as exact as float32 sums allow. An int32 lane of a 256-bit u8 x s8 dot product (`udot`) sums 4 adjacent bytes: the
 bytes of every row (x's and W's alike) are reordered so that each lane stays inside one block for
 a superblock of 8 steps of 32 bytes (8 blocks, one a lane), and a lane's integer sum becomes float
 once a superblock, the 8 lanes' scales a vector. A last superblock of fewer blocks spreads each
@@ -205,7 +205,10 @@ def _k(unit, j, bits):
 @njit(parallel=True, **_jit)
 def quantize_rows(x, units, lane_block, bits):
     """x [T, K] -> (xq int8 [T, Kp] in the layout, each block of 32 rounded to +-127 dx;
-    dx and xs float32 [T, lanes]: a lane's block scale and its bytes' exact sum of x)."""
+    dx and xs float32 [T, lanes]: a lane's block scale and its bytes' sum of x as rounded,
+    dx * sum xq. Not the exact sum: the biases' term would then carry x's rounding error times
+    the weights' offset (128 d for a symmetric int8 stored unsigned), where the rounded x alike in
+    both terms leaves it times the weights themselves, as llama.cpp's Q8_1 sums do.)"""
     T, K = x.shape
     lanes = lane_block.shape[0]
     xq = np.zeros((T, 4 * units.shape[0]), np.int8)
@@ -219,17 +222,18 @@ def quantize_rows(x, units, lane_block, bits):
                 top = max(top, abs(x[t, k]))
             scale[b] = top / f32(127.0)
             inv[b] = f32(127.0) / top if top > 0 else f32(0.0)
-        for v in range(lanes):
-            if lane_block[v] >= 0:
-                dx[t, v] = scale[lane_block[v]]
         for i in range(units.shape[0]):
             if units[i] >= 0:
                 r = inv[units[i] // 8]
                 v = 8 * (i // 64) + i % 8
                 for j in range(4):
-                    k = _k(units[i], j, bits)
-                    xq[t, 4 * i + j] = np.int8(np.rint(x[t, k] * r))
-                    xs[t, v] += x[t, k]
+                    q = np.rint(x[t, _k(units[i], j, bits)] * r)
+                    xq[t, 4 * i + j] = np.int8(q)
+                    xs[t, v] += q
+        for v in range(lanes):
+            if lane_block[v] >= 0:
+                dx[t, v] = scale[lane_block[v]]
+                xs[t, v] *= scale[lane_block[v]]
     return xq, dx, xs
 
 
