@@ -9,10 +9,12 @@ W's integers q (0..15 or 0..255) stay as they are, and
     out[t, n] = sum_b s[n, g(b)] dx[t, b] sum_{k in b} q[n, k] xq[t, k]  +  sum_g b[n, g] xs[t, g]
 
 over x's blocks b and W's groups g (G >= 32: a block lies in one group), xs the sums of x's groups
-as rounded (dx xq): the product of the rounded x with W, as exact as float32 sums allow. An int32 lane of a 256-bit u8 x s8 dot product (`udot`) sums 4 adjacent bytes: the
-bytes of every row (x's and W's alike) are reordered so that each lane stays inside one block for
-a superblock of 8 steps of 32 bytes (8 blocks, one a lane), and a lane's integer sum becomes float
-once a superblock, the 8 lanes' scales a vector. A last superblock of fewer blocks spreads each
+as rounded (dx xq): the product of the rounded x with W, as exact as float32 sums allow.
+
+An int32 lane of a 256-bit u8 x s8 dot product (`udot`) sums 4 adjacent bytes: the bytes of every
+row (x's and W's alike) are reordered so that each lane stays inside one block for a superblock
+of 8 steps of 32 bytes (8 blocks, one a lane), and a lane's integer sum becomes float once a
+superblock, the 8 lanes' scales a vector. A last superblock of fewer blocks spreads each
 over 2, 4 or 8 lanes (SmolLM2's K = 576 is 18 blocks: 2 superblocks and one of 2 blocks); zeros
 fill a block count that is not 1, 2, 4 or 8.
 
