@@ -5,6 +5,7 @@ import pytest
 from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.affine import dequantize
 from nibble.quant.convert import quantize_model, read_linear
+from nibble.runner.kernels import prefill_int8
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.model import Model
 from tests import reference
@@ -26,17 +27,20 @@ def test_quantized_forward_matches_reference(model_type, bits, group, tmp_path):
     q = quantize_model(tiny_model_dir(model_type), bits, group).model
     md = read_model_dir(write_model_dir(q, tmp_path / "q"))   # memory-mapped, as `nibble run` reads it
     floats = dequantized(md.tensors, md.config.quantization)
-    n = SMALL + 2   # more tokens than the decode kernels take: the float prefill path
+    n = SMALL + 2   # more tokens than the decode kernels take: the prefill path
     tokens = np.random.default_rng(5).integers(0, md.config.vocab_size, n + 8)
     want = reference.forward(md.config, floats, tokens)
     model = Model(md.config, md.tensors)
+    prefill = model.forward(tokens[:n], model.new_cache(32), all_logits=True)
     cache = model.new_cache(32)
-    prefill = model.forward(tokens[:n], cache, all_logits=True)
-    decode = np.array([model.forward([t], cache)[0] for t in tokens[n:]])   # the integer decode path
+    decode = np.array([model.forward([t], cache)[0] for t in tokens])   # the integer decode path
     scale = np.abs(want).max()
-    assert np.abs(prefill - want[:n]).max() < 1e-4 * scale
+    # prefill rounds activations to int8 blocks where the CPU has byte dot products: on a tiny
+    # random model a few percent of the logits' scale (the real model's KL: test_smollm2);
+    # float32 tiles elsewhere, exact
+    assert np.abs(prefill - want[:n]).max() < (1e-1 if prefill_int8.DOT else 1e-4) * scale
     # decode rounds activations to 16 bits per group: close, not exact
-    assert np.abs(decode - want[n:]).max() < 2e-3 * scale
+    assert np.abs(decode - want).max() < 2e-3 * scale
 
 
 def test_quantized_weights_are_not_copied(tmp_path):

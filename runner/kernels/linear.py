@@ -12,7 +12,7 @@ from numba.extending import overload
 
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
-from . import cpu, half, prefill, quant_decode
+from . import cpu, half, prefill, prefill_int8, quant_decode
 from .cpu import SMALL, _jit
 
 # a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits
@@ -58,7 +58,8 @@ def qmatmul(x, w, out, accumulate):
 
     T <= SMALL takes the decode path, bound by memory bandwidth, each weight read once for all
     rows (quantized: x quantized to int16 per group, integer dot products; 16-bit: widened on the
-    fly); more rows prefill's float tiles.
+    fly); more rows prefill's tiles (quantized: x quantized to int8 per block, integer dot products
+    where the CPU has them; else float).
     """
     T, K = x.shape
     N, Kw = prefill.dims(w)
@@ -67,7 +68,7 @@ def qmatmul(x, w, out, accumulate):
     if T <= SMALL:
         _matvec(x, w, out, accumulate)
     else:
-        prefill.matmul(x, w, out, accumulate)
+        prefill_int8.matmul(x, w, out, accumulate)
 
 
 def _matvec(x, w, out, accumulate):

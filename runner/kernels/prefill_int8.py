@@ -1,0 +1,356 @@
+"""Prefill (more than cpu.SMALL tokens) through a quantized weight on integer dot products:
+out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor W, on CPUs that multiply bytes (x86:
+AVX-512 VNNI's vpdpbusd, else AVX2's vpmaddubsw); elsewhere, and for 16-bit weights, prefill.py's
+float tiles. The choice is made when the kernels compile, from the CPU numba compiles for.
+
+x is quantized once per call to int8 per block of 32 (dx: its scale, as llama.cpp's Q8 blocks);
+W's integers q (0..15 or 0..255) stay as they are, and
+
+    out[t, n] = sum_b s[n, g(b)] dx[t, b] sum_{k in b} q[n, k] xq[t, k]  +  sum_g b[n, g] xs[t, g]
+
+over x's blocks b and W's groups g (G >= 32: a block lies in one group), xs the sums of x's groups
+as rounded (dx xq): the product of the rounded x with W, as exact as float32 sums allow.
+
+An int32 lane of a 256-bit u8 x s8 dot product (`udot`) sums 4 adjacent bytes: the bytes of every
+row (x's and W's alike) are reordered so that each lane stays inside one block for a superblock
+of 8 steps of 32 bytes (8 blocks, one a lane), and a lane's integer sum becomes float once a
+superblock, the 8 lanes' scales a vector. A last superblock of fewer blocks spreads each
+over 2, 4 or 8 lanes (SmolLM2's K = 576 is 18 blocks: 2 superblocks and one of 2 blocks); zeros
+fill a block count that is not 1, 2, 4 or 8.
+
+A tile of W's rows is unpacked to bytes in that order once, with its scales and biases spread over
+the lanes, and multiplied with every row of x by a register-blocked micro-kernel (4 rows of x by 3
+of W); tiles run in parallel.
+"""
+import numba
+import numpy as np
+from llvmlite import binding as llvm, ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from nibble.quant.affine import QuantizedTensor
+from . import prefill
+from .cpu import _jit
+from .simd import F32, I32, Vec, _ll, _load, fma, hsum, load_f32x8, zero_f32, zero_i32
+
+f32 = np.float32
+U8 = Vec(types.uint8, 32)
+TILE = 24   # W's rows unpacked at a time: 24 x K bytes stay in L1/L2 while every row of x passes
+
+
+def host_dot():
+    """'vnni', 'avx2' or None: the byte dot product of the CPU numba compiles for (None where it
+    compiles for another CPU than this one, NUMBA_CPU_NAME: a portable cache gets the float tiles)."""
+    if numba.config.CPU_NAME:
+        return None
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512vnni") and features.get("avx512vl"):
+        return "vnni"
+    return "avx2" if features.get("avx2") else None
+
+
+DOT = host_dot()
+
+
+def matmul(x, w, out, accumulate):
+    """out[T, N] (+)= x[T, K] @ W.T for more than cpu.SMALL rows of x, shapes checked by the caller
+    (njit code only): integer dot products for a quantized W where the CPU has them, else
+    prefill.py's float tiles."""
+
+
+@overload(matmul)
+def _matmul(x, w, out, accumulate):
+    if DOT and w.instance_class is QuantizedTensor:
+        return lambda x, w, out, accumulate: matmul_int8(x, w, out, accumulate)
+    return lambda x, w, out, accumulate: prefill.matmul(x, w, out, accumulate)
+
+
+@njit(inline="always", **_jit)
+def _scale_bias(qw, n, g):
+    return qw.scales[n, g], qw.biases[n, g]
+
+
+# ---- the byte dot product --------------------------------------------------------------------
+
+def _call(builder, name, ret, *args):
+    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ret, [a.type for a in args]))
+    return builder.call(fn, args)
+
+
+def _vnni(builder, acc, w, x, small):
+    i32x8 = _ll(I32)
+    return _call(builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, acc, builder.bitcast(w, i32x8),
+                 builder.bitcast(x, i32x8))
+
+
+def _avx2(builder, acc, w, x, small):
+    """vpmaddubsw sums pairs of products into int16, which holds 2 * 15 * 127 but not 2 * 255 * 127:
+    bytes above 15 (8-bit weights, `small` false) go as two nibbles, 16 * hi + lo."""
+    i16x16, i8x32 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(8), 32)
+
+    def pairs(a, weight):   # int32 lanes: weight * (sum of 4 adjacent a * x)
+        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", i16x16, a, x)
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _ll(I32), p, ir.Constant(i16x16, [weight] * 16))
+
+    lo = builder.and_(w, ir.Constant(i8x32, [15] * 32))
+    hi = builder.lshr(w, ir.Constant(i8x32, [4] * 32))
+    whole = builder.add(acc, pairs(w, 1))
+    split = builder.add(acc, builder.add(pairs(hi, 16), pairs(lo, 1)))
+    return builder.select(small, whole, split)
+
+
+def dot_intrinsic(kind):
+    """udot(acc, w, x, small): acc (int32 x 8) + in each lane the sum of 4 adjacent products of w
+    (uint8 x 32) and x (int8 x 32, the same bits as U8), with `kind`'s instructions; `small`: every
+    byte of w is at most 15 (4-bit weights), which the AVX2 sequence makes use of."""
+    emit = {"vnni": _vnni, "avx2": _avx2}[kind]
+
+    @intrinsic
+    def udot(typingctx, acc, w, x, small):
+        def codegen(context, builder, sig, args):
+            return emit(builder, *args)
+        return I32(acc, w, x, small), codegen
+    return udot
+
+
+udot = dot_intrinsic(DOT or "avx2")   # compiled only where DOT is set (see _matmul)
+
+
+@intrinsic
+def load_u8x32(typingctx, arr, i):
+    """32 bytes of arr.flat[i:] (uint8 or int8)."""
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig, args, _ll(U8), 1)
+    return U8(arr, i), codegen
+
+
+@intrinsic
+def scale_add(typingctx, acc, a, sw, sx):
+    """acc + float(a) * sw * sx, lane by lane: a superblock's integer sums into the float sum."""
+    def codegen(context, builder, sig, args):
+        s = builder.fmul(args[2], args[3], flags=("fast",))
+        return builder.fadd(args[0], builder.fmul(builder.sitofp(args[1], _ll(F32)), s, flags=("fast",)),
+                            flags=("fast",))
+    return F32(acc, a, sw, sx), codegen
+
+
+def _address(context, builder, aryty, ary, i, lltype):
+    """The address of element i of a C-contiguous array, counting row-major across rows, as lltype*."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [i]), lltype.as_pointer())
+
+
+def _transpose(kind):
+    """A whole superblock of W's row unpacked: the words q[j:] of its 8 blocks (8 words a block at
+    8 bits, 4 at 4 bits) stored to out[i:i+64] (uint32) in the layout, step s holding unit s of
+    every block: one shuffle of the 64 or 32 words in registers instead of 64 scalar moves."""
+    words = 8 if kind == 8 else 4
+    i32 = ir.IntType(32)
+
+    def codegen(context, builder, sig, args):
+        src = builder.load(_address(context, builder, sig.args[2], args[2], args[3], ir.VectorType(i32, 8 * words)), align=4)
+        # by_word[w * 8 + l] = word w of block l
+        by_word = builder.shuffle_vector(src, src, ir.Constant(ir.VectorType(i32, 8 * words),
+                                                               [l * words + w for w in range(words) for l in range(8)]))
+        if kind == 8:
+            units = by_word
+        else:   # unit 2w: the low nibbles of word w, unit 2w + 1 its high ones
+            nib = ir.Constant(by_word.type, [0x0F0F0F0F] * 32)
+            lo = builder.and_(by_word, nib)
+            hi = builder.and_(builder.lshr(by_word, ir.Constant(by_word.type, [4] * 32)), nib)
+            units = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 64),
+                                                               [h * 32 + w * 8 + l for w in range(4) for h in range(2) for l in range(8)]))
+        builder.store(units, _address(context, builder, sig.args[0], args[0], args[1], units.type), align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def transpose(typingctx, out, i, q, j):
+        return types.none(out, i, q, j), codegen
+    return transpose
+
+
+transpose8, transpose4 = _transpose(8), _transpose(4)
+
+
+# ---- the layout ------------------------------------------------------------------------------
+
+@njit(**_jit)
+def layout(K):
+    """Where a row's bytes go, 4 at a time: units[i] = 8 b + u, the unit u (0..7) of block b that
+    positions 4i..4i+3 of a reordered row hold (-1: zeros), and lane_block[v] the block that lane v
+    (8 a superblock) sums (-1: none). A unit is a uint32 word of W's row at 8 bits (weights 4u..4u+3
+    of the block), and its low or high nibbles at 4 bits (word u // 2: weights 8 (u // 2) + 2j +
+    u % 2, j = 0..3), so that a row unpacks a word at a time."""
+    blocks = K // 32
+    full = blocks // 8
+    rest = blocks - 8 * full
+    last = 0 if rest == 0 else 1 if rest == 1 else 2 if rest == 2 else 4 if rest <= 4 else 8
+    units = np.full(64 * full + 8 * last, -1, np.int64)
+    lane_block = np.full(8 * (full + (last > 0)), -1, np.int64)
+    for i in range(units.shape[0]):
+        c, step, lane = i // 64, (i // 8) % 8, i % 8
+        steps = 8 if c < full else last                  # steps of this superblock
+        per = 8 // steps                                 # lanes a block
+        block = 8 * c + lane // per
+        if block < blocks:
+            units[i] = 8 * block + (lane % per) * steps + step
+            lane_block[8 * c + lane] = block
+    return units, lane_block
+
+
+@njit(inline="always", **_jit)
+def _k(unit, j, bits):
+    """The k of byte j of a unit."""
+    return 4 * unit + j if bits == 8 else 8 * (unit >> 1) + 2 * j + (unit & 1)
+
+
+@njit(parallel=True, **_jit)
+def quantize_rows(x, units, lane_block, bits):
+    """x [T, K] -> (xq int8 [T, Kp] in the layout, each block of 32 rounded to +-127 dx;
+    dx and xs float32 [T, lanes]: a lane's block scale and its bytes' sum of x as rounded,
+    dx * sum xq. Not the exact sum: the biases' term would then carry x's rounding error times
+    the weights' offset (128 d for a symmetric int8 stored unsigned), where the rounded x alike in
+    both terms leaves it times the weights themselves, as llama.cpp's Q8_1 sums do.)"""
+    T, K = x.shape
+    lanes = lane_block.shape[0]
+    xq = np.zeros((T, 4 * units.shape[0]), np.int8)
+    dx = np.zeros((T, lanes), np.float32)
+    xs = np.zeros((T, lanes), np.float32)
+    for t in prange(T):
+        scale, inv = np.empty(K // 32, np.float32), np.empty(K // 32, np.float32)
+        for b in range(K // 32):
+            top = f32(0.0)
+            for k in range(32 * b, 32 * b + 32):
+                top = max(top, abs(x[t, k]))
+            scale[b] = top / f32(127.0)
+            inv[b] = f32(127.0) / top if top > 0 else f32(0.0)
+        for i in range(units.shape[0]):
+            if units[i] >= 0:
+                r = inv[units[i] // 8]
+                v = 8 * (i // 64) + i % 8
+                for j in range(4):
+                    q = np.rint(x[t, _k(units[i], j, bits)] * r)
+                    xq[t, 4 * i + j] = np.int8(q)
+                    xs[t, v] += q
+        for v in range(lanes):
+            if lane_block[v] >= 0:
+                dx[t, v] = scale[lane_block[v]]
+                xs[t, v] *= scale[lane_block[v]]
+    return xq, dx, xs
+
+
+@njit(**_jit)
+def _unpack(qw, n, units, lane_group, wq, sw, bw):
+    """Row n of qw into the layout: its integers as bytes wq [Kp], a word of W (or its low or high
+    nibbles) at a time, and its scales and biases spread over the lanes, sw and bw [lanes]."""
+    out, q = wq.view(np.uint32), qw.weight[n]            # [Kp/4], [K*bits/32]
+    full = qw.weight.shape[1] // (8 * qw.bits)           # whole superblocks: 8 blocks of 32 weights
+    for c in range(full):
+        if qw.bits == 8:
+            transpose8(out, 64 * c, q, 64 * c)
+        else:
+            transpose4(out, 64 * c, q, 32 * c)
+    if qw.bits == 8:
+        for i in range(64 * full, units.shape[0]):
+            out[i] = q[units[i]] if units[i] >= 0 else 0
+    else:
+        for i in range(64 * full, units.shape[0]):
+            u = units[i]
+            out[i] = (q[u >> 1] >> (4 * (u & 1))) & 0x0F0F0F0F if u >= 0 else 0
+    for v in range(lane_group.shape[0]):
+        if lane_group[v] < 0:
+            sw[v] = bw[v] = 0
+        else:
+            sw[v], bw[v] = _scale_bias(qw, n, lane_group[v])
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+@njit(**_jit)
+def matmul_int8(x, qw, out, accumulate):
+    """out[T, N] (+)= x[T, K] @ W.T on integer dot products (where DOT is set)."""
+    units, lane_block = layout(x.shape[1])
+    xq, dx, xs = quantize_rows(x, units, lane_block, qw.bits)
+    lane_group = np.where(lane_block >= 0, 32 * lane_block // qw.group_size, -1)   # W's group of each lane
+    _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate)
+
+
+@njit(parallel=True, **_jit)
+def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
+    T, Kp = xq.shape
+    N, lanes = qw.weight.shape[0], lane_group.shape[0]
+    small = qw.bits == 4
+    for tile in prange((N + TILE - 1) // TILE):
+        n0 = tile * TILE
+        rows = min(N, n0 + TILE) - n0
+        wq = np.empty((TILE, Kp), np.uint8)              # [rows, Kp] W[n0:n0+rows]'s integers
+        sw = np.empty((TILE, lanes), np.float32)         # their scales and biases by lane
+        bw = np.empty((TILE, lanes), np.float32)
+        for r in range(rows):
+            _unpack(qw, n0 + r, units, lane_group, wq[r], sw[r], bw[r])
+        t = 0
+        while t + 4 <= T:
+            r = 0
+            while r + 3 <= rows:
+                _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, accumulate)
+                r += 3
+            _dots(xq, dx, xs, wq, sw, bw, out, t, t + 4, r, rows, n0, small, accumulate)
+            t += 4
+        _dots(xq, dx, xs, wq, sw, bw, out, t, T, 0, rows, n0, small, accumulate)
+
+
+@njit(inline="always", **_jit)
+def _finish(f, a, dx, xs, sw, bw, t, r, v):
+    """A superblock's integer lanes a of (x row t, tile row r) into the float lanes f, with the
+    biases' part."""
+    return fma(load_f32x8(bw, r * bw.shape[1] + v), load_f32x8(xs, t * xs.shape[1] + v),
+               scale_add(f, a, load_f32x8(sw, r * sw.shape[1] + v), load_f32x8(dx, t * dx.shape[1] + v)))
+
+
+@njit(inline="always", **_jit)
+def _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, accumulate):
+    """out[t:t+4, n0+r:n0+r+3] (+)= 12 dot products: 7 loads for 12 udots a step."""
+    Kp = xq.shape[1]
+    f00 = f01 = f02 = f10 = f11 = f12 = f20 = f21 = f22 = f30 = f31 = f32_ = zero_f32()
+    for c in range(0, Kp, 256):
+        a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = a30 = a31 = a32 = zero_i32()
+        for k in range(c, min(c + 256, Kp), 32):
+            w0, w1, w2 = load_u8x32(wq, r * Kp + k), load_u8x32(wq, (r + 1) * Kp + k), load_u8x32(wq, (r + 2) * Kp + k)
+            u = load_u8x32(xq, t * Kp + k)
+            a00, a01, a02 = udot(a00, w0, u, small), udot(a01, w1, u, small), udot(a02, w2, u, small)
+            u = load_u8x32(xq, (t + 1) * Kp + k)
+            a10, a11, a12 = udot(a10, w0, u, small), udot(a11, w1, u, small), udot(a12, w2, u, small)
+            u = load_u8x32(xq, (t + 2) * Kp + k)
+            a20, a21, a22 = udot(a20, w0, u, small), udot(a21, w1, u, small), udot(a22, w2, u, small)
+            u = load_u8x32(xq, (t + 3) * Kp + k)
+            a30, a31, a32 = udot(a30, w0, u, small), udot(a31, w1, u, small), udot(a32, w2, u, small)
+        v = c // 32
+        f00, f01, f02 = (_finish(f00, a00, dx, xs, sw, bw, t, r, v), _finish(f01, a01, dx, xs, sw, bw, t, r + 1, v),
+                         _finish(f02, a02, dx, xs, sw, bw, t, r + 2, v))
+        f10, f11, f12 = (_finish(f10, a10, dx, xs, sw, bw, t + 1, r, v), _finish(f11, a11, dx, xs, sw, bw, t + 1, r + 1, v),
+                         _finish(f12, a12, dx, xs, sw, bw, t + 1, r + 2, v))
+        f20, f21, f22 = (_finish(f20, a20, dx, xs, sw, bw, t + 2, r, v), _finish(f21, a21, dx, xs, sw, bw, t + 2, r + 1, v),
+                         _finish(f22, a22, dx, xs, sw, bw, t + 2, r + 2, v))
+        f30, f31, f32_ = (_finish(f30, a30, dx, xs, sw, bw, t + 3, r, v), _finish(f31, a31, dx, xs, sw, bw, t + 3, r + 1, v),
+                          _finish(f32_, a32, dx, xs, sw, bw, t + 3, r + 2, v))
+    n = n0 + r
+    prefill._put3(out, t, n, hsum(f00), hsum(f01), hsum(f02), accumulate)
+    prefill._put3(out, t + 1, n, hsum(f10), hsum(f11), hsum(f12), accumulate)
+    prefill._put3(out, t + 2, n, hsum(f20), hsum(f21), hsum(f22), accumulate)
+    prefill._put3(out, t + 3, n, hsum(f30), hsum(f31), hsum(f32_), accumulate)
+
+
+@njit(inline="always", **_jit)
+def _dots(xq, dx, xs, wq, sw, bw, out, t0, t1, r0, r1, n0, small, accumulate):
+    """The edges of a tile, one dot product at a time."""
+    Kp = xq.shape[1]
+    for t in range(t0, t1):
+        for r in range(r0, r1):
+            f = zero_f32()
+            for c in range(0, Kp, 256):
+                a = zero_i32()
+                for k in range(c, min(c + 256, Kp), 32):
+                    a = udot(a, load_u8x32(wq, r * Kp + k), load_u8x32(xq, t * Kp + k), small)
+                f = _finish(f, a, dx, xs, sw, bw, t, r, c // 32)
+            n = n0 + r
+            out[t, n] = out[t, n] + hsum(f) if accumulate else hsum(f)
