@@ -28,6 +28,14 @@ def mlx_weight(N, K, bits, G):
     return w, scales, biases
 
 
+def as_kind(a, kind):
+    """float16 values a as stored in a file of `kind`: float16, bfloat16 (a HalfTensor of the top
+    halves of their float32 bits: other values, as exact) or float32 (a GGUF K-quant's d * sc)."""
+    if kind == "bfloat16":
+        return HalfTensor((a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16), True)
+    return a.astype(kind)
+
+
 def twin_dequantize(w, scales, biases, bits, G):
     """float64 [N, K]: w[n, k] = scales[n, k//G] * q[n, k] + biases[n, k//G], per the MLX spec."""
     N, per_word = w.shape[0], 32 // bits
@@ -35,7 +43,7 @@ def twin_dequantize(w, scales, biases, bits, G):
     q = (w[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)      # [N, K/per_word, per_word]
     q = q.reshape(N, -1).astype(np.float64)                         # element k = word k//per_word
     groups = np.arange(q.shape[1]) // G
-    return scales.astype(np.float64)[:, groups] * q + biases.astype(np.float64)[:, groups]
+    return np.asarray(scales, np.float64)[:, groups] * q + np.asarray(biases, np.float64)[:, groups]
 
 
 def check(out, x, W, before, accumulate):
@@ -93,6 +101,34 @@ def test_decode_rows_are_each_as_alone(bits, G, B):
         alone = np.empty((1, N), np.float32)
         matvec_rows(x[r:r + 1], qw, alone, False)
         np.testing.assert_array_equal(out[r], alone[0])
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_scales_and_biases_are_read_as_stored(kind, bits, G):
+    """16-bit scales and biases stay 16-bit (their bits, no copy: decode reads the file's bytes),
+    float32 ones float32; decode (each row as alone) and prefill both read them right."""
+    N, K = 37, k_for(bits, G)
+    w, s, b = mlx_weight(N, K, bits, G)
+    s, b = as_kind(s, kind), as_kind(b, kind)
+    qw = prepare(QuantizedTensor(w, s, b, bits, G))
+    assert qw.nbytes == w.nbytes + s.nbytes + b.nbytes
+    if kind != "float32":
+        assert qw.scales.dtype == np.uint16 and qw.bf16 == (kind == "bfloat16")
+        assert np.shares_memory(qw.scales, s.bits if kind == "bfloat16" else s)
+    W = twin_dequantize(w, s, b, bits, G)
+    for T in (5, 70):                                # decode rows, prefill tiles
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        out = np.empty((T, N), np.float32)
+        qmatmul(x, qw, out, False)
+        check(out, x, W, out * 0, False)
+        if T <= SMALL:
+            for r in range(T):
+                alone = np.empty((1, N), np.float32)
+                qmatmul(x[r:r + 1], qw, alone, False)
+                np.testing.assert_array_equal(out[r], alone[0])
+    np.testing.assert_allclose(dequantize(linear.row_block(qw, 3, 9)), W[3:9], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bf16", [True, False])

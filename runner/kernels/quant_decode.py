@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu import _jit
-from .simd import hsum, load_16x16, load_u8x16, madd, nibble, scale_add, vadd, zero_f32, zero_i32
+from .simd import group_scale_bias, hsum, load_16x16, load_u8x16, madd, nibble, scale_add, vadd, zero_f32, zero_i32
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -35,11 +35,11 @@ def matvec_rows(x, qw, out, accumulate):
     xs = np.empty((B, K // G), np.float32)
     for r in range(B):
         quantize_activation(x[r], G, qw.bits, xq[r], dx[r], xs[r])
-    _rows(xq, dx, xs, x, qw.weight.view(np.uint8), qw.scales, qw.biases, qw.bits, G, out, accumulate)
+    _rows(xq, dx, xs, x, qw.weight.view(np.uint8), qw, qw.bits, G, out, accumulate)
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, q, s, b, bits, G, out, accumulate):
+def _rows(xq, dx, xs, x, q, qw, bits, G, out, accumulate):
     """Every weight row's dot products with the rows of x, two weight rows a task."""
     N, B = q.shape[0], x.shape[0]
     H = (N + 1) // 2
@@ -48,7 +48,7 @@ def _rows(xq, dx, xs, x, q, s, b, bits, G, out, accumulate):
         m = i + H if i + H < N else i
         for r in range(0, B, 2):
             two = r + 1 < B
-            v0, v1, v2, v3 = _pair(xq, dx, xs, x, q, s, b, i, m, r, two, bits, G)
+            v0, v1, v2, v3 = _pair(xq, dx, xs, x, q, qw, i, m, r, two, bits, G)
             _put(out, r, i, m, v0, v1, accumulate)
             if two:
                 _put(out, r + 1, i, m, v2, v3, accumulate)
@@ -62,27 +62,27 @@ def _put(out, r, n, m, v0, v1, accumulate):
 
 
 @njit(inline="always", **_jit)
-def _pair(xq, dx, xs, x, q, s, b, n, m, r, two, bits, G):
+def _pair(xq, dx, xs, x, q, qw, n, m, r, two, bits, G):
     """(rows n, m) . (x rows r, and r + 1 if `two`), with G and `two` passed on as constants:
     each inner loop gets fixed bounds, and one x row no code for a second."""
     if two:
-        return _pair_g(xq, dx, xs, x, q, s, b, n, m, r, True, bits, G)
-    return _pair_g(xq, dx, xs, x, q, s, b, n, m, r, False, bits, G)
+        return _pair_g(xq, dx, xs, x, q, qw, n, m, r, True, bits, G)
+    return _pair_g(xq, dx, xs, x, q, qw, n, m, r, False, bits, G)
 
 
 @njit(inline="always", **_jit)
-def _pair_g(xq, dx, xs, x, q, s, b, n, m, r, two, bits, G):
+def _pair_g(xq, dx, xs, x, q, qw, n, m, r, two, bits, G):
     if bits == 8:
         if G == 64:
-            return _pair8(xq, dx, xs, q, s, b, n, m, r, two, 64)
+            return _pair8(xq, dx, xs, q, qw, n, m, r, two, 64)
         if G == 32:
-            return _pair8(xq, dx, xs, q, s, b, n, m, r, two, 32)
-        return _pair8(xq, dx, xs, q, s, b, n, m, r, two, 128)
+            return _pair8(xq, dx, xs, q, qw, n, m, r, two, 32)
+        return _pair8(xq, dx, xs, q, qw, n, m, r, two, 128)
     if G == 64:
-        return _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, 64)
+        return _pair4(xq, dx, xs, x, q, qw, n, m, r, two, 64)
     if G == 32:
-        return _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, 32)
-    return _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, 128)
+        return _pair4(xq, dx, xs, x, q, qw, n, m, r, two, 32)
+    return _pair4(xq, dx, xs, x, q, qw, n, m, r, two, 128)
 
 
 @njit(**_jit)
@@ -131,27 +131,29 @@ def _madd4(a0, a1, a2, a3, w0, w1, xq, j0, j1, two):
 
 
 @njit(inline="always", **_jit)
-def _pair8(xq, dx, xs, q, s, b, n, m, r, two, G):
+def _pair8(xq, dx, xs, q, qw, n, m, r, two, G):
     """(rows n, m) . (x rows r, r + 1) for 8 bits: two rows far apart are two sequential streams
     (two adjacent rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
     Kb = q.shape[1]
     j0, j1 = r * Kb, (r + 1) * Kb
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-    for g in range(s.shape[1]):
+    for g in range(Kb // G):
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for k in range(g * G, g * G + G, 16):
             a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k), load_u8x16(q, m * Kb + k),
                                     xq, j0 + k, j1 + k, two)
-        f0 = scale_add(f0, a0, s[n, g] * dx[r, g], s[n, g] * dx[r, g])
-        f1 = scale_add(f1, a1, s[m, g] * dx[r, g], s[m, g] * dx[r, g])
-        t0 += b[n, g] * xs[r, g]
-        t1 += b[m, g] * xs[r, g]
+        sn, bn = group_scale_bias(qw, n, g)
+        sm, bm = group_scale_bias(qw, m, g)
+        f0 = scale_add(f0, a0, sn * dx[r, g], sn * dx[r, g])
+        f1 = scale_add(f1, a1, sm * dx[r, g], sm * dx[r, g])
+        t0 += bn * xs[r, g]
+        t1 += bm * xs[r, g]
         if two:
-            f2 = scale_add(f2, a2, s[n, g] * dx[r + 1, g], s[n, g] * dx[r + 1, g])
-            f3 = scale_add(f3, a3, s[m, g] * dx[r + 1, g], s[m, g] * dx[r + 1, g])
-            t2 += b[n, g] * xs[r + 1, g]
-            t3 += b[m, g] * xs[r + 1, g]
+            f2 = scale_add(f2, a2, sn * dx[r + 1, g], sn * dx[r + 1, g])
+            f3 = scale_add(f3, a3, sm * dx[r + 1, g], sm * dx[r + 1, g])
+            t2 += bn * xs[r + 1, g]
+            t3 += bm * xs[r + 1, g]
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
@@ -168,7 +170,7 @@ def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
 
 
 @njit(inline="always", **_jit)
-def _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, G):
+def _pair4(xq, dx, xs, x, q, qw, n, m, r, two, G):
     """(rows n, m) . (x rows r, r + 1) for 4 bits. A block of 64 holds one group, half of one, or
     (G = 32) two: int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
     Kb = q.shape[1]
@@ -186,37 +188,43 @@ def _pair4(xq, dx, xs, x, q, s, b, n, m, r, two, G):
             for cc in range(c * (G // 64), (c + 1) * (G // 64)):
                 a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, cc, two)
             g, h = c, c
-        f0 = scale_add(f0, a0, s[n, g] * dx[r, g], s[n, h] * dx[r, h])
-        f1 = scale_add(f1, a1, s[m, g] * dx[r, g], s[m, h] * dx[r, h])
-        t0 += _bias(b, xs, n, r, g, h, per)
-        t1 += _bias(b, xs, m, r, g, h, per)
+        sng, bng = group_scale_bias(qw, n, g)
+        snh, bnh = group_scale_bias(qw, n, h)
+        smg, bmg = group_scale_bias(qw, m, g)
+        smh, bmh = group_scale_bias(qw, m, h)
+        f0 = scale_add(f0, a0, sng * dx[r, g], snh * dx[r, h])
+        f1 = scale_add(f1, a1, smg * dx[r, g], smh * dx[r, h])
+        t0 += _bias(bng, bnh, xs, r, g, h, per)
+        t1 += _bias(bmg, bmh, xs, r, g, h, per)
         if two:
-            f2 = scale_add(f2, a2, s[n, g] * dx[r + 1, g], s[n, h] * dx[r + 1, h])
-            f3 = scale_add(f3, a3, s[m, g] * dx[r + 1, g], s[m, h] * dx[r + 1, h])
-            t2 += _bias(b, xs, n, r + 1, g, h, per)
-            t3 += _bias(b, xs, m, r + 1, g, h, per)
+            f2 = scale_add(f2, a2, sng * dx[r + 1, g], snh * dx[r + 1, h])
+            f3 = scale_add(f3, a3, smg * dx[r + 1, g], smh * dx[r + 1, h])
+            t2 += _bias(bng, bnh, xs, r + 1, g, h, per)
+            t3 += _bias(bmg, bmh, xs, r + 1, g, h, per)
     if K % 64:   # G = 32 and an odd number of groups: the last one in float
         g = K // 32 - 1
-        t0 += _tail4(x, q, s, b, xs, n, r, g, K)
-        t1 += _tail4(x, q, s, b, xs, m, r, g, K)
+        t0 += _tail4(x, q, qw, xs, n, r, g, K)
+        t1 += _tail4(x, q, qw, xs, m, r, g, K)
         if two:
-            t2 += _tail4(x, q, s, b, xs, n, r + 1, g, K)
-            t3 += _tail4(x, q, s, b, xs, m, r + 1, g, K)
+            t2 += _tail4(x, q, qw, xs, n, r + 1, g, K)
+            t3 += _tail4(x, q, qw, xs, m, r + 1, g, K)
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
 @njit(inline="always", **_jit)
-def _bias(b, xs, n, r, g, h, per):
-    """The biases' part of a block: row n's bias of each group it holds times x row r's sum there."""
+def _bias(bg, bh, xs, r, g, h, per):
+    """The biases' part of a block: a row's biases bg, bh of each group it holds (g, and h if
+    per = 2) times x row r's sums there."""
     if per == 2:
-        return b[n, g] * xs[r, g] + b[n, h] * xs[r, h]
-    return b[n, g] * xs[r, g]
+        return bg * xs[r, g] + bh * xs[r, h]
+    return bg * xs[r, g]
 
 
 @njit(inline="always", **_jit)
-def _tail4(x, q, s, b, xs, n, r, g, K):
+def _tail4(x, q, qw, xs, n, r, g, K):
     """Group g, the last half block of a 4-bit row n, dotted with x row r in float."""
     e = f32(0.0)
     for k in range(32 * g, K):
         e += x[r, k] * f32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
-    return s[n, g] * e + b[n, g] * xs[r, g]
+    s, b = group_scale_bias(qw, n, g)
+    return s * e + b * xs[r, g]
