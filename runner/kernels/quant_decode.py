@@ -12,6 +12,9 @@ share each weight read from memory: a task unpacks two weight rows and dots them
 of x at a time, from L1 again for the next two. Each output is summed in the same order whatever
 B and whichever x rows it is paired with (the integer sums are exact): a row's result does not
 depend on the other rows, which makes a batch of sequences decode as each would alone.
+
+Projections of one input (q/k/v, gate/up) run as one parallel region (matvec_group): each region
+costs a fork and a join, and waits for its slowest thread (a busy core makes that thread late).
 """
 import numpy as np
 from numba import njit, prange
@@ -28,30 +31,77 @@ _jit = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
 @njit(**_jit)
 def matvec_rows(x, qw, out, accumulate):
     """out[B, N] (+)= x[B, K] @ W.T, shapes checked by the caller (linear.qmatmul)."""
+    _group(x, (qw, qw, qw), (out, out, out), 1, accumulate)
+
+
+@njit(**_jit)
+def matvec_group(x, ws, outs, count):
+    """outs[i][B, N_i] = x[B, K] @ ws[i].T for the first `count` (2 or 3) of ws, weights of one
+    bits and group size: a decoded token's q/k/v or gate/up. x is quantized once and all of them
+    run in one parallel region, not one each (every region waits for its slowest thread)."""
+    if not (_fits(x, ws[0], outs[0], ws[0]) and _fits(x, ws[1], outs[1], ws[0])
+            and _fits(x, ws[2], outs[2], ws[0])):   # (the tuples may hold several types: no loop)
+        raise ValueError("matvec_group: weights of one kind, x [B, K] and each out [B, N]")
+    _group(x, ws, outs, count, False)
+
+
+@njit(inline="always", **_jit)
+def _fits(x, qw, out, first):
+    """Whether out = x @ qw.T has the right shapes, qw the bits and group size of `first`."""
+    N, K = qw.weight.shape[0], qw.weight.shape[1] * 32 // qw.bits
+    return (qw.bits == first.bits and qw.group_size == first.group_size and K == x.shape[1]
+            and out.shape[0] == x.shape[0] and out.shape[1] == N)
+
+
+@njit(**_jit)
+def _group(x, ws, outs, count, accumulate):
     B, K = x.shape
-    G = qw.group_size
+    G, bits = ws[0].group_size, ws[0].bits
     xq = np.empty((B, K), np.int16)
     dx = np.empty((B, K // G), np.float32)
     xs = np.empty((B, K // G), np.float32)
     for r in range(B):
-        quantize_activation(x[r], G, qw.bits, xq[r], dx[r], xs[r])
-    _rows(xq, dx, xs, x, qw.weight.view(np.uint8), qw, qw.bits, G, out, accumulate)
+        quantize_activation(x[r], G, bits, xq[r], dx[r], xs[r])
+    e0 = _tasks(ws[0])
+    e1 = e0 + (_tasks(ws[1]) if count > 1 else 0)
+    e2 = e1 + (_tasks(ws[2]) if count > 2 else 0)
+    _rows(xq, dx, xs, x, ws[0], ws[1], ws[2], outs[0], outs[1], outs[2], e0, e1, e2, bits, G, accumulate)
+
+
+@njit(inline="always", **_jit)
+def _tasks(qw):
+    """Tasks of a weight: two rows each (its rows pair up as i, i + half)."""
+    return (qw.weight.shape[0] + 1) // 2
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, q, qw, bits, G, out, accumulate):
-    """Every weight row's dot products with the rows of x, two weight rows a task."""
+def _rows(xq, dx, xs, x, w0, w1, w2, o0, o1, o2, e0, e1, e2, bits, G, accumulate):
+    """Every row of w0, w1, w2 dotted with the rows of x into o0, o1, o2: tasks 0..e0-1 are
+    w0's, e0..e1-1 w1's, e1..e2-1 w2's (the three may be one; then e1 = e2 = e0)."""
+    for t in prange(e2):       # each thread: a range of tasks
+        j = np.int64(t)        # prange's index is unsigned: j - e0 would type as float
+        if j < e0:
+            _task(xq, dx, xs, x, w0, j, bits, G, o0, accumulate)
+        elif j < e1:
+            _task(xq, dx, xs, x, w1, j - e0, bits, G, o1, accumulate)
+        else:
+            _task(xq, dx, xs, x, w2, j - e1, bits, G, o2, accumulate)
+
+
+@njit(**_jit)
+def _task(xq, dx, xs, x, qw, i, bits, G, out, accumulate):
+    """Rows i and i + H of qw (H: half its rows, rounded up) dotted with every row of x: two rows
+    far apart are two sequential streams, a range of tasks two ranges of rows."""
+    q = qw.weight.view(np.uint8)
     N, B = q.shape[0], x.shape[0]
     H = (N + 1) // 2
-    for j in prange(H):        # each thread: a range of rows and the same range + H
-        i = np.int64(j)        # prange's index is unsigned: i + H would type as float
-        m = i + H if i + H < N else i
-        for r in range(0, B, 2):
-            two = r + 1 < B
-            v0, v1, v2, v3 = _pair(xq, dx, xs, x, q, qw, i, m, r, two, bits, G)
-            _put(out, r, i, m, v0, v1, accumulate)
-            if two:
-                _put(out, r + 1, i, m, v2, v3, accumulate)
+    m = i + H if i + H < N else i
+    for r in range(0, B, 2):
+        two = r + 1 < B
+        v0, v1, v2, v3 = _pair(xq, dx, xs, x, q, qw, i, m, r, two, bits, G)
+        _put(out, r, i, m, v0, v1, accumulate)
+        if two:
+            _put(out, r + 1, i, m, v2, v3, accumulate)
 
 
 @njit(inline="always", **_jit)
