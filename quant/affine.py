@@ -48,13 +48,15 @@ class AffineScheme:
 class QuantizedTensor(NamedTuple):
     """One quantized matrix W [N, K], laid out as MLX stores it: W[n, k] = scales[n, k//G] *
     q[n, k] + biases[n, k//G]. The one type of a quantized weight, from the file to the kernels:
-    a named tuple of arrays, so numba takes it as it is (runner.kernels: host arrays with float32
-    scales; runner.kernels.cuda: the same fields as device arrays)."""
+    a named tuple of arrays, so numba takes it as it is (runner.kernels: host arrays, scales and
+    biases as runner.kernels.linear.prepare keeps them; runner.kernels.cuda: device arrays)."""
     weight: np.ndarray  # uint32 [N, K*bits/32], packed integers (see packing)
-    scales: np.ndarray  # [N, K/G] float16 as stored (float32 for the kernels)
+    scales: np.ndarray  # [N, K/G] as stored: float16, bf16 (a HalfTensor), float32; prepared:
+                        # 16-bit floats as their uint16 bits (see bf16), anything else float32
     biases: np.ndarray  # [N, K/G] like scales
     bits: int           # one of BITS
     group_size: int     # G, one of GROUP_SIZES
+    bf16: bool = False  # prepared uint16 scales and biases: bfloat16 bits if True, else float16
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from nibble.formats.errors import NibbleError, UnsupportedModel
 from nibble.formats.half import HalfTensor
+from nibble.quant.affine import QuantizedTensor
 from .cache import blocks_for
 from .stages import weight_nbytes
 
@@ -25,7 +26,10 @@ HEADROOM = 0.9        # share of the free GPU memory to plan for (the rest: CUDA
 
 
 def device_nbytes(w) -> int:
-    """Bytes of a weight on the device: bf16/f16 go up widened to float32 (kernels.cuda.upload)."""
+    """Bytes of a weight on the device: bf16/f16 go up widened to float32 (kernels.cuda.upload),
+    a quantized weight's 16-bit scales and biases too."""
+    if isinstance(w, QuantizedTensor) and w.scales.dtype == np.uint16:
+        return w.weight.nbytes + 2 * (w.scales.nbytes + w.biases.nbytes)
     return 2 * w.nbytes if isinstance(w, HalfTensor) else w.nbytes
 
 

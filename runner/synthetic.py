@@ -21,6 +21,9 @@ from nibble.formats.safetensors import TensorSpec, TensorStream
 from nibble.quant.convert import default_calibration_text
 from .model import Model
 
+_LLAMA_3_2 = dict(max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 SHAPES = {
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
@@ -28,6 +31,16 @@ SHAPES = {
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
+    # the models' config.json; qwen3-8b as a llama block (its q/k norms are a rounding error of its time)
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, **_LLAMA_3_2),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=True, **_LLAMA_3_2),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0),
 }
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -92,8 +105,8 @@ def byte_level_tokenizer(text: str, vocab_size: int) -> Tokenizer:
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a llama model (untied head, no biases) by Hugging Face name, in a
-    checkpoint's order: matrices [out, in], norms [D]."""
+    """Every tensor of a llama model (no biases; lm_head unless tied to the embedding) by Hugging
+    Face name, in a checkpoint's order: matrices [out, in], norms [D]."""
     D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     shapes = {"model.embed_tokens.weight": (c.vocab_size, D)}
@@ -104,7 +117,8 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                    p + "self_attn.o_proj.weight": (D, q_dim), p + "post_attention_layernorm.weight": (D,),
                    p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
                    p + "mlp.down_proj.weight": (D, F)}
-    return shapes | {"model.norm.weight": (D,), "lm_head.weight": (c.vocab_size, D)}
+    head = {} if c.tie_word_embeddings else {"lm_head.weight": (c.vocab_size, D)}
+    return shapes | {"model.norm.weight": (D,)} | head
 
 
 def _config(shapes: str | dict, **fields) -> ModelConfig:

@@ -1,7 +1,9 @@
 """`nibble bench` on the tiny model: figures present and consistent (speed is not asserted)."""
 import json
+import math
 
 import numpy as np
+import pytest
 
 from nibble.runner import synthetic
 from nibble.runner.bench import memory_bandwidth, weight_bytes_per_token
@@ -49,6 +51,22 @@ def test_random_model_has_the_shapes_and_quantization():
     assert model.layers[0].w_gate.weight is not model.layers[1].w_gate.weight
     logits = model.forward([1, 2, 3], model.new_cache(8))
     assert logits.shape == (1, 96) and np.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.parametrize("name, billions", [("llama-3.2-1b", 1.24), ("llama-3.2-3b", 3.21),
+                                            ("llama-2-7b", 6.74), ("qwen3-8b", 8.19)])
+def test_shapes_have_the_models_parameter_count(name, billions):
+    """Each entry of SHAPES holds as many parameters as the model card says (qwen3's q/k norms,
+    a few thousand, aside): the synthetic model reads the bytes the real one would."""
+    shapes = synthetic.weight_shapes(synthetic._config(name)).values()
+    assert sum(math.prod(s) for s in shapes) / 1e9 == pytest.approx(billions, abs=0.005)
+
+
+def test_tied_shapes_have_no_head():
+    model = synthetic.random_model(dict(SMALL, tie_word_embeddings=True), bits=4)
+    assert "lm_head.weight" not in synthetic.weight_shapes(model.config)
+    logits = model.forward([1, 2, 3], model.new_cache(8))
+    assert logits.shape == (1, 96) and np.isfinite(logits).all()
 
 
 def test_bench_with_shapes(monkeypatch):

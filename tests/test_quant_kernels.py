@@ -14,7 +14,7 @@ from nibble.formats.half import HalfTensor
 from nibble.runner.kernels import linear, prefill_int8
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.cpu import SMALL
-from nibble.runner.kernels.quant_decode import matvec_rows
+from nibble.runner.kernels.quant_decode import matvec_group, matvec_rows
 from nibble.runner.kernels.linear import prepare, qmatmul
 from nibble.runner.kernels.prefill import dequantize, dequantize_rows
 
@@ -29,6 +29,14 @@ def mlx_weight(N, K, bits, G):
     return w, scales, biases
 
 
+def as_kind(a, kind):
+    """float16 values a as stored in a file of `kind`: float16, bfloat16 (a HalfTensor of the top
+    halves of their float32 bits: other values, as exact) or float32 (a GGUF K-quant's d * sc)."""
+    if kind == "bfloat16":
+        return HalfTensor((a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16), True)
+    return a.astype(kind)
+
+
 def twin_integers(w, bits):
     """uint32 [N, K]: the integers q[n, k] of MLX's words, per the spec."""
     N, per_word = w.shape[0], 32 // bits
@@ -41,7 +49,7 @@ def twin_dequantize(w, scales, biases, bits, G):
     """float64 [N, K]: w[n, k] = scales[n, k//G] * q[n, k] + biases[n, k//G], per the MLX spec."""
     q = twin_integers(w, bits).astype(np.float64)
     groups = np.arange(q.shape[1]) // G
-    return scales.astype(np.float64)[:, groups] * q + biases.astype(np.float64)[:, groups]
+    return np.asarray(scales, np.float64)[:, groups] * q + np.asarray(biases, np.float64)[:, groups]
 
 
 def check(out, x, W, before, accumulate, rel=1e-4):
@@ -101,6 +109,56 @@ def test_decode_rows_are_each_as_alone(bits, G, B):
         alone = np.empty((1, N), np.float32)
         matvec_rows(x[r:r + 1], qw, alone, False)
         np.testing.assert_array_equal(out[r], alone[0])
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_scales_and_biases_are_read_as_stored(kind, bits, G):
+    """16-bit scales and biases stay 16-bit (their bits, no copy: decode reads the file's bytes),
+    float32 ones float32; decode (each row as alone) and prefill both read them right."""
+    N, K = 37, k_for(bits, G)
+    w, s, b = mlx_weight(N, K, bits, G)
+    s, b = as_kind(s, kind), as_kind(b, kind)
+    qw = prepare(QuantizedTensor(w, s, b, bits, G))
+    assert qw.nbytes == w.nbytes + s.nbytes + b.nbytes
+    if kind != "float32":
+        assert qw.scales.dtype == np.uint16 and qw.bf16 == (kind == "bfloat16")
+        assert np.shares_memory(qw.scales, s.bits if kind == "bfloat16" else s)
+    W = twin_dequantize(w, s, b, bits, G)
+    for T in (5, 70):                                # decode rows, prefill tiles
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        out = np.empty((T, N), np.float32)
+        qmatmul(x, qw, out, False)
+        int8 = T > SMALL and prefill_int8.DOT is not None   # as in test_qmatmul
+        check(out, x, W, out * 0, False, rel=1e-2 if int8 else 1e-4)
+        if T <= SMALL:
+            for r in range(T):
+                alone = np.empty((1, N), np.float32)
+                qmatmul(x[r:r + 1], qw, alone, False)
+                np.testing.assert_array_equal(out[r], alone[0])
+    np.testing.assert_allclose(dequantize(linear.row_block(qw, 3, 9)), W[3:9], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("B", [1, 3])
+def test_decode_group_is_each_alone(bits, count, B):
+    """matvec_group (q/k/v, gate/up in one parallel region): every output bit-identical to its
+    weight's own matvec_rows, and right against the twin."""
+    K, G = 192, 64
+    parts = [mlx_weight(N, K, bits, G) for N in (37, 12, 12)]       # q rows, then fewer k and v rows
+    ws = tuple(prepare(QuantizedTensor(w, s, b, bits, G)) for w, s, b in parts)
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    outs = tuple(np.empty((B, w.shape[0]), np.float32) for w in ws)
+    matvec_group(x, ws, outs, count)
+    for (w, s, b), qw, out in list(zip(parts, ws, outs))[:count]:
+        alone = np.empty_like(out)
+        matvec_rows(x, qw, alone, False)
+        np.testing.assert_array_equal(out, alone)
+        check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
+    with pytest.raises(ValueError, match="one kind"):
+        matvec_group(x, (ws[0], ws[1], prepare(QuantizedTensor(*mlx_weight(12, K, bits, 32), bits, 32))), outs, 3)
 
 
 @pytest.mark.parametrize("bf16", [True, False])

@@ -27,6 +27,7 @@ from . import cuda_kernels as kernels
 from .cuda_kernels import ADD, STORE, SWIGLU
 from .layer import LayerWeights
 from nibble.formats.errors import UnsupportedModel
+from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
 
 # numba-cuda warns about every launch of fewer than 128 blocks; a model's small matrices and its
@@ -35,17 +36,23 @@ warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in 
 
 
 # A weight [N, K] on the device (for annotations): a float32 device array, or a QuantizedTensor
-# of device arrays (MLX's uint32 words as on disk, a lane loads whole words; float32 scales and
-# biases). Both have .shape (N, K).
+# of device arrays (MLX's uint32 words as on disk, a lane loads whole words; scales and biases
+# widened to float32). Both have .shape (N, K).
 DeviceWeight = object
 
 
 def upload(w: np.ndarray | QuantizedTensor) -> DeviceWeight:
-    """Copy a float32 [N, K] matrix or a prepared QuantizedTensor to the device, as it is."""
+    """Copy a float32 [N, K] matrix or a prepared QuantizedTensor to the device, its words as
+    they are, its scales and biases widened to float32 (the kernels' one kind)."""
     if isinstance(w, QuantizedTensor):
-        return w._replace(weight=cuda.to_device(w.weight), scales=cuda.to_device(w.scales),
-                          biases=cuda.to_device(w.biases))
+        return w._replace(weight=cuda.to_device(w.weight), scales=cuda.to_device(_wide(w.scales, w.bf16)),
+                          biases=cuda.to_device(_wide(w.biases, w.bf16)), bf16=False)
     return cuda.to_device(np.ascontiguousarray(w, np.float32))
+
+
+def _wide(a: np.ndarray, bf16: bool) -> np.ndarray:
+    """Prepared scales or biases (float32, or the uint16 bits of bf16 or f16) as float32."""
+    return HalfTensor(a, bf16).widen() if a.dtype == np.uint16 else a
 
 
 class DeviceLayer(NamedTuple):
@@ -87,7 +94,8 @@ def _stacked(weights: list, join) -> DeviceWeight:
                          f"layer on the CPU or quantize the model again")
     w0 = weights[0]
     if isinstance(w0, QuantizedTensor):
-        parts = [join([getattr(w, name) for w in weights]) for name in ("weight", "scales", "biases")]
+        parts = [join([w.weight for w in weights])] + [join([_wide(getattr(w, name), w.bf16) for w in weights])
+                                                       for name in ("scales", "biases")]
         return upload(QuantizedTensor(*parts, w0.bits, w0.group_size))
     return upload(join([np.asarray(w, np.float32) for w in weights]))
 
@@ -231,7 +239,8 @@ def _product(launch, x, w: DeviceWeight, out, mode: int, norm=None, eps: float =
     norm weight is given: inside the matrix-vector kernel for one token, else into scratch first."""
     T, N = x.shape[0], w.shape[0]
     # the kernels take a float weight as words of FLOAT bits with unused scales and biases
-    words, scales, biases, bits, G = w if isinstance(w, QuantizedTensor) else (w, *_no_groups(), kernels.FLOAT, 0)
+    words, scales, biases, bits, G = (w[:5] if isinstance(w, QuantizedTensor)
+                                      else (w, *_no_groups(), kernels.FLOAT, 0))
     if T == 1:
         blocks = -(-N // (kernels.MV_ROWS * kernels.MV_WARPS))
         launch(kernels.MATVEC[bits], blocks, (32, kernels.MV_WARPS),

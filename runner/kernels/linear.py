@@ -22,9 +22,11 @@ Weight = np.ndarray | QuantizedTensor | HalfTensor
 def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     """`qt` as the kernels take it: called once at load.
 
-    The packed weight is kept, not copied (a read-only np.memmap stays one; the kernels read its
-    uint32 words as little-endian bytes); scales and biases (float16 on disk) become float32,
-    1/16 of the weight's size at 8 bits. Refuses what the kernels would read out of bounds.
+    Nothing is widened or copied: the packed weight stays as it is (a read-only np.memmap stays
+    one; the kernels read its uint32 words as little-endian bytes), and so do scales and biases
+    stored in 16 bits (float16 or bfloat16: their uint16 bits, `bf16` saying which; half the
+    bytes of float32, which decode reads every token). Other widths become float32 (a GGUF
+    K-quant's d * sc are not 16-bit exact). Refuses what the kernels would read out of bounds.
     """
     bits, group_size, weight = qt.bits, qt.group_size, qt.weight
     if bits not in BITS or group_size not in GROUP_SIZES:
@@ -36,8 +38,20 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
         N, K = qt.shape
         raise ValueError(f"scales and biases must be {list(qt.groups_shape)} for a {N}x{K} weight in "
                          f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
-    as32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
-    return qt._replace(scales=as32(qt.scales), biases=as32(qt.biases))
+    s, b = _half_bits(qt.scales), _half_bits(qt.biases)
+    if s and b and s[1] == b[1]:
+        return qt._replace(scales=s[0], biases=b[0], bf16=s[1])
+    as32 = lambda a: np.ascontiguousarray(np.asarray(a), dtype=np.float32)   # a HalfTensor widens
+    return qt._replace(scales=as32(qt.scales), biases=as32(qt.biases), bf16=False)
+
+
+def _half_bits(a: np.ndarray | HalfTensor) -> tuple[np.ndarray, bool] | None:
+    """(uint16 bits in C order, bf16) of 16-bit float scales or biases; None for other widths."""
+    if isinstance(a, HalfTensor):
+        return np.ascontiguousarray(a.bits), a.bf16
+    if a.dtype == np.float16:
+        return np.ascontiguousarray(a).view(np.uint16), False
+    return None
 
 
 def row_block(w: Weight, start: int, stop: int) -> Weight:
@@ -125,12 +139,22 @@ def project_qkv(x, wq, wk, wv, q, k, v):
 def _project_qkv(x, wq, wk, wv, q, k, v):
     if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
         return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
+    if not all(_is_quantized(w) for w in (wq, wk, wv)):
+        return lambda x, wq, wk, wv, q, k, v: _qkv_each(x, wq, wk, wv, q, k, v)
 
-    def each(x, wq, wk, wv, q, k, v):
-        linear(x, wq, q, False)
-        linear(x, wk, k, False)
-        linear(x, wv, v, False)
-    return each
+    def grouped(x, wq, wk, wv, q, k, v):
+        if x.shape[0] <= SMALL and _one_kind(wq, wk) and _one_kind(wq, wv):
+            quant_decode.matvec_group(x, (wq, wk, wv), (q, k, v), 3)
+        else:
+            _qkv_each(x, wq, wk, wv, q, k, v)
+    return grouped
+
+
+@njit(**_jit)
+def _qkv_each(x, wq, wk, wv, q, k, v):
+    linear(x, wq, q, False)
+    linear(x, wk, k, False)
+    linear(x, wv, v, False)
 
 
 def swiglu(x, w_gate, w_up, out):
@@ -145,10 +169,32 @@ def swiglu(x, w_gate, w_up, out):
 def _swiglu(x, w_gate, w_up, out):
     if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
         return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
+    if not (_is_quantized(w_gate) and _is_quantized(w_up)):
+        return lambda x, w_gate, w_up, out: _swiglu_each(x, w_gate, w_up, out)
 
-    def separate(x, w_gate, w_up, out):
-        up = np.empty_like(out)
-        linear(x, w_gate, out, False)
-        linear(x, w_up, up, False)
-        cpu.silu_mul(out, up)
-    return separate
+    def grouped(x, w_gate, w_up, out):
+        if x.shape[0] <= SMALL and _one_kind(w_gate, w_up):
+            up = np.empty_like(out)
+            quant_decode.matvec_group(x, (w_gate, w_up, w_up), (out, up, up), 2)
+            cpu.silu_mul(out, up)
+        else:
+            _swiglu_each(x, w_gate, w_up, out)
+    return grouped
+
+
+@njit(**_jit)
+def _swiglu_each(x, w_gate, w_up, out):
+    up = np.empty_like(out)
+    linear(x, w_gate, out, False)
+    linear(x, w_up, up, False)
+    cpu.silu_mul(out, up)
+
+
+def _is_quantized(w) -> bool:
+    return isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor
+
+
+@njit(inline="always", **_jit)
+def _one_kind(a, b):
+    """Whether quantized weights a and b can share a decode pass (quant_decode.matvec_group)."""
+    return a.bits == b.bits and a.group_size == b.group_size

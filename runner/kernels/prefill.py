@@ -13,7 +13,7 @@ from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
 from . import half
 from .cpu import _jit
-from .simd import fma, hsum, load_f32x8, zero_f32
+from .simd import fma, group_scale_bias, hsum, load_f32x8, zero_f32
 
 f32 = np.float32
 
@@ -56,8 +56,8 @@ def _dequantize_row(qw, n, w):
     every index provably >= 0, which lets LLVM vectorize)."""
     q = qw.weight.view(np.uint8)                           # [N, K*bits/8]
     G = qw.group_size
-    for g in range(qw.scales.shape[1]):
-        s, b = qw.scales[n, g], qw.biases[n, g]
+    for g in range(qw.weight.shape[1] * 32 // qw.bits // G):
+        s, b = group_scale_bias(qw, n, g)
         wg = w[g * G:(g + 1) * G]
         if qw.bits == 8:
             qg = q[n, g * G:(g + 1) * G]

@@ -31,7 +31,7 @@ from numba.extending import intrinsic, overload
 from nibble.quant.affine import QuantizedTensor
 from . import prefill
 from .cpu import _jit
-from .simd import F32, I32, Vec, _ll, _load, fma, hsum, load_f32x8, zero_f32, zero_i32
+from .simd import F32, I32, Vec, _ll, _load, fma, group_scale_bias, hsum, load_f32x8, zero_f32, zero_i32
 
 f32 = np.float32
 U8 = Vec(types.uint8, 32)
@@ -63,11 +63,6 @@ def _matmul(x, w, out, accumulate):
     if DOT and w.instance_class is QuantizedTensor:
         return lambda x, w, out, accumulate: matmul_int8(x, w, out, accumulate)
     return lambda x, w, out, accumulate: prefill.matmul(x, w, out, accumulate)
-
-
-@njit(inline="always", **_jit)
-def _scale_bias(qw, n, g):
-    return qw.scales[n, g], qw.biases[n, g]
 
 
 # ---- the byte dot product --------------------------------------------------------------------
@@ -261,7 +256,7 @@ def _unpack(qw, n, units, lane_group, wq, sw, bw):
         if lane_group[v] < 0:
             sw[v] = bw[v] = 0
         else:
-            sw[v], bw[v] = _scale_bias(qw, n, lane_group[v])
+            sw[v], bw[v] = group_scale_bias(qw, n, lane_group[v])
 
 
 # ---- the kernel ------------------------------------------------------------------------------

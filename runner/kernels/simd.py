@@ -7,8 +7,8 @@ loops are written with explicit 256-bit vectors. No x86-specific intrinsic: ARM 
 instructions for the same LLVM operations.
 """
 from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic, models, register_model
+from numba import njit, types
+from numba.extending import intrinsic, models, overload, register_model
 
 
 class Vec(types.Type):
@@ -176,3 +176,23 @@ def hsum(typingctx, v):
         lane = lambda i: builder.extract_element(v, ir.Constant(_i32, i))
         return builder.fadd(lane(0), lane(1), flags=_FAST)
     return types.float32(v), codegen
+
+
+@njit(inline="always")
+def group_scale_bias(qw, n, g):
+    """(scale, bias) of row n, group g of a prepared QuantizedTensor, as float32: every kernel
+    reads them through here, whichever width they are stored in (linear.prepare)."""
+    return _group_value(qw.scales, n, g, qw.bf16), _group_value(qw.biases, n, g, qw.bf16)
+
+
+def _group_value(a, n, g, bf16):
+    """a[n, g] as float32: float32, or uint16 bits of a bfloat16 (bf16) or float16 (njit code
+    only: chosen at compile time from a's dtype)."""
+
+
+@overload(_group_value)
+def _group_value_typed(a, n, g, bf16):
+    if a.dtype == types.float32:
+        return lambda a, n, g, bf16: a[n, g]
+    if a.dtype == types.uint16:
+        return lambda a, n, g, bf16: half_to_f32(a[n, g], bf16)
