@@ -242,27 +242,3 @@ def int8_prefill(x, q, scales, biases, G):
     s = np.repeat(scales.astype(np.float64), G // 32, axis=1)                    # [N, K/32]
     xs = (blocks.sum(-1) * dx.astype(np.float64)).reshape(T, -1, G // 32).sum(-1)   # [T, K/G]
     return (isum * s[None] * dx.astype(np.float64)[:, None]).sum(-1) + xs @ biases.astype(np.float64).T
-
-
-def quantize_blocks_int8(x):
-    """x float32 [T, K] -> (xq [T, K] integers in -127..127, dx float32 [T, K/32]): llama.cpp's Q8
-    blocks, one scale per 32 (max |x| / 127), rounded half to even, in float32 as the kernel."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    top = np.abs(blocks).max(-1)
-    with np.errstate(divide="ignore"):
-        inv = np.where(top > 0, np.float32(127) / top, np.float32(0)).astype(np.float32)
-    xq = np.rint(blocks * inv[..., None]).reshape(x.shape)
-    return xq, (top / np.float32(127)).astype(np.float32)
-
-
-def int8_prefill(x, q, scales, biases, G):
-    """x [T, K] @ W.T as the int8 prefill computes it, W = scales * q + biases by groups of G
-    (q: the integers [N, K]): exact integer sums per block of 32, then sum_b s dx isum + sum_g b xs
-    with xs the sums of the rounded x (dx xq), in float64: the rounded x times W."""
-    T, K = x.shape
-    xq, dx = quantize_blocks_int8(x)
-    blocks = xq.reshape(T, -1, 32).astype(np.int64)                              # [T, K/32, 32]
-    isum = np.einsum("tbk,nbk->tnb", blocks, q.reshape(q.shape[0], -1, 32).astype(np.int64))   # exact
-    s = np.repeat(scales.astype(np.float64), G // 32, axis=1)                    # [N, K/32]
-    xs = (blocks.sum(-1) * dx.astype(np.float64)).reshape(T, -1, G // 32).sum(-1)   # [T, K/G]
-    return (isum * s[None] * dx.astype(np.float64)[:, None]).sum(-1) + xs @ biases.astype(np.float64).T
