@@ -11,7 +11,7 @@ import pytest
 from numba import njit
 
 from nibble.formats.half import HalfTensor
-from nibble.runner.kernels import linear, prefill_int8
+from nibble.runner.kernels import linear
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.kernels.quant_decode import matvec_group, matvec_rows
@@ -74,8 +74,8 @@ def test_qmatmul(bits, G, T, accumulate):
     out = rng.standard_normal((T, N)).astype(np.float32)
     before = out.copy()
     qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, accumulate)
-    # more than SMALL rows on a CPU with byte dot products: x rounded to int8 (test_prefill_int8)
-    int8 = T > SMALL and prefill_int8.DOT is not None
+    # more than SMALL rows with int8 prefill on (linear.INT8_PREFILL): x rounded to int8 (test_prefill_int8)
+    int8 = T > SMALL and linear.int8_prefill()
     check(out, x, twin_dequantize(w, s, b, bits, G), before, accumulate, rel=1e-2 if int8 else 1e-4)
 
 
@@ -130,7 +130,7 @@ def test_scales_and_biases_are_read_as_stored(kind, bits, G):
         x = rng.standard_normal((T, K)).astype(np.float32)
         out = np.empty((T, N), np.float32)
         qmatmul(x, qw, out, False)
-        int8 = T > SMALL and prefill_int8.DOT is not None   # as in test_qmatmul
+        int8 = T > SMALL and linear.int8_prefill()   # as in test_qmatmul
         check(out, x, W, out * 0, False, rel=1e-2 if int8 else 1e-4)
         if T <= SMALL:
             for r in range(T):
