@@ -11,7 +11,8 @@ from numba.extending import intrinsic
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels import prefill_int8
 from nibble.runner.kernels.cpu import SMALL
-from nibble.runner.kernels.linear import prepare, qmatmul
+from nibble.runner.kernels.linear import prepare
+from nibble.runner.kernels.prefill_int8 import matmul_int8   # what qmatmul runs with linear.INT8_PREFILL
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize, twin_integers
 
@@ -91,7 +92,7 @@ def test_prefill_matches_the_integer_twin(bits, G, blocks, accumulate):
     x[7] = 0                                    # a row of zeros: scale 0
     out = rng.standard_normal((T, N)).astype(np.float32)
     before = out.copy()
-    qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, accumulate)
+    matmul_int8(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, accumulate)
     want = reference.int8_prefill(x, integers(w, bits), s, b, G) + (before if accumulate else 0)
     W = twin_dequantize(w, s, b, bits, G)
     bound = np.abs(x) @ np.abs(W).T + np.abs(before)
@@ -120,9 +121,9 @@ def test_each_row_is_quantized_alone():
     qw = prepare(QuantizedTensor(w, s, b, 4, G))
     x = rng.standard_normal((2 * SMALL, K)).astype(np.float32)
     out = np.empty((2 * SMALL, N), np.float32)
-    qmatmul(x, qw, out, False)
+    matmul_int8(x, qw, out, False)
     x2 = x * 1000
     x2[5] = x[5]
     out2 = np.empty_like(out)
-    qmatmul(x2, qw, out2, False)
+    matmul_int8(x2, qw, out2, False)
     np.testing.assert_allclose(out2[5], out[5], rtol=1e-6, atol=1e-6)
