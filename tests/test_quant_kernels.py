@@ -14,7 +14,7 @@ from nibble.formats.half import HalfTensor
 from nibble.runner.kernels import linear
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.cpu import SMALL
-from nibble.runner.kernels.quant_decode import matvec_group, matvec_rows
+from nibble.runner.kernels.quant_decode import matvec_rows
 from nibble.runner.kernels.linear import prepare, qmatmul
 from nibble.runner.kernels.prefill import dequantize, dequantize_rows
 
@@ -138,27 +138,6 @@ def test_scales_and_biases_are_read_as_stored(kind, bits, G):
                 qmatmul(x[r:r + 1], qw, alone, False)
                 np.testing.assert_array_equal(out[r], alone[0])
     np.testing.assert_allclose(dequantize(linear.row_block(qw, 3, 9)), W[3:9], rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("count", [2, 3])
-@pytest.mark.parametrize("B", [1, 3])
-def test_decode_group_is_each_alone(bits, count, B):
-    """matvec_group (q/k/v, gate/up in one parallel region): every output bit-identical to its
-    weight's own matvec_rows, and right against the twin."""
-    K, G = 192, 64
-    parts = [mlx_weight(N, K, bits, G) for N in (37, 12, 12)]       # q rows, then fewer k and v rows
-    ws = tuple(prepare(QuantizedTensor(w, s, b, bits, G)) for w, s, b in parts)
-    x = rng.standard_normal((B, K)).astype(np.float32)
-    outs = tuple(np.empty((B, w.shape[0]), np.float32) for w in ws)
-    matvec_group(x, ws, outs, count)
-    for (w, s, b), qw, out in list(zip(parts, ws, outs))[:count]:
-        alone = np.empty_like(out)
-        matvec_rows(x, qw, alone, False)
-        np.testing.assert_array_equal(out, alone)
-        check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
-    with pytest.raises(ValueError, match="one kind"):
-        matvec_group(x, (ws[0], ws[1], prepare(QuantizedTensor(*mlx_weight(12, K, bits, 32), bits, 32))), outs, 3)
 
 
 @pytest.mark.parametrize("bf16", [True, False])

@@ -153,15 +153,7 @@ def project_qkv(x, wq, wk, wv, q, k, v):
 def _project_qkv(x, wq, wk, wv, q, k, v):
     if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
         return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
-    if not all(_is_quantized(w) for w in (wq, wk, wv)):
-        return lambda x, wq, wk, wv, q, k, v: _qkv_each(x, wq, wk, wv, q, k, v)
-
-    def grouped(x, wq, wk, wv, q, k, v):
-        if x.shape[0] <= SMALL and _one_kind(wq, wk) and _one_kind(wq, wv):
-            quant_decode.matvec_group(x, (wq, wk, wv), (q, k, v), 3)
-        else:
-            _qkv_each(x, wq, wk, wv, q, k, v)
-    return grouped
+    return lambda x, wq, wk, wv, q, k, v: _qkv_each(x, wq, wk, wv, q, k, v)
 
 
 @njit(**_jit)
@@ -183,17 +175,7 @@ def swiglu(x, w_gate, w_up, out):
 def _swiglu(x, w_gate, w_up, out):
     if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
         return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
-    if not (_is_quantized(w_gate) and _is_quantized(w_up)):
-        return lambda x, w_gate, w_up, out: _swiglu_each(x, w_gate, w_up, out)
-
-    def grouped(x, w_gate, w_up, out):
-        if x.shape[0] <= SMALL and _one_kind(w_gate, w_up):
-            up = np.empty_like(out)
-            quant_decode.matvec_group(x, (w_gate, w_up, w_up), (out, up, up), 2)
-            cpu.silu_mul(out, up)
-        else:
-            _swiglu_each(x, w_gate, w_up, out)
-    return grouped
+    return lambda x, w_gate, w_up, out: _swiglu_each(x, w_gate, w_up, out)
 
 
 @njit(**_jit)
@@ -202,13 +184,3 @@ def _swiglu_each(x, w_gate, w_up, out):
     linear(x, w_gate, out, False)
     linear(x, w_up, up, False)
     cpu.silu_mul(out, up)
-
-
-def _is_quantized(w) -> bool:
-    return isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor
-
-
-@njit(inline="always", **_jit)
-def _one_kind(a, b):
-    """Whether quantized weights a and b can share a decode pass (quant_decode.matvec_group)."""
-    return a.bits == b.bits and a.group_size == b.group_size

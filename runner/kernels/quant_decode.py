@@ -12,15 +12,13 @@ share each weight read from memory: a task unpacks two weight rows and dots them
 of x at a time, from L1 again for the next two. Each output is summed in the same order whatever
 B and whichever x rows it is paired with (the integer sums are exact): a row's result does not
 depend on the other rows, which makes a batch of sequences decode as each would alone.
-
-Projections of one input (q/k/v, gate/up) run as one parallel region (matvec_group): each region
-costs a fork and a join, and waits for its slowest thread (a busy core makes that thread late).
 """
 import numpy as np
 from numba import njit, prange
 
 from .cpu import _jit
-from .simd import group_scale_bias, hsum, load_16x16, load_u8x16, madd, nibble, scale_add, vadd, zero_f32, zero_i32
+from .simd import (block_scales, group_value, hsum, load_16x16, load_u8x16, madd, nibble, row_dot, scale_add, vadd, zero_f32,
+                   zero_i32)
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -31,77 +29,37 @@ _jit = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
 @njit(**_jit)
 def matvec_rows(x, qw, out, accumulate):
     """out[B, N] (+)= x[B, K] @ W.T, shapes checked by the caller (linear.qmatmul)."""
-    _group(x, (qw, qw, qw), (out, out, out), 1, accumulate)
-
-
-@njit(**_jit)
-def matvec_group(x, ws, outs, count):
-    """outs[i][B, N_i] = x[B, K] @ ws[i].T for the first `count` (2 or 3) of ws, weights of one
-    bits and group size: a decoded token's q/k/v or gate/up. x is quantized once and all of them
-    run in one parallel region, not one each (every region waits for its slowest thread)."""
-    if not (_fits(x, ws[0], outs[0], ws[0]) and _fits(x, ws[1], outs[1], ws[0])
-            and _fits(x, ws[2], outs[2], ws[0])):   # (the tuples may hold several types: no loop)
-        raise ValueError("matvec_group: weights of one kind, x [B, K] and each out [B, N]")
-    _group(x, ws, outs, count, False)
-
-
-@njit(inline="always", **_jit)
-def _fits(x, qw, out, first):
-    """Whether out = x @ qw.T has the right shapes, qw the bits and group size of `first`."""
-    N, K = qw.weight.shape[0], qw.weight.shape[1] * 32 // qw.bits
-    return (qw.bits == first.bits and qw.group_size == first.group_size and K == x.shape[1]
-            and out.shape[0] == x.shape[0] and out.shape[1] == N)
-
-
-@njit(**_jit)
-def _group(x, ws, outs, count, accumulate):
     B, K = x.shape
-    G, bits = ws[0].group_size, ws[0].bits
+    G, bits = qw.group_size, qw.bits
     xq = np.empty((B, K), np.int16)
     dx = np.empty((B, K // G), np.float32)
     xs = np.empty((B, K // G), np.float32)
     for r in range(B):
         quantize_activation(x[r], G, bits, xq[r], dx[r], xs[r])
-    e0 = _tasks(ws[0])
-    e1 = e0 + (_tasks(ws[1]) if count > 1 else 0)
-    e2 = e1 + (_tasks(ws[2]) if count > 2 else 0)
-    _rows(xq, dx, xs, x, ws[0], ws[1], ws[2], outs[0], outs[1], outs[2], e0, e1, e2, bits, G, accumulate)
-
-
-@njit(inline="always", **_jit)
-def _tasks(qw):
-    """Tasks of a weight: two rows each (its rows pair up as i, i + half)."""
-    return (qw.weight.shape[0] + 1) // 2
+    _rows(xq, dx, xs, x, bits, G, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases, qw.bf16, out)
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, w0, w1, w2, o0, o1, o2, e0, e1, e2, bits, G, accumulate):
-    """Every row of w0, w1, w2 dotted with the rows of x into o0, o1, o2: tasks 0..e0-1 are
-    w0's, e0..e1-1 w1's, e1..e2-1 w2's (the three may be one; then e1 = e2 = e0)."""
-    for t in prange(e2):       # each thread: a range of tasks
-        j = np.int64(t)        # prange's index is unsigned: j - e0 would type as float
-        if j < e0:
-            _task(xq, dx, xs, x, w0, j, bits, G, o0, accumulate)
-        elif j < e1:
-            _task(xq, dx, xs, x, w1, j - e0, bits, G, o1, accumulate)
-        else:
-            _task(xq, dx, xs, x, w2, j - e1, bits, G, o2, accumulate)
-
-
-@njit(**_jit)
-def _task(xq, dx, xs, x, qw, i, bits, G, out, accumulate):
-    """Rows i and i + H of qw (H: half its rows, rounded up) dotted with every row of x: two rows
-    far apart are two sequential streams, a range of tasks two ranges of rows."""
-    q = qw.weight.view(np.uint8)
+def _rows(xq, dx, xs, x, bits, G, accumulate, q, s, b, bf16, out):
+    """Every weight row's dot products with the rows of x, two weight rows (i, i + H) a task: two
+    rows far apart are two sequential streams, a range of tasks two ranges of rows. The loop gets
+    plain arrays and calls nothing that is not inlined: a view made or an array passed to a call
+    in it takes and drops a reference to its memory, an atomic write to one cache line that the
+    threads then fight over (2 threads ran slower than 1)."""
     N, B = q.shape[0], x.shape[0]
     H = (N + 1) // 2
-    m = i + H if i + H < N else i
-    for r in range(0, B, 2):
-        two = r + 1 < B
-        v0, v1, v2, v3 = _pair(xq, dx, xs, x, q, qw, i, m, r, two, bits, G)
-        _put(out, r, i, m, v0, v1, accumulate)
-        if two:
-            _put(out, r + 1, i, m, v2, v3, accumulate)
+    for j in prange(H):        # each thread: a range of rows and the same range + H
+        i = np.int64(j)        # prange's index is unsigned: i + H would type as float
+        m = i + H if i + H < N else i
+        for r in range(0, B, 2):
+            two = r + 1 < B
+            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, G, bf16)
+            # the biases' part: each row's biases dotted with x's group sums, once a row (in the
+            # loop over groups, their 16-bit loads and widening cost as much as the weights')
+            _put(out, r, i, m, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r), accumulate)
+            if two:
+                _put(out, r + 1, i, m, v2 + row_dot(b, bf16, i, xs, r + 1), v3 + row_dot(b, bf16, m, xs, r + 1),
+                     accumulate)
 
 
 @njit(inline="always", **_jit)
@@ -112,27 +70,27 @@ def _put(out, r, n, m, v0, v1, accumulate):
 
 
 @njit(inline="always", **_jit)
-def _pair(xq, dx, xs, x, q, qw, n, m, r, two, bits, G):
+def _pair(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
     """(rows n, m) . (x rows r, and r + 1 if `two`), with G and `two` passed on as constants:
     each inner loop gets fixed bounds, and one x row no code for a second."""
     if two:
-        return _pair_g(xq, dx, xs, x, q, qw, n, m, r, True, bits, G)
-    return _pair_g(xq, dx, xs, x, q, qw, n, m, r, False, bits, G)
+        return _pair_g(xq, dx, x, q, s, n, m, r, True, bits, G, bf16)
+    return _pair_g(xq, dx, x, q, s, n, m, r, False, bits, G, bf16)
 
 
 @njit(inline="always", **_jit)
-def _pair_g(xq, dx, xs, x, q, qw, n, m, r, two, bits, G):
+def _pair_g(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
     if bits == 8:
         if G == 64:
-            return _pair8(xq, dx, xs, q, qw, n, m, r, two, 64)
+            return _pair8(xq, dx, q, s, n, m, r, two, bf16, 64)
         if G == 32:
-            return _pair8(xq, dx, xs, q, qw, n, m, r, two, 32)
-        return _pair8(xq, dx, xs, q, qw, n, m, r, two, 128)
+            return _pair8(xq, dx, q, s, n, m, r, two, bf16, 32)
+        return _pair8(xq, dx, q, s, n, m, r, two, bf16, 128)
     if G == 64:
-        return _pair4(xq, dx, xs, x, q, qw, n, m, r, two, 64)
+        return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 64)
     if G == 32:
-        return _pair4(xq, dx, xs, x, q, qw, n, m, r, two, 32)
-    return _pair4(xq, dx, xs, x, q, qw, n, m, r, two, 128)
+        return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 32)
+    return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 128)
 
 
 @njit(**_jit)
@@ -181,30 +139,23 @@ def _madd4(a0, a1, a2, a3, w0, w1, xq, j0, j1, two):
 
 
 @njit(inline="always", **_jit)
-def _pair8(xq, dx, xs, q, qw, n, m, r, two, G):
+def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
     """(rows n, m) . (x rows r, r + 1) for 8 bits: two rows far apart are two sequential streams
     (two adjacent rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
-    Kb = q.shape[1]
+    Kb, KG = q.shape[1], s.shape[1]
     j0, j1 = r * Kb, (r + 1) * Kb
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
-    t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     for g in range(Kb // G):
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for k in range(g * G, g * G + G, 16):
             a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k), load_u8x16(q, m * Kb + k),
                                     xq, j0 + k, j1 + k, two)
-        sn, bn = group_scale_bias(qw, n, g)
-        sm, bm = group_scale_bias(qw, m, g)
-        f0 = scale_add(f0, a0, sn * dx[r, g], sn * dx[r, g])
-        f1 = scale_add(f1, a1, sm * dx[r, g], sm * dx[r, g])
-        t0 += bn * xs[r, g]
-        t1 += bm * xs[r, g]
+        f0 = scale_add(f0, a0, block_scales(s, n * KG + g, dx, r * KG + g, bf16, 1))
+        f1 = scale_add(f1, a1, block_scales(s, m * KG + g, dx, r * KG + g, bf16, 1))
         if two:
-            f2 = scale_add(f2, a2, sn * dx[r + 1, g], sn * dx[r + 1, g])
-            f3 = scale_add(f3, a3, sm * dx[r + 1, g], sm * dx[r + 1, g])
-            t2 += bn * xs[r + 1, g]
-            t3 += bm * xs[r + 1, g]
-    return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
+            f2 = scale_add(f2, a2, block_scales(s, n * KG + g, dx, (r + 1) * KG + g, bf16, 1))
+            f3 = scale_add(f3, a3, block_scales(s, m * KG + g, dx, (r + 1) * KG + g, bf16, 1))
+    return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
 
 
 @njit(inline="always", **_jit)
@@ -220,61 +171,47 @@ def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
 
 
 @njit(inline="always", **_jit)
-def _pair4(xq, dx, xs, x, q, qw, n, m, r, two, G):
+def _pair4(xq, dx, x, q, s, n, m, r, two, bf16, G):
     """(rows n, m) . (x rows r, r + 1) for 4 bits. A block of 64 holds one group, half of one, or
     (G = 32) two: int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
-    Kb = q.shape[1]
+    Kb, KG = q.shape[1], s.shape[1]
     K = 2 * Kb
     j0, j1 = r * K, (r + 1) * K
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
-    t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-    per = 2 if G == 32 else 1      # groups a block holds
     for c in range(K // 64 if G == 32 else K // G):
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         if G == 32:
             a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two)
-            g, h = 2 * c, 2 * c + 1
+            g = 2 * c
+            f0 = scale_add(f0, a0, block_scales(s, n * KG + g, dx, r * KG + g, bf16, 2))
+            f1 = scale_add(f1, a1, block_scales(s, m * KG + g, dx, r * KG + g, bf16, 2))
+            if two:
+                f2 = scale_add(f2, a2, block_scales(s, n * KG + g, dx, (r + 1) * KG + g, bf16, 2))
+                f3 = scale_add(f3, a3, block_scales(s, m * KG + g, dx, (r + 1) * KG + g, bf16, 2))
         else:
             for cc in range(c * (G // 64), (c + 1) * (G // 64)):
                 a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, cc, two)
-            g, h = c, c
-        sng, bng = group_scale_bias(qw, n, g)
-        snh, bnh = group_scale_bias(qw, n, h)
-        smg, bmg = group_scale_bias(qw, m, g)
-        smh, bmh = group_scale_bias(qw, m, h)
-        f0 = scale_add(f0, a0, sng * dx[r, g], snh * dx[r, h])
-        f1 = scale_add(f1, a1, smg * dx[r, g], smh * dx[r, h])
-        t0 += _bias(bng, bnh, xs, r, g, h, per)
-        t1 += _bias(bmg, bmh, xs, r, g, h, per)
-        if two:
-            f2 = scale_add(f2, a2, sng * dx[r + 1, g], snh * dx[r + 1, h])
-            f3 = scale_add(f3, a3, smg * dx[r + 1, g], smh * dx[r + 1, h])
-            t2 += _bias(bng, bnh, xs, r + 1, g, h, per)
-            t3 += _bias(bmg, bmh, xs, r + 1, g, h, per)
-    if K % 64:   # G = 32 and an odd number of groups: the last one in float
+            f0 = scale_add(f0, a0, block_scales(s, n * KG + c, dx, r * KG + c, bf16, 1))
+            f1 = scale_add(f1, a1, block_scales(s, m * KG + c, dx, r * KG + c, bf16, 1))
+            if two:
+                f2 = scale_add(f2, a2, block_scales(s, n * KG + c, dx, (r + 1) * KG + c, bf16, 1))
+                f3 = scale_add(f3, a3, block_scales(s, m * KG + c, dx, (r + 1) * KG + c, bf16, 1))
+    t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+    if K % 64:   # G = 32 and an odd number of groups: the last one's weights in float
         g = K // 32 - 1
-        t0 += _tail4(x, q, qw, xs, n, r, g, K)
-        t1 += _tail4(x, q, qw, xs, m, r, g, K)
+        t0 = _tail4(x, q, s, bf16, n, r, g, K)
+        t1 = _tail4(x, q, s, bf16, m, r, g, K)
         if two:
-            t2 += _tail4(x, q, qw, xs, n, r + 1, g, K)
-            t3 += _tail4(x, q, qw, xs, m, r + 1, g, K)
+            t2 = _tail4(x, q, s, bf16, n, r + 1, g, K)
+            t3 = _tail4(x, q, s, bf16, m, r + 1, g, K)
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
 @njit(inline="always", **_jit)
-def _bias(bg, bh, xs, r, g, h, per):
-    """The biases' part of a block: a row's biases bg, bh of each group it holds (g, and h if
-    per = 2) times x row r's sums there."""
-    if per == 2:
-        return bg * xs[r, g] + bh * xs[r, h]
-    return bg * xs[r, g]
-
-
-@njit(inline="always", **_jit)
-def _tail4(x, q, qw, xs, n, r, g, K):
-    """Group g, the last half block of a 4-bit row n, dotted with x row r in float."""
+def _tail4(x, q, s, bf16, n, r, g, K):
+    """Group g, the last half block of a 4-bit row n, dotted with x row r in float (its scale's
+    part: the bias is _with_biases')."""
     e = f32(0.0)
     for k in range(32 * g, K):
         e += x[r, k] * f32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
-    s, b = group_scale_bias(qw, n, g)
-    return s * e + b * xs[r, g]
+    return group_value(s, n, g, bf16) * e

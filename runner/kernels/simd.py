@@ -43,11 +43,12 @@ def _splat(builder, t, x):
     return _shuffle(builder, v, v, [0] * t.count)
 
 
-def _load(context, builder, sig, args, lltype, align):
-    """Load lltype from the address of element i of a C-contiguous array, counting row-major
-    across rows (indexing with a flat offset creates no row view, hence no reference counting)."""
-    ary = context.make_array(sig.args[0])(context, builder, args[0])
-    ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), lltype.as_pointer())
+def _load(context, builder, sig, args, lltype, align, at=0):
+    """Load lltype from the address of element i of a C-contiguous array (args[at], i args[at + 1]),
+    counting row-major across rows (indexing with a flat offset creates no row view, hence no
+    reference counting)."""
+    ary = context.make_array(sig.args[at])(context, builder, args[at])
+    ptr = builder.bitcast(builder.gep(ary.data, [args[at + 1]]), lltype.as_pointer())
     return builder.load(ptr, align=align)
 
 
@@ -156,14 +157,32 @@ def zero_f32(typingctx):
     return F32(), codegen
 
 
-@intrinsic
-def scale_add(typingctx, acc, a, s0, s1):
-    """acc + float(a) * [s0 s0 s0 s0 s1 s1 s1 s1]: a group's integer sums into the float sum
-    (s1 for the upper lanes, which hold the next group when a 4-bit block spans two)."""
+@intrinsic(prefer_literal=True)
+def block_scales(typingctx, s, si, dx, di, bf16, per):
+    """The 8 lanes that scale a block's integer sums: [s0 d0 x4, s1 d1 x4] for per = 2 groups in
+    it (lanes 0-3 sum the first), s0 d0 in all 8 for per = 1, where s = s.flat[si:si+per] are
+    weight scales as group_value reads them (float32, or 16-bit bits widened together in one
+    instruction, bf16 saying which) and d = dx.flat[di:di+per] float32."""
+    if not isinstance(per, types.IntegerLiteral) or s.dtype not in (types.float32, types.uint16):
+        return None
+    n = per.literal_value
+
     def codegen(context, builder, sig, args):
-        s = _shuffle(builder, _splat(builder, F32, args[2]), _splat(builder, F32, args[3]), [0, 1, 2, 3, 12, 13, 14, 15])
-        return builder.fadd(args[0], builder.fmul(builder.sitofp(args[1], _ll(F32)), s, flags=_FAST), flags=_FAST)
-    return F32(acc, a, s0, s1), codegen
+        if s.dtype == types.uint16:
+            v = _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), n), 2), args[4])
+        else:
+            v = _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), n), 4)
+        p = builder.fmul(v, _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), n), 4, at=2), flags=_FAST)
+        return _shuffle(builder, p, p, [0] * 4 + [n - 1] * 4)
+    return F32(s, si, dx, di, bf16, per), codegen
+
+
+@intrinsic
+def scale_add(typingctx, acc, a, scale):
+    """acc + float(a) * scale, lane by lane: a block's integer sums into the float sum."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], builder.fmul(builder.sitofp(args[1], _ll(F32)), args[2], flags=_FAST), flags=_FAST)
+    return F32(acc, a, scale), codegen
 
 
 @intrinsic
@@ -181,18 +200,44 @@ def hsum(typingctx, v):
 @njit(inline="always")
 def group_scale_bias(qw, n, g):
     """(scale, bias) of row n, group g of a prepared QuantizedTensor, as float32: every kernel
-    reads them through here, whichever width they are stored in (linear.prepare)."""
-    return _group_value(qw.scales, n, g, qw.bf16), _group_value(qw.biases, n, g, qw.bf16)
+    reads them through here or group_value, whichever width they are stored in (linear.prepare)."""
+    return group_value(qw.scales, n, g, qw.bf16), group_value(qw.biases, n, g, qw.bf16)
 
 
-def _group_value(a, n, g, bf16):
+def group_value(a, n, g, bf16):
     """a[n, g] as float32: float32, or uint16 bits of a bfloat16 (bf16) or float16 (njit code
     only: chosen at compile time from a's dtype)."""
 
 
-@overload(_group_value)
+@overload(group_value)
 def _group_value_typed(a, n, g, bf16):
     if a.dtype == types.float32:
         return lambda a, n, g, bf16: a[n, g]
     if a.dtype == types.uint16:
         return lambda a, n, g, bf16: half_to_f32(a[n, g], bf16)
+
+
+def load_group8(a, i, bf16):
+    """8 float32 lanes of a.flat[i:i+8], scales or biases stored as group_value reads them."""
+
+
+@overload(load_group8)
+def _load_group8_typed(a, i, bf16):
+    if a.dtype == types.float32:
+        return lambda a, i, bf16: load_f32x8(a, i)
+    if a.dtype == types.uint16:
+        return lambda a, i, bf16: load_half_f32x8(a, i, bf16)
+
+
+@njit(inline="always")
+def row_dot(w, bf16, n, v, r):
+    """sum over g of w[n, g] * v[r, g]: w the scales or biases of a prepared weight (stored as
+    group_value reads them), v float32 [rows, w's columns]; 8 lanes at a time."""
+    groups = w.shape[1]
+    acc = zero_f32()
+    for g in range(0, groups - 7, 8):
+        acc = fma(load_group8(w, n * groups + g, bf16), load_f32x8(v, r * groups + g), acc)
+    total = hsum(acc)
+    for g in range(groups - groups % 8, groups):
+        total += group_value(w, n, g, bf16) * v[r, g]
+    return total
