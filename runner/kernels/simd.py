@@ -38,11 +38,6 @@ def _shuffle(builder, a, b, idx):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, len(idx)), list(idx)))
 
 
-def _splat(builder, t, x):
-    v = builder.insert_element(ir.Constant(_ll(t), None), x, ir.Constant(_i32, 0))
-    return _shuffle(builder, v, v, [0] * t.count)
-
-
 def _load(context, builder, sig, args, lltype, align, at=0):
     """Load lltype from the address of element i of a C-contiguous array (args[at], i args[at + 1]),
     counting row-major across rows (indexing with a flat offset creates no row view, hence no
