@@ -13,11 +13,14 @@ there it would only wait behind them, and one such pass can cost as much as a hu
 first pass runs with as many threads as cores are free then.
 
 The kernels give the same results whatever the number of threads (each output is summed by one
-thread), so the choice changes the speed only.
+thread), so the choice changes the speed only. Passes from two threads at once (the server's engine
+and a caller of the same model) share the chooser: its state changes under a lock, and a probe whose
+baseline went meanwhile (cleared, or a switch another pass made) teaches nothing.
 """
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -55,6 +58,7 @@ class ThreadChooser:
         self._countdown = FIRST_PROBE
         self._turn = 0              # which of the candidates the next probe tries
         self._started = False
+        self._lock = threading.Lock()
 
     def pin(self, threads: int | None):
         """Always run `threads` threads (None: choose again)."""
@@ -74,6 +78,10 @@ class ThreadChooser:
         """The count the next pass of `rows` rows runs with: the current one, or a probe."""
         if self.pinned:
             return self.pinned
+        with self._lock:
+            return self._next_count(rows)
+
+    def _next_count(self, rows: int) -> int:
         if not self._started:   # the first pass: as many as the cores free now
             self._started = True
             others = self._others_now()
@@ -109,12 +117,18 @@ class ThreadChooser:
         """How long a pass of `rows` rows took with `threads` threads."""
         if self.pinned:
             return
+        with self._lock:
+            self._record(rows, threads, seconds)
+
+    def _record(self, rows: int, threads: int, seconds: float):
         recent = self._recent.setdefault(rows, deque(maxlen=RECENT))
         if threads == self.current:
             if len(recent) >= RECENT // 2 and seconds > SLOWER * statistics.median(recent):
                 recent.clear()   # the machine changed: judge by the passes from now on
                 self._countdown = min(self._countdown, RECENT // 2)
             recent.append(seconds)
+        elif len(recent) < RECENT // 2:
+            pass   # a pass on another thread cleared the baseline or switched the count meanwhile
         elif seconds < MARGIN * statistics.median(recent):
             self.current, self._recent, self._interval = threads, {}, MIN_INTERVAL
             self._countdown, self._turn = MIN_INTERVAL, self._turn + 1

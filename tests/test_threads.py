@@ -87,6 +87,24 @@ def test_a_probe_is_compared_with_passes_of_as_many_rows():
     assert set(counts) <= {1, 2} and counts[-1] == 2   # a decode pass never beat a prefill's time
 
 
+def test_passes_from_two_threads_at_once_share_the_chooser():
+    # the server's engine and a caller of the same model: a decode pass (1 row) probing one
+    # thread is still running while prefill passes (8 rows) switch to one thread and back to two,
+    # dropping every baseline each time
+    chooser = ThreadChooser(most=2, others_running=quiet)
+    for rows in (1, 8):
+        drive(chooser, lambda n: 1.0 / n, RECENT, rows=rows)
+    chooser._countdown = 0   # both next passes probe
+    decode_probe = chooser.next_count(1)
+    chooser.record(8, chooser.next_count(8), 0.1)   # much faster: the count switches to 1
+    drive(chooser, lambda n: 1.0 / n, 2 * MIN_INTERVAL, rows=8)   # ... and back to 2
+    assert decode_probe == 1 and chooser.current == 2
+    chooser.record(1, decode_probe, 0.1)   # its baseline is gone: it teaches nothing
+    assert chooser.current == 2
+    counts = drive(chooser, lambda n: 1.0 / n, 2 * MIN_INTERVAL)   # and all goes on
+    assert counts.count(2) >= 2 * MIN_INTERVAL - 2
+
+
 def test_pinned_is_always_that_many_and_learns_nothing():
     chooser = ThreadChooser(most=4, others_running=quiet)
     chooser.pin(3)
