@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from nibble.formats.model_dir import write_model_dir
+from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.loader import load
 from tests import reference
 from tests.hand_safetensors import write_safetensors_by_hand
@@ -61,6 +62,8 @@ def test_hand_made_mlx_checkpoint_runs(tmp_path):
     model, tokenizer = load(str(out))
     tokens = tokenizer.prompt("the quick brown fox")
     want = reference.forward(model.config, floats, tokens)[-1]
-    got = model.forward(tokens, model.new_cache(64))[-1]
-    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    cache = model.new_cache(64)
+    for i in range(0, len(tokens), SMALL):   # the decode kernels (prefill may round x to int8)
+        got = model.forward(tokens[i:i + SMALL], cache)[-1]
+    assert np.abs(got - want).max() < 3e-4 * np.abs(want).max()   # x rounded to int16 per group: 1.2e-4
     assert model.layers[0].w_up.bits == 4 and model.embed.bits == 8 and model.embed.group_size == 32

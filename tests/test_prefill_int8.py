@@ -12,7 +12,7 @@ from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels import prefill_int8
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.kernels.linear import prepare
-from nibble.runner.kernels.prefill_int8 import matmul_int8   # what qmatmul runs with linear.INT8_PREFILL
+from nibble.runner.kernels.prefill_int8 import matmul_int8
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize, twin_integers
 

@@ -74,7 +74,7 @@ def test_qmatmul(bits, G, T, accumulate):
     out = rng.standard_normal((T, N)).astype(np.float32)
     before = out.copy()
     qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, accumulate)
-    # more than SMALL rows with int8 prefill on (linear.INT8_PREFILL): x rounded to int8 (test_prefill_int8)
+    # more than SMALL rows where linear.int8_prefill(): x rounded to int8 (test_prefill_int8)
     int8 = T > SMALL and linear.int8_prefill()
     check(out, x, twin_dequantize(w, s, b, bits, G), before, accumulate, rel=1e-2 if int8 else 1e-4)
 

@@ -1,6 +1,7 @@
 """out (+)= x @ W.T for any weight: the one place that chooses between the float32 kernels
 (cpu.py), the quantized ones (quant_decode.py for up to SMALL tokens) and the 16-bit float ones
-(half.py, the same); more tokens through either of the last two go through prefill.py's tiles.
+(half.py, the same); more tokens through either of the last two go through prefill.py's tiles,
+or for a quantized weight prefill_int8.py's integer ones where the CPU multiplies bytes.
 
 Inside njit code the choice is made at compile time from the weight's numba type (the overloads
 below), so one jitted decoder layer serves float32, bf16/f16 and quantized models; from Python,
@@ -19,16 +20,10 @@ from .cpu import SMALL, _jit
 Weight = np.ndarray | QuantizedTensor | HalfTensor
 
 
-# Prefill on int8 activations (prefill_int8.py) where the CPU multiplies bytes: built and tested,
-# not yet on: it flips near-ties that the float tiles decide as llama.cpp's F32 run does (the
-# default model's first word on "What is the capital of France?", as llama.cpp's Q4_1 run flips
-# it), which the tests of the real model and the chat app pin down (issue 14 continues).
-INT8_PREFILL = False
-
-
 def int8_prefill() -> bool:
-    """Whether quantized prefill runs on int8 activations here."""
-    return INT8_PREFILL and prefill_int8.DOT is not None
+    """Whether quantized prefill runs on int8 activations here (prefill_int8.py: where the CPU
+    multiplies bytes), rounding x as llama.cpp's quantized runs do; else on prefill.py's float tiles."""
+    return prefill_int8.DOT is not None
 
 
 def prepare(qt: QuantizedTensor) -> QuantizedTensor:
@@ -84,8 +79,8 @@ def qmatmul(x, w, out, accumulate):
 
     T <= SMALL takes the decode path, bound by memory bandwidth, each weight read once for all
     rows (quantized: x quantized to int16 per group, integer dot products; 16-bit: widened on the
-    fly); more rows prefill's float tiles (or, with INT8_PREFILL, x quantized to int8 per block
-    and integer dot products where the CPU has them).
+    fly); more rows prefill: a quantized W on x quantized to int8 per block and integer dot
+    products where the CPU has them (int8_prefill), else float tiles.
     """
     T, K = x.shape
     N, Kw = prefill.dims(w)
@@ -93,10 +88,8 @@ def qmatmul(x, w, out, accumulate):
         raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
     if T <= SMALL:
         _matvec(x, w, out, accumulate)
-    elif INT8_PREFILL:
-        prefill_int8.matmul(x, w, out, accumulate)
     else:
-        prefill.matmul(x, w, out, accumulate)
+        prefill_int8.matmul(x, w, out, accumulate)
 
 
 def _matvec(x, w, out, accumulate):
