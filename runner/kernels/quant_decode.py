@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu import _jit
-from .simd import (chunk_scales, group_value, hsum, next_scales, spread, load_16x16, load_u8x16, madd, nibble, row_dot, scale_add, vadd, zero_f32,
+from .simd import (block_scales, group_value, hsum, load_16x16, load_u8x16, madd, nibble, row_dot, scale_add, vadd, zero_f32,
                    zero_i32)
 
 f32 = np.float32
@@ -80,18 +80,17 @@ def _pair(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
 
 @njit(inline="always", **_jit)
 def _pair_g(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
-    if G == 64:
-        return _pair_bits(xq, dx, x, q, s, n, m, r, two, bf16, bits, 64)
-    if G == 32:
-        return _pair_bits(xq, dx, x, q, s, n, m, r, two, bf16, bits, 32)
-    return _pair_bits(xq, dx, x, q, s, n, m, r, two, bf16, bits, 128)
-
-
-@njit(inline="always", **_jit)
-def _pair_bits(xq, dx, x, q, s, n, m, r, two, bf16, bits, G):
     if bits == 8:
-        return _pair_units(xq, dx, x, q, s, n, m, r, two, bf16, 8, G)
-    return _pair_units(xq, dx, x, q, s, n, m, r, two, bf16, 4, G)
+        if G == 64:
+            return _pair8(xq, dx, q, s, n, m, r, two, bf16, 64)
+        if G == 32:
+            return _pair8(xq, dx, q, s, n, m, r, two, bf16, 32)
+        return _pair8(xq, dx, q, s, n, m, r, two, bf16, 128)
+    if G == 64:
+        return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 64)
+    if G == 32:
+        return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 32)
+    return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 128)
 
 
 @njit(**_jit)
@@ -140,6 +139,26 @@ def _madd4(a0, a1, a2, a3, w0, w1, xq, j0, j1, two):
 
 
 @njit(inline="always", **_jit)
+def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
+    """(rows n, m) . (x rows r, r + 1) for 8 bits: two rows far apart are two sequential streams
+    (two adjacent rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
+    Kb, KG = q.shape[1], s.shape[1]
+    j0, j1 = r * Kb, (r + 1) * Kb
+    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    for g in range(Kb // G):
+        a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
+        for k in range(g * G, g * G + G, 16):
+            a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k), load_u8x16(q, m * Kb + k),
+                                    xq, j0 + k, j1 + k, two)
+        f0 = scale_add(f0, a0, block_scales(s, n * KG + g, dx, r * KG + g, bf16, 1))
+        f1 = scale_add(f1, a1, block_scales(s, m * KG + g, dx, r * KG + g, bf16, 1))
+        if two:
+            f2 = scale_add(f2, a2, block_scales(s, n * KG + g, dx, (r + 1) * KG + g, bf16, 1))
+            f3 = scale_add(f3, a3, block_scales(s, m * KG + g, dx, (r + 1) * KG + g, bf16, 1))
+    return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
+
+
+@njit(inline="always", **_jit)
 def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
     """Add block c (64 weights) of the 4-bit rows starting at bytes i0, i1 of q, times the x rows
     starting at j0 (and j1) of xq: 32 bytes = 16 lanes of 4 nibbles; xq is in the matching order."""
@@ -152,35 +171,33 @@ def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
 
 
 @njit(inline="always", **_jit)
-def _pair_units(xq, dx, x, q, s, n, m, r, two, bf16, bits, G):
-    """(rows n, m) . (x rows r, r + 1), unit by unit: a group, or for 4 bits in groups of 32 a
-    block of 64 weights (int32 lanes 0-3 sum its first group, 4-7 its second). A unit's integer
-    sums become float in one multiply-add with its scales (weight's times x's): taken 8 groups at
-    a time in one vector a row pair (chunk_scales), a unit's spread over the lanes, then the next
-    unit's shifted into place."""
+def _pair4(xq, dx, x, q, s, n, m, r, two, bf16, G):
+    """(rows n, m) . (x rows r, r + 1) for 4 bits. A block of 64 holds one group, half of one, or
+    (G = 32) two: int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
     Kb, KG = q.shape[1], s.shape[1]
-    K = Kb * 8 // bits
+    K = 2 * Kb
     j0, j1 = r * K, (r + 1) * K
-    per = 2 if bits == 4 and G == 32 else 1     # groups a unit
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
-    s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
-    for u in range(K // 64 if per == 2 else KG):
-        g = u * per
-        if g % 8 == 0:
-            s0, s1 = chunk_scales(s, n, g, dx, r, bf16), chunk_scales(s, m, g, dx, r, bf16)
+    for c in range(K // 64 if G == 32 else K // G):
+        a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
+        if G == 32:
+            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two)
+            g = 2 * c
+            f0 = scale_add(f0, a0, block_scales(s, n * KG + g, dx, r * KG + g, bf16, 2))
+            f1 = scale_add(f1, a1, block_scales(s, m * KG + g, dx, r * KG + g, bf16, 2))
             if two:
-                s2, s3 = chunk_scales(s, n, g, dx, r + 1, bf16), chunk_scales(s, m, g, dx, r + 1, bf16)
-        if bits == 8:
-            a0, a1, a2, a3 = _unit8(q, n * Kb, m * Kb, xq, j0, j1, u, two, G)
+                f2 = scale_add(f2, a2, block_scales(s, n * KG + g, dx, (r + 1) * KG + g, bf16, 2))
+                f3 = scale_add(f3, a3, block_scales(s, m * KG + g, dx, (r + 1) * KG + g, bf16, 2))
         else:
-            a0, a1, a2, a3 = _unit4(q, n * Kb, m * Kb, xq, j0, j1, u, two, G)
-        f0, s0 = scale_add(f0, a0, spread(s0, per)), next_scales(s0, per)
-        f1, s1 = scale_add(f1, a1, spread(s1, per)), next_scales(s1, per)
-        if two:
-            f2, s2 = scale_add(f2, a2, spread(s2, per)), next_scales(s2, per)
-            f3, s3 = scale_add(f3, a3, spread(s3, per)), next_scales(s3, per)
+            for cc in range(c * (G // 64), (c + 1) * (G // 64)):
+                a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, cc, two)
+            f0 = scale_add(f0, a0, block_scales(s, n * KG + c, dx, r * KG + c, bf16, 1))
+            f1 = scale_add(f1, a1, block_scales(s, m * KG + c, dx, r * KG + c, bf16, 1))
+            if two:
+                f2 = scale_add(f2, a2, block_scales(s, n * KG + c, dx, (r + 1) * KG + c, bf16, 1))
+                f3 = scale_add(f3, a3, block_scales(s, m * KG + c, dx, (r + 1) * KG + c, bf16, 1))
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-    if bits == 4 and K % 64:   # G = 32 and an odd number of groups: the last one's weights in float
+    if K % 64:   # G = 32 and an odd number of groups: the last one's weights in float
         g = K // 32 - 1
         t0 = _tail4(x, q, s, bf16, n, r, g, K)
         t1 = _tail4(x, q, s, bf16, m, r, g, K)
@@ -188,29 +205,6 @@ def _pair_units(xq, dx, x, q, s, n, m, r, two, bf16, bits, G):
             t2 = _tail4(x, q, s, bf16, n, r + 1, g, K)
             t3 = _tail4(x, q, s, bf16, m, r + 1, g, K)
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
-
-
-@njit(inline="always", **_jit)
-def _unit4(q, i0, i1, xq, j0, j1, u, two, G):
-    """Integer sums of unit u (block u for G = 32, group u for G >= 64) of the 4-bit rows at bytes
-    i0, i1 of q, times the x rows at j0 (and j1) of xq."""
-    a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
-    blocks = G // 64 if G > 32 else 1
-    for c in range(u * blocks, (u + 1) * blocks):
-        a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two)
-    return a0, a1, a2, a3
-
-
-@njit(inline="always", **_jit)
-def _unit8(q, i0, i1, xq, j0, j1, u, two, G):
-    """Integer sums of group u of the 8-bit rows at bytes i0, i1 of q, times the x rows at j0 (and
-    j1) of xq. Two rows far apart are two sequential streams (two adjacent rows read in step
-    defeat the hardware prefetcher: 2-3x slower from DRAM)."""
-    a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
-    for k in range(u * G, u * G + G, 16):
-        a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, i0 + k), load_u8x16(q, i1 + k),
-                                xq, j0 + k, j1 + k, two)
-    return a0, a1, a2, a3
 
 
 @njit(inline="always", **_jit)

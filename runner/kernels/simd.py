@@ -152,67 +152,24 @@ def zero_f32(typingctx):
     return F32(), codegen
 
 
-@intrinsic
-def _scales8(typingctx, s, si, dx, di, bf16):
-    """s.flat[si:si+8] * dx.flat[di:di+8] as float32: s weight scales as group_value reads them
-    (float32, or 16-bit bits widened together, bf16 saying which), dx float32."""
-    if s.dtype not in (types.float32, types.uint16):
+@intrinsic(prefer_literal=True)
+def block_scales(typingctx, s, si, dx, di, bf16, per):
+    """The 8 lanes that scale a block's integer sums: [s0 d0 x4, s1 d1 x4] for per = 2 groups in
+    it (lanes 0-3 sum the first), s0 d0 in all 8 for per = 1, where s = s.flat[si:si+per] are
+    weight scales as group_value reads them (float32, or 16-bit bits widened together in one
+    instruction, bf16 saying which) and d = dx.flat[di:di+per] float32."""
+    if not isinstance(per, types.IntegerLiteral) or s.dtype not in (types.float32, types.uint16):
         return None
+    n = per.literal_value
 
     def codegen(context, builder, sig, args):
         if s.dtype == types.uint16:
-            v = _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8), 2), args[4])
+            v = _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), n), 2), args[4])
         else:
-            v = _load(context, builder, sig, args, _ll(F32), 4)
-        return builder.fmul(v, _load(context, builder, sig, args, _ll(F32), 4, at=2), flags=_FAST)
-    return F32(s, si, dx, di, bf16), codegen
-
-
-@intrinsic
-def _insert(typingctx, v, i, value):
-    """v with lane i (not a constant) set to value."""
-    def codegen(context, builder, sig, args):
-        return builder.insert_element(args[0], args[2], args[1])
-    return F32(v, i, value), codegen
-
-
-@njit(inline="always")
-def chunk_scales(s, n, g, dx, r, bf16):
-    """Lanes k = 0..7: s[n, g + k] * dx[r, g + k] (zero past the last group), s a prepared
-    weight's scales as group_value reads them, dx float32 [rows, s's columns]."""
-    groups = s.shape[1]
-    if groups - g >= 8:
-        return _scales8(s, n * groups + g, dx, r * groups + g, bf16)
-    v = zero_f32()
-    for k in range(groups - g):
-        v = _insert(v, k, group_value(s, n, g + k, bf16) * dx[r, g + k])
-    return v
-
-
-@intrinsic(prefer_literal=True)
-def spread(typingctx, v, per):
-    """The lanes that scale a unit's integer sums, from chunk_scales' vector (its first group in
-    lane 0): lane 0 in all 8 for a unit of per = 1 group, [lane 0 x4, lane 1 x4] for per = 2
-    (its int32 lanes 0-3 sum the first group)."""
-    if not isinstance(per, types.IntegerLiteral):
-        return None
-    lanes = [0] * 8 if per.literal_value == 1 else [0] * 4 + [1] * 4
-
-    def codegen(context, builder, sig, args):
-        return _shuffle(builder, args[0], args[0], lanes)
-    return F32(v, per), codegen
-
-
-@intrinsic(prefer_literal=True)
-def next_scales(typingctx, v, per):
-    """v's lanes moved down by per (a literal), zeros shifted in: the next unit's scales first."""
-    if not isinstance(per, types.IntegerLiteral):
-        return None
-    k = per.literal_value
-
-    def codegen(context, builder, sig, args):
-        return _shuffle(builder, args[0], ir.Constant(_ll(F32), None), [i + k for i in range(8)])
-    return F32(v, per), codegen
+            v = _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), n), 4)
+        p = builder.fmul(v, _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), n), 4, at=2), flags=_FAST)
+        return _shuffle(builder, p, p, [0] * 4 + [n - 1] * 4)
+    return F32(s, si, dx, di, bf16, per), codegen
 
 
 @intrinsic
