@@ -14,11 +14,12 @@ B and whichever x rows it is paired with (the integer sums are exact): a row's r
 depend on the other rows, which makes a batch of sequences decode as each would alone.
 """
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .cpu import _jit
-from .simd import (block_scales, group_value, hsum, load_16x16, load_u8x16, madd, nibble, row_dot, scale_add, vadd, zero_f32,
-                   zero_i32)
+from .simd import (chunk_scales, group_value, hsum, load_16x16, load_u8x16, madd, next_scales, nibble, row_dot, scale_add,
+                   spread, vadd, zero_f32, zero_i32)
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -36,7 +37,24 @@ def matvec_rows(x, qw, out, accumulate):
     xs = np.empty((B, K // G), np.float32)
     for r in range(B):
         quantize_activation(x[r], G, bits, xq[r], dx[r], xs[r])
-    _rows(xq, dx, xs, x, bits, G, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases, qw.bf16, out)
+    q = qw.weight.view(np.uint8)
+    if bits == 8:
+        _rows_g(xq, dx, xs, x, 8, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
+    else:
+        _rows_g(xq, dx, xs, x, 4, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
+
+
+@njit(**_jit)
+def _rows_g(xq, dx, xs, x, bits, G, accumulate, q, s, b, bf16, out):
+    """_rows with bits (a constant here) and G as constants: numba compiles a function once for
+    each constant argument's value, so each kernel is its own function, none inlined into another
+    (numba copies a callee's IR to inline it, at a cost that grows with its size squared)."""
+    if G == 32:
+        _rows(xq, dx, xs, x, bits, 32, accumulate, q, s, b, bf16, out)
+    elif G == 64:
+        _rows(xq, dx, xs, x, bits, 64, accumulate, q, s, b, bf16, out)
+    else:
+        _rows(xq, dx, xs, x, bits, 128, accumulate, q, s, b, bf16, out)
 
 
 @njit(parallel=True, **_jit)
@@ -53,7 +71,10 @@ def _rows(xq, dx, xs, x, bits, G, accumulate, q, s, b, bf16, out):
         m = i + H if i + H < N else i
         for r in range(0, B, 2):
             two = r + 1 < B
-            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, G, bf16)
+            if two:    # `two` a constant in each: one x row gets no code for a second
+                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, True, bits, G, bf16)
+            else:
+                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, False, bits, G, bf16)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
             _put(out, r, i, m, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r), accumulate)
@@ -69,28 +90,23 @@ def _put(out, r, n, m, v0, v1, accumulate):
         out[r, m] = out[r, m] + v1 if accumulate else v1
 
 
-@njit(inline="always", **_jit)
 def _pair(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
-    """(rows n, m) . (x rows r, and r + 1 if `two`), with G and `two` passed on as constants:
-    each inner loop gets fixed bounds, and one x row no code for a second."""
-    if two:
-        return _pair_g(xq, dx, x, q, s, n, m, r, True, bits, G, bf16)
-    return _pair_g(xq, dx, x, q, s, n, m, r, False, bits, G, bf16)
+    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G: _pair8, _pair4 or
+    _pair4_32 (each inner loop gets fixed bounds), the one chosen from the constants' types
+    (the overload below), inlined alone: numba copies a function's IR to inline it, at a cost
+    that grows with its size squared."""
 
 
-@njit(inline="always", **_jit)
-def _pair_g(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
-    if bits == 8:
-        if G == 64:
-            return _pair8(xq, dx, q, s, n, m, r, two, bf16, 64)
-        if G == 32:
-            return _pair8(xq, dx, q, s, n, m, r, two, bf16, 32)
-        return _pair8(xq, dx, q, s, n, m, r, two, bf16, 128)
-    if G == 64:
-        return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 64)
-    if G == 32:
-        return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 32)
-    return _pair4(xq, dx, x, q, s, n, m, r, two, bf16, 128)
+@overload(_pair, inline="always", jit_options=_jit)
+def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
+    if not isinstance(bits, types.IntegerLiteral) or not isinstance(G, types.IntegerLiteral):
+        return None
+    group = G.literal_value
+    if bits.literal_value == 8:
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G, bf16: _pair8(xq, dx, q, s, n, m, r, two, bf16, group)
+    if group == 32:
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G, bf16: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16)
+    return lambda xq, dx, x, q, s, n, m, r, two, bits, G, bf16: _pair4(xq, dx, q, s, n, m, r, two, bf16, group)
 
 
 @njit(**_jit)
@@ -142,20 +158,41 @@ def _madd4(a0, a1, a2, a3, w0, w1, xq, j0, j1, two):
 def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
     """(rows n, m) . (x rows r, r + 1) for 8 bits: two rows far apart are two sequential streams
     (two adjacent rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
-    Kb, KG = q.shape[1], s.shape[1]
+    Kb = q.shape[1]
     j0, j1 = r * Kb, (r + 1) * Kb
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for g in range(Kb // G):
+        if g % 8 == 0:
+            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for k in range(g * G, g * G + G, 16):
             a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k), load_u8x16(q, m * Kb + k),
                                     xq, j0 + k, j1 + k, two)
-        f0 = scale_add(f0, a0, block_scales(s, n * KG + g, dx, r * KG + g, bf16, 1))
-        f1 = scale_add(f1, a1, block_scales(s, m * KG + g, dx, r * KG + g, bf16, 1))
-        if two:
-            f2 = scale_add(f2, a2, block_scales(s, n * KG + g, dx, (r + 1) * KG + g, bf16, 1))
-            f3 = scale_add(f3, a3, block_scales(s, m * KG + g, dx, (r + 1) * KG + g, bf16, 1))
+        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 1)
     return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
+
+
+@njit(inline="always", **_jit)
+def _chunk(s, n, m, g, dx, r, bf16, two):
+    """The scales (weight's times x's) of groups g..g+7 of rows n, m with x rows r and r + 1
+    (if `two`): one vector each, a unit's taken from its front (_scale)."""
+    s0, s1 = chunk_scales(s, n, g, dx, r, bf16), chunk_scales(s, m, g, dx, r, bf16)
+    if two:
+        return s0, s1, chunk_scales(s, n, g, dx, r + 1, bf16), chunk_scales(s, m, g, dx, r + 1, bf16)
+    return s0, s1, s0, s1
+
+
+@njit(inline="always", **_jit)
+def _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per):
+    """Add a unit's integer sums a times its scales (a unit of `per` groups, a literal) to f, and
+    move the next unit's scales to the front: not widened and multiplied one scalar a group."""
+    f0, s0 = scale_add(f0, a0, spread(s0, per)), next_scales(s0, per)
+    f1, s1 = scale_add(f1, a1, spread(s1, per)), next_scales(s1, per)
+    if two:
+        f2, s2 = scale_add(f2, a2, spread(s2, per)), next_scales(s2, per)
+        f3, s3 = scale_add(f3, a3, spread(s3, per)), next_scales(s3, per)
+    return f0, f1, f2, f3, s0, s1, s2, s3
 
 
 @njit(inline="always", **_jit)
@@ -171,33 +208,38 @@ def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
 
 
 @njit(inline="always", **_jit)
-def _pair4(xq, dx, x, q, s, n, m, r, two, bf16, G):
-    """(rows n, m) . (x rows r, r + 1) for 4 bits. A block of 64 holds one group, half of one, or
-    (G = 32) two: int32 lanes 0-3 then sum its first 32 weights, lanes 4-7 the next 32."""
-    Kb, KG = q.shape[1], s.shape[1]
+def _pair4(xq, dx, q, s, n, m, r, two, bf16, G):
+    """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of G >= 64 (whole blocks of 64)."""
+    Kb = q.shape[1]
+    j0, j1 = r * 2 * Kb, (r + 1) * 2 * Kb
+    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    for g in range(2 * Kb // G):
+        if g % 8 == 0:
+            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
+        a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
+        for c in range(g * (G // 64), (g + 1) * (G // 64)):
+            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two)
+        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 1)
+    return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
+
+
+@njit(inline="always", **_jit)
+def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16):
+    """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of 32: a block of 64 holds two, int32
+    lanes 0-3 summing its first 32 weights, lanes 4-7 the next 32."""
+    Kb = q.shape[1]
     K = 2 * Kb
     j0, j1 = r * K, (r + 1) * K
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
-    for c in range(K // 64 if G == 32 else K // G):
-        a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
-        if G == 32:
-            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two)
-            g = 2 * c
-            f0 = scale_add(f0, a0, block_scales(s, n * KG + g, dx, r * KG + g, bf16, 2))
-            f1 = scale_add(f1, a1, block_scales(s, m * KG + g, dx, r * KG + g, bf16, 2))
-            if two:
-                f2 = scale_add(f2, a2, block_scales(s, n * KG + g, dx, (r + 1) * KG + g, bf16, 2))
-                f3 = scale_add(f3, a3, block_scales(s, m * KG + g, dx, (r + 1) * KG + g, bf16, 2))
-        else:
-            for cc in range(c * (G // 64), (c + 1) * (G // 64)):
-                a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, cc, two)
-            f0 = scale_add(f0, a0, block_scales(s, n * KG + c, dx, r * KG + c, bf16, 1))
-            f1 = scale_add(f1, a1, block_scales(s, m * KG + c, dx, r * KG + c, bf16, 1))
-            if two:
-                f2 = scale_add(f2, a2, block_scales(s, n * KG + c, dx, (r + 1) * KG + c, bf16, 1))
-                f3 = scale_add(f3, a3, block_scales(s, m * KG + c, dx, (r + 1) * KG + c, bf16, 1))
+    s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    for c in range(K // 64):
+        if c % 4 == 0:
+            s0, s1, s2, s3 = _chunk(s, n, m, 2 * c, dx, r, bf16, two)
+        a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two)
+        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 2)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-    if K % 64:   # G = 32 and an odd number of groups: the last one's weights in float
+    if K % 64:   # an odd number of groups: the last one's weights in float
         g = K // 32 - 1
         t0 = _tail4(x, q, s, bf16, n, r, g, K)
         t1 = _tail4(x, q, s, bf16, m, r, g, K)

@@ -152,24 +152,75 @@ def zero_f32(typingctx):
     return F32(), codegen
 
 
-@intrinsic(prefer_literal=True)
-def block_scales(typingctx, s, si, dx, di, bf16, per):
-    """The 8 lanes that scale a block's integer sums: [s0 d0 x4, s1 d1 x4] for per = 2 groups in
-    it (lanes 0-3 sum the first), s0 d0 in all 8 for per = 1, where s = s.flat[si:si+per] are
-    weight scales as group_value reads them (float32, or 16-bit bits widened together in one
-    instruction, bf16 saying which) and d = dx.flat[di:di+per] float32."""
-    if not isinstance(per, types.IntegerLiteral) or s.dtype not in (types.float32, types.uint16):
+def _load_first(context, builder, sig, args, lltype, align, count, at=0):
+    """Like _load, the first `count` lanes only (an i64, at most the lanes'), the rest zero: no
+    read past them (llvm.masked.load)."""
+    ary = context.make_array(sig.args[at])(context, builder, args[at])
+    ptr = builder.gep(ary.data, [args[at + 1]])
+    n = lltype.count
+    lanes = ir.Constant(ir.VectorType(ir.IntType(64), n), list(range(n)))
+    mask = builder.icmp_signed("<", lanes, _splat(builder, count, n))
+    name = f"llvm.masked.load.v{n}{'f32' if isinstance(lltype.element, ir.FloatType) else 'i16'}.p0"
+    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(lltype, [ptr.type, _i32, mask.type, lltype]))
+    return builder.call(fn, [ptr, ir.Constant(_i32, align), mask, ir.Constant(lltype, None)])
+
+
+def _splat(builder, value, n):
+    v = builder.insert_element(ir.Constant(ir.VectorType(value.type, n), None), value, ir.Constant(_i32, 0))
+    return _shuffle(builder, v, v, [0] * n)
+
+
+@intrinsic
+def _scales8(typingctx, s, si, dx, di, bf16, count):
+    """s.flat[si:si+8] * dx.flat[di:di+8] as float32, lanes past the first `count` zero (and not
+    read): s weight scales as group_value reads them (float32, or 16-bit bits widened together,
+    bf16 saying which), dx float32."""
+    if s.dtype not in (types.float32, types.uint16) or not isinstance(count, types.Integer):
         return None
-    n = per.literal_value
 
     def codegen(context, builder, sig, args):
+        count = context.cast(builder, args[5], sig.args[5], types.int64)
         if s.dtype == types.uint16:
-            v = _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), n), 2), args[4])
+            v = _load_first(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8), 2, count)
+            v = _widen_half(builder, v, args[4])
         else:
-            v = _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), n), 4)
-        p = builder.fmul(v, _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), n), 4, at=2), flags=_FAST)
-        return _shuffle(builder, p, p, [0] * 4 + [n - 1] * 4)
-    return F32(s, si, dx, di, bf16, per), codegen
+            v = _load_first(context, builder, sig, args, _ll(F32), 4, count)
+        return builder.fmul(v, _load_first(context, builder, sig, args, _ll(F32), 4, count, at=2), flags=_FAST)
+    return F32(s, si, dx, di, bf16, count), codegen
+
+
+@njit(inline="always")
+def chunk_scales(s, n, g, dx, r, bf16):
+    """Lanes k = 0..7: s[n, g + k] * dx[r, g + k] (zero past the last group), s a prepared
+    weight's scales as group_value reads them, dx float32 [rows, s's columns]."""
+    groups = s.shape[1]
+    return _scales8(s, n * groups + g, dx, r * groups + g, bf16, min(groups - g, 8))
+
+
+@intrinsic(prefer_literal=True)
+def spread(typingctx, v, per):
+    """The lanes that scale a unit's integer sums, from chunk_scales' vector (its first group in
+    lane 0): lane 0 in all 8 for a unit of per = 1 group, [lane 0 x4, lane 1 x4] for per = 2
+    (its int32 lanes 0-3 sum the first group)."""
+    if not isinstance(per, types.IntegerLiteral):
+        return None
+    lanes = [0] * 8 if per.literal_value == 1 else [0] * 4 + [1] * 4
+
+    def codegen(context, builder, sig, args):
+        return _shuffle(builder, args[0], args[0], lanes)
+    return F32(v, per), codegen
+
+
+@intrinsic(prefer_literal=True)
+def next_scales(typingctx, v, per):
+    """v's lanes moved down by per (a literal), zeros shifted in: the next unit's scales first."""
+    if not isinstance(per, types.IntegerLiteral):
+        return None
+    k = per.literal_value
+
+    def codegen(context, builder, sig, args):
+        return _shuffle(builder, args[0], ir.Constant(_ll(F32), None), [i + k for i in range(8)])
+    return F32(v, per), codegen
 
 
 @intrinsic
