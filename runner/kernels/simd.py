@@ -38,13 +38,17 @@ def _shuffle(builder, a, b, idx):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, len(idx)), list(idx)))
 
 
-def _load(context, builder, sig, args, lltype, align, at=0):
-    """Load lltype from the address of element i of a C-contiguous array (args[at], i args[at + 1]),
-    counting row-major across rows (indexing with a flat offset creates no row view, hence no
-    reference counting)."""
+def _element(context, builder, sig, args, at):
+    """The address of element i of a C-contiguous array (args[at], i args[at + 1]), counting
+    row-major across rows (indexing with a flat offset creates no row view, hence no reference
+    counting)."""
     ary = context.make_array(sig.args[at])(context, builder, args[at])
-    ptr = builder.bitcast(builder.gep(ary.data, [args[at + 1]]), lltype.as_pointer())
-    return builder.load(ptr, align=align)
+    return builder.gep(ary.data, [args[at + 1]])
+
+
+def _load(context, builder, sig, args, lltype, align, at=0):
+    """Load lltype from _element's address."""
+    return builder.load(builder.bitcast(_element(context, builder, sig, args, at), lltype.as_pointer()), align=align)
 
 
 @intrinsic
@@ -155,8 +159,7 @@ def zero_f32(typingctx):
 def _load_first(context, builder, sig, args, lltype, align, count, at=0):
     """Like _load, the first `count` lanes only (an i64, at most the lanes'), the rest zero: no
     read past them (llvm.masked.load)."""
-    ary = context.make_array(sig.args[at])(context, builder, args[at])
-    ptr = builder.gep(ary.data, [args[at + 1]])
+    ptr = _element(context, builder, sig, args, at)
     n = lltype.count
     lanes = ir.Constant(ir.VectorType(ir.IntType(64), n), list(range(n)))
     mask = builder.icmp_signed("<", lanes, _splat(builder, count, n))
