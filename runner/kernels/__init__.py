@@ -6,7 +6,8 @@ numba checks each function against its own file only, and a kernel that inlines 
 code after an upgrade or an edit. The folders of older sources are deleted when this process first compiles a kernel.
 A NUMBA_CACHE_DIR set by the user is left alone.
 
-Loading a cached kernel skips two steps of numba's that only a compile needs (cache_load.py).
+Loading a cached kernel skips two steps of numba's that only a compile needs (cache_load.py);
+compiling one skips copies of the same IR that numba makes again (compile_time.py).
 """
 import hashlib
 import os
@@ -17,7 +18,7 @@ import numba
 from numba.core import event
 
 from nibble.formats.paths import kernels_dir
-from . import cache_load
+from . import cache_load, compile_time
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
@@ -26,6 +27,7 @@ numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 # into a process without it, its calls into the pool and Python resolve to address 0 (SIGSEGV).
 numba.get_num_threads()
 cache_load.install()
+compile_time.install()
 
 
 def _kernel_cache_dir() -> Path:
