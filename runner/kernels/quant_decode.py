@@ -38,27 +38,20 @@ def matvec_rows(x, qw, out, accumulate):
     for r in range(B):
         quantize_activation(x[r], G, bits, xq[r], dx[r], xs[r])
     q = qw.weight.view(np.uint8)
+    # bits and G == 32 as constants: numba compiles a function once for each constant argument's
+    # value, so each kernel is its own function, none inlined into another (numba copies a
+    # callee's IR to inline it, at a cost that grows with its size squared); G itself only sets
+    # loop bounds, known to the loop before it runs
     if bits == 8:
-        _rows_g(xq, dx, xs, x, 8, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
+        _rows(xq, dx, xs, x, 8, False, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
+    elif G == 32:
+        _rows(xq, dx, xs, x, 4, True, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
     else:
-        _rows_g(xq, dx, xs, x, 4, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
-
-
-@njit(**_jit)
-def _rows_g(xq, dx, xs, x, bits, G, accumulate, q, s, b, bf16, out):
-    """_rows with bits (a constant here) and G as constants: numba compiles a function once for
-    each constant argument's value, so each kernel is its own function, none inlined into another
-    (numba copies a callee's IR to inline it, at a cost that grows with its size squared)."""
-    if G == 32:
-        _rows(xq, dx, xs, x, bits, 32, accumulate, q, s, b, bf16, out)
-    elif G == 64:
-        _rows(xq, dx, xs, x, bits, 64, accumulate, q, s, b, bf16, out)
-    else:
-        _rows(xq, dx, xs, x, bits, 128, accumulate, q, s, b, bf16, out)
+        _rows(xq, dx, xs, x, 4, False, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, bits, G, accumulate, q, s, b, bf16, out):
+def _rows(xq, dx, xs, x, bits, G32, G, accumulate, q, s, b, bf16, out):
     """Every weight row's dot products with the rows of x, two weight rows (i, i + H) a task: two
     rows far apart are two sequential streams, a range of tasks two ranges of rows. The loop gets
     plain arrays and calls nothing that is not inlined: a view made or an array passed to a call
@@ -72,9 +65,9 @@ def _rows(xq, dx, xs, x, bits, G, accumulate, q, s, b, bf16, out):
         for r in range(0, B, 2):
             two = r + 1 < B
             if two:    # `two` a constant in each: one x row gets no code for a second
-                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, True, bits, G, bf16)
+                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, True, bits, G32, G, bf16)
             else:
-                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, False, bits, G, bf16)
+                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, False, bits, G32, G, bf16)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
             _put(out, r, i, m, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r), accumulate)
@@ -90,23 +83,21 @@ def _put(out, r, n, m, v0, v1, accumulate):
         out[r, m] = out[r, m] + v1 if accumulate else v1
 
 
-def _pair(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
-    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G: _pair8, _pair4 or
-    _pair4_32 (each inner loop gets fixed bounds), the one chosen from the constants' types
-    (the overload below), inlined alone: numba copies a function's IR to inline it, at a cost
-    that grows with its size squared."""
+def _pair(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16):
+    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G32 (4 bits in groups of
+    32): _pair8, _pair4 or _pair4_32, the one chosen from the constants' types (the overload
+    below), inlined alone."""
 
 
 @overload(_pair, inline="always", jit_options=_jit)
-def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, G, bf16):
-    if not isinstance(bits, types.IntegerLiteral) or not isinstance(G, types.IntegerLiteral):
+def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16):
+    if not isinstance(bits, types.IntegerLiteral) or not isinstance(G32, types.BooleanLiteral):
         return None
-    group = G.literal_value
     if bits.literal_value == 8:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G, bf16: _pair8(xq, dx, q, s, n, m, r, two, bf16, group)
-    if group == 32:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G, bf16: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16)
-    return lambda xq, dx, x, q, s, n, m, r, two, bits, G, bf16: _pair4(xq, dx, q, s, n, m, r, two, bf16, group)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
+    if G32.literal_value:
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16)
+    return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair4(xq, dx, q, s, n, m, r, two, bf16, G)
 
 
 @njit(**_jit)
@@ -166,9 +157,15 @@ def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
         if g % 8 == 0:
             s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
-        for k in range(g * G, g * G + G, 16):
+        k = g * G
+        while True:   # G a multiple of 32: two steps of 16 a pass (a while loop: no trip count to work out)
             a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k), load_u8x16(q, m * Kb + k),
                                     xq, j0 + k, j1 + k, two)
+            a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k + 16), load_u8x16(q, m * Kb + k + 16),
+                                    xq, j0 + k + 16, j1 + k + 16, two)
+            k += 32
+            if k == g * G + G:
+                break
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 1)
     return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
 
