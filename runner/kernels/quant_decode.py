@@ -40,8 +40,8 @@ def matvec_rows(x, qw, out, accumulate):
     q = qw.weight.view(np.uint8)
     # bits and G == 32 as constants: numba compiles a function once for each constant argument's
     # value, so each kernel is its own function, none inlined into another (numba copies a
-    # callee's IR to inline it, at a cost that grows with its size squared); G itself only sets
-    # loop bounds, known to the loop before it runs
+    # callee's IR to inline it, at a cost that grows with its size squared). G itself is a value:
+    # it only sets loop bounds, and each constant would compile the kernel once more
     if bits == 8:
         _rows(xq, dx, xs, x, 8, False, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
     elif G == 32:
