@@ -233,7 +233,8 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, out):
     rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
     its last `window` positions (Mistral's sliding window). One (row, head) pair per task, with
     an online softmax: one pass over the keys and values, keeping a running maximum, sum and
-    weighted sum of values; no scores are held, neither a T x T matrix nor a row. A row's result
+    weighted sum of values, the scores of one block of positions at a time (their dot products
+    independent of each other, the sums rescaled once a block); no T x T matrix, no whole row. A row's result
     depends on its own sequence only: the same whatever else is in the pass.
     """
     T, H, hd = q.shape
@@ -248,21 +249,26 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, out):
         end = rows.positions[t] + 1
         start = max(0, end - window) if window > 0 else 0
         acc = np.zeros(hd, np.float32)
+        scores = np.empty(B, np.float32)
         best, total = np.float32(-np.inf), np.float32(0.0)
         for jb in range(start // B, (end + B - 1) // B):   # one table lookup a block
             blk = table[jb]
-            for j in range(max(start, jb * B) - jb * B, min(end, jb * B + B) - jb * B):
+            j0, j1 = max(start, jb * B) - jb * B, min(end, jb * B + B) - jb * B
+            top = best
+            for j in range(j0, j1):   # the block's scores first: independent of each other
                 s = np.float32(0.0)
                 for i in range(hd):
                     s += q[t, h, i] * k_cache[blk, kv, j, i]
-                s *= scale * k_scale[blk, kv, j]
-                if s > best:   # a new maximum: rescale what was summed against the old one
-                    c = np.exp(best - s)
-                    total *= c
-                    for i in range(hd):
-                        acc[i] *= c
-                    best = s
-                p = np.exp(s - best)
+                scores[j] = s * scale * k_scale[blk, kv, j]
+                top = max(top, scores[j])
+            if top > best:   # a new maximum: rescale what was summed against the old one, once a block
+                c = np.exp(best - top)
+                total *= c
+                for i in range(hd):
+                    acc[i] *= c
+                best = top
+            for j in range(j0, j1):
+                p = np.exp(scores[j] - best)
                 total += p
                 p *= v_scale[blk, kv, j]
                 for i in range(hd):
