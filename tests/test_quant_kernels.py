@@ -11,7 +11,7 @@ import pytest
 from numba import njit
 
 from nibble.formats.half import HalfTensor
-from nibble.runner.kernels import linear
+from nibble.runner.kernels import linear, quant_decode
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.kernels.quant_decode import matvec_rows
@@ -80,9 +80,11 @@ def test_qmatmul(bits, G, T, accumulate):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_decode_on_larger_rows(bits):
-    """Several blocks per group and many rows, the decode path's steady state."""
-    N, K, G = 301, 1536, 128
+@pytest.mark.parametrize("G,K", [(128, 1536), (32, quant_decode.LONG + 32), (64, quant_decode.LONG)])
+def test_decode_on_larger_rows(bits, G, K):
+    """Several blocks per group and many rows, the decode path's steady state; rows of x from
+    LONG on, where the kernels prefetch the weights ahead (the last rows' past the end)."""
+    N = 301
     w, s, b = mlx_weight(N, K, bits, G)
     x = rng.standard_normal((1, K)).astype(np.float32)
     x[0, 5] = 40.0                                   # an outlier channel, as LLM activations have

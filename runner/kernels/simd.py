@@ -68,6 +68,20 @@ def load_16x16(typingctx, arr, i):
 
 
 @intrinsic
+def prefetch(typingctx, arr, i):
+    """Ask for the cache line of arr.flat[i] before it is loaded (llvm.prefetch: a read, kept in
+    every cache level). A hint: an address past the array's end does not fault."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_element(context, builder, sig, args, 0), ir.IntType(8).as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_i32] * 3)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=fnty)
+        # read (0), to every level (locality 3), of data (1)
+        builder.call(fn, [ptr, ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, i), codegen
+
+
+@intrinsic
 def load_f32x8(typingctx, arr, i):
     """float32 arr.flat[i:i+8]."""
     def codegen(context, builder, sig, args):
