@@ -1,6 +1,7 @@
 """Every CPU kernel against its numpy twin in tests/reference.py."""
 import numpy as np
 import pytest
+from numba import njit
 
 from nibble.runner.cache import BLOCK, Rows
 from nibble.runner.kernels import cpu
@@ -55,6 +56,32 @@ def test_swiglu(T):
     cpu.swiglu(x, wg, wu, out)
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(out, reference.silu(x64 @ wg.T) * (x64 @ wu.T), rtol=1e-4, atol=1e-4)
+
+
+def test_exp_within_an_ulp_and_clamped():
+    """cpu.exp (arithmetic only, to vectorize) against float64's: within about 1 ulp over its
+    range; past it, e ** -87 and e ** 88."""
+    x = np.linspace(-87, 88, 400_001, dtype=np.float32)
+    got, want = _exps(x), np.exp(x.astype(np.float64))
+    assert np.all(np.abs(got - want) <= 1.5 * np.spacing(want.astype(np.float32)))
+    edges = _exps(np.array([-1e30, -90, 90, 1e30], np.float32))
+    np.testing.assert_array_equal(edges, _exps(np.float32([-87, -87, 88, 88])))
+
+
+@njit
+def _exps(x):
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = cpu.exp(x[i])
+    return out
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_silu_mul(T):
+    g, up = 6 * f32(T, 50), f32(T, 50)   # silu's both tails
+    want = reference.silu(g.astype(np.float64)) * up
+    cpu.silu_mul(g, up)
+    np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("T", [1, 5])

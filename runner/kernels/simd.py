@@ -118,6 +118,14 @@ def half_to_f32(typingctx, b, bf16):
     return types.float32(b, bf16), codegen
 
 
+@intrinsic
+def f32_from_bits(typingctx, i):
+    """The float32 whose bits are the int32 i."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
 @intrinsic(prefer_literal=True)
 def nibble(typingctx, v, t):
     """(v >> 4t) & 15 in each 16-bit lane; t a literal 0..3."""
