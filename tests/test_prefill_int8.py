@@ -11,7 +11,7 @@ from numba.extending import intrinsic
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels import prefill_int8
 from nibble.runner.kernels.cpu import SMALL
-from nibble.runner.kernels.linear import prepare
+from nibble.runner.kernels.linear import prepare, project_qkv, swiglu
 from nibble.runner.kernels.prefill_int8 import matmul_int8
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize, twin_integers
@@ -127,3 +127,36 @@ def test_each_row_is_quantized_alone():
     out2 = np.empty_like(out)
     matmul_int8(x2, qw, out2, False)
     np.testing.assert_allclose(out2[5], out[5], rtol=1e-6, atol=1e-6)
+
+
+@needs_int_dots
+@pytest.mark.parametrize("bits", [(4, 4, 4), (4, 8, 4)])
+def test_x_rounded_once_for_the_projections_of_one_input(bits):
+    """q/k/v and gate/up of a prompt: x rounded once for weights of the same bits (the others
+    each their own), every output equal bit for bit to its matrix alone."""
+    T, K, G = 2 * SMALL + 3, 96, 32
+    ws = [prepare(QuantizedTensor(*mlx_weight(N, K, b, G), b, G)) for N, b in zip((40, 16, 24), bits)]
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    alone = []
+    for w in ws:
+        alone.append(np.empty((T, w.weight.shape[0]), np.float32))
+        matmul_int8(x, w, alone[-1], False)
+    q, k, v = (np.empty_like(a) for a in alone)
+    _project_qkv_jit(x, *ws, q, k, v)
+    for got, want in zip((q, k, v), alone):
+        np.testing.assert_array_equal(got, want)
+    gate, up = ws[0], ws[2]
+    out = np.empty_like(alone[0][:, :gate.weight.shape[0]])
+    _swiglu_jit(x, gate, gate, out)
+    g = alone[0].astype(np.float64)
+    np.testing.assert_allclose(out, reference.silu(g) * g, rtol=1e-6, atol=1e-7)
+
+
+@njit
+def _project_qkv_jit(x, wq, wk, wv, q, k, v):
+    project_qkv(x, wq, wk, wv, q, k, v)
+
+
+@njit
+def _swiglu_jit(x, w_gate, w_up, out):
+    swiglu(x, w_gate, w_up, out)

@@ -82,14 +82,19 @@ def qmatmul(x, w, out, accumulate):
     fly); more rows prefill: a quantized W on x quantized to int8 per block and integer dot
     products where the CPU has them (int8_prefill), else float tiles.
     """
+    _check(x, w, out)
+    if x.shape[0] <= SMALL:
+        _matvec(x, w, out, accumulate)
+    else:
+        prefill_int8.matmul(x, w, out, accumulate)
+
+
+@njit(inline="always", **_jit)
+def _check(x, w, out):
     T, K = x.shape
     N, Kw = prefill.dims(w)
     if Kw != K or out.shape[0] != T or out.shape[1] != N:
         raise ValueError("qmatmul: x must be [T, K] and out [T, N] for a weight of N rows of K")
-    if T <= SMALL:
-        _matvec(x, w, out, accumulate)
-    else:
-        prefill_int8.matmul(x, w, out, accumulate)
 
 
 def _matvec(x, w, out, accumulate):
@@ -146,7 +151,17 @@ def project_qkv(x, wq, wk, wv, q, k, v):
 def _project_qkv(x, wq, wk, wv, q, k, v):
     if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
         return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
+    if _int8_prefill(wq, wk, wv):
+        return lambda x, wq, wk, wv, q, k, v: _qkv_rounded_once(x, wq, wk, wv, q, k, v)
     return lambda x, wq, wk, wv, q, k, v: _qkv_each(x, wq, wk, wv, q, k, v)
+
+
+def _int8_prefill(*weights) -> bool:
+    """Whether prefill through these weights' types runs on int8 activations (prefill_int8.py),
+    which weights of the same bits may share: x rounded once for them all (a fifth of SmolLM2's
+    prefill matmul time went to rounding x)."""
+    return prefill_int8.DOT is not None and all(isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor
+                                                for w in weights)
 
 
 @njit(**_jit)
@@ -154,6 +169,24 @@ def _qkv_each(x, wq, wk, wv, q, k, v):
     linear(x, wq, q, False)
     linear(x, wk, k, False)
     linear(x, wv, v, False)
+
+
+@njit(**_jit)
+def _qkv_rounded_once(x, wq, wk, wv, q, k, v):
+    if x.shape[0] <= SMALL or not wq.bits == wk.bits == wv.bits:
+        _qkv_each(x, wq, wk, wv, q, k, v)
+        return
+    rounded = prefill_int8.round_rows(x, wq.bits)
+    _rounded(rounded, x, wq, q)
+    _rounded(rounded, x, wk, k)
+    _rounded(rounded, x, wv, v)
+
+
+@njit(inline="always", **_jit)
+def _rounded(rounded, x, w, out):
+    """out = x @ w.T, x as prefill_int8.round_rows gave it for w's bits."""
+    _check(x, w, out)
+    prefill_int8.matmul_rounded(rounded, w, out, False)
 
 
 def swiglu(x, w_gate, w_up, out):
@@ -168,6 +201,8 @@ def swiglu(x, w_gate, w_up, out):
 def _swiglu(x, w_gate, w_up, out):
     if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
         return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
+    if _int8_prefill(w_gate, w_up):
+        return lambda x, w_gate, w_up, out: _swiglu_rounded_once(x, w_gate, w_up, out)
     return lambda x, w_gate, w_up, out: _swiglu_each(x, w_gate, w_up, out)
 
 
@@ -176,4 +211,16 @@ def _swiglu_each(x, w_gate, w_up, out):
     up = np.empty_like(out)
     linear(x, w_gate, out, False)
     linear(x, w_up, up, False)
+    cpu.silu_mul(out, up)
+
+
+@njit(**_jit)
+def _swiglu_rounded_once(x, w_gate, w_up, out):
+    if x.shape[0] <= SMALL or w_gate.bits != w_up.bits:
+        _swiglu_each(x, w_gate, w_up, out)
+        return
+    up = np.empty_like(out)
+    rounded = prefill_int8.round_rows(x, w_gate.bits)
+    _rounded(rounded, x, w_gate, out)
+    _rounded(rounded, x, w_up, up)
     cpu.silu_mul(out, up)

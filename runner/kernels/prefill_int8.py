@@ -264,8 +264,22 @@ def _unpack(qw, n, units, lane_group, wq, sw, bw):
 @njit(**_jit)
 def matmul_int8(x, qw, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T on integer dot products (where DOT is set)."""
+    matmul_rounded(round_rows(x, qw.bits), qw, out, accumulate)
+
+
+@njit(**_jit)
+def round_rows(x, bits):
+    """x [T, K] rounded for weights of `bits` bits: (xq, dx, xs, units, lane_block) as
+    quantize_rows and layout give them; several weights of those bits may share it."""
     units, lane_block = layout(x.shape[1])
-    xq, dx, xs = quantize_rows(x, units, lane_block, qw.bits)
+    xq, dx, xs = quantize_rows(x, units, lane_block, bits)
+    return xq, dx, xs, units, lane_block
+
+
+@njit(**_jit)
+def matmul_rounded(rounded, qw, out, accumulate):
+    """matmul_int8 on x as round_rows(x, qw.bits) gave it."""
+    xq, dx, xs, units, lane_block = rounded
     lane_group = np.where(lane_block >= 0, 32 * lane_block // qw.group_size, -1)   # W's group of each lane
     _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate)
 
