@@ -25,11 +25,14 @@ f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
 # x row than for two (the SLP vectorizer packs some rows' scalar sums into vectors)
 _jit = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
-# From rows of x this long (12 KB of int16) decode from DRAM slowed down: 4096 x 11008 (Llama-2-7B's
-# down projection, 4 bits) ran at 12.6 GB/s a core where 4096 x 4096 runs at 18 (x no longer stays in
-# L1 beside the weights streaming through it?). Asking for the weights AHEAD bytes early: 15.3 a core,
-# 2 threads 23 -> 28 ; no change at 4096, where it is left off.
-LONG, AHEAD = 6144, 1024
+# Each weight stream asked for AHEAD bytes early, once a cache line (llvm.prefetch): the hardware
+# prefetchers alone left decode short of the bandwidth, one core's stream from DRAM at (GB/s, int4
+# G64, one thread / two; /tmp/b18/big.py): on an AMD EPYC, 4096 x 11008 at 12.6 / ~23 (x past
+# 12 KB of int16) where 4096 x 4096 ran 18 / 34; on an Intel Xeon every shape, 4096 x 4096 at 9.7 /
+# 18.4 and SmolLM2's 576 x 1536 at 7.9 / 13.3. At 1 KB ahead the EPYC's 4096 x 11008 read 15.3 / 28
+# (4096 x 4096 about 2% slower); at 2 KB the Xeon's 4096 x 4096 reads 13.0 / 25.3 and 576 x 1536
+# 11.3 / 18.2 (1 KB: 12.6 / 23.8; 4 KB no faster).
+AHEAD = 2048
 
 
 @njit(**_jit)
@@ -156,7 +159,6 @@ def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
     (two adjacent rows read in step defeat the hardware prefetcher: 2-3x slower from DRAM)."""
     Kb = q.shape[1]
     j0, j1 = r * Kb, (r + 1) * Kb
-    far = Kb >= LONG
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for g in range(Kb // G):
@@ -165,7 +167,7 @@ def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         k = g * G
         while True:   # G a multiple of 32: two steps of 16 a pass (a while loop: no trip count to work out)
-            _ahead(q, n * Kb, m * Kb, k, far)
+            _ahead(q, n * Kb, m * Kb, k)
             a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k), load_u8x16(q, m * Kb + k),
                                     xq, j0 + k, j1 + k, two)
             a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, load_u8x16(q, n * Kb + k + 16), load_u8x16(q, m * Kb + k + 16),
@@ -200,19 +202,19 @@ def _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per):
 
 
 @njit(inline="always", **_jit)
-def _ahead(q, i0, i1, k, far):
-    """Prefetch the bytes AHEAD of byte k of the rows at i0 and i1 of q, once a cache line, if `far`
-    (x at least LONG long: see LONG)."""
-    if far and k % 64 == 0:
+def _ahead(q, i0, i1, k):
+    """Prefetch the bytes AHEAD of byte k of the rows at i0 and i1 of q, once a cache line (see
+    AHEAD; past the end of q it reads nothing)."""
+    if k % 64 == 0:
         prefetch(q, i0 + k + AHEAD)
         prefetch(q, i1 + k + AHEAD)
 
 
 @njit(inline="always", **_jit)
-def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two, far):
+def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
     """Add block c (64 weights) of the 4-bit rows starting at bytes i0, i1 of q, times the x rows
     starting at j0 (and j1) of xq: 32 bytes = 16 lanes of 4 nibbles; xq is in the matching order."""
-    _ahead(q, i0, i1, 32 * c, far)
+    _ahead(q, i0, i1, 32 * c)
     v0, v1 = load_16x16(q, i0 + 32 * c), load_16x16(q, i1 + 32 * c)
     k = 64 * c
     a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, nibble(v0, 0), nibble(v1, 0), xq, j0 + k, j1 + k, two)
@@ -233,7 +235,7 @@ def _pair4(xq, dx, q, s, n, m, r, two, bf16, G):
             s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for c in range(g * (G // 64), (g + 1) * (G // 64)):
-            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two, 2 * Kb >= LONG)
+            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 1)
     return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
 
@@ -250,8 +252,7 @@ def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16):
     for c in range(K // 64):
         if c % 4 == 0:
             s0, s1, s2, s3 = _chunk(s, n, m, 2 * c, dx, r, bf16, two)
-        a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two,
-                                 K >= LONG)
+        a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 2)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     if K % 64:   # an odd number of groups: the last one's weights in float
