@@ -130,7 +130,7 @@ def _dot_any(x, t, w, n):
     return s
 
 
-# exp's own flags: fast, but not reassociating its argument's reduction (below)
+# exp's own flags: fast, but no reassociation, which could fold its ln2 in two parts (below) into one
 _EXACT = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
 
 

@@ -160,8 +160,8 @@ def _int8_prefill(*weights) -> bool:
     """Whether prefill through these weights' types runs on int8 activations (prefill_int8.py),
     which weights of the same bits may share: x rounded once for them all (a fifth of SmolLM2's
     prefill matmul time went to rounding x)."""
-    return prefill_int8.DOT is not None and all(isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor
-                                                for w in weights)
+    quantized = lambda w: isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor
+    return prefill_int8.DOT is not None and all(map(quantized, weights))
 
 
 @njit(**_jit)
