@@ -231,8 +231,8 @@ def quantize_blocks_int8(x):
     return xq, (top / np.float32(127)).astype(np.float32)
 
 
-def int8_prefill(x, q, scales, biases, G):
-    """x [T, K] @ W.T as the int8 prefill computes it, W = scales * q + biases by groups of G
+def int8_product(x, q, scales, biases, G):
+    """x [T, K] @ W.T as the int8 kernels (decode and prefill) compute it, W = scales * q + biases by groups of G
     (q: the integers [N, K]): exact integer sums per block of 32, then sum_b s dx isum + sum_g b xs
     with xs the sums of the rounded x (dx xq), in float64: the rounded x times W."""
     T, K = x.shape

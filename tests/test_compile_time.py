@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not numba.__version__.startswith(compile_time.TE
 compile_time._install()   # else at this process's first compile
 
 
-@pytest.mark.parametrize("func", [quant_decode.quantize_activation, quant_decode.matvec_rows, cpu.rmsnorm])
+@pytest.mark.parametrize("func", [quant_decode.quantize_activation, quant_decode.products, cpu.rmsnorm])
 def test_copy_propagation_finds_the_copies_numbas_does(func):
     blocks = run_frontend(func.py_func).blocks
     typemap = defaultdict(lambda: types.float32)   # every variable one type: every a = b a copy

@@ -10,6 +10,7 @@ from nibble.formats.model_dir import read_model_dir
 from nibble.quant.affine import dequantize, reconstruction_error
 from nibble.quant.convert import read_linear
 from nibble.quant.gguf_import import TypeOutcome, import_gguf_model
+from nibble.runner.kernels import linear
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.loader import from_model_dir, load
 from tests.test_cli import invoke
@@ -72,8 +73,10 @@ def test_keep_float(mixed_gguf):
 
 
 def test_runs_as_its_dequantized_weights(mixed_gguf):
-    # A pass of SMALL tokens (the decode kernels: x rounded to 16 bits, close to exact; prefill
-    # rounds it to 8) gives the logits of a float model holding the dequantized weights.
+    # A pass of SMALL tokens (the decode kernels) gives the logits of a float model holding the
+    # dequantized weights: close to exact on x rounded to 16 bits; where the CPU multiplies bytes,
+    # x rounded to int8 blocks moves them by 4% of their scale on this tiny random model (a wrong
+    # import: all of it).
     md = import_gguf_model(mixed_gguf[0]).model
     floats = {}
     for name, t in md.tensors.items():
@@ -87,7 +90,8 @@ def test_runs_as_its_dequantized_weights(mixed_gguf):
     ids = ([5, 17, 42, 99, 7, 3] * 3)[:SMALL]
     got = quantized.forward(ids, quantized.new_cache(32), all_logits=True)
     want = reference.forward(ids, reference.new_cache(32), all_logits=True)
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    tol = 1e-1 if linear.int8_activations() else 2e-3
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_load_runs_a_gguf_quantized(mixed_gguf):

@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from nibble.formats.model_dir import write_model_dir
+from nibble.runner.kernels import linear
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.loader import load
 from tests import reference
@@ -63,7 +64,9 @@ def test_hand_made_mlx_checkpoint_runs(tmp_path):
     tokens = tokenizer.prompt("the quick brown fox")
     want = reference.forward(model.config, floats, tokens)[-1]
     cache = model.new_cache(64)
-    for i in range(0, len(tokens), SMALL):   # the decode kernels (prefill may round x to int8)
+    for i in range(0, len(tokens), SMALL):   # the decode kernels
         got = model.forward(tokens[i:i + SMALL], cache)[-1]
-    assert np.abs(got - want).max() < 3e-4 * np.abs(want).max()   # x rounded to int16 per group: 1.2e-4
+    # x rounded to int8 blocks where the CPU multiplies bytes: 1.6e-2 of the logits' scale on this
+    # tiny random model (a wrong reading of the checkpoint: all of it); else to int16 per group: 1.2e-4
+    assert np.abs(got - want).max() < (5e-2 if linear.int8_activations() else 3e-4) * np.abs(want).max()
     assert model.layers[0].w_up.bits == 4 and model.embed.bits == 8 and model.embed.group_size == 32

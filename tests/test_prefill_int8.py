@@ -1,7 +1,8 @@
 """Prefill on int8 activations (prefill_int8.py) against tests/reference.py's numpy twin of the
 exact integer scheme: x rounded to int8 per block of 32, integer sums, then the scales and biases
 in float. The twin computes in float64 from integers it unpacks itself: the kernel may differ
-only by float32 rounding of its sums (1e-6 of the magnitude bound |x| @ |W|.T)."""
+only by float32 rounding of its sums (1e-6 of the magnitude bound |x| @ |W|.T). Decode on int8
+activations (quant_decode.py) is checked against the same twin in test_quant_kernels."""
 import numpy as np
 import pytest
 from llvmlite import binding as llvm
@@ -11,7 +12,7 @@ from numba.extending import intrinsic
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels import prefill_int8
 from nibble.runner.kernels.cpu import SMALL
-from nibble.runner.kernels.linear import prepare, project_qkv, swiglu
+from nibble.runner.kernels.linear import prepare, project_qkv, qmatmul, swiglu
 from nibble.runner.kernels.prefill_int8 import matmul_int8
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize, twin_integers
@@ -93,7 +94,7 @@ def test_prefill_matches_the_integer_twin(bits, G, blocks, accumulate):
     out = rng.standard_normal((T, N)).astype(np.float32)
     before = out.copy()
     matmul_int8(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, accumulate)
-    want = reference.int8_prefill(x, integers(w, bits), s, b, G) + (before if accumulate else 0)
+    want = reference.int8_product(x, integers(w, bits), s, b, G) + (before if accumulate else 0)
     W = twin_dequantize(w, s, b, bits, G)
     bound = np.abs(x) @ np.abs(W).T + np.abs(before)
     assert np.all(np.abs(out - want) <= 1e-6 * bound), np.abs(out - want).max()
@@ -130,17 +131,19 @@ def test_each_row_is_quantized_alone():
 
 
 @needs_int_dots
-@pytest.mark.parametrize("bits", [(4, 4, 4), (4, 8, 4)])
-def test_x_rounded_once_for_the_projections_of_one_input(bits):
-    """q/k/v and gate/up of a prompt: x rounded once for weights of the same bits (the others
-    each their own), every output equal bit for bit to its matrix alone."""
-    T, K, G = 2 * SMALL + 3, 96, 32
-    ws = [prepare(QuantizedTensor(*mlx_weight(N, K, b, G), b, G)) for N, b in zip((40, 16, 24), bits)]
+@pytest.mark.parametrize("T", [3, 2 * SMALL + 3])                       # decode rows, prefill
+@pytest.mark.parametrize("bits,groups", [((4, 4, 4), (32, 32, 32)), ((4, 8, 4), (32, 32, 32)),
+                                         ((4, 4, 4), (32, 64, 32))])
+def test_x_rounded_once_for_the_projections_of_one_input(T, bits, groups):
+    """q/k/v and gate/up: x rounded once for weights of the same bits (in decode, and groups; the
+    others each their own), every output equal bit for bit to its matrix alone."""
+    K = 128
+    ws = [prepare(QuantizedTensor(*mlx_weight(N, K, b, G), b, G)) for N, b, G in zip((40, 16, 24), bits, groups)]
     x = rng.standard_normal((T, K)).astype(np.float32)
     alone = []
     for w in ws:
         alone.append(np.empty((T, w.weight.shape[0]), np.float32))
-        matmul_int8(x, w, alone[-1], False)
+        qmatmul(x, w, alone[-1], False)
     q, k, v = (np.empty_like(a) for a in alone)
     _project_qkv_jit(x, *ws, q, k, v)
     for got, want in zip((q, k, v), alone):

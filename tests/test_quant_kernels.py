@@ -2,9 +2,11 @@
 
 The twin unpacks the uint32 words with numpy shifts (element k of a row: word k*bits//32, bit offset
 (k*bits) % 32) and computes in float64; it shares no code with the kernels, which read bytes.
-Decode (T <= SMALL) quantizes the activations to int16 per group, so it is compared at 1e-4 of
-the magnitude bound |x| @ |W|.T; prefill too where it is float32 throughout, at 1e-2 where it
-rounds them to int8 (test_prefill_int8 checks that path exactly).
+Where the CPU multiplies bytes (linear.int8_activations) decode (T <= SMALL) and prefill round the
+activations to int8 per block of 32: both are compared with the integer twin (tests/reference.py),
+exact but for float32 sums (1e-6 of the magnitude bound |x| @ |W|.T). Elsewhere decode rounds them
+to int16 per group (matvec_rows16, tested on every CPU) and prefill stays in float32: both are
+compared with the float product at 1e-4 of the bound.
 """
 import numpy as np
 import pytest
@@ -14,9 +16,10 @@ from nibble.formats.half import HalfTensor
 from nibble.runner.kernels import linear, quant_decode
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.cpu import SMALL
-from nibble.runner.kernels.quant_decode import matvec_rows
+from nibble.runner.kernels.quant_decode import matvec_rows, matvec_rows16
 from nibble.runner.kernels.linear import prepare, qmatmul
 from nibble.runner.kernels.prefill import dequantize, dequantize_rows
+from tests import reference
 
 rng = np.random.default_rng(0)
 
@@ -58,6 +61,21 @@ def check(out, x, W, before, accumulate, rel=1e-4):
     assert np.all(np.abs(out - want) <= rel * bound + 1e-6), np.abs(out - want).max()
 
 
+def check_product(out, x, w, s, b, bits, G, before, accumulate, int8):
+    """out against x @ W.T (+ before): on int8 x (int8) the integer twin's, else the float one's."""
+    if not int8:
+        check(out, x, twin_dequantize(w, s, b, bits, G), before, accumulate)
+        return
+    s64, b64 = np.asarray(s, np.float64), np.asarray(b, np.float64)
+    want = reference.int8_product(x, twin_integers(w, bits).astype(np.int64), s64, b64, G) + (before if accumulate else 0)
+    bound = np.abs(x) @ np.abs(twin_dequantize(w, s, b, bits, G)).T + np.abs(before)
+    assert np.all(np.abs(out - want) <= 1e-6 * bound + 1e-6), np.abs(out - want).max()
+
+
+# the decode kernels this CPU runs: matvec_rows16 everywhere, matvec_rows on int8 x where it multiplies bytes
+DECODE = [matvec_rows16] + ([matvec_rows] if linear.int8_activations() else [])
+
+
 def k_for(bits, G):
     # 4-bit, G = 32: an odd number of groups leaves a last half block (the float tail)
     return 7 * 32 if (bits, G) == (4, 32) else 3 * G
@@ -74,14 +92,13 @@ def test_qmatmul(bits, G, T, accumulate):
     out = rng.standard_normal((T, N)).astype(np.float32)
     before = out.copy()
     qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, accumulate)
-    # more than SMALL rows where linear.int8_prefill(): x rounded to int8 (test_prefill_int8)
-    int8 = T > SMALL and linear.int8_prefill()
-    check(out, x, twin_dequantize(w, s, b, bits, G), before, accumulate, rel=1e-2 if int8 else 1e-4)
+    check_product(out, x, w, s, b, bits, G, before, accumulate, linear.int8_activations())
 
 
+@pytest.mark.parametrize("kernel", DECODE)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("G,K", [(128, 1536), (32, 6176), (64, 6144)])
-def test_decode_on_larger_rows(bits, G, K):
+def test_decode_on_larger_rows(kernel, bits, G, K):
     """Several blocks per group and many rows, the decode path's steady state, and long rows of x
     (Llama-2-7B's down projection); the last rows prefetch past the end of the weight."""
     N = 301
@@ -89,27 +106,28 @@ def test_decode_on_larger_rows(bits, G, K):
     x = rng.standard_normal((1, K)).astype(np.float32)
     x[0, 5] = 40.0                                   # an outlier channel, as LLM activations have
     out = np.empty((1, N), np.float32)
-    qmatmul(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, False)
-    check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
+    kernel(x, prepare(QuantizedTensor(w, s, b, bits, G)), out, False)
+    check_product(out, x, w, s, b, bits, G, out * 0, False, kernel is matvec_rows)
 
 
+@pytest.mark.parametrize("kernel", DECODE)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("G", [32, 64, 128])
 @pytest.mark.parametrize("B", [2, 3, 5, SMALL])
-def test_decode_rows_are_each_as_alone(bits, G, B):
-    """matvec_rows: every row of x bit-identical to the same row through it alone (B = 1, which
-    is decode): batched sequences decode as they would one by one."""
+def test_decode_rows_are_each_as_alone(kernel, bits, G, B):
+    """Every row of x bit-identical to the same row through the kernel alone (B = 1, which is
+    decode): batched sequences decode as they would one by one."""
     N, K = 37, k_for(bits, G)
     w, s, b = mlx_weight(N, K, bits, G)
     qw = prepare(QuantizedTensor(w, s, b, bits, G))
     x = rng.standard_normal((B, K)).astype(np.float32)
     x[1, 3] = 30.0                                   # rows of other magnitudes beside each other
     out = np.empty((B, N), np.float32)
-    matvec_rows(x, qw, out, False)
-    check(out, x, twin_dequantize(w, s, b, bits, G), out * 0, False)
+    kernel(x, qw, out, False)
+    check_product(out, x, w, s, b, bits, G, out * 0, False, kernel is matvec_rows)
     for r in range(B):
         alone = np.empty((1, N), np.float32)
-        matvec_rows(x[r:r + 1], qw, alone, False)
+        kernel(x[r:r + 1], qw, alone, False)
         np.testing.assert_array_equal(out[r], alone[0])
 
 
@@ -132,8 +150,7 @@ def test_scales_and_biases_are_read_as_stored(kind, bits, G):
         x = rng.standard_normal((T, K)).astype(np.float32)
         out = np.empty((T, N), np.float32)
         qmatmul(x, qw, out, False)
-        int8 = T > SMALL and linear.int8_prefill()   # as in test_qmatmul
-        check(out, x, W, out * 0, False, rel=1e-2 if int8 else 1e-4)
+        check_product(out, x, w, s, b, bits, G, out * 0, False, linear.int8_activations())
         if T <= SMALL:
             for r in range(T):
                 alone = np.empty((1, N), np.float32)
@@ -177,7 +194,7 @@ def test_memmapped_weights_are_not_copied(tmp_path, bits):
         x = rng.standard_normal((T, K)).astype(np.float32)
         out = np.zeros((T, N), np.float32)
         qmatmul(x, qw, out, False)
-        check(out, x, W, out * 0, False)
+        check_product(out, x, w, s, b, bits, G, out * 0, False, linear.int8_activations())
     np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-6)
 
 
@@ -223,10 +240,9 @@ def test_linear_inside_njit_dispatches_on_the_weight_type(T):
     x = rng.standard_normal((T, K)).astype(np.float32)
     h, out = np.empty((T, F), np.float32), np.ones((T, K), np.float32)
     _block(x, w_in, w_out, h, out)
-    want_h = x.astype(np.float64) @ twin_dequantize(w, s, b, 4, 32).T
-    np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
+    check_product(h, x, w, s, b, 4, 32, h * 0, False, linear.int8_activations())
     np.testing.assert_allclose(out, 1 + h.astype(np.float64) @ w_out.T, rtol=1e-4, atol=1e-4)
     assert isinstance(w_in, QuantizedTensor)
     linear.linear(x, w_in, h, False)                                # and from Python
-    np.testing.assert_allclose(h, want_h, rtol=1e-3, atol=1e-3 * np.abs(want_h).max())
+    check_product(h, x, w, s, b, 4, 32, h * 0, False, linear.int8_activations())
 

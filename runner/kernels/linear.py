@@ -20,10 +20,11 @@ from .cpu import SMALL, _jit
 Weight = np.ndarray | QuantizedTensor | HalfTensor
 
 
-def int8_prefill() -> bool:
-    """Whether quantized prefill runs on int8 activations here (prefill_int8.py: where the CPU
-    multiplies bytes), rounding x as llama.cpp's quantized runs do; else on prefill.py's float tiles."""
-    return prefill_int8.DOT is not None
+def int8_activations() -> bool:
+    """Whether quantized weights multiply int8 activations here, in decode (quant_decode.py) and
+    prefill (prefill_int8.py): where the CPU multiplies bytes, rounding x as llama.cpp's quantized
+    runs do; else decode rounds x to int16 (close to float) and prefill runs prefill.py's float tiles."""
+    return quant_decode.INT8
 
 
 def prepare(qt: QuantizedTensor) -> QuantizedTensor:
@@ -78,9 +79,10 @@ def qmatmul(x, w, out, accumulate):
     float32. Callable from Python and from inside other njit functions.
 
     T <= SMALL takes the decode path, bound by memory bandwidth, each weight read once for all
-    rows (quantized: x quantized to int16 per group, integer dot products; 16-bit: widened on the
-    fly); more rows prefill: a quantized W on x quantized to int8 per block and integer dot
-    products where the CPU has them (int8_prefill), else float tiles.
+    rows (quantized: integer dot products on x rounded to int8 per block where the CPU multiplies
+    bytes (int8_activations), else to int16 per group; 16-bit: widened on the fly); more rows
+    prefill: a quantized W on x rounded to int8 per block where the CPU multiplies bytes, else
+    float tiles.
     """
     _check(x, w, out)
     if x.shape[0] <= SMALL:
@@ -151,17 +153,17 @@ def project_qkv(x, wq, wk, wv, q, k, v):
 def _project_qkv(x, wq, wk, wv, q, k, v):
     if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
         return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
-    if _int8_prefill(wq, wk, wv):
+    if _int8(wq, wk, wv):
         return lambda x, wq, wk, wv, q, k, v: _qkv_rounded_once(x, wq, wk, wv, q, k, v)
     return lambda x, wq, wk, wv, q, k, v: _qkv_each(x, wq, wk, wv, q, k, v)
 
 
-def _int8_prefill(*weights) -> bool:
-    """Whether prefill through these weights' types runs on int8 activations (prefill_int8.py),
-    which weights of the same bits may share: x rounded once for them all (a fifth of SmolLM2's
-    prefill matmul time went to rounding x)."""
+def _int8(*weights) -> bool:
+    """Whether these weights' types multiply int8 activations (int8_activations), which weights of
+    the same bits (and in decode, groups) may share: x rounded once for them all (a fifth of
+    SmolLM2's prefill matmul time went to rounding x)."""
     quantized = lambda w: isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor
-    return prefill_int8.DOT is not None and all(map(quantized, weights))
+    return quant_decode.INT8 and all(map(quantized, weights))
 
 
 @njit(**_jit)
@@ -173,17 +175,35 @@ def _qkv_each(x, wq, wk, wv, q, k, v):
 
 @njit(**_jit)
 def _qkv_rounded_once(x, wq, wk, wv, q, k, v):
-    if x.shape[0] <= SMALL or not wq.bits == wk.bits == wv.bits:
+    if not (_share(x, wq, wk) and _share(x, wq, wv)):
         _qkv_each(x, wq, wk, wv, q, k, v)
-        return
-    rounded = prefill_int8.round_rows(x, wq.bits)
-    _rounded(rounded, x, wq, q)
-    _rounded(rounded, x, wk, k)
-    _rounded(rounded, x, wv, v)
+    elif x.shape[0] <= SMALL:
+        rounded = quant_decode.round_rows(x, wq.group_size, wq.bits)
+        _decode_rounded(rounded, x, wq, q)
+        _decode_rounded(rounded, x, wk, k)
+        _decode_rounded(rounded, x, wv, v)
+    else:
+        rounded = prefill_int8.round_rows(x, wq.bits)
+        _prefill_rounded(rounded, x, wq, q)
+        _prefill_rounded(rounded, x, wk, k)
+        _prefill_rounded(rounded, x, wv, v)
 
 
 @njit(inline="always", **_jit)
-def _rounded(rounded, x, w, out):
+def _share(x, a, b):
+    """Whether weights a and b take x rounded the same way: the same bits, and in decode the same groups."""
+    return a.bits == b.bits and (x.shape[0] > SMALL or a.group_size == b.group_size)
+
+
+@njit(inline="always", **_jit)
+def _decode_rounded(rounded, x, w, out):
+    """out = x @ w.T for a few rows, x as quant_decode.round_rows gave it for w's bits and groups."""
+    _check(x, w, out)
+    quant_decode.products(rounded, x, w, out, False)
+
+
+@njit(inline="always", **_jit)
+def _prefill_rounded(rounded, x, w, out):
     """out = x @ w.T, x as prefill_int8.round_rows gave it for w's bits."""
     _check(x, w, out)
     prefill_int8.matmul_rounded(rounded, w, out, False)
@@ -201,7 +221,7 @@ def swiglu(x, w_gate, w_up, out):
 def _swiglu(x, w_gate, w_up, out):
     if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
         return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
-    if _int8_prefill(w_gate, w_up):
+    if _int8(w_gate, w_up):
         return lambda x, w_gate, w_up, out: _swiglu_rounded_once(x, w_gate, w_up, out)
     return lambda x, w_gate, w_up, out: _swiglu_each(x, w_gate, w_up, out)
 
@@ -216,11 +236,16 @@ def _swiglu_each(x, w_gate, w_up, out):
 
 @njit(**_jit)
 def _swiglu_rounded_once(x, w_gate, w_up, out):
-    if x.shape[0] <= SMALL or w_gate.bits != w_up.bits:
+    if not _share(x, w_gate, w_up):
         _swiglu_each(x, w_gate, w_up, out)
         return
     up = np.empty_like(out)
-    rounded = prefill_int8.round_rows(x, w_gate.bits)
-    _rounded(rounded, x, w_gate, out)
-    _rounded(rounded, x, w_up, up)
+    if x.shape[0] <= SMALL:
+        rounded = quant_decode.round_rows(x, w_gate.group_size, w_gate.bits)
+        _decode_rounded(rounded, x, w_gate, out)
+        _decode_rounded(rounded, x, w_up, up)
+    else:
+        rounded = prefill_int8.round_rows(x, w_gate.bits)
+        _prefill_rounded(rounded, x, w_gate, out)
+        _prefill_rounded(rounded, x, w_up, up)
     cpu.silu_mul(out, up)

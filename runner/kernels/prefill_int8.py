@@ -119,6 +119,19 @@ def load_u8x32(typingctx, arr, i):
     return U8(arr, i), codegen
 
 
+@intrinsic(prefer_literal=True)
+def nibbles(typingctx, v, high):
+    """Each byte's low (high: a literal False) or high 4 bits, as bytes 0..15."""
+    if not isinstance(high, types.BooleanLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if high.literal_value:
+            return builder.lshr(args[0], ir.Constant(_ll(U8), [4] * 32))
+        return builder.and_(args[0], ir.Constant(_ll(U8), [15] * 32))
+    return U8(v, high), codegen
+
+
 @intrinsic
 def scale_add(typingctx, acc, a, sw, sx):
     """acc + float(a) * sw * sx, lane by lane: a superblock's integer sums into the float sum."""
@@ -217,8 +230,7 @@ def quantize_rows(x, units, lane_block, bits):
             top = f32(0.0)
             for k in range(32 * b, 32 * b + 32):
                 top = max(top, abs(x[t, k]))
-            scale[b] = top / f32(127.0)
-            inv[b] = f32(127.0) / top if top > 0 else f32(0.0)
+            scale[b], inv[b] = top / f32(127.0), inverse_scale(top)
         for i in range(units.shape[0]):
             if units[i] >= 0:
                 r = inv[units[i] // 8]
@@ -232,6 +244,14 @@ def quantize_rows(x, units, lane_block, bits):
                 dx[t, v] = scale[lane_block[v]]
                 xs[t, v] *= scale[lane_block[v]]
     return xq, dx, xs
+
+
+@njit(**dict(_jit, fastmath=False))
+def inverse_scale(top):
+    """127 / top, what a block of x is multiplied by before rounding (0 for a block of zeros):
+    divided exactly, not as 127 * (1 / top) as fast math may, which sends some x * 127 / top
+    that are ties (n + 0.5) to the other side (the twin in the tests, and llama.cpp, divide)."""
+    return f32(127.0) / top if top > 0 else f32(0.0)
 
 
 @njit(**_jit)

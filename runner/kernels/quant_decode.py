@@ -1,13 +1,18 @@
 """Quantized decode (a few tokens): out[B, N] (+)= x[B, K] @ W.T for a prepared QuantizedTensor W.
 
-Decode reads each weight once and is bound by memory bandwidth. Each activation row is quantized
-to int16 per group (dx: its scale) and the dot products run on integers, 16 multiply-adds an
-instruction (x86 vpmaddwd), 8 lanes wide (simd.py). Per row,
+Decode reads each weight once and is bound by memory bandwidth, or on a fast memory by the
+instructions that unpack and multiply. Each activation row is rounded to integers, and the dot
+products run on them. Per row,
 
-    out[r, n] = sum_g scales[n, g] * dx[r, g] * sum_k xq[r, k] q[n, k]  +  sum_g biases[n, g] * xs[r, g]
+    out[r, n] = sum_b scales[n, g(b)] * dx[r, b] * sum_{k in b} xq[r, k] q[n, k]  +  sum_g biases[n, g] * xs[r, g]
 
 where q are the weight's integers, read as the little-endian bytes of MLX's uint32 words, and
-xs[r, g] the sums of x's groups. Several rows of x (the decoded tokens of several sequences)
+xs[r, g] the sums of x's groups (as rounded). Where the CPU multiplies bytes (INT8: AVX-512 VNNI's
+vpdpbusd, or AVX2, as prefill_int8) x is rounded to int8 in blocks b of 32 as prefill rounds it,
+32 u8 x s8 products an instruction, which made SmolLM2's decode a fifth faster on a Xeon where the
+int16 path was bound by its instructions (layers and head, 6.2 ms a token then 4.9). Elsewhere x is
+rounded to int16 per group (b: the group), 16 multiply-adds an instruction (x86 vpmaddwd), close
+to float: matvec_rows16, which the tests run on every CPU. Several rows of x (the decoded tokens of several sequences)
 share each weight read from memory: a task unpacks two weight rows and dots them with two rows
 of x at a time, from L1 again for the next two. Each output is summed in the same order whatever
 B and whichever x rows it is paired with (the integer sums are exact): a row's result does not
@@ -17,9 +22,11 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from . import prefill_int8
 from .cpu import _jit
-from .simd import (chunk_scales, group_value, hsum, load_16x16, load_u8x16, madd, next_scales, nibble, prefetch,
-                   row_dot, scale_add, spread, vadd, zero_f32, zero_i32)
+from .prefill_int8 import load_u8x32, nibbles, udot
+from .simd import (chunk_scales, fma, group_value, hsum, load_16x16, load_first_f32x8, load_u8x16, madd, next_scales,
+                   nibble, prefetch, row_dot, scale_add, splat_f32, spread, vadd, zero_f32, zero_i32)
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -37,25 +44,73 @@ AHEAD = 2048
 
 @njit(**_jit)
 def matvec_rows(x, qw, out, accumulate):
-    """out[B, N] (+)= x[B, K] @ W.T, shapes checked by the caller (linear.qmatmul)."""
-    B, K = x.shape
+    """out[B, N] (+)= x[B, K] @ W.T, shapes checked by the caller (linear.qmatmul): x rounded to
+    int8 where the CPU multiplies bytes (INT8), else to int16."""
+    products(round_rows(x, qw.group_size, qw.bits), x, qw, out, accumulate)
+
+
+@njit(**_jit)
+def matvec_rows16(x, qw, out, accumulate):
+    """matvec_rows on x rounded to int16 whatever the CPU (what CPUs without byte dot products run)."""
+    products(_round16(x, qw.group_size, qw.bits), x, qw, out, accumulate)
+
+
+@njit(**_jit)
+def products(rounded, x, qw, out, accumulate):
+    """matvec_rows on x as round_rows(x, qw.group_size, qw.bits) gave it: several weights of the
+    same bits and groups may share it."""
+    xq, dx, xs = rounded
     G, bits = qw.group_size, qw.bits
-    xq = np.empty((B, K), np.int16)
-    dx = np.empty((B, K // G), np.float32)
-    xs = np.empty((B, K // G), np.float32)
-    for r in range(B):
-        quantize_activation(x[r], G, bits, xq[r], dx[r], xs[r])
     q = qw.weight.view(np.uint8)
     # bits and G == 32 as constants: numba compiles a function once for each constant argument's
     # value, so each kernel is its own function, none inlined into another (numba copies a
     # callee's IR to inline it, at a cost that grows with its size squared). G itself is a value:
     # it only sets loop bounds, and each constant would compile the kernel once more
-    if bits == 8:
+    if bits == 8 and G == 32:
+        _rows(xq, dx, xs, x, 8, True, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
+    elif bits == 8:
         _rows(xq, dx, xs, x, 8, False, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
     elif G == 32:
         _rows(xq, dx, xs, x, 4, True, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
     else:
         _rows(xq, dx, xs, x, 4, False, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
+
+
+INT8 = prefill_int8.DOT is not None   # decode on int8 activations (set where prefill_int8's is)
+
+
+def round_rows(x, G, bits):
+    """x[B, K] -> (xq, dx, xs) for weights of `bits` bits in groups of G: each row rounded by
+    round_int8 where INT8, else by quantize_activation (njit code only)."""
+
+
+@overload(round_rows, jit_options=_jit)
+def _round_rows_typed(x, G, bits):
+    if INT8:
+        return lambda x, G, bits: _round8(x, G, bits)
+    return lambda x, G, bits: _round16(x, G, bits)
+
+
+@njit(**_jit)
+def _round16(x, G, bits):
+    B, K = x.shape
+    xq = np.empty((B, K), np.int16)
+    dx = np.empty((B, K // G), np.float32)
+    xs = np.empty((B, K // G), np.float32)
+    for r in range(B):
+        quantize_activation(x[r], G, bits, xq[r], dx[r], xs[r])
+    return xq, dx, xs
+
+
+@njit(**_jit)
+def _round8(x, G, bits):
+    B, K = x.shape
+    xq = np.empty((B, K), np.int8)
+    dx = np.empty((B, K // 32), np.float32)
+    xs = np.empty((B, K // G), np.float32)
+    for r in range(B):
+        round_int8(x[r], G, bits, xq[r], dx[r], xs[r])
+    return xq, dx, xs
 
 
 @njit(parallel=True, **_jit)
@@ -92,15 +147,23 @@ def _put(out, r, n, m, v0, v1, accumulate):
 
 
 def _pair(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16):
-    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G32 (4 bits in groups of
-    32): _pair8, _pair4 or _pair4_32, the one chosen from the constants' types (the overload
-    below), inlined alone."""
+    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G32 (groups of 32): on
+    int16 x _pair8, _pair4 or _pair4_32, on int8 x _pair32_x8 or _pair_x8, the one chosen from the
+    types of xq and the constants (the overload below), inlined alone."""
 
 
 @overload(_pair, inline="always", jit_options=_jit)
 def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16):
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(G32, types.BooleanLiteral):
         return None
+    if xq.dtype == types.int8:
+        if bits.literal_value == 4 and G32.literal_value:
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2)
+        if G32.literal_value:
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1)
+        if bits.literal_value == 4:
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, G)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, G)
     if bits.literal_value == 8:
         return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
     if G32.literal_value:
@@ -273,3 +336,141 @@ def _tail4(x, q, s, bf16, n, r, g, K):
     for k in range(32 * g, K):
         e += x[r, k] * f32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
     return group_value(s, n, g, bf16) * e
+
+
+# ---- int8 activations, where the CPU multiplies bytes ------------------------------------------
+
+@njit(**_jit)
+def round_int8(x, G, bits, xq, dx, xs):
+    """x[K] -> xq int8 [K], each block of 32 rounded to +-127 dx[b] as prefill_int8.quantize_rows
+    rounds it (the same integers), and xs[g] the sums of x's groups as rounded.
+
+    For 4 bits, xq is reordered within each block of 64 to match a 32-byte load of the weight's
+    nibbles (byte p: weights 2p and 2p + 1): x[2p] at byte p, x[2p + 1] at byte 32 + p; int32
+    lane l of a byte dot product sums weights 8l..8l+7 over the low and the high nibbles, lanes 0-3
+    the first block, 4-7 the second. A last half block stays in order.
+    """
+    K = x.shape[0]
+    inv = np.empty(K // 32, np.float32)
+    sums = np.empty(K // 32, np.float32)   # of each block's integers (exact: at most 32 * 127)
+    for b in range(K // 32):
+        top = f32(0.0)
+        for k in range(32 * b, 32 * b + 32):
+            top = max(top, abs(x[k]))
+        dx[b], inv[b] = top / f32(127.0), prefill_int8.inverse_scale(top)
+    whole = K // 64 if bits == 4 else 0       # blocks of 64 reordered
+    for c in range(whole):
+        o = 64 * c
+        for h in range(2):
+            r, total = inv[2 * c + h], f32(0.0)
+            for p in range(16 * h, 16 * h + 16):   # x[o + 2p] to byte p, x[o + 2p + 1] to byte 32 + p
+                lo, hi = np.rint(x[o + 2 * p] * r), np.rint(x[o + 2 * p + 1] * r)
+                xq[o + p], xq[o + 32 + p] = np.int8(lo), np.int8(hi)
+                total += lo + hi
+            sums[2 * c + h] = total
+    for b in range(2 * whole, K // 32):
+        r, total = inv[b], f32(0.0)
+        for k in range(32 * b, 32 * b + 32):
+            v = np.rint(x[k] * r)
+            xq[k] = np.int8(v)
+            total += v
+        sums[b] = total
+    per = G // 32
+    for g in range(K // G):
+        total = f32(0.0)
+        for b in range(per * g, per * g + per):
+            total += dx[b] * sums[b]
+        xs[g] = total
+
+
+@njit(inline="always", **_jit)
+def _udots(v0, v1, xq, j0, j1, two, bits):
+    """Integer sums of 32 weight bytes of rows n (v0) and m (v1) with x rows r (xq at j0) and, if
+    `two`, r + 1 (at j1): 8 int32 lanes each; 4 bits: both nibbles of each byte (64 weights)."""
+    if bits == 4:
+        lo0, hi0, lo1, hi1 = nibbles(v0, False), nibbles(v0, True), nibbles(v1, False), nibbles(v1, True)
+        x, y = load_u8x32(xq, j0), load_u8x32(xq, j0 + 32)
+        a0 = udot(udot(zero_i32(), lo0, x, True), hi0, y, True)
+        a1 = udot(udot(zero_i32(), lo1, x, True), hi1, y, True)
+        a2, a3 = a0, a1
+        if two:
+            x, y = load_u8x32(xq, j1), load_u8x32(xq, j1 + 32)
+            a2 = udot(udot(zero_i32(), lo0, x, True), hi0, y, True)
+            a3 = udot(udot(zero_i32(), lo1, x, True), hi1, y, True)
+        return a0, a1, a2, a3
+    x = load_u8x32(xq, j0)
+    a0, a1 = udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
+    a2, a3 = a0, a1
+    if two:
+        x = load_u8x32(xq, j1)
+        a2, a3 = udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
+    return a0, a1, a2, a3
+
+
+@njit(inline="always", **_jit)
+def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, G):
+    """(rows n, m) . (x rows r, r + 1) on int8 x, for 8 bits or 4 bits in groups of G >= 64: a unit
+    of 32 weight bytes (32 or 64 weights) at a time, its int32 lanes times x's block scales summed
+    in float over a group, then times the group's scale; per: x blocks a unit (2 or 1)."""
+    Kb = q.shape[1]
+    K = Kb * 8 // bits
+    units = G * bits // 256               # units a group
+    j0, j1 = r * K, (r + 1) * K
+    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    d0, d1 = zero_f32(), zero_f32()
+    nb = K // 32
+    for g in range(K // G):
+        h0, h1, h2, h3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+        for u in range(g * units, g * units + units):
+            if (u * per) % 8 == 0:
+                d0 = load_first_f32x8(dx, r * nb + u * per, nb - u * per)
+                d1 = load_first_f32x8(dx, (r + 1) * nb + u * per, nb - u * per) if two else d0
+            _ahead(q, n * Kb, m * Kb, 32 * u)
+            a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
+                                    j0 + 32 * per * u, j1 + 32 * per * u, two, bits)
+            e0 = spread(d0, per)
+            h0, h1 = scale_add(h0, a0, e0), scale_add(h1, a1, e0)
+            if two:
+                e1 = spread(d1, per)
+                h2, h3 = scale_add(h2, a2, e1), scale_add(h3, a3, e1)
+            d0, d1 = next_scales(d0, per), next_scales(d1, per)
+        sn, sm = splat_f32(group_value(s, n, g, bf16)), splat_f32(group_value(s, m, g, bf16))
+        f0, f1 = fma(h0, sn, f0), fma(h1, sm, f1)
+        if two:
+            f2, f3 = fma(h2, sn, f2), fma(h3, sm, f3)
+    return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
+
+
+@njit(inline="always", **_jit)
+def _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per):
+    """(rows n, m) . (x rows r, r + 1) on int8 x for groups of 32: a unit of 32 weight bytes holds
+    `per` groups (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), scaled by chunk_scales'
+    products of W's and x's scales."""
+    Kb = q.shape[1]
+    K = Kb * 8 // bits
+    j0, j1 = r * K, (r + 1) * K
+    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    for u in range(K // (32 * per)):
+        if (u * per) % 8 == 0:
+            s0, s1, s2, s3 = _chunk(s, n, m, per * u, dx, r, bf16, two)
+        _ahead(q, n * Kb, m * Kb, 32 * u)
+        a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
+                                j0 + 32 * per * u, j1 + 32 * per * u, two, bits)
+        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per)
+    t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+    if K % (32 * per):   # 4 bits, an odd number of groups: the last one in scalars
+        g = K // 32 - 1
+        t0, t1 = _tail4_x8(xq, dx, q, s, bf16, n, r, g, K), _tail4_x8(xq, dx, q, s, bf16, m, r, g, K)
+        if two:
+            t2, t3 = _tail4_x8(xq, dx, q, s, bf16, n, r + 1, g, K), _tail4_x8(xq, dx, q, s, bf16, m, r + 1, g, K)
+    return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
+
+
+@njit(inline="always", **_jit)
+def _tail4_x8(xq, dx, q, s, bf16, n, r, g, K):
+    """Group g, the last half block of a 4-bit row n, times int8 x row r (in order there)."""
+    e = 0
+    for k in range(32 * g, K):
+        e += np.int32(xq[r, k]) * np.int32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
+    return group_value(s, n, g, bf16) * dx[r, g] * f32(e)

@@ -172,6 +172,14 @@ def zero_i32(typingctx):
 
 
 @intrinsic
+def splat_f32(typingctx, x):
+    """x in all 8 float32 lanes."""
+    def codegen(context, builder, sig, args):
+        return _splat(builder, args[0], 8)
+    return F32(x), codegen
+
+
+@intrinsic
 def zero_f32(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_ll(F32), None)
@@ -212,6 +220,14 @@ def _scales8(typingctx, s, si, dx, di, bf16, count):
             v = _load_first(context, builder, sig, args, _ll(F32), 4, count)
         return builder.fmul(v, _load_first(context, builder, sig, args, _ll(F32), 4, count, at=2), flags=_FAST)
     return F32(s, si, dx, di, bf16, count), codegen
+
+
+@intrinsic
+def load_first_f32x8(typingctx, arr, i, count):
+    """float32 arr.flat[i:i+8], lanes past the first `count` zero (and not read)."""
+    def codegen(context, builder, sig, args):
+        return _load_first(context, builder, sig, args, _ll(F32), 4, context.cast(builder, args[2], sig.args[2], types.int64))
+    return F32(arr, i, count), codegen
 
 
 @njit(inline="always")
