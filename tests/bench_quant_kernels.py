@@ -25,6 +25,7 @@ from nibble.quant.affine import QuantizedTensor
 from nibble.runner.bench import memory_bandwidth
 from nibble.runner.kernels import cpu
 from nibble.runner.kernels.linear import prepare, qmatmul
+from nibble.runner.kernels.quant_decode import KINDS
 from nibble.runner.kernels.prefill import dequantize
 
 LAYERS, G = 30, 64
@@ -43,11 +44,18 @@ def random_weight(rng, layers, N, K, bits):
             np.stack([q.biases for q in qws]))
 
 
-@njit(nogil=True)
-def _token(x, q3, s3, b3, bits, out):
-    """One matrix shape for every layer, as the decoder calls it."""
-    for layer in range(q3.shape[0]):
-        qmatmul(x, QuantizedTensor(q3[layer], s3[layer], b3[layer], bits, G), out, False)
+def _token_of(bits: int):
+    """One matrix shape for every layer, as the decoder calls it, for weights of `bits` bits."""
+    kind = KINDS[bits, G]
+
+    @njit(nogil=True)
+    def token(x, q3, s3, b3, out):
+        for layer in range(q3.shape[0]):
+            qmatmul(x, kind(q3[layer], s3[layer], b3[layer], bits, G, False), out, False)
+    return token
+
+
+_token = {bits: _token_of(bits) for bits in (4, 8)}
 
 
 def decode_bench(rng, bits, repeats):
@@ -60,7 +68,7 @@ def decode_bench(rng, bits, repeats):
     def token():
         for name, (q3, s3, b3) in mats.items():
             N, K = dims[name]
-            _token(xs[K], q3, s3, b3, bits, np.empty((1, N), np.float32))
+            _token[bits](xs[K], q3, s3, b3, np.empty((1, N), np.float32))
     return token, nbytes
 
 
@@ -117,7 +125,7 @@ def prefill_bench(rng, repeats):
             fns, flops = {}, 2.0 * T * N * K
             for bits in (8, 4):
                 (q,), (s,), (b,) = random_weight(rng, 1, N, K, bits)
-                qw = QuantizedTensor(q, s, b, bits, G)
+                qw = KINDS[bits, G](q, s, b, bits, G, False)
                 fns[f"int{bits}"] = lambda qw=qw: qmatmul(x, qw, out, False)
             wf = dequantize(qw)
             fns["float32 cpu.matmul"] = lambda: cpu.matmul(x, wf, out, False)

@@ -135,8 +135,8 @@ def test_each_row_is_quantized_alone():
 @pytest.mark.parametrize("bits,groups", [((4, 4, 4), (32, 32, 32)), ((4, 8, 4), (32, 32, 32)),
                                          ((4, 4, 4), (32, 64, 32))])
 def test_x_rounded_once_for_the_projections_of_one_input(T, bits, groups):
-    """q/k/v and gate/up: x rounded once for weights of the same bits (in decode, and groups; the
-    others each their own), every output equal bit for bit to its matrix alone."""
+    """q/k/v and gate/up: x rounded once for weights of one kind (the same bits and groups; others
+    each their own), every output equal bit for bit to its matrix alone."""
     K = 128
     ws = [prepare(QuantizedTensor(*mlx_weight(N, K, b, G), b, G)) for N, b, G in zip((40, 16, 24), bits, groups)]
     x = rng.standard_normal((T, K)).astype(np.float32)

@@ -28,7 +28,8 @@ def int8_activations() -> bool:
 
 
 def prepare(qt: QuantizedTensor) -> QuantizedTensor:
-    """`qt` as the kernels take it: called once at load.
+    """`qt` as the kernels take it, as the class of its bits and groups (quant_decode.KINDS):
+    called once at load.
 
     Nothing is widened or copied: the packed weight stays as it is (a read-only np.memmap stays
     one; the kernels read its uint32 words as little-endian bytes), and so do scales and biases
@@ -46,11 +47,12 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
         N, K = qt.shape
         raise ValueError(f"scales and biases must be {list(qt.groups_shape)} for a {N}x{K} weight in "
                          f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
+    kind = quant_decode.KINDS[bits, group_size]
     s, b = _half_bits(qt.scales), _half_bits(qt.biases)
     if s and b and s[1] == b[1]:
-        return qt._replace(scales=s[0], biases=b[0], bf16=s[1])
+        return kind(weight, s[0], b[0], bits, group_size, s[1])
     as32 = lambda a: np.ascontiguousarray(np.asarray(a), dtype=np.float32)   # a HalfTensor widens
-    return qt._replace(scales=as32(qt.scales), biases=as32(qt.biases), bf16=False)
+    return kind(weight, as32(qt.scales), as32(qt.biases), bits, group_size, False)
 
 
 def _half_bits(a: np.ndarray | HalfTensor) -> tuple[np.ndarray, bool] | None:
@@ -78,17 +80,30 @@ def qmatmul(x, w, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor or a HalfTensor W; x, out
     float32. Callable from Python and from inside other njit functions.
 
-    T <= SMALL takes the decode path, bound by memory bandwidth, each weight read once for all
-    rows (quantized: integer dot products on x rounded to int8 per block where the CPU multiplies
-    bytes (int8_activations), else to int16 per group; 16-bit: widened on the fly); more rows
-    prefill: a quantized W on x rounded to int8 per block where the CPU multiplies bytes, else
-    float tiles.
+    T <= SMALL takes the decode path (qmatvec), bound by memory bandwidth, each weight read once
+    for all rows (quantized: integer dot products on x rounded to int8 per block where the CPU
+    multiplies bytes (int8_activations), else to int16 per group; 16-bit: widened on the fly);
+    more rows prefill (qprefill): a quantized W on x rounded to int8 per block where the CPU
+    multiplies bytes, else float tiles.
     """
-    _check(x, w, out)
     if x.shape[0] <= SMALL:
-        _matvec(x, w, out, accumulate)
+        qmatvec(x, w, out, accumulate)
     else:
-        prefill_int8.matmul(x, w, out, accumulate)
+        qprefill(x, w, out, accumulate)
+
+
+@njit(**_jit)
+def qmatvec(x, w, out, accumulate):
+    """qmatmul for at most SMALL rows."""
+    _check(x, w, out)
+    _matvec(x, w, out, accumulate)
+
+
+@njit(**_jit)
+def qprefill(x, w, out, accumulate):
+    """qmatmul for more than SMALL rows."""
+    _check(x, w, out)
+    prefill_int8.matmul(x, w, out, accumulate)
 
 
 @njit(inline="always", **_jit)
@@ -105,7 +120,7 @@ def _matvec(x, w, out, accumulate):
 
 @overload(_matvec)
 def _matvec_typed(x, w, out, accumulate):
-    if w.instance_class is QuantizedTensor:
+    if issubclass(w.instance_class, QuantizedTensor):
         return lambda x, w, out, accumulate: quant_decode.matvec_rows(x, w, out, accumulate)
     if w.instance_class is HalfTensor:
         return lambda x, w, out, accumulate: half.matvec_rows(x, w, out, accumulate)
@@ -115,10 +130,12 @@ def linear(x, w, out, accumulate):
     """out (+)= x @ w.T for a float32 [N, K] weight, a QuantizedTensor or a HalfTensor.
 
     Inside njit code the choice is made at compile time from w's numba type (the overload below),
-    so one jitted decoder layer serves float32, 16-bit and quantized models.
+    so one jitted decoder layer serves float32, 16-bit and quantized models. From Python (the
+    output head), so is the choice between decode and prefill: a run that never multiplies more
+    than SMALL rows by the head never compiles its prefill kernel.
     """
     if isinstance(w, (QuantizedTensor, HalfTensor)):
-        qmatmul(x, w, out, accumulate)
+        (qmatvec if x.shape[0] <= SMALL else qprefill)(x, w, out, accumulate)
     else:
         cpu.matmul(x, w, out, accumulate)
 
@@ -127,7 +144,7 @@ def linear(x, w, out, accumulate):
 def _linear_typed(x, w, out, accumulate):
     if isinstance(w, types.Array):
         return lambda x, w, out, accumulate: cpu.matmul(x, w, out, accumulate)
-    if isinstance(w, types.BaseNamedTuple) and w.instance_class in (QuantizedTensor, HalfTensor):
+    if isinstance(w, types.BaseNamedTuple) and issubclass(w.instance_class, (QuantizedTensor, HalfTensor)):
         return lambda x, w, out, accumulate: qmatmul(x, w, out, accumulate)
 
 
@@ -153,17 +170,17 @@ def project_qkv(x, wq, wk, wv, q, k, v):
 def _project_qkv(x, wq, wk, wv, q, k, v):
     if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
         return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
-    if _int8(wq, wk, wv):
+    if _rounded_alike(wq, wk, wv):
         return lambda x, wq, wk, wv, q, k, v: _qkv_rounded_once(x, wq, wk, wv, q, k, v)
     return lambda x, wq, wk, wv, q, k, v: _qkv_each(x, wq, wk, wv, q, k, v)
 
 
-def _int8(*weights) -> bool:
-    """Whether these weights' types multiply int8 activations (int8_activations), which weights of
-    the same bits (and in decode, groups) may share: x rounded once for them all (a fifth of
+def _rounded_alike(*weights) -> bool:
+    """Whether these weights' types multiply int8 activations (int8_activations) rounded alike: of
+    one kind (the same bits and groups), they share x rounded once for them all (a fifth of
     SmolLM2's prefill matmul time went to rounding x)."""
-    quantized = lambda w: isinstance(w, types.BaseNamedTuple) and w.instance_class is QuantizedTensor
-    return quant_decode.INT8 and all(map(quantized, weights))
+    kinds = {w.instance_class if isinstance(w, types.BaseNamedTuple) else None for w in weights}
+    return quant_decode.INT8 and len(kinds) == 1 and kinds.pop() in quant_decode.KINDS.values()
 
 
 @njit(**_jit)
@@ -175,9 +192,7 @@ def _qkv_each(x, wq, wk, wv, q, k, v):
 
 @njit(**_jit)
 def _qkv_rounded_once(x, wq, wk, wv, q, k, v):
-    if not (_share(x, wq, wk) and _share(x, wq, wv)):
-        _qkv_each(x, wq, wk, wv, q, k, v)
-    elif x.shape[0] <= SMALL:
+    if x.shape[0] <= SMALL:
         rounded = quant_decode.round_rows(x, wq.group_size, wq.bits)
         _decode_rounded(rounded, x, wq, q)
         _decode_rounded(rounded, x, wk, k)
@@ -190,23 +205,18 @@ def _qkv_rounded_once(x, wq, wk, wv, q, k, v):
 
 
 @njit(inline="always", **_jit)
-def _share(x, a, b):
-    """Whether weights a and b take x rounded the same way: the same bits, and in decode the same groups."""
-    return a.bits == b.bits and (x.shape[0] > SMALL or a.group_size == b.group_size)
-
-
-@njit(inline="always", **_jit)
 def _decode_rounded(rounded, x, w, out):
     """out = x @ w.T for a few rows, x as quant_decode.round_rows gave it for w's bits and groups."""
     _check(x, w, out)
-    quant_decode.products(rounded, x, w, out, False)
+    # bool(): a plain bool, as qmatmul passes it; a literal False would compile the kernel again
+    quant_decode.products(rounded, x, w, out, bool(False))
 
 
 @njit(inline="always", **_jit)
 def _prefill_rounded(rounded, x, w, out):
     """out = x @ w.T, x as prefill_int8.round_rows gave it for w's bits."""
     _check(x, w, out)
-    prefill_int8.matmul_rounded(rounded, w, out, False)
+    prefill_int8.matmul_rounded(rounded, w, out, bool(False))   # a plain bool, as above
 
 
 def swiglu(x, w_gate, w_up, out):
@@ -221,7 +231,7 @@ def swiglu(x, w_gate, w_up, out):
 def _swiglu(x, w_gate, w_up, out):
     if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
         return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
-    if _int8(w_gate, w_up):
+    if _rounded_alike(w_gate, w_up):
         return lambda x, w_gate, w_up, out: _swiglu_rounded_once(x, w_gate, w_up, out)
     return lambda x, w_gate, w_up, out: _swiglu_each(x, w_gate, w_up, out)
 
@@ -236,9 +246,6 @@ def _swiglu_each(x, w_gate, w_up, out):
 
 @njit(**_jit)
 def _swiglu_rounded_once(x, w_gate, w_up, out):
-    if not _share(x, w_gate, w_up):
-        _swiglu_each(x, w_gate, w_up, out)
-        return
     up = np.empty_like(out)
     if x.shape[0] <= SMALL:
         rounded = quant_decode.round_rows(x, w_gate.group_size, w_gate.bits)

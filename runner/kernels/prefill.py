@@ -31,7 +31,7 @@ def dims(w):
 
 
 def _is(w, cls) -> bool:
-    return isinstance(w, types.BaseNamedTuple) and w.instance_class is cls
+    return isinstance(w, types.BaseNamedTuple) and issubclass(w.instance_class, cls)
 
 
 @overload(float_row)

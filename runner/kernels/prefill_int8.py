@@ -60,7 +60,7 @@ def matmul(x, w, out, accumulate):
 
 @overload(matmul)
 def _matmul(x, w, out, accumulate):
-    if DOT and w.instance_class is QuantizedTensor:
+    if DOT and issubclass(w.instance_class, QuantizedTensor):
         return lambda x, w, out, accumulate: matmul_int8(x, w, out, accumulate)
     return lambda x, w, out, accumulate: prefill.matmul(x, w, out, accumulate)
 

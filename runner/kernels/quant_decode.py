@@ -22,6 +22,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
+
 from . import prefill_int8
 from .cpu import _jit
 from .prefill_int8 import load_u8x32, nibbles, udot
@@ -55,25 +57,44 @@ def matvec_rows16(x, qw, out, accumulate):
     products(_round16(x, qw.group_size, qw.bits), x, qw, out, accumulate)
 
 
+def _kind(bits: int, G: int) -> type:
+    name = f"Int{bits}G{G}"
+    doc = f"A prepared QuantizedTensor of {bits}-bit weights in groups of {G}: its own numba type."
+    return type(name, (QuantizedTensor,), {"__slots__": (), "__module__": __name__, "__qualname__": name,
+                                          "__doc__": doc, "KIND": (bits, G)})
+
+
+# One class of QuantizedTensor for each (bits, G), which linear.prepare gives every weight: numba
+# types a named tuple by its class, so a kernel compiles only the decode loop of its weights'
+# bits and groups, not all of them (each takes 10-20 s to compile on 2 cores). Module globals by
+# name, so that cached kernels name their types when loaded again.
+KINDS = {(bits, G): _kind(bits, G) for bits in BITS for G in GROUP_SIZES}
+globals().update({kind.__name__: kind for kind in KINDS.values()})
+
+
 @njit(**_jit)
 def products(rounded, x, qw, out, accumulate):
     """matvec_rows on x as round_rows(x, qw.group_size, qw.bits) gave it: several weights of the
     same bits and groups may share it."""
     xq, dx, xs = rounded
-    G, bits = qw.group_size, qw.bits
-    q = qw.weight.view(np.uint8)
+    _rows_of_kind(xq, dx, xs, x, qw, accumulate, out)
+
+
+def _rows_of_kind(xq, dx, xs, x, qw, accumulate, out):
+    """_rows for qw's kind (njit code only)."""
+
+
+@overload(_rows_of_kind, inline="always", jit_options=_jit)
+def _rows_of_kind_typed(xq, dx, xs, x, qw, accumulate, out):
     # bits and G == 32 as constants: numba compiles a function once for each constant argument's
     # value, so each kernel is its own function, none inlined into another (numba copies a
     # callee's IR to inline it, at a cost that grows with its size squared). G itself is a value:
     # it only sets loop bounds, and each constant would compile the kernel once more
-    if bits == 8 and G == 32:
-        _rows(xq, dx, xs, x, 8, True, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
-    elif bits == 8:
-        _rows(xq, dx, xs, x, 8, False, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
-    elif G == 32:
-        _rows(xq, dx, xs, x, 4, True, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
-    else:
-        _rows(xq, dx, xs, x, 4, False, G, accumulate, q, qw.scales, qw.biases, qw.bf16, out)
+    bits, G = qw.instance_class.KIND
+    G32 = G == 32
+    return lambda xq, dx, xs, x, qw, accumulate, out: _rows(
+        xq, dx, xs, x, bits, G32, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
+        qw.bf16, out)
 
 
 INT8 = prefill_int8.DOT is not None   # decode on int8 activations (set where prefill_int8's is)
