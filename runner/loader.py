@@ -1,4 +1,5 @@
 """From a model reference to a runnable model and its tokenizer."""
+from nibble.formats import progress
 from nibble.formats.errors import NibbleError
 from nibble.formats.hub import resolve
 from nibble.formats.model_dir import ModelDir, read_model_dir
@@ -16,7 +17,9 @@ def open_model(ref: str) -> ModelDir:
     if path.suffix != ".gguf":
         return read_model_dir(path)
     from nibble.quant.gguf_import import import_gguf_model   # the gguf package: only for a .gguf
-    return import_gguf_model(path).model
+    model = import_gguf_model(path).model
+    progress.clear()   # the import's progress line
+    return model
 
 
 def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: bool = False,

@@ -8,7 +8,7 @@ from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
 from nibble.quant.convert import read_linear
 from .cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
-from .kernels import prefill
+from .kernels import compiling, prefill
 from .kernels.linear import SMALL, Weight, prepare
 from .models import family
 from .stages import CPUStage
@@ -143,6 +143,7 @@ class Model:
             x = self.embedding(tokens)                                   # [T, D] residual stream
             for stage, kv in zip(self.stages, pool.parts):   # the last one returns the logits
                 x = stage.run(x, kv, rows, logit_rows, act_sq)
+        compiling.finish()   # if this pass compiled kernels (a first run), say it is over
         # One check of the logits a pass (the sampler reads them anyway); which layer went wrong
         # is looked for only when they are not finite, so decoding is as fast as without it.
         if not np.isfinite(x).all():

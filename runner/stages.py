@@ -20,7 +20,7 @@ import numpy as np
 from numba._dispatcher import compute_fingerprint
 
 from .cache import HostKV, Rows, blocks_for, identity_table
-from .kernels import cpu, linear
+from .kernels import ahead, cpu, linear
 
 _NOT_COLLECTING = np.zeros((0, 0))
 
@@ -89,8 +89,13 @@ class CPUStage:
         key = tuple(map(compute_fingerprint, (x, rows, kv.layer(0), act)))
         if key not in self._blocks:
             m, c = self.model, self.model.config
-            self._blocks[key] = [
-                block.compile(tuple(map(block.typeof_pyval, (x, m.layers[i], kv.layer(i - self.first), rows,
-                                                              *m.ropes[i], c.rms_norm_eps, c.windows[i], act))))
-                for i in range(self.first, self.last)]
+            sigs = [tuple(map(block.typeof_pyval, (x, m.layers[i], kv.layer(i - self.first), rows,
+                                                   *m.ropes[i], c.rms_norm_eps, c.windows[i], act)))
+                    for i in range(self.first, self.last)]
+            compile_layers = lambda: [block.compile(sig) for sig in sigs]
+            if ahead.is_cached(block, sigs[0]):
+                self._blocks[key] = compile_layers()
+            else:   # a first run: the kernels compile on two cores
+                self._blocks[key] = ahead.first_pass(m.layers[self.first:self.last], m.lm_head if self.head else None,
+                                                     compile_layers)
         return self._blocks[key]

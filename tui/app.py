@@ -148,6 +148,7 @@ class ChatApp(App):
         try:
             self._post(LoadProgress(ref, 0, "starting the runner"))
             # Imported here: Numba's import alone takes a second, and must not hold up the window.
+            from nibble.formats import progress
             from nibble.runner.session import ChatSession
             load = self._load_fn
             if load is None:
@@ -155,15 +156,19 @@ class ChatApp(App):
             self._post(LoadProgress(ref, 1, "reading the model"))
             gpu = (dict(gpu_layers=self.gpu_layers, require_gpu=self.require_gpu, ctx_size=self.ctx_size)
                    if self.gpu_layers else {})
-            model, tokenizer = load(ref, self.quant, **gpu)
-            for note in (getattr(model, "offload_note", ""), tokenizer.sampling_note):
-                if note:
-                    self._post(LoadNote(note))
-            tokenizer.chat_template   # a broken template is a load error, not a first-reply one
-            self._post(LoadProgress(ref, 2, "preparing the kernels"))
-            session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
-                                  threads=self.threads, pool=self._pool(model), draft=self.draft)
-            session.warm_up()
+            # what importing a GGUF and compiling the kernels say of their progress, in the status bar
+            step = 1
+            with progress.shown_by(lambda text: self._post(LoadProgress(ref, step, text))):
+                model, tokenizer = load(ref, self.quant, **gpu)
+                for note in (getattr(model, "offload_note", ""), tokenizer.sampling_note):
+                    if note:
+                        self._post(LoadNote(note))
+                tokenizer.chat_template   # a broken template is a load error, not a first-reply one
+                step = 2
+                self._post(LoadProgress(ref, step, "preparing the kernels"))
+                session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
+                                      threads=self.threads, pool=self._pool(model), draft=self.draft)
+                session.warm_up()
         except Exception as e:   # any failure becomes a notification; the app stays usable
             from nibble.formats.errors import NibbleError
             self._post(LoadFailed(ref, str(e) if isinstance(e, NibbleError) else f"{type(e).__name__}: {e}"))

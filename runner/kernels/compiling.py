@@ -1,0 +1,115 @@
+"""The kernels' one-time compile, said as it goes: a first run spends a minute or more in Numba
+before its first token, and the person waiting sees which kernel is compiling, how many are done
+and for how long (formats.progress, updated every second), then how long it took in all.
+
+numba tells each compile's start and end (its "numba:compile" events, which a kernel loaded from
+the cache does not send). The caller whose first pass made the compiles says when it is over
+(`finish`: the first token of `nibble run`, a warm-up's end); a caller that never says so (the
+library, tests) leaves the line once nothing has compiled for IDLE seconds.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from numba.core import event
+
+from nibble.formats import progress
+
+TICK = 1.0   # seconds between two updates of the line
+IDLE = 3.0   # seconds without a compile after which the line is left as it is
+
+
+class _Compiles(event.Listener):
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.start: float | None = None   # the first compile since the last finish()
+        self.depth = 0                    # compiles under way: a kernel compiles the ones it calls
+        self.count = 0                    # compiles ended since start
+        self.kernel = ""                  # the outermost kernel compiling
+        self.last = 0.0                   # when the last compile ended
+
+    def on_start(self, ev):
+        with self.lock:
+            self._begin()
+            self.depth += 1
+            if self.depth == 1:
+                self.kernel = _name(ev.data["dispatcher"])
+        self._show()
+
+    def _begin(self):
+        """The first compile since the last finish(): the line starts (under the lock)."""
+        if self.start is None:
+            self.start, self.count = time.monotonic(), 0
+            threading.Thread(target=self._tick, name="nibble-compile-progress", daemon=True).start()
+
+    def on_end(self, ev):
+        with self.lock:
+            self.depth -= 1
+            self.count += 1
+            self.last = time.monotonic()
+
+    @contextlib.contextmanager
+    def elsewhere(self, what: str):
+        with self.lock:
+            self._begin()
+            self.depth += 1
+            self.kernel = what
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= 1
+                self.last = time.monotonic()
+
+    def _tick(self):
+        while True:
+            time.sleep(TICK)
+            with self.lock:
+                if self.start is None:
+                    return
+                if self.depth == 0 and time.monotonic() - self.last > IDLE:
+                    self.start = None
+                    return
+            self._show()
+
+    def _show(self):
+        with self.lock:
+            if self.start is None:
+                return
+            text = (f"compiling the kernels for this CPU (once, about a minute): {time.monotonic() - self.start:.0f} s, "
+                    f"{self.count} done, now {self.kernel}")
+        progress.update(text)
+
+    def finish(self):
+        with self.lock:
+            start, self.start = self.start, None
+        if start is not None:
+            progress.done(f"compiled the kernels for this CPU in {time.monotonic() - start:.0f} s; "
+                          "later runs load them at once")
+
+
+def _name(dispatcher) -> str:
+    """A kernel's name as the user may read it: `attention`, `quant_decode._rows`."""
+    f = dispatcher.py_func
+    module = f.__module__.rsplit(".", 1)[-1]
+    name = f.__qualname__.split(".<locals>")[0]
+    return name if module in ("cpu", "layer") else f"{module}.{name}"
+
+
+_compiles = _Compiles()
+
+
+def install():
+    event.register("numba:compile", _compiles)
+
+
+def elsewhere(what: str):
+    """A context inside which kernels compile in another process (`what`): the line goes on."""
+    return _compiles.elsewhere(what)
+
+
+def finish():
+    """The caller's first pass is over: if kernels compiled for it, say how long it took."""
+    _compiles.finish()

@@ -1,0 +1,69 @@
+"""A long step's progress line: in place on a terminal, plain lines elsewhere, the chat app's own
+way when it asks; and the kernels' compile said through it."""
+import io
+from types import SimpleNamespace
+
+import pytest
+
+from nibble.formats import progress
+from nibble.runner.kernels import compiling, cpu
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_sees_one_line_rewritten_then_its_last_word(monkeypatch):
+    err = Terminal()
+    monkeypatch.setattr("sys.stderr", err)
+    progress.update("importing a.gguf: 1 of 3 tensors")
+    progress.update("importing a.gguf: 3 of 3 tensors")
+    progress.done("imported a.gguf")
+    assert err.getvalue() == ("\r\x1b[Kimporting a.gguf: 1 of 3 tensors\r\x1b[Kimporting a.gguf: 3 of 3 tensors"
+                              "\r\x1b[Kimported a.gguf\n")
+
+
+def test_a_cleared_line_leaves_nothing_on_a_terminal(monkeypatch):
+    err = Terminal()
+    monkeypatch.setattr("sys.stderr", err)
+    progress.update("importing a.gguf: 1 of 3 tensors")
+    progress.clear()
+    assert err.getvalue().endswith("\r\x1b[K") and "\n" not in err.getvalue()
+
+
+@pytest.mark.parametrize("every,lines", [(1e9, []), (0.0, ["step 1", "step 2"])])
+def test_a_log_gets_plain_lines_only_once_a_step_lasts(monkeypatch, every, lines):
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr(progress, "PLAIN_EVERY", every)
+    progress.update("step 1")
+    progress.update("step 2")
+    progress.done("done")
+    assert err.getvalue().splitlines() == lines + ["done"]
+
+
+def test_shown_by_takes_every_update_while_inside(monkeypatch):
+    err = Terminal()
+    monkeypatch.setattr("sys.stderr", err)
+    seen = []
+    with progress.shown_by(seen.append):
+        progress.update("a")
+        progress.done("b")
+    progress.done("c")
+    assert seen == ["a", "b"] and err.getvalue() == "c\n"
+
+
+def test_the_compile_says_which_kernel_and_then_how_long_once():
+    seen = []
+    compiles = compiling._Compiles()
+    event = SimpleNamespace(data={"dispatcher": cpu.attention})
+    with progress.shown_by(seen.append):
+        compiles.finish()   # nothing compiled: nothing to say
+        assert seen == []
+        compiles.on_start(event)
+        compiles.on_end(event)
+        compiles.finish()
+        compiles.finish()
+    assert "compiling the kernels for this CPU" in seen[0] and "now attention" in seen[0]
+    assert seen[-1].startswith("compiled the kernels for this CPU in ") and len(seen) == 2
