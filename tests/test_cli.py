@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -180,16 +179,18 @@ def test_import_writes_a_model_dir(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir):
-    """A real SIGINT while the real model writes a long reply."""
+def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir, tmp_path):
+    """A real SIGINT while the real model writes a reply that cannot end before it: a schema of
+    a thousand numbers at least holds the reply open past -n, whatever the model would say."""
+    schema = tmp_path / "long.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 1000}))
     proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "run", "-m", str(smollm2_dir), "-n", "2000",
-                             "--seed", "1", "Write a very long story about a dragon."],
+                             "--json-schema", str(schema), "List numbers."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     first = proc.stdout.read(20)   # the reply has started
-    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err.decode()
     assert len(first + out) > 20 and "Traceback" not in err.decode()
     assert err.decode().strip().splitlines()[-1].endswith("| interrupted")
 
