@@ -84,9 +84,10 @@ kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, t
 
 
 def sampling_options(f):
-    """--temp, --top-k, --top-p, --min-p, --repeat-penalty and --seed, handed to the command as one
-    `sampling` dict: the flags given, by SamplerSettings' names, to lay over the model's defaults
-    (tokenizer.sampling). They are checked before the model loads: a bad value is one line."""
+    """--temp, --top-k, --top-p, --min-p, --repeat-penalty, the --dry-* flags and --seed, handed to the
+    command as one `sampling` dict: the flags given, by SamplerSettings' names, to lay over the
+    model's defaults (tokenizer.sampling). They are checked before the model loads: a bad value is
+    one line."""
     d = SamplerSettings()
 
     def default(value) -> str:
@@ -99,9 +100,20 @@ def sampling_options(f):
                      help=f"Drop tokens below min-p times the likeliest; 0 is off {default(d.min_p)}."),
         click.option("--repeat-penalty", "repetition_penalty", type=float,
                      help=f"Penalise the last {d.repeat_last_n} tokens; 1 is off {default(d.repetition_penalty)}."),
+        click.option("--dry-multiplier", "dry_multiplier", type=float,
+                     help="DRY (don't repeat yourself): a token that would extend a repeat of n tokens "
+                          "of the text so far loses this times --dry-base ** (n - --dry-allowed-length) "
+                          f"from its logit; 0 is off [default: {d.dry_multiplier}]."),
+        click.option("--dry-base", "dry_base", type=float, help=f"DRY's base [default: {d.dry_base}]."),
+        click.option("--dry-allowed-length", "dry_allowed_length", type=int,
+                     help=f"Repeats of up to this many tokens escape DRY [default: {d.dry_allowed_length}]."),
+        click.option("--dry-penalty-last-n", "dry_penalty_last_n", type=int,
+                     help=f"How many recent tokens DRY looks at; -1 is all of them "
+                          f"[default: {d.dry_penalty_last_n}]."),
         click.option("--seed", "seed", type=click.IntRange(min=0), help="Seed for reproducible sampling."),
     ]
-    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "dry_multiplier", "dry_base",
+             "dry_allowed_length", "dry_penalty_last_n", "seed")
 
     @functools.wraps(f)
     def command(**kwargs):
@@ -242,8 +254,9 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     constraint = grammar.constraint(tokenizer) if grammar else None
     pieces, last = [], None
     try:
-        for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling), max_tokens=max_tokens,
-                                    stop=stop, cache=cache, constraint=constraint, draft=draft):
+        for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling, tokenizer),
+                                    max_tokens=max_tokens, stop=stop, cache=cache, constraint=constraint,
+                                    draft=draft):
             pieces.append(last.text)
             if not as_json:
                 click.echo(last.text, nl=False)

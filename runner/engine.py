@@ -250,7 +250,8 @@ class Engine:
         # the context bounds the reply too: its last token is sampled, never run
         max_tokens = min(r.max_tokens, self.ctx - len(r.prompt_ids) + 1)
         return _Sequence(handle, blocks, Reply(self.tokenizer, max_tokens, r.stop, r.skip_special),
-                         make_sampler(r.settings), list(r.prompt_ids), len(r.prompt_ids), blocks.cached)
+                         make_sampler(r.settings, self.tokenizer), list(r.prompt_ids), len(r.prompt_ids),
+                         blocks.cached)
 
     def _step(self, running: list[_Sequence]):
         """One forward pass: every decoding sequence's last token, and the next chunk of the

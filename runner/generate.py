@@ -122,7 +122,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
                           "shorten the prompt or raise --ctx-size")
     if not prompt_ids:
         raise ContextFull("the prompt is empty")
-    sampler = sampler or make_sampler(tokenizer.sampling)
+    sampler = sampler or make_sampler(tokenizer.sampling, tokenizer)
     reply = Reply(tokenizer, max_tokens, stop)
     start = time.perf_counter()
     n, first, prompt_tps = 0, 0.0, 0.0

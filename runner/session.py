@@ -161,7 +161,7 @@ class ChatSession:
                           dropped=dropped, ctx_used=cache.pos, ctx_size=cache.size)
         yield ChatChunk("", stats)
 
-        sampler = make_sampler(settings or self.tokenizer.sampling)
+        sampler = make_sampler(settings or self.tokenizer.sampling, self.tokenizer)
         reply = []
         try:
             for r in stream_generate(self.model, self.tokenizer, ids[reused:], sampler=sampler,

@@ -29,8 +29,16 @@ _RULES = {
     "repeat_last_n": (lambda v: v >= 0, "0 or more"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 is off)"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2] (0 is off)"),
+    "dry_multiplier": (lambda v: math.isfinite(v) and v >= 0, "0 (off) or positive"),
+    "dry_base": (lambda v: math.isfinite(v) and v >= 1, "1 or more"),
+    "dry_allowed_length": (lambda v: v >= 0, "0 or more"),
+    "dry_penalty_last_n": (lambda v: v >= -1, "-1 (the whole sequence), 0 (off) or positive"),
     "seed": (lambda v: v is None or v >= 0, "0 or more"),
 }
+
+# DRY's sequence breakers, llama.cpp's defaults: a repeat is measured back to the last one at most,
+# so a repeat across a line or a quotation does not count.
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 
 # The sampling fields of generation_config.json: transformers' names, which SamplerSettings shares.
 MODEL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -50,6 +58,13 @@ class SamplerSettings:
     # frequency_penalty times how often; negative values favour repeats
     presence_penalty: float = 0.0    # 0.0: off
     frequency_penalty: float = 0.0   # 0.0: off
+    # DRY (llama.cpp's "don't repeat yourself"): a token that would extend a repeat of
+    # n >= dry_allowed_length tokens found earlier in the sequence loses
+    # dry_multiplier * dry_base ** (n - dry_allowed_length) from its logit
+    dry_multiplier: float = 0.0      # 0.0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1     # how many recent ids it looks at; -1: the whole sequence
     seed: int | None = None          # None: a fresh random seed each run
 
     def __post_init__(self):

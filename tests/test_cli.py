@@ -85,7 +85,7 @@ def capture_sampling(monkeypatch) -> dict:
     """What `nibble run` samples with and how many tokens it asks for, without generating."""
     from nibble.runner import generate, sample
     seen = {}
-    monkeypatch.setattr(sample, "make_sampler", lambda settings: seen.setdefault("sampling", settings))
+    monkeypatch.setattr(sample, "make_sampler", lambda settings, *_: seen.setdefault("sampling", settings))
     monkeypatch.setattr(generate, "stream_generate",
                         lambda *args, max_tokens, **kwargs: seen.update(max_tokens=max_tokens) or iter(()))
     return seen
@@ -114,6 +114,22 @@ def test_run_samples_as_the_model_says_unless_a_flag_says_otherwise(sampled_dir,
     r = invoke("run", "-m", sampled_dir, "--temp", 0.9, "--min-p", 0.2, "--seed", 3, "Hi")
     assert r.exit_code == 0, r.output
     assert seen["sampling"] == SamplerSettings(temperature=0.9, top_k=5, top_p=0.7, min_p=0.2, seed=3)
+
+
+def test_the_dry_flags_reach_the_sampler(tiny_dir, monkeypatch):
+    from nibble.runner.settings import SamplerSettings
+    seen = capture_sampling(monkeypatch)
+    r = invoke("run", "-m", tiny_dir, "--dry-multiplier", 0.8, "--dry-base", 2, "--dry-allowed-length", 3,
+               "--dry-penalty-last-n", 100, "Hi")
+    assert r.exit_code == 0, r.output
+    assert seen["sampling"] == SamplerSettings(dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=3,
+                                               dry_penalty_last_n=100)
+
+
+def test_a_run_with_dry(tiny_dir):
+    r = invoke("run", "-m", tiny_dir, "-n", 24, "--seed", 1, "--dry-multiplier", 0.8, "Hello")
+    assert r.exit_code == 0 and r.stdout.strip(), r.output
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "--dry-base", 0.5, "Hi"), match="dry_base must be 1 or more")
 
 
 def with_generation_config(model_dir, out, **fields):

@@ -71,7 +71,7 @@ def submit(engine, prompt_ids, max_tokens=12, on_first=None, settings=GREEDY, **
 
 def alone(tiny, prompt_ids, max_tokens=12, settings=GREEDY, stop=()):
     """The reply stream_generate gives the prompt by itself (its prompt cut into the same chunks)."""
-    return "".join(r.text for r in stream_generate(*tiny, prompt_ids, sampler=make_sampler(settings),
+    return "".join(r.text for r in stream_generate(*tiny, prompt_ids, sampler=make_sampler(settings, tiny[1]),
                                                     max_tokens=max_tokens, stop=stop, prefill_chunk=8,
                                                     cache=tiny[0].new_cache(256)))
 
@@ -97,6 +97,16 @@ def test_seeded_sampling_per_request_reproduces_alone(tiny, engine):
     collectors = [submit(engine, p, settings=settings) for p in ids]
     for p, c in zip(ids, collectors):
         assert c.text() == alone(tiny, p, settings=settings)
+
+
+def test_dry_per_request_reproduces_alone(tiny, engine):
+    dry = SamplerSettings(temperature=0, dry_multiplier=0.8)
+    ids = prompts(tiny[1])[:3]
+    collectors = [submit(engine, p, max_tokens=40, settings=dry) for p in ids]
+    for p, c in zip(ids, collectors):
+        assert c.text() == alone(tiny, p, max_tokens=40, settings=dry)
+    assert [alone(tiny, p, max_tokens=40, settings=dry) for p in ids] != \
+        [alone(tiny, p, max_tokens=40) for p in ids]   # the greedy random model repeats itself
 
 
 def test_a_second_request_with_the_same_prefix_prefills_only_its_tail(tiny, engine):

@@ -28,9 +28,12 @@ def test_a_minimal_chat_body_takes_the_defaults():
 
 def test_sampling_fields_and_nibbles_own_from_extra_body_are_read_and_unknown_ones_ignored():
     body = chat(temperature=0, top_p=0.5, seed=7, presence_penalty=0.5, frequency_penalty=-1, top_k=3,
-                min_p=0.1, repeat_penalty=1.1, user="someone", metadata={"x": 1}, parallel_tool_calls=True)
+                min_p=0.1, repeat_penalty=1.1, dry_multiplier=0.8, dry_base=2, dry_allowed_length=3,
+                dry_penalty_last_n=-1, user="someone", metadata={"x": 1}, parallel_tool_calls=True)
     assert body.options.sampling == dict(temperature=0.0, top_p=0.5, seed=7, presence_penalty=0.5,
-                                         frequency_penalty=-1.0, top_k=3, min_p=0.1, repetition_penalty=1.1)
+                                         frequency_penalty=-1.0, top_k=3, min_p=0.1, repetition_penalty=1.1,
+                                         dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=3,
+                                         dry_penalty_last_n=-1)
 
 
 def test_null_is_the_same_as_leaving_a_field_out():
@@ -70,6 +73,9 @@ def test_stream_options_include_usage():
     (dict(top_p=0), "top_p"),
     (dict(top_k=1.5), "top_k"),
     (dict(top_k=True), "top_k"),
+    (dict(dry_multiplier=-1), "dry_multiplier"),
+    (dict(dry_base=0.5), "dry_base"),
+    (dict(dry_allowed_length=2.5), "dry_allowed_length"),
     (dict(seed=-1), "seed"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_completion_tokens="9"), "max_completion_tokens"),

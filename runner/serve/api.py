@@ -20,12 +20,16 @@ MAX_TOP_LOGPROBS = 20      # chat's `top_logprobs`
 MAX_TEXT_LOGPROBS = 5      # completions' `logprobs`
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-# The body's sampling fields -> SamplerSettings' names. top_k, min_p and repeat_penalty are not
-# OpenAI's: clients send them in `extra_body` (repetition_penalty is vLLM's spelling).
+# The body's sampling fields -> SamplerSettings' names. top_k, min_p, repeat_penalty and the dry_
+# fields (llama.cpp's server's names) are not OpenAI's: clients send them in `extra_body`
+# (repetition_penalty is vLLM's spelling).
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repeat_penalty": "repetition_penalty", "repetition_penalty": "repetition_penalty",
                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "dry_multiplier": "dry_multiplier", "dry_base": "dry_base",
+                   "dry_allowed_length": "dry_allowed_length", "dry_penalty_last_n": "dry_penalty_last_n",
                    "seed": "seed"}
+INTEGER_FIELDS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "seed")
 
 
 class ApiError(NibbleError):
@@ -136,8 +140,7 @@ def _sampling(body: dict) -> dict:
     """The sampling fields the body sets, each checked by SamplerSettings' own rules."""
     given = {}
     for param, name in SAMPLING_FIELDS.items():
-        integer = name in ("top_k", "seed")
-        value = _integer(body, param) if integer else _number(body, param)
+        value = _integer(body, param) if name in INTEGER_FIELDS else _number(body, param)
         if value is None:
             continue
         try:
