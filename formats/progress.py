@@ -29,10 +29,7 @@ def update(text: str):
     """`text` is now the state of the step under way ("compiling kernels ...: 12 s")."""
     global _open, _began, _last_plain
     with _lock:
-        if _show is not None:
-            _show(text)
-            return
-        stream = sys.stderr
+        stream = _stderr_unless_shown(text)
         if stream is None:
             return
         now = time.monotonic()
@@ -55,10 +52,7 @@ def done(text: str):
     global _open, _began
     with _lock:
         _began = None
-        if _show is not None:
-            _show(text)
-            return
-        stream = sys.stderr
+        stream = _stderr_unless_shown(text)
         if stream is None:
             return
         stream.write(("\r\x1b[K" if _open and _is_terminal(stream) else "") + text + "\n")
@@ -88,6 +82,14 @@ def shown_by(show: Callable[[str], None]) -> Iterator[None]:
     finally:
         with _lock:
             _show = before
+
+
+def _stderr_unless_shown(text: str):
+    """stderr to write `text` to, or None: `shown_by`'s function took it, or there is no stderr."""
+    if _show is not None:
+        _show(text)
+        return None
+    return sys.stderr
 
 
 def _is_terminal(stream) -> bool:

@@ -1,6 +1,6 @@
 """Structured output: a grammar masks the tokens it forbids at each step, so a reply always
 parses (a JSON schema, any JSON object, a Lark grammar). On llguidance, chosen for its packaging
-(one wheel, no torch), its real JSON grammar (any depth) and its messages (issue 13's design §1).
+(one wheel, no torch), its real JSON grammar (any depth) and its messages.
 
     grammar = Grammar.json_schema(schema)        # checked here: a bad schema is one GrammarError line
     constraint = grammar.constraint(tokenizer)   # a fresh matcher for one reply

@@ -1,7 +1,7 @@
 """Tool calls: OpenAI's `tools` through a model's chat template, and the calls in its reply parsed
 back, as they stream.
 
-Each family of templates asks for calls in its own syntax (issue 13's design §4), told apart by
+Each family of templates asks for calls in its own syntax, told apart by
 what the template's source holds, as llama.cpp does:
 
     hermes   `<tool_call>` (Qwen 2.5/3, Hermes 2/3, SmolLM3), one block per call:

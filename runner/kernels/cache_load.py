@@ -1,5 +1,5 @@
 """Loading a cached kernel, made cheaper: three steps of numba's load that only a compile (or
-object mode) needs. A warm start of `nibble run` spent about half a second in them (issue 14):
+object mode) needs. A warm start of `nibble run` spent about half a second in them:
 - numba refreshes its target context before it reads the cache: that imports and installs every
   typing and lowering registry, for a compile; a compile still refreshes first.
 - each cached library carries, beside its machine code, its LLVM bitcode, parsed at load (about

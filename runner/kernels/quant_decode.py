@@ -36,7 +36,7 @@ f32 = np.float32
 _jit = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
 # Each weight stream asked for AHEAD bytes early, once a cache line (llvm.prefetch): the hardware
 # prefetchers alone left decode short of the bandwidth, one core's stream from DRAM at (GB/s, int4
-# G64, one thread / two; /tmp/b18/big.py): on an AMD EPYC, 4096 x 11008 at 12.6 / ~23 (x past
+# G64, one thread / two): on an AMD EPYC, 4096 x 11008 at 12.6 / ~23 (x past
 # 12 KB of int16) where 4096 x 4096 ran 18 / 34; on an Intel Xeon every shape, 4096 x 4096 at 9.7 /
 # 18.4 and SmolLM2's 576 x 1536 at 7.9 / 13.3. At 1 KB ahead the EPYC's 4096 x 11008 read 15.3 / 28
 # (4096 x 4096 about 2% slower); at 2 KB the Xeon's 4096 x 4096 reads 13.0 / 25.3 and 576 x 1536
