@@ -74,7 +74,8 @@ def test_settings_round_trip_under_flat_names(tmp_path):
     stored = json.loads(store.db.execute("SELECT settings FROM chats").fetchone()[0])
     assert stored == {"system": "Be brief.", "temperature": 0.3, "top_k": 7, "top_p": 0.5, "min_p": 0.1,
                       "repetition_penalty": 1.2, "repeat_last_n": 32, "presence_penalty": 0.0,
-                      "frequency_penalty": 0.0, "max_tokens": 99}
+                      "frequency_penalty": 0.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
+                      "dry_penalty_last_n": -1, "max_tokens": 99}
 
 
 @pytest.mark.parametrize("content", [b"garbage " * 200, b"SQLite format 3\x00" + b"\xff" * 4000])
