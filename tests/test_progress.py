@@ -67,3 +67,28 @@ def test_the_compile_says_which_kernel_and_then_how_long_once():
         compiles.finish()
     assert "compiling the kernels for this CPU" in seen[0] and "now attention" in seen[0]
     assert seen[-1].startswith("compiled the kernels for this CPU in ") and len(seen) == 2
+
+
+def test_named_steps_say_which_of_how_many_and_the_time_left_at_the_pace_so_far():
+    steps = compiling.Steps([("the matrix kernels", 10.0), ("the layer", 20.0)])
+    steps.began = steps.step_began = 100.0
+    assert steps.left(104.0) == 26.0   # nothing done yet: as expected
+    assert steps.say(104.0) == "step 1 of 2, the matrix kernels; 4 s so far, about 26 s left"
+    steps.done, steps.step_began = 1, 120.0   # the first step took twice as long as expected
+    assert steps.left(125.0) == 35.0
+    assert steps.say(125.0) == "step 2 of 2, the layer; 25 s so far, about 35 s left"
+    assert steps.say(170.0).endswith("70 s so far, a few seconds left")   # slower still: never a negative time
+    steps.done = 2
+    assert steps.left(171.0) == 0.0
+
+
+def test_the_compile_line_names_the_step_while_steps_are_planned():
+    seen = []
+    with progress.shown_by(seen.append):
+        with compiling.steps([("the matrix kernels", 30.0), ("the layer", 30.0)]) as steps:
+            compiling._compiles._show()
+            steps.next()
+        compiling.finish()
+    assert seen[0].startswith("compiling the kernels for this CPU, once: step 1 of 2, the matrix kernels; 0 s so far")
+    assert seen[1].startswith("compiling the kernels for this CPU, once: step 2 of 2, the layer;")
+    assert seen[-1].startswith("compiled the kernels for this CPU in ")

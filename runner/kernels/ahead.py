@@ -29,6 +29,12 @@ from .quant_decode import KINDS
 
 T = TypeVar("T")
 
+# Seconds each step of a first pass takes on two cores of a 2.x GHz Xeon (the compile's progress
+# line scales them by the pace of the steps done): the decode and prefill kernels of one kind of
+# weight (side by side: the longer of the two), then the layer, which calls them.
+KIND_SECONDS = 30.0
+LAYER_SECONDS = 30.0
+
 
 def is_cached(dispatcher: Dispatcher, sig: tuple) -> bool:
     """Whether numba's on-disk cache holds `dispatcher` compiled for `sig`, read from its index
@@ -97,14 +103,17 @@ def first_pass(layers: list, head, compile_layers: Callable[[], T]) -> T:
     quantized = lambda ws: [w for w in ws if isinstance(w, QuantizedTensor)]
     kinds = list({spec(w): w for layer in layers for w in quantized(layer)}.values())
     heads = quantized([head])
-    other = Ahead(kinds + heads)
-    for w in kinds:
-        N, K = w.shape
-        x, out = np.zeros((2, K), np.float32), np.zeros((2, N), np.float32)
-        qprefill.compile(tuple(map(qprefill.typeof_pyval, (x, w, out, False))))
-    other.wait(kinds)
-    compiled = compile_layers()
-    other.wait(heads)
+    expected = [("the matrix kernels of its weights", KIND_SECONDS * len(kinds)), ("the layer", LAYER_SECONDS)]
+    with compiling.steps(expected) as steps:
+        other = Ahead(kinds + heads)
+        for w in kinds:
+            N, K = w.shape
+            x, out = np.zeros((2, K), np.float32), np.zeros((2, N), np.float32)
+            qprefill.compile(tuple(map(qprefill.typeof_pyval, (x, w, out, False))))
+        other.wait(kinds)
+        steps.next()
+        compiled = compile_layers()
+        other.wait(heads)
     return compiled
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 from numba.core import event
 
@@ -29,6 +30,7 @@ class _Compiles(event.Listener):
         self.count = 0                    # compiles ended since start
         self.kernel = ""                  # the outermost kernel compiling
         self.last = 0.0                   # when the last compile ended
+        self.steps: Steps | None = None   # the steps ahead, if the caller named them
 
     def on_start(self, ev):
         with self.lock:
@@ -78,9 +80,27 @@ class _Compiles(event.Listener):
         with self.lock:
             if self.start is None:
                 return
-            text = (f"compiling the kernels for this CPU (once, about a minute): {time.monotonic() - self.start:.0f} s, "
-                    f"{self.count} done, now {self.kernel}")
+            now = time.monotonic()
+            if self.steps is None:
+                text = (f"compiling the kernels for this CPU (once, about a minute): {now - self.start:.0f} s, "
+                        f"{self.count} done, now {self.kernel}")
+            else:
+                text = f"compiling the kernels for this CPU, once: {self.steps.say(now)}"
         progress.update(text)
+
+    @contextlib.contextmanager
+    def planned(self, steps: Steps) -> Iterator[Steps]:
+        with self.lock:
+            self._begin()
+            self.steps = steps
+            self.depth += 1   # the line goes on between two steps' compiles
+        try:
+            yield steps
+        finally:
+            with self.lock:
+                self.steps = None
+                self.depth -= 1
+                self.last = time.monotonic()
 
     def finish(self):
         with self.lock:
@@ -88,6 +108,39 @@ class _Compiles(event.Listener):
         if start is not None:
             progress.done(f"compiled the kernels for this CPU in {time.monotonic() - start:.0f} s; "
                           "later runs load them at once")
+
+
+class Steps:
+    """The steps of a compile, in order, each with the seconds it is expected to take."""
+
+    def __init__(self, expected: list[tuple[str, float]]):
+        self.expected = expected
+        self.done = 0
+        self.began = self.step_began = time.monotonic()
+
+    def next(self):
+        """The step under way has ended."""
+        self.step_began = time.monotonic()
+        self.done += 1
+        _compiles._show()
+
+    def left(self, now: float) -> float:
+        """Seconds the steps not done are expected to take from `now`, at the pace of those done
+        (a machine twice as slow takes twice as long; before any is done, as expected)."""
+        before = sum(seconds for _, seconds in self.expected[:self.done])
+        pace = (self.step_began - self.began) / before if before > 0 else 1.0
+        rest = [pace * seconds for _, seconds in self.expected[self.done:]]
+        if not rest:
+            return 0.0
+        return max(rest[0] - (now - self.step_began), 0.0) + sum(rest[1:])
+
+    def say(self, now: float) -> str:
+        """"step 2 of 2, the decoder layer; 31 s so far, about 25 s left"."""
+        n = len(self.expected)
+        what = self.expected[min(self.done, n - 1)][0]
+        left = self.left(now)
+        ahead = f"about {left:.0f} s left" if left >= 3 else "a few seconds left"
+        return f"step {min(self.done + 1, n)} of {n}, {what}; {now - self.began:.0f} s so far, {ahead}"
 
 
 def _name(dispatcher) -> str:
@@ -108,6 +161,13 @@ def install():
 def elsewhere(what: str):
     """A context inside which kernels compile in another process (`what`): the line goes on."""
     return _compiles.elsewhere(what)
+
+
+def steps(expected: list[tuple[str, float]]):
+    """A context inside which the compile goes through these steps ((what, expected seconds),
+    in order): the line says which is under way and about how long is left. The yielded
+    Steps' next() says that one has ended."""
+    return _compiles.planned(Steps(expected))
 
 
 def finish():
