@@ -73,7 +73,8 @@ def test_cached_machine_code_names_the_symbols_numba_reads_from_its_bitcode():
     data_files = cache._load_index().values()      # one per signature cached
     assert data_files
     for data_file in data_files:
-        _, kind, (machine_code, bitcode) = cache._load_data(data_file)[0]   # the CompileResult's library
+        # the CompileResult's library: its machine code, bitcode and the code it calls (linking.py)
+        _, kind, (machine_code, bitcode, *_) = cache._load_data(data_file)[0]
         module = ll.parse_bitcode(bitcode)
         defined = {v.name for values in (module.functions, module.global_variables) for v in values
                    if not v.is_declaration}

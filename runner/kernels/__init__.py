@@ -7,8 +7,9 @@ code after an upgrade or an edit. The folders of older sources are deleted when 
 A NUMBA_CACHE_DIR set by the user is left alone.
 
 Loading a cached kernel skips two steps of numba's that only a compile needs (cache_load.py);
-compiling one skips copies of the same IR that numba makes again (compile_time.py), and says
-how far along it is (compiling.py).
+compiling one skips copies of the same IR that numba makes again (compile_time.py) and calls
+big compiled code rather than compiling it again into each caller (linking.py), and says how far
+along it is (compiling.py).
 """
 import hashlib
 import os
@@ -19,7 +20,7 @@ import numba
 from numba.core import event
 
 from nibble.formats.paths import kernels_dir
-from . import cache_load, compile_time, compiling
+from . import cache_load, compile_time, compiling, linking
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
@@ -29,6 +30,7 @@ numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 numba.get_num_threads()
 cache_load.install()
 compile_time.install()
+linking.install()
 compiling.install()
 
 

@@ -9,6 +9,8 @@ object mode) needs. A warm start of `nibble run` spent about half a second in th
 - the environment of each function a kernel inlines is rebuilt around its module's globals, which
   imports numba's array and math implementations (~0.1 s). Only object mode reads those globals;
   a numba module nothing has imported yet gets an environment without them.
+A cached library also brings, first, the machine code of the big libraries it calls instead of
+linking them (linking.py), each unless its functions are already loaded.
 They replace numba internals, so they are installed only on the numba they follow (TESTED):
 another numba loads as it always does, slower to start, the same kernels.
 """
@@ -46,15 +48,27 @@ def _load_overload(self, sig, target_context):
 
 def _unserialize(cls, codegen_, state):
     """numba's CPUCodeLibrary._unserialize of a library cached as machine code, its bitcode kept
-    unparsed (see _get_module_for_linking)."""
+    unparsed (see _get_module_for_linking), after the code it calls (linking.py)."""
     name, kind, data = state
     symbols = elf_defined_symbols(data[0]) if kind == "object" else None
     if symbols is None:
         return _numba_unserialize(cls, codegen_, state)
+    calls = data[2] if len(data) > 2 else ()
+    for code in calls:
+        if not all(map(codegen_._engine.is_symbol_defined, elf_defined_symbols(code, strong=True))):
+            _load(codegen_, name, code, elf_defined_symbols(code))
+    library = _load(codegen_, name, data[0], symbols)
+    library._shared_bitcode = data[1]
+    library._nibble_called = calls
+    return library
+
+
+def _load(codegen_, name, code, symbols):
+    """A library of this machine code, loaded into the JIT (which never unloads it)."""
     library = codegen_.create_library(name)
     library.enable_object_caching()
-    library._set_compiled_object(data[0])
-    library._shared_bitcode = data[1]
+    library._set_compiled_object(code)
+    library._nibble_machine_code = code   # numba hands its copy to the JIT: linking.py reads this one
     library._finalize_final_module()
     codegen_._engine._defined_symbols |= symbols   # what numba reads from the parsed bitcode
     return library
@@ -78,10 +92,16 @@ def _rebuild_env(modname, consts, env_name):
     return env
 
 
-def elf_defined_symbols(obj: bytes) -> set[str] | None:
+def is_elf(obj: bytes) -> bool:
+    """Whether `obj` is a 64-bit little-endian ELF object (numba's machine code on Linux)."""
+    return obj[:4] == b"\x7fELF" and obj[4:6] == b"\x02\x01"
+
+
+def elf_defined_symbols(obj: bytes, strong: bool = False) -> set[str] | None:
     """The names of the functions and data a 64-bit little-endian ELF object defines (numba's
-    machine code on Linux); None for another format."""
-    if obj[:4] != b"\x7fELF" or obj[4:6] != b"\x02\x01":
+    machine code on Linux), only its global ones if `strong` (not the weak copies of what it
+    linked in); None for another format."""
+    if not is_elf(obj):
         return None
     section_table, = struct.unpack_from("<Q", obj, 0x28)           # Elf64_Ehdr.e_shoff
     entry_size, count = struct.unpack_from("<HH", obj, 0x3A)       # e_shentsize, e_shnum
@@ -94,7 +114,8 @@ def elf_defined_symbols(obj: bytes) -> set[str] | None:
         strings = sections[link][4]
         for at in range(offset + sym_size, offset + size, sym_size):   # entry 0 is the null symbol
             name, info, _, section = struct.unpack_from("<IBBH", obj, at)   # Elf64_Sym
-            if section != 0 and info & 0xF <= 2:   # defined; no type, data or function
+            # defined; of no type, data or a function; if strong, of global binding
+            if section != 0 and info & 0xF <= 2 and (info >> 4 == 1 or not strong):
                 start = strings + name
                 names.add(obj[start:obj.index(b"\0", start)].decode())
     return names
