@@ -1,5 +1,6 @@
-"""A first run's compile on two cores at once: the decode kernels of a model's quantized weights
-compile in a second process while this one compiles the rest, into the same on-disk cache.
+"""A first run's compile on two cores or more at once: the decode kernels of a model's quantized
+weights compile in a second process (the output head's, if of another kind, in a third) while
+this one compiles the rest, into the same on-disk cache.
 
 Numba compiles on one core, and a first run spends a minute or more in it. The decode kernel of
 each kind of weight (quant_decode's, the biggest: 10-20 s each on 2 cores) depends on nothing
@@ -32,8 +33,8 @@ T = TypeVar("T")
 # Seconds each step of a first pass takes on two cores of a 2.x GHz Xeon (the compile's progress
 # line scales them by the pace of the steps done): the decode and prefill kernels of one kind of
 # weight (side by side: the longer of the two), then the layer, which calls them.
-KIND_SECONDS = 30.0
-LAYER_SECONDS = 30.0
+KIND_SECONDS = 35.0
+LAYER_SECONDS = 18.0
 
 
 def is_cached(dispatcher: Dispatcher, sig: tuple) -> bool:
@@ -78,7 +79,8 @@ class Ahead:
     def __init__(self, weights: list[QuantizedTensor]):
         self.pending = list(dict.fromkeys(map(spec, weights)))
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, *self.pending], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True) if self.pending else None
 
     def wait(self, weights: list[QuantizedTensor]):
         """Until the decode kernels of `weights` are cached (or the other process has ended)."""
@@ -90,22 +92,23 @@ class Ahead:
                     self.pending = []
                     break
                 self.pending.remove(line.strip())
-        if not self.pending:
+        if not self.pending and self.proc is not None:
             self.proc.wait()
 
 
 def first_pass(layers: list, head, compile_layers: Callable[[], T]) -> T:
-    """compile_layers() on a first run, on two cores: the decode kernels of the quantized weights
-    of `layers` (named tuples of weights) and of `head` (None: none) in the other process, their
-    prefill kernels here, then the layers' kernel itself once the decode kernels it calls are
-    cached. Returns what compile_layers returns, once the head's decode kernel is cached too."""
+    """compile_layers() on a first run, on two cores or more: the decode kernels of the quantized
+    weights of `layers` (named tuples of weights) in another process, those of `head` (None:
+    none) in a third where its kind is not theirs, their prefill kernels here, then the layers'
+    kernel itself once the kernels it calls are cached. Returns what compile_layers returns, once
+    the head's decode kernel is cached too."""
     from .linear import qprefill
     quantized = lambda ws: [w for w in ws if isinstance(w, QuantizedTensor)]
     kinds = list({spec(w): w for layer in layers for w in quantized(layer)}.values())
-    heads = quantized([head])
+    heads = [w for w in quantized([head]) if spec(w) not in set(map(spec, kinds))]
     expected = [("the matrix kernels of its weights", KIND_SECONDS * len(kinds)), ("the layer", LAYER_SECONDS)]
     with compiling.steps(expected) as steps:
-        other = Ahead(kinds + heads)
+        other, the_head = Ahead(kinds), Ahead(heads)
         for w in kinds:
             N, K = w.shape
             x, out = np.zeros((2, K), np.float32), np.zeros((2, N), np.float32)
@@ -113,7 +116,7 @@ def first_pass(layers: list, head, compile_layers: Callable[[], T]) -> T:
         other.wait(kinds)
         steps.next()
         compiled = compile_layers()
-        other.wait(heads)
+        the_head.wait(heads)
     return compiled
 
 
