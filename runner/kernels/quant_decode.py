@@ -147,11 +147,11 @@ def _rows(xq, dx, xs, x, bits, G32, G, accumulate, q, s, b, bf16, out):
         i = np.int64(j)        # prange's index is unsigned: i + H would type as float
         m = i + H if i + H < N else i
         for r in range(0, B, 2):
+            # `two` a value, not a constant: the pair inlined once, not once for each (half this
+            # kernel's compile); the simd intrinsics neither regroup nor fuse sums, so a row sums
+            # alike whichever copy of the loop LLVM makes for one row and for two
             two = r + 1 < B
-            if two:    # `two` a constant in each: one x row gets no code for a second
-                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, True, bits, G32, G, bf16)
-            else:
-                v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, False, bits, G32, G, bf16)
+            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, G32, G, bf16)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
             _put(out, r, i, m, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r), accumulate)

@@ -27,7 +27,10 @@ class _VecModel(models.PrimitiveModel):
 
 I16, I32, F32 = Vec(types.int16, 16), Vec(types.int32, 8), Vec(types.float32, 8)   # 256 bits each
 _i32 = ir.IntType(32)
-_FAST = ("fast",)
+# Fast math short of regrouping or fusing sums ("reassoc", "contract"): LLVM may not sum a row's
+# products differently in one copy of a loop than in another (decode's rows summed alike in a
+# batch and alone); a fused multiply-add is asked for by name (fma, scale_add).
+_FAST = ("nnan", "ninf", "nsz", "arcp", "afn")
 
 
 def _ll(t):
@@ -158,10 +161,16 @@ def vadd(typingctx, a, b):
 
 @intrinsic
 def fma(typingctx, a, b, c):
-    """a * b + c lane by lane (float32)."""
+    """a * b + c lane by lane (float32), rounded once."""
     def codegen(context, builder, sig, args):
-        return builder.fadd(builder.fmul(args[0], args[1], flags=_FAST), args[2], flags=_FAST)
+        return _fma(builder, *args)
     return F32(a, b, c), codegen
+
+
+def _fma(builder, a, b, c):
+    ty = a.type   # <8 x float>
+    fn = builder.module.declare_intrinsic(f"llvm.fma.v{ty.count}f32", fnty=ir.FunctionType(ty, [ty, ty, ty]))
+    return builder.call(fn, [a, b, c])
 
 
 @intrinsic
@@ -266,9 +275,9 @@ def next_scales(typingctx, v, per):
 
 @intrinsic
 def scale_add(typingctx, acc, a, scale):
-    """acc + float(a) * scale, lane by lane: a block's integer sums into the float sum."""
+    """acc + float(a) * scale, lane by lane, rounded once: a block's integer sums into the float sum."""
     def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], builder.fmul(builder.sitofp(args[1], _ll(F32)), args[2], flags=_FAST), flags=_FAST)
+        return _fma(builder, builder.sitofp(args[1], _ll(F32)), args[2], args[0])
     return F32(acc, a, scale), codegen
 
 
