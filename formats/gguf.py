@@ -166,6 +166,7 @@ def _open(path: Path) -> tuple[_Reader, dict]:
 
 
 def _import(path: Path, repack_blocks: bool) -> GGUFImport:
+    progress.update(f"importing {path.name}: reading its metadata")   # seconds for a vocabulary of 50k
     reader, meta = _open(path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
