@@ -26,17 +26,21 @@ _memo = contextvars.ContextVar("inline_memo", default=None)
 
 def install():
     if numba.__version__.startswith(TESTED):
-        event.register("numba:compile", _InstallAtFirstCompile())
+        event.register("numba:compile", AtFirstCompile(_install))
 
 
-class _InstallAtFirstCompile(event.Listener):
-    def __init__(self):
+class AtFirstCompile(event.Listener):
+    """Calls `install` once, when this process's first compile starts: a run that only loads
+    cached kernels never does."""
+
+    def __init__(self, install):
+        self.install = install
         self.done = False   # stays registered: unregistering while numba notifies would skip a listener
 
     def on_start(self, ev):
         if not self.done:
             self.done = True
-            _install()
+            self.install()
 
     def on_end(self, ev):
         pass

@@ -20,30 +20,21 @@ import numba
 from numba.core import codegen, compiler, environment, event
 
 from .cache_load import elf_defined_symbols, is_elf
+from .compile_time import TESTED, AtFirstCompile
 
-TESTED = "0.68."
 BIG = 40_000   # bytes of a library's bitcode above which its callers call it instead of linking it
 
 
 def install():
     if numba.__version__.startswith(TESTED):
-        event.register("numba:compile", _InstallAtFirstCompile())
+        event.register("numba:compile", AtFirstCompile(_install))
 
 
-class _InstallAtFirstCompile(event.Listener):
-    def __init__(self):
-        self.done = False   # stays registered: unregistering while numba notifies would skip a listener
-
-    def on_start(self, ev):
-        if not self.done:
-            self.done = True
-            codegen.CPUCodeLibrary.finalize = _finalize
-            codegen.CPUCodeLibrary._verify_declare_only_symbols = _verify_declare_only_symbols
-            codegen.CPUCodeLibrary.serialize_using_object_code = _serialize_using_object_code
-            compiler.CompileResult._find_referenced_environments = _find_referenced_environments
-
-    def on_end(self, ev):
-        pass
+def _install():
+    codegen.CPUCodeLibrary.finalize = _finalize
+    codegen.CPUCodeLibrary._verify_declare_only_symbols = _verify_declare_only_symbols
+    codegen.CPUCodeLibrary.serialize_using_object_code = _serialize_using_object_code
+    compiler.CompileResult._find_referenced_environments = _find_referenced_environments
 
 
 def called(library) -> tuple[bytes, ...]:
