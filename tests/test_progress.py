@@ -73,11 +73,11 @@ def test_named_steps_say_which_of_how_many_and_the_time_left_at_the_pace_so_far(
     steps = compiling.Steps([("the matrix kernels", 10.0), ("the layer", 20.0)])
     steps.began = steps.step_began = 100.0
     assert steps.left(104.0) == 26.0   # nothing done yet: as expected
-    assert steps.say(104.0) == "step 1 of 2, the matrix kernels; 4 s so far, about 26 s left"
+    assert steps.say(104.0) == "4 s so far, about 26 s left; step 1 of 2, the matrix kernels"
     steps.done, steps.step_began = 1, 120.0   # the first step took twice as long as expected
     assert steps.left(125.0) == 35.0
-    assert steps.say(125.0) == "step 2 of 2, the layer; 25 s so far, about 35 s left"
-    assert steps.say(170.0).endswith("70 s so far, a few seconds left")   # slower still: never a negative time
+    assert steps.say(125.0) == "25 s so far, about 35 s left; step 2 of 2, the layer"
+    assert steps.say(170.0).startswith("70 s so far, a few seconds left;")   # slower still: never a negative time
     steps.done = 2
     assert steps.left(171.0) == 0.0
 
@@ -89,6 +89,7 @@ def test_the_compile_line_names_the_step_while_steps_are_planned():
             compiling._compiles._show()
             steps.next()
         compiling.finish()
-    assert seen[0].startswith("compiling the kernels for this CPU, once: step 1 of 2, the matrix kernels; 0 s so far")
-    assert seen[1].startswith("compiling the kernels for this CPU, once: step 2 of 2, the layer;")
+    line = "compiling the kernels for this CPU, once: "   # then the times (Steps.say, above)
+    assert seen[0].startswith(line) and seen[0].endswith(" s left; step 1 of 2, the matrix kernels")
+    assert seen[1].startswith(line) and seen[1].endswith("; step 2 of 2, the layer")
     assert seen[-1].startswith("compiled the kernels for this CPU in ")

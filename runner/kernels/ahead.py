@@ -106,7 +106,7 @@ def first_pass(layers: list, head, compile_layers: Callable[[], T]) -> T:
     quantized = lambda ws: [w for w in ws if isinstance(w, QuantizedTensor)]
     kinds = list({spec(w): w for layer in layers for w in quantized(layer)}.values())
     heads = [w for w in quantized([head]) if spec(w) not in set(map(spec, kinds))]
-    expected = [("the matrix kernels of its weights", KIND_SECONDS * len(kinds)), ("the layer", LAYER_SECONDS)]
+    expected = [("the matrix kernels", KIND_SECONDS * len(kinds)), ("the layer", LAYER_SECONDS)]
     with compiling.steps(expected) as steps:
         other, the_head = Ahead(kinds), Ahead(heads)
         for w in kinds:

@@ -135,12 +135,13 @@ class Steps:
         return max(rest[0] - (now - self.step_began), 0.0) + sum(rest[1:])
 
     def say(self, now: float) -> str:
-        """"step 2 of 2, the decoder layer; 31 s so far, about 25 s left"."""
+        """"31 s so far, about 25 s left; step 2 of 2, the layer": the times first, which a
+        narrow status bar keeps."""
         n = len(self.expected)
         what = self.expected[min(self.done, n - 1)][0]
         left = self.left(now)
         ahead = f"about {left:.0f} s left" if left >= 3 else "a few seconds left"
-        return f"step {min(self.done + 1, n)} of {n}, {what}; {now - self.began:.0f} s so far, {ahead}"
+        return f"{now - self.began:.0f} s so far, {ahead}; step {min(self.done + 1, n)} of {n}, {what}"
 
 
 def _name(dispatcher) -> str:
