@@ -149,7 +149,8 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
     if not path.is_file():
         raise FormatError(f"{path}: no such GGUF file")
     try:
-        return _import(path, repack_blocks)
+        with progress.step():
+            return _import(path, repack_blocks)
     except FormatError as e:
         raise FormatError(f"{path}: {e}") from None
 

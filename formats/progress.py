@@ -72,6 +72,17 @@ def clear():
 
 
 @contextlib.contextmanager
+def step() -> Iterator[None]:
+    """A step that may fail: if it does, its line is cleared (a terminal's erased, a log's count
+    begun again), so that the error stands alone and the next step starts afresh."""
+    try:
+        yield
+    except BaseException:
+        clear()
+        raise
+
+
+@contextlib.contextmanager
 def shown_by(show: Callable[[str], None]) -> Iterator[None]:
     """Progress goes to `show` instead of stderr while inside (from any thread)."""
     global _show

@@ -43,6 +43,20 @@ def test_a_log_gets_plain_lines_only_once_a_step_lasts(monkeypatch, every, lines
     assert err.getvalue().splitlines() == lines + ["done"]
 
 
+def test_a_failed_step_leaves_the_next_one_to_start_afresh(monkeypatch):
+    """An error ends a step without its last word; the next step's first update, long after, is
+    still a first update, which a log does not get."""
+    err, clock = io.StringIO(), SimpleNamespace(now=0.0)
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock.now)
+    with pytest.raises(ValueError), progress.step():
+        progress.update("importing a.gguf: reading its metadata")
+        raise ValueError
+    clock.now = 10 * progress.PLAIN_EVERY
+    progress.update("importing b.gguf: reading its metadata")
+    assert err.getvalue() == ""
+
+
 def test_shown_by_takes_every_update_while_inside(monkeypatch):
     err = Terminal()
     monkeypatch.setattr("sys.stderr", err)
