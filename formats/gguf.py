@@ -59,6 +59,7 @@ _NORM_SHIFT = {"gemma3": 1.0}   # added to every *norm.weight: Gemma's RMSNorm s
 # Rope tables llama.cpp keeps as tensors; import_gguf reads them into the config
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
 class _Reader(gguf.GGUFReader):
@@ -155,27 +156,60 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
         raise FormatError(f"{path}: {e}") from None
 
 
-def _open(path: Path) -> tuple[_Reader, dict]:
-    """The reader and the metadata, decoded: any failure of either is the file's."""
+def split_parts(path: Path) -> list[Path]:
+    """The files of the GGUF model `path` is part of: itself, or every part of a split model, in
+    order (llama.cpp's gguf-split names them NAME-00001-of-00003.gguf; the first holds the metadata)."""
+    m = _SPLIT_NAME.fullmatch(path.name)
+    if not m or int(m["count"]) < 1:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _open(path: Path) -> tuple[list, dict]:
+    """The tensors and the metadata of the model in `path`, and in its other parts if it is split,
+    decoded: any failure is the files'."""
+    parts = split_parts(path)
+    for part in parts:
+        if not part.is_file():
+            raise FormatError(f"{part.name}, part of the split model {parts[0].name}, is missing: "
+                              f"a model in {len(parts)} parts needs them all, side by side")
+    read = [_read_part(part, f"{part.name}: " if len(parts) > 1 else "") for part in parts]
+    meta = read[0][1]
+    count = meta.get("split.count", 1)
+    if count != len(parts):
+        raise FormatError(f"its metadata says it is {count} part(s) of a model, its name {len(parts)}: "
+                          "a split model keeps the names gguf-split gave its parts")
+    for i, (part, (_, part_meta)) in enumerate(zip(parts, read)):
+        if (no := part_meta.get("split.no", 0)) != i:
+            raise FormatError(f"{part.name} holds split.no {no!r} where its name says {i} (counted from 0)")
+    tensors = [t for reader, _ in read for t in reader.tensors]
+    if twice := [name for name, n in Counter(t.name for t in tensors).items() if n > 1][:1]:
+        raise FormatError(f"GGUF tensor {twice[0]} is stored twice")
+    return tensors, meta
+
+
+def _read_part(part: Path, where: str) -> tuple[_Reader, dict]:
+    """A file's reader and its metadata, decoded; errors begin with `where`."""
     try:
-        reader = _Reader(path)
+        reader = _Reader(part)
         return reader, {k: f.contents() for k, f in reader.fields.items()}
-    except FormatError:
-        raise
+    except FormatError as e:
+        raise FormatError(f"{where}{e}") from None
     except Exception as e:   # GGUFReader raises whatever numpy or Python meets in damaged bytes
-        raise FormatError(f"not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise FormatError(f"{where}not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
 def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     progress.update(f"importing {path.name}: reading its metadata")   # seconds for a vocabulary of 50k
-    reader, meta = _open(path)
+    tensors, meta = _open(path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise FormatError(f"unsupported GGUF architecture {arch!r}; nibble imports "
                           f"{', '.join(ARCHITECTURES)}")
     check_metadata(meta, arch)
-    _check_types(reader.tensors)
-    raw = {t.name: t for t in reader.tensors}
+    _check_types(tensors)
+    raw = {t.name: t for t in tensors}
     rope = {n.removesuffix(".weight"): _rope_factors(raw.pop(n)) for n in _ROPE_TENSORS if n in raw}
     hf_names = {name: _hf_name(name, arch) for name in raw}   # all checked before the slow part
     tokenizer, tokenizer_config = gguf_tokenizer(meta)

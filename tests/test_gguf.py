@@ -1,6 +1,7 @@
 """GGUF import: tensors (repacked exactly, or read as float), names, the q/k un-permute and the
 config, on synthetic files and SmolLM2."""
 
+import re
 import warnings
 
 import gguf
@@ -64,10 +65,11 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{BLOCK[module]}.{kind}"
 
 
-def write_gguf(path, tensors, arch="llama", config=None, meta=None, tokenizer="gpt2"):
-    """A GGUF file: `tensors` maps GGUF names to float arrays or (raw bytes, type) pairs."""
+def write_gguf(path, tensors, arch="llama", config=None, meta=None, tokenizer="gpt2", split_max_tensors=0):
+    """A GGUF file: `tensors` maps GGUF names to float arrays or (raw bytes, type) pairs; split
+    into parts of split_max_tensors each (as convert_hf_to_gguf.py --split-max-tensors), if given."""
     c = config or tiny_config(vocab_size=len(TOKENS))
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -135,6 +137,37 @@ def test_llama_roundtrip_undoes_the_permutation(tmp_path):
     assert (c.bos_token_id, c.eos_token_id) == (1, 2)
     assert md.generation_config == {"bos_token_id": 1, "eos_token_id": 2}
     assert md.path == tmp_path / "m.gguf"
+
+
+@pytest.mark.parametrize("given", [1, 3])
+def test_a_split_model_reads_as_one(tmp_path, given):
+    """Any part of a model gguf-split wrote names the whole: its tensors are those of all parts."""
+    config = tiny_config(vocab_size=len(TOKENS))
+    hf = tiny_tensors(config)
+    write_gguf(tmp_path / "m.gguf", llama_cpp_tensors(hf, config), config=config, split_max_tensors=7)
+    parts = sorted(tmp_path.glob("m-*-of-00003.gguf"))
+    assert len(parts) == 3
+    md = import_gguf(parts[given - 1]).model
+    assert md.tensors.keys() == hf.keys()
+    for name, w in hf.items():
+        np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda parts: parts[1].unlink(), "m-00002-of-00003.gguf, part of the split model m-00001-of-00003.gguf, is missing"),
+    (lambda parts: (parts[1].rename(parts[0].with_name("x")), parts[2].rename(parts[1]),
+                    parts[0].with_name("x").rename(parts[2])), "m-00002-of-00003.gguf holds split.no 2"),
+    (lambda parts: [p.rename(p.with_name(p.name.replace("of-00003", "of-00002"))) for p in parts[:2]],
+     "its metadata says it is 3 part(s) of a model, its name 2"),
+])
+def test_a_split_model_with_a_part_missing_or_misnamed(tmp_path, damage, match):
+    config = tiny_config(vocab_size=len(TOKENS))
+    write_gguf(tmp_path / "m.gguf", llama_cpp_tensors(tiny_tensors(config), config), config=config,
+               split_max_tensors=7)
+    damage(sorted(tmp_path.glob("m-*.gguf")))
+    with pytest.raises(FormatError, match=re.escape(match)):
+        import_gguf(tmp_path / "m-00001-of-00003.gguf" if (tmp_path / "m-00001-of-00003.gguf").exists()
+                    else tmp_path / "m-00001-of-00002.gguf")
 
 
 def test_qwen2_is_not_permuted_and_keeps_biases(tmp_path):

