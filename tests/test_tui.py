@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from nibble.formats import hub
+from nibble.formats import catalog
 from nibble.formats.errors import NibbleError
 from nibble.runner import session as session_module
 from nibble.runner.loader import load
@@ -416,8 +416,8 @@ async def test_overflow_drops_the_oldest_turns_and_says_so(home, tiny):
 
 
 async def test_model_picker_lists_cached_models_and_loads_the_choice(home, tiny, monkeypatch, tmp_path):
-    monkeypatch.setattr(hub, "list_cached_models", lambda: [
-        hub.CachedModel("tiny", tmp_path, 1 << 20), hub.CachedModel("other/model", tmp_path, 3 << 30)])
+    monkeypatch.setattr(catalog, "list_cached_models", lambda: [
+        catalog.CachedModel("tiny", tmp_path, 1 << 20), catalog.CachedModel("other/model", tmp_path, 3 << 30)])
     loaded = []
     app = make_app(tiny, load=lambda ref, quant: loaded.append(ref) or tiny)
     async with app.run_test(size=SIZE) as pilot:
@@ -475,7 +475,7 @@ async def test_a_model_that_fails_to_load_is_named_and_another_can_be_picked(hom
         if ref == "broken":
             raise NibbleError("config.json is missing hidden_size")
         return tiny
-    monkeypatch.setattr(hub, "list_cached_models", lambda: [hub.CachedModel("tiny", tmp_path, 1)])
+    monkeypatch.setattr(catalog, "list_cached_models", lambda: [catalog.CachedModel("tiny", tmp_path, 1)])
     app = make_app(tiny, model="broken", load=load_or_fail)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loading is None, what="the failure")

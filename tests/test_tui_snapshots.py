@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
-from nibble.formats import hub  # noqa: E402
+from nibble.formats import catalog  # noqa: E402
 from nibble.runner.loader import load  # noqa: E402
 from tests.tui_helpers import dead_writer, make_app, ready, wait_for  # noqa: E402
 from nibble.tui.store import ChatSettings, Message, Store  # noqa: E402
@@ -37,9 +37,9 @@ def tiny(tiny_dir):
 def fixed(monkeypatch, tmp_path):
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
     monkeypatch.setattr("nibble.tui.widgets.status.process_memory", lambda: 512 << 20)
-    monkeypatch.setattr(hub, "list_cached_models", lambda: [
-        hub.CachedModel("smollm2", tmp_path, 538 << 20),
-        hub.CachedModel("HuggingFaceTB/SmolLM2-360M-Instruct", tmp_path, 1448 << 20)])
+    monkeypatch.setattr(catalog, "list_cached_models", lambda: [
+        catalog.CachedModel("smollm2", tmp_path, 538 << 20),
+        catalog.CachedModel("HuggingFaceTB/SmolLM2-360M-Instruct", tmp_path, 1448 << 20)])
     store, _ = Store.open()
     store.create_chat("Capital of France", "smollm2", ChatSettings())
     chat = store.create_chat("Is it prime?", "smollm2", ChatSettings(system="Be brief."))

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nibble.formats.catalog import Details, parameter_size
 from nibble.formats.errors import NibbleError
 from ..settings import SamplerSettings
 
@@ -359,3 +360,18 @@ def text_logprobs(items: Sequence | None, offset: int = 0) -> dict | None:
 
 def models(name: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "nibble"}]}
+
+
+# A loaded model stays until the server stops: an expiry no clock reaches, which ollama's clients
+# show as "Forever".
+NEVER = "9999-12-31T23:59:59Z"
+
+
+def running_models(name: str, details: Details | None, size: int, ctx: int) -> dict:
+    """ollama's `GET /api/ps` (its `nibble ps`): the model loaded, on the CPU (no VRAM)."""
+    about = {"parent_model": "", "format": details.format, "family": details.family, "families": [details.family],
+             "parameter_size": parameter_size(details.parameters), "quantization_level": details.quantization} \
+        if details else {}
+    return {"models": [{"name": name, "model": name, "size": size, "digest": "", "details": about,
+                        "expires_at": NEVER, "size_vram": 0, "context_length": ctx}]}
+

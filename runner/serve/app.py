@@ -31,7 +31,8 @@ MAX_BODY = 1 << 20   # bytes: a 32k-token conversation is ~130 KB of JSON
 
 
 def make_app(served: Served, api_key: str | None = None) -> Starlette:
-    """The OpenAI API over `served`; with `api_key`, every route but /health asks for it."""
+    """The OpenAI API over `served`, and ollama's /api/ps; with `api_key`, every route but /health
+    asks for it."""
     def route(path, handler, methods=("GET",), open=False):
         async def endpoint(request: Request) -> Response:
             try:
@@ -48,6 +49,7 @@ def make_app(served: Served, api_key: str | None = None) -> Starlette:
     return Starlette(routes=[route("/v1/chat/completions", chat, ["POST"]),
                              route("/v1/completions", completions, ["POST"]),
                              route("/v1/models", models),
+                             route("/api/ps", running),
                              route("/health", health, open=True)],
                      exception_handlers={HTTPException: _http_error, Exception: _server_error})
 
@@ -82,6 +84,10 @@ async def completions(served: Served, request: Request) -> Response:
 
 async def models(served: Served, request: Request) -> Response:
     return JSONResponse(api.models(served.name, served.created))
+
+
+async def running(served: Served, request: Request) -> Response:
+    return JSONResponse(api.running_models(served.name, served.details, served.size, served.engine.ctx))
 
 
 async def health(served: Served, request: Request) -> Response:

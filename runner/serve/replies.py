@@ -8,6 +8,7 @@ import re
 import threading
 from dataclasses import dataclass, replace
 
+from nibble.formats.catalog import Details
 from ..chat import ChatTemplateError
 from ..engine import Engine, Event, Request
 from ..grammar import Grammar, GrammarError
@@ -24,6 +25,7 @@ class Served:
     tokenizer: Tokenizer
     name: str                  # the model's name in requests and /v1/models (from -m)
     created: int               # when the server started: /v1/models' "created"
+    details: Details | None = None   # what the model is, for /api/ps
 
     def __post_init__(self):
         try:
@@ -31,6 +33,7 @@ class Served:
         except ChatTemplateError:   # no chat template: /v1/completions still works
             self.family = "generic"
         self.memo, self._memo_lock = PromptMemo(self.tokenizer), threading.Lock()
+        self.size = weights_nbytes(self.engine.model)   # for /api/ps
 
     def encode(self, text: str) -> list[int]:
         """A prompt's ids, starting with those of the longest prompt or prompt and reply seen
@@ -48,6 +51,12 @@ class Served:
         if self.tokenizer.decode(reply_ids) == reply:
             with self._memo_lock:
                 self.memo.remember(turn.text + reply, turn.request.prompt_ids + reply_ids)
+
+
+def weights_nbytes(model) -> int:
+    """Bytes of a model's weights, each counted once (a tied head is the embedding)."""
+    weights = [model.embed, model.norm, model.lm_head, *(w for layer in model.layers for w in layer)]
+    return sum({id(w): w.nbytes for w in weights}.values())
 
 
 @dataclass

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import uvicorn
 
+from nibble.formats.catalog import Details
 from nibble.formats.errors import NibbleError
 from ..engine import Engine
 from ..model import Model
@@ -54,16 +55,17 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(model: Model, tokenizer: Tokenizer, name: str, sock: socket.socket, *, parallel: int, queue: int,
           ctx: int, kv_type: str, threads: int | None, cache_tokens: int | None, api_key: str | None,
-          say: Callable[[str], None]):
+          say: Callable[[str], None], details: Details | None = None):
     """Serve the OpenAI API on `sock` until Ctrl-C; `say` gets the ready line once the engine has
-    warmed up and the port listens."""
+    warmed up and the port listens. `details` (what the model is) is for /api/ps."""
     engine = Engine(model, tokenizer, parallel=parallel, queue=queue, ctx=ctx, kv_type=kv_type, threads=threads,
                     cache_tokens=cache_tokens)
     engine.start()   # returns once a first pass has run: the kernels are compiled or loaded
     try:
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-        server = Server(Served(engine, tokenizer, name, int(time.time())), api_key,
+        served = Served(engine, tokenizer, name, int(time.time()), details)
+        server = Server(served, api_key,
                         on_ready=lambda: say(f"nibble serve: {url} ({name}, {parallel} parallel)"))
         try:
             server.run(sockets=[sock])

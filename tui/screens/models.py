@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
-from nibble.formats import hub
+from nibble.formats import catalog
 from nibble.tui.widgets.status import format_bytes
 
 
@@ -37,7 +37,7 @@ class ModelPicker(ModalScreen[str | None]):
     def _scan(self):
         # huggingface_hub's import and cache scan take a moment: off the UI thread.
         try:
-            found, error = hub.list_cached_models(), None
+            found, error = catalog.list_cached_models(), None
         except Exception as e:   # an unreadable cache must not break the picker
             found, error = [], f"cannot list cached models: {e}"
         self.app.call_from_thread(self._show, found, error)
