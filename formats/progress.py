@@ -73,13 +73,12 @@ def clear():
 
 @contextlib.contextmanager
 def step() -> Iterator[None]:
-    """A step that may fail: if it does, its line is cleared (a terminal's erased, a log's count
-    begun again), so that the error stands alone and the next step starts afresh."""
+    """A step whose line is cleared when it ends, however it ends (a terminal's erased, a log's
+    count begun again): an error after it stands alone, and the next step starts afresh."""
     try:
         yield
-    except BaseException:
+    finally:
         clear()
-        raise
 
 
 @contextlib.contextmanager

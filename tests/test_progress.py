@@ -1,5 +1,6 @@
 """A long step's progress line: in place on a terminal, plain lines elsewhere, the chat app's own
 way when it asks; and the kernels' compile said through it."""
+import contextlib
 import io
 from types import SimpleNamespace
 
@@ -43,15 +44,17 @@ def test_a_log_gets_plain_lines_only_once_a_step_lasts(monkeypatch, every, lines
     assert err.getvalue().splitlines() == lines + ["done"]
 
 
-def test_a_failed_step_leaves_the_next_one_to_start_afresh(monkeypatch):
-    """An error ends a step without its last word; the next step's first update, long after, is
-    still a first update, which a log does not get."""
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_step_leaves_the_next_one_to_start_afresh(monkeypatch, fails):
+    """A step ends without its last word, by an error or not; the next step's first update, long
+    after, is still a first update, which a log does not get."""
     err, clock = io.StringIO(), SimpleNamespace(now=0.0)
     monkeypatch.setattr("sys.stderr", err)
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock.now)
-    with pytest.raises(ValueError), progress.step():
+    with pytest.raises(ValueError) if fails else contextlib.nullcontext(), progress.step():
         progress.update("importing a.gguf: reading its metadata")
-        raise ValueError
+        if fails:
+            raise ValueError
     clock.now = 10 * progress.PLAIN_EVERY
     progress.update("importing b.gguf: reading its metadata")
     assert err.getvalue() == ""
