@@ -22,6 +22,11 @@ def models_dir() -> Path:
     return cache_home() / "models"
 
 
+def quantized_dir() -> Path:
+    """Float models quantized on first use, a folder each."""
+    return cache_home() / "quantized"
+
+
 def kernels_dir() -> Path:
     """Compiled kernels, a folder per version of their sources."""
     return cache_home() / "numba"

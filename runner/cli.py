@@ -72,8 +72,11 @@ def main():
 
 
 def model_option(f):
+    f = click.option("--float", "quant", flag_value="float",
+                     help="Run a float model as stored, even one of more than 1B weights.")(f)
     f = click.option("--quant", type=click.Choice(["int8", "int4"]),
-                     help="Quantize a float model in memory when loading it.")(f)
+                     help="Quantize a float model, once (kept in nibble's cache) [default: int4 for a "
+                          "float model of more than 1B weights].")(f)
     return click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, envvar="NIBBLE_MODEL",
                         help="A model directory, .gguf or .safetensors file, hub id (org/name) or alias.")(f)
 
@@ -387,7 +390,14 @@ def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size,
     run_server(llm, tokenizer, name, sock, parallel=parallel, queue=queue, ctx=_context("-c", ctx_size, llm),
                kv_type=kv_cache, threads=threads, cache_tokens=cache_tokens, api_key=api_key,
                say=lambda line: click.echo(line) or sys.stdout.flush(),
-               details=replace(details, quantization=quant) if quant else details)
+               details=_as_loaded(details, llm.config.quantization))
+
+
+def _as_loaded(details, quantization: dict | None):
+    """A safetensors model's details with the quantization it runs at (as_quantized's)."""
+    if details.format != "safetensors" or not quantization:
+        return details
+    return replace(details, quantization=f"int{quantization['bits']} g{quantization['group_size']}")
 
 
 @main.command("import")

@@ -1,13 +1,13 @@
 """From a model reference to a runnable model and its tokenizer."""
-from nibble.formats import progress
 from nibble.formats.errors import NibbleError
 from nibble.formats.hub import resolve
 from nibble.formats.model_dir import ModelDir, read_model_dir
-from nibble.quant.convert import is_quantized, quantize_model
+from nibble.quant.convert import count_params, is_quantized
 from .model import Model
 from .tokenizer import Tokenizer
 
 QUANT_BITS = {"int8": 8, "int4": 4}
+AUTO_QUANT_PARAMS = 1_000_000_000
 
 
 def open_model(ref: str) -> ModelDir:
@@ -17,29 +17,38 @@ def open_model(ref: str) -> ModelDir:
     if path.suffix != ".gguf":
         return read_model_dir(path)
     from nibble.quant.gguf_import import import_gguf_model   # the gguf package: only for a .gguf
-    model = import_gguf_model(path).model
-    progress.clear()   # the import's progress line
-    return model
+    return import_gguf_model(path).model
 
 
 def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: bool = False,
          ctx_size: int | None = None) -> tuple[Model, Tokenizer]:
-    """The model at `ref`; `quant` ("int8" or "int4") quantizes a float model in memory first
-    (round to nearest in groups of 64, embedding at 8 bits: `nibble quantize` does better).
+    """The model at `ref`, a float one quantized as `quant` says (see as_quantized).
 
     gpu_layers: run the last N layers on the GPU (-1: all; see Model.offload_layers, which plans
     for a KV cache of `ctx_size` positions). The line to show the user (no GPU, or only some layers
     fit) is in model.offload_note; require_gpu raises NoGPU instead of running on the CPU."""
-    model_dir = open_model(ref)
-    if quant:
-        if quant not in QUANT_BITS:
-            raise NibbleError(f"unknown quantization {quant!r}: choose int8 or int4")
-        if is_quantized(model_dir.config):
-            raise NibbleError(f"{ref} is already quantized: drop --quant")
-        model_dir = quantize_model(model_dir, QUANT_BITS[quant], 64, embed_bits=8, method="rtn").model
-    model, tokenizer = from_model_dir(model_dir)
+    model, tokenizer = from_model_dir(as_quantized(ref, open_model(ref), quant))
     model.offload_layers(gpu_layers, ctx_size, require_gpu)
     return model, tokenizer
+
+
+def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:
+    """`model_dir` as it runs: quant "int8" or "int4" quantizes a float model, "float" keeps it as
+    stored, None quantizes to int4 a float model of more than AUTO_QUANT_PARAMS weights (int4 is
+    what the kernels are made for: a 16-bit 8B model reads 16 GB a token). Quantized once, then kept
+    in nibble's cache (quantize.quantized_once)."""
+    if quant not in (None, "float", *QUANT_BITS):
+        raise NibbleError(f"unknown quantization {quant!r}: choose int8, int4 or float")
+    if is_quantized(model_dir.config):
+        if quant in QUANT_BITS:
+            raise NibbleError(f"{ref} is already quantized: drop --quant")
+        return model_dir
+    if quant is None and count_params(model_dir.tensors, None) > AUTO_QUANT_PARAMS:
+        quant = "int4"
+    if quant in QUANT_BITS:
+        from .quantize import quantized_once   # it opens models through this module
+        return quantized_once(ref, model_dir, QUANT_BITS[quant])
+    return model_dir
 
 
 def from_model_dir(model_dir: ModelDir) -> tuple[Model, Tokenizer]:

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from nibble.formats import progress as status
 from nibble.formats.errors import NibbleError
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
+from nibble.formats.paths import quantized_dir
 from nibble.formats.safetensors import TensorStream
 from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_quantized
 from .calibrate import collect_imatrix
@@ -17,6 +21,9 @@ from .model import Model
 from .tokenizer import Tokenizer
 
 CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a few seconds
+# A float model quantized on first use calibrates on fewer: the importances of 256 tokens gave
+# SmolLM2 int4 a held-out KL of 0.071 against 0.068 for 2048, and 0.20 with none
+FIRST_USE_CALIBRATION_TOKENS = 256
 
 
 def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: int | None = None,
@@ -36,9 +43,31 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
     if is_quantized(model_dir.config) and not allow_requantize:
         raise NibbleError(f"{ref} is already quantized: requantizing loses quality; "
                           "pass --allow-requantize to do it anyway")
+    return _write_quantized(model_dir, out, bits, group_size, embed_bits, calib_text, CALIBRATION_TOKENS,
+                            force, allow_requantize, progress)
+
+
+def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
+    """The float model `model_dir` (from `ref`) quantized to `bits` in groups of 64, embedding at 8
+    bits, as nibble's cache keeps it: written there on first use, calibrated on
+    FIRST_USE_CALIBRATION_TOKENS, and saying so on the progress line."""
+    out = quantized_dir() / f"{_slug(ref)}-{_identity(model_dir)}-int{bits}"
+    if not (out / "config.json").is_file():
+        start = time.monotonic()
+        say = f"quantizing {ref} to int{bits} for this and later runs, once"
+        _write_quantized(model_dir, out, bits, 64, 8, None, FIRST_USE_CALIBRATION_TOKENS, True, False,
+                         lambda stage, done, total: status.update(f"{say}: {stage} {done} of {total}"))
+        status.done(f"nibble: quantized {ref} to int{bits} in {time.monotonic() - start:.0f} s, into {out}; "
+                      "--float runs it as stored")
+    return read_model_dir(out)
+
+
+def _write_quantized(model_dir: ModelDir, out, bits: int, group_size: int, embed_bits: int | None,
+                     calib_text: str | None, calib_tokens: int, force: bool, allow_requantize: bool,
+                     progress: Callable[[str, int, int], None] | None) -> QuantizeReport:
     imatrix = None
     if not is_quantized(model_dir.config):
-        imatrix = importance_matrix(model_dir, calib_text, progress=progress and (
+        imatrix = importance_matrix(model_dir, calib_text, calib_tokens, progress=progress and (
             lambda done, total: progress("calibrating", done, total)))
     plan = QuantizePlan(model_dir, bits, group_size, imatrix=imatrix, embed_bits=embed_bits,
                         allow_requantize=allow_requantize)
@@ -49,16 +78,31 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
     return plan.report(read_model_dir(out))
 
 
-def importance_matrix(model_dir: ModelDir, calib_text: str | None = None,
+def importance_matrix(model_dir: ModelDir, calib_text: str | None = None, calib_tokens: int = CALIBRATION_TOKENS,
                       progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
     """How strongly a float model drives each input of its projections (see collect_imatrix),
-    over the first CALIBRATION_TOKENS of `calib_text` (nibble's own calibration text when None)."""
+    over the first `calib_tokens` of `calib_text` (nibble's own calibration text when None)."""
     text = default_calibration_text() if calib_text is None else calib_text
     if not text.strip():
         raise NibbleError("the calibration text is empty: give a file with some text in it")
-    tokens = Tokenizer(model_dir).encode(text, add_bos=False)[:CALIBRATION_TOKENS]
+    tokens = Tokenizer(model_dir).encode(text, add_bos=False)[:calib_tokens]
     model = Model(model_dir.config, model_dir.tensors)
     return collect_imatrix(model, tokens, min(512, model.config.max_position_embeddings), progress)
+
+
+def _slug(ref: str) -> str:
+    """A folder name that says which model: a hub id's org and name, a path's last part."""
+    name = Path(ref).name if Path(ref).expanduser().exists() else ref.replace("/", "--")
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
+
+
+def _identity(model_dir: ModelDir) -> str:
+    """A hash of where the model's files are and of each one's size and time: a checkpoint
+    changed or replaced gets a copy of its own."""
+    path = Path(model_dir.path).resolve()
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return hashlib.sha1(repr((str(path), stats)).encode()).hexdigest()[:12]
 
 
 def read_calibration_file(path: str) -> str:

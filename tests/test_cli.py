@@ -9,6 +9,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from nibble.formats.errors import NibbleError
+from nibble.formats.model_dir import read_model_dir
 from nibble.runner.cli import main
 
 GREEDY = ["--temp", "0", "-n", "12"]
@@ -226,11 +228,54 @@ def test_int8_kv_cache_flag(tiny_dir):
     assert r.exit_code == 2 and "'fp8' is not one of 'f32', 'int8'" in r.stderr
 
 
-def test_quantize_at_load(tiny_dir):
-    for quant in ("int8", "int4"):
+def test_quantize_at_load_once(tiny_dir, tmp_path, monkeypatch):
+    """--quant quantizes a float model once, into nibble's cache; later runs load that copy."""
+    from nibble.runner import quantize
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    writes = []
+    write = quantize._write_quantized
+    monkeypatch.setattr(quantize, "_write_quantized", lambda *a: writes.append(a[1]) or write(*a))
+    for quant, bits in (("int8", 8), ("int4", 4), ("int4", 4)):
         r = invoke("run", "-m", tiny_dir, *GREEDY, "--quant", quant, "--json", "Hello")
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["prompt_tokens"] > 0
+    assert [p.name for p in writes] == [f"llama-{quantize._identity(read_model_dir(tiny_dir))}-int{b}" for b in (8, 4)]
+    for out, bits in zip(writes, (8, 4)):
+        assert out.parent == tmp_path / "quantized"
+        q = json.loads((out / "config.json").read_text())["quantization"]
+        assert (q["bits"], q["group_size"]) == (bits, 64)
+
+
+def test_a_float_model_past_the_threshold_runs_int4_unless_float(tiny_dir, tmp_path, monkeypatch, capsys):
+    from nibble.formats import progress
+    from nibble.runner import loader
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    monkeypatch.setattr(loader, "AUTO_QUANT_PARAMS", 1000)   # the tiny model has more
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    model_dir = loader.open_model(str(tiny_dir))
+    quantized = loader.as_quantized(str(tiny_dir), model_dir, None)
+    assert (quantized.config.quantization["bits"], quantized.config.quantization["group_size"]) == (4, 64)
+    err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith(f"quantizing {tiny_dir} to int4 for this and later runs, once: calibrating") for line in err)
+    assert err[-1].startswith(f"nibble: quantized {tiny_dir} to int4 in ") and err[-1].endswith("--float runs it as stored")
+    assert loader.as_quantized(str(tiny_dir), model_dir, "float") is model_dir
+    monkeypatch.setattr(loader, "AUTO_QUANT_PARAMS", 10 ** 9)
+    assert loader.as_quantized(str(tiny_dir), model_dir, None) is model_dir
+    with pytest.raises(NibbleError, match="already quantized: drop --quant"):
+        loader.as_quantized("q", quantized, "int8")
+    assert loader.as_quantized("q", quantized, "float") is quantized
+
+
+def test_a_changed_checkpoint_is_quantized_again(tiny_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from nibble.runner import loader
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path / "home"))
+    copy = shutil.copytree(tiny_dir, tmp_path / "llama")
+    first = loader.as_quantized(str(copy), loader.open_model(str(copy)), "int4")
+    os.utime(copy / "model.safetensors", ns=(0, 0))
+    second = loader.as_quantized(str(copy), loader.open_model(str(copy)), "int4")
+    assert first.path != second.path and first.path.parent == second.path.parent
 
 
 @pytest.mark.parametrize("args", [["run", "-n", -5, "Hi"], ["run", "-c", 0, "Hi"], ["run", "-t", 0, "Hi"],
