@@ -82,6 +82,26 @@ def step() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def ticking(say: Callable[[], str], every: float = 1.0) -> Iterator[None]:
+    """update(say()) now and every `every` seconds until the block ends, from a thread: a step
+    whose own events come seldom (a large matrix quantizing) still shows that it goes on."""
+    stop = threading.Event()
+
+    def tick():
+        while True:
+            update(say())
+            if stop.wait(every):
+                return
+    thread = threading.Thread(target=tick, name="nibble-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.contextmanager
 def shown_by(show: Callable[[str], None]) -> Iterator[None]:
     """Progress goes to `show` instead of stderr while inside (from any thread)."""
     global _show

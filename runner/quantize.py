@@ -53,10 +53,17 @@ def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
     FIRST_USE_CALIBRATION_TOKENS, and saying so on the progress line."""
     out = quantized_dir() / f"{_slug(ref)}-{_identity(model_dir)}-int{bits}"
     if not (out / "config.json").is_file():
-        start = time.monotonic()
-        say = f"quantizing {ref} to int{bits} for this and later runs, once"
-        _write_quantized(model_dir, out, bits, 64, 8, None, FIRST_USE_CALIBRATION_TOKENS, True, False,
-                         lambda stage, done, total: status.update(f"{say}: {stage} {done} of {total}"))
+        start, where = time.monotonic(), ["starting"]
+
+        def line() -> str:
+            return (f"quantizing {ref} to int{bits} for this and later runs, once: "
+                    f"{time.monotonic() - start:.0f} s so far, {where[0]}")
+
+        def step(stage: str, done: int, total: int):
+            where[0] = f"{stage} {done} of {total}"
+            status.update(line())
+        with status.ticking(line):   # the head alone takes seconds at 7B
+            _write_quantized(model_dir, out, bits, 64, 8, None, FIRST_USE_CALIBRATION_TOKENS, True, False, step)
         status.done(f"nibble: quantized {ref} to int{bits} in {time.monotonic() - start:.0f} s, into {out}; "
                       "--float runs it as stored")
     return read_model_dir(out)

@@ -2,6 +2,7 @@
 way when it asks; and the kernels' compile said through it."""
 import contextlib
 import io
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -58,6 +59,23 @@ def test_a_step_leaves_the_next_one_to_start_afresh(monkeypatch, fails):
     clock.now = 10 * progress.PLAIN_EVERY
     progress.update("importing b.gguf: reading its metadata")
     assert err.getvalue() == ""
+
+
+def test_ticking_says_the_state_at_once_and_again_until_the_block_ends(monkeypatch):
+    """Each tick shows what say() gives then; the ticking thread is gone once the block ends."""
+    seen, calls = [], []
+    ticked = threading.Event()
+
+    def say():
+        calls.append(len(calls))
+        if len(calls) == 3:
+            ticked.set()
+        return f"quantizing: {len(calls)}"
+    with progress.shown_by(seen.append):
+        with progress.ticking(say, every=0.001):
+            assert ticked.wait(60)
+    assert seen[:3] == ["quantizing: 1", "quantizing: 2", "quantizing: 3"]
+    assert "nibble-progress" not in [t.name for t in threading.enumerate()]
 
 
 def test_shown_by_takes_every_update_while_inside(monkeypatch):
