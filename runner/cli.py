@@ -351,6 +351,20 @@ def _fetch_if_needed(ref: str):
             pass
 
 
+class KeepAlive(click.ParamType):
+    """--keep-alive: ollama's durations (serve.models.parse_keep_alive), a wrong one a usage error."""
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        from .serve.models import parse_keep_alive
+        try:
+            return parse_keep_alive(value)
+        except NibbleError as e:
+            self.fail(str(e), param, ctx)
+
+
 @main.command()
 @model_option
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
@@ -371,33 +385,41 @@ def _fetch_if_needed(ref: str):
 @click.option("--cache-tokens", type=click.IntRange(min=1),
               help="KV cache positions kept for all replies, finished conversations included "
                    "[default: --parallel times the context].")
+@click.option("--models", "only", metavar="A,B,...",
+              help="Serve only these models (names as nibble ls prints them) [default: every model in "
+                   "nibble's and the Hugging Face cache, loaded when a request names it].")
+@click.option("--max-models", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Models kept loaded at once; loading one more unloads the least recently used idle one.")
+@click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION", type=KeepAlive(),
+              help="Unload a model idle this long: 30s, 5m, 1h, 0 (once its replies end) or -1 (never).")
 @gpu_options
-def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
-          gpu_layers, require_gpu):
-    """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+@click.pass_context
+def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
+          only, max_models, keep_alive, gpu_layers, require_gpu):
+    """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models): MODEL
+    loaded at start, the others when a request names them."""
     if gpu_layers or require_gpu:
         raise click.UsageError("nibble serve runs on the CPU for now (the GPU has no paged KV cache yet): "
                                "drop -ngl and --require-gpu")
-    from pathlib import Path
+    names = None if only is None else [n.strip() for n in only.split(",")]
+    if names is not None and not all(names):
+        raise click.BadParameter("name models separated by commas, none empty", param_hint="--models")
+    if names and ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT:
+        model = names[0]   # the first of --models, not the default model, is loaded at start
+    from .serve.models import EngineOptions, Models, servable
     from .serve.server import listen, serve as run_server
-    sock = listen(host, port)   # a port in use is said before the model loads
+    refs, default = servable(model, names)   # a name --models gives that is not there, and
+    sock = listen(host, port)                 # a port in use, are said before the model loads
     threads = _threads(threads)
     llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
-    _say(tokenizer.sampling_note)
-    name = Path(model).name if Path(model).exists() else model   # a path's last part; an alias or hub id as given
-    from nibble.formats import catalog, hub
-    details = catalog.describe(hub.resolve(model, record=False))   # for /api/ps: headers only
-    run_server(llm, tokenizer, name, sock, parallel=parallel, queue=queue, ctx=_context("-c", ctx_size, llm),
-               kv_type=kv_cache, threads=threads, cache_tokens=cache_tokens, api_key=api_key,
-               say=lambda line: click.echo(line) or sys.stdout.flush(),
-               details=_as_loaded(details, llm.config.quantization))
-
-
-def _as_loaded(details, quantization: dict | None):
-    """A safetensors model's details with the quantization it runs at (as_quantized's)."""
-    if details.format != "safetensors" or not quantization:
-        return details
-    return replace(details, quantization=f"int{quantization['bits']} g{quantization['group_size']}")
+    _context("-c", ctx_size, llm)   # says so if -c is past this model's context (each engine keeps to its model's)
+    log = functools.partial(click.echo, err=True)
+    options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, threads, cache_tokens, quant)
+    models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
+    models.add(default, llm, tokenizer)
+    if len(refs) > 1:
+        log(f"{len(refs) - 1} more model{'s' * (len(refs) > 2)} loaded on request (GET /v1/models lists them)")
+    run_server(models, sock, api_key=api_key, say=lambda line: click.echo(line) or sys.stdout.flush())
 
 
 @main.command("import")

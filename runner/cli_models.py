@@ -92,13 +92,14 @@ def ps(host, port, api_key, as_json):
     if as_json:
         click.echo(json.dumps(body, indent=2, ensure_ascii=False))
         return
-    rows = []
+    rows, now = [], time.time()
     for m in body["models"]:
         d = m.get("details") if isinstance(m.get("details"), dict) else {}
         size = m.get("size")
         rows.append([m.get("name", "?"), d.get("family", "?"), d.get("parameter_size", "?"),
                      d.get("quantization_level", "?"), format_bytes(size) if isinstance(size, int) else "?",
-                     str(m.get("context_length", "?")), "CPU" if not m.get("size_vram") else "GPU", "forever"])
+                     str(m.get("context_length", "?")), "CPU" if not m.get("size_vram") else "GPU",
+                     until(m.get("expires_at"), now)])
     table(["NAME", "FAMILY", "PARAMETERS", "QUANTIZATION", "SIZE", "CONTEXT", "PROCESSOR", "UNTIL"], rows)
 
 
@@ -150,12 +151,32 @@ def format_bytes(n: int) -> str:
 def ago(when: float | None, now: float) -> str:
     if when is None:
         return "never"
-    seconds = max(0, now - when)
+    span = _span(now - when)
+    return f"{span} ago" if span else "just now"
+
+
+def until(expires_at, now: float) -> str:
+    """ollama's expires_at as its ps shows it: "4 minutes from now", "forever" (year 9999)."""
+    from datetime import datetime
+    try:
+        when = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+        if when.year >= 9999:
+            return "forever"
+        seconds = when.timestamp() - now
+    except (AttributeError, TypeError, ValueError, OverflowError, OSError):   # not a date: a foreign server's
+        return "?"
+    if seconds <= 0:
+        return "unloading"
+    return f"{_span(seconds) or 'less than a minute'} from now"
+
+
+def _span(seconds: float) -> str | None:
+    """5 minutes, 1 hour, 3 days: the largest unit that fits; None under a minute."""
     for unit, length in (("day", 86400), ("hour", 3600), ("minute", 60)):
         if seconds >= length:
             n = int(seconds // length)
-            return f"{n} {unit}{'s' * (n != 1)} ago"
-    return "just now"
+            return f"{n} {unit}{'s' * (n != 1)}"
+    return None
 
 
 def _iso(when: float | None) -> str | None:

@@ -17,8 +17,8 @@ import pytest
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.engine import Engine
 from nibble.runner.loader import load
+from nibble.runner.serve.models import EngineOptions, Models
 from nibble.runner.serve.server import Server, listen
-from nibble.runner.serve.replies import Served
 from tests.tiny import tiny_model_dir
 
 KEY = "sk-test"
@@ -60,11 +60,11 @@ class Running:
 
 @pytest.fixture(scope="module")
 def server(long_dir):
-    model, tokenizer = load(str(long_dir))
-    engine = Engine(model, tokenizer, parallel=4, queue=16, ctx=CTX)
-    engine.start()
+    models = Models({"tiny": str(long_dir)}, "tiny", EngineOptions(parallel=4, queue=16, ctx=CTX))
+    models.add("tiny", *load(str(long_dir)))
+    [engine] = models.engines()
     sock = listen("127.0.0.1", 0)
-    uvicorn = Server(Served(engine, tokenizer, "tiny", int(time.time())), KEY)
+    uvicorn = Server(models, KEY)
     thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not uvicorn.started:
@@ -72,7 +72,7 @@ def server(long_dir):
     yield Running(sock.getsockname()[1], engine)
     uvicorn.should_exit = True
     thread.join()
-    engine.close()
+    models.close()
 
 
 def chat(server: Running, content: str, **kwargs):
@@ -176,7 +176,7 @@ def test_bad_json_is_400_and_the_server_serves_on(server):
 def test_an_unknown_model_or_path_is_404(server):
     with pytest.raises(openai.NotFoundError) as e:
         server.client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
+    assert e.value.body["code"] == "model_not_found" and "GET /v1/models lists" in e.value.body["message"]
     status, _, body = server.post("/v1/embeddings", {"input": "x"})
     assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
 

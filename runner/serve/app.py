@@ -1,8 +1,9 @@
 """The HTTP side of `nibble serve`: Starlette routes for the OpenAI API, server-sent events, the API
 key, the body limit, and a client that leaves cancelling its reply.
 
-The engine runs on a thread of its own; a handler submits a request and awaits its events, which
-the engine thread hands to the event loop. When a client disconnects, Starlette cancels the
+Each loaded model's engine runs on a thread of its own; a handler takes the model its request
+names (loading it if need be, runner/serve/models.py), submits the request and awaits its events,
+which the engine thread hands to the event loop. When a client disconnects, Starlette cancels the
 streamed response, or our watcher the handler awaiting a whole reply: either way the request is
 cancelled as they unwind, and the engine frees the sequence at its next step.
 """
@@ -25,13 +26,14 @@ from nibble.formats.errors import NibbleError
 from ..engine import Busy, Event
 from . import api
 from .api import ApiError, Stamp
-from .replies import ChatDeltas, Served, Turn, chat_turn, completion_turn
+from .models import Lease, Models
+from .replies import ChatDeltas, Turn, chat_turn, completion_turn
 
 MAX_BODY = 1 << 20   # bytes: a 32k-token conversation is ~130 KB of JSON
 
 
-def make_app(served: Served, api_key: str | None = None) -> Starlette:
-    """The OpenAI API over `served`, and ollama's /api/ps; with `api_key`, every route but /health
+def make_app(models: Models, api_key: str | None = None) -> Starlette:
+    """The OpenAI API over `models`, and ollama's /api/ps; with `api_key`, every route but /health
     asks for it."""
     def route(path, handler, methods=("GET",), open=False):
         async def endpoint(request: Request) -> Response:
@@ -39,7 +41,7 @@ def make_app(served: Served, api_key: str | None = None) -> Starlette:
                 if not open and api_key is not None and not _authorized(request, api_key):
                     raise ApiError(401, "wrong or missing API key: send it as 'Authorization: Bearer KEY'",
                                    code="invalid_api_key")
-                return await handler(served, request)
+                return await handler(models, request)
             except ApiError as e:
                 return error_response(e)
             except NibbleError as e:   # what the model cannot take, said by the library
@@ -48,7 +50,7 @@ def make_app(served: Served, api_key: str | None = None) -> Starlette:
 
     return Starlette(routes=[route("/v1/chat/completions", chat, ["POST"]),
                              route("/v1/completions", completions, ["POST"]),
-                             route("/v1/models", models),
+                             route("/v1/models", list_models),
                              route("/api/ps", running),
                              route("/health", health, open=True)],
                      exception_handlers={HTTPException: _http_error, Exception: _server_error})
@@ -59,46 +61,59 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=headers)
 
 
-async def chat(served: Served, request: Request) -> Response:
+async def chat(models: Models, request: Request) -> Response:
     body = api.parse_chat(await read_json(request))
-    _check_model(served, body.options.model)
-    turn = await run_in_threadpool(chat_turn, served, body)   # template, tokenizer, grammar: off the loop
-    stamp, deltas = Stamp.new("chatcmpl", served.name), ChatDeltas(turn.tool_names, served.family)
-    pending = Pending(served, turn)
+    pending = await start(models, body, chat_turn)
+    served = pending.served
+    stamp, deltas = Stamp.new("chatcmpl", served.name), ChatDeltas(pending.turn.tool_names, served.family)
     if body.options.stream:
         return EventStream(chat_chunks(stamp, pending, deltas, body.options.include_usage), pending)
     with pending:
         return await until_disconnected(request, chat_reply(stamp, pending, deltas, body.options.logprobs))
 
 
-async def completions(served: Served, request: Request) -> Response:
+async def completions(models: Models, request: Request) -> Response:
     body = api.parse_completion(await read_json(request))
-    _check_model(served, body.options.model)
-    turn = await run_in_threadpool(completion_turn, served, body)
-    stamp, pending = Stamp.new("cmpl", served.name), Pending(served, turn)
+    pending = await start(models, body, completion_turn)
+    stamp = Stamp.new("cmpl", pending.served.name)
     if body.options.stream:
         return EventStream(text_chunks(stamp, pending, body.options.include_usage), pending)
     with pending:
         return await until_disconnected(request, text_reply(stamp, pending))
 
 
-async def models(served: Served, request: Request) -> Response:
-    return JSONResponse(api.models(served.name, served.created))
+async def start(models: Models, body, make_turn) -> Pending:
+    """The request submitted to the engine of the model it names, which it holds until its reply
+    ends (the Pending's exit)."""
+    lease = await models.lease(body.options.model)
+    try:   # template, tokenizer, grammar: off the loop
+        return Pending(lease, await run_in_threadpool(make_turn, lease.served, body))
+    except BaseException:
+        lease.release()
+        raise
 
 
-async def running(served: Served, request: Request) -> Response:
-    return JSONResponse(api.running_models(served.name, served.details, served.size, served.engine.ctx))
+async def list_models(models: Models, request: Request) -> Response:
+    return JSONResponse(api.models(list(models.refs), models.created))
 
 
-async def health(served: Served, request: Request) -> Response:
-    return JSONResponse({"status": "ok", "running": served.engine.running, "waiting": served.engine.waiting})
+async def running(models: Models, request: Request) -> Response:
+    return JSONResponse(api.running_models(
+        [api.running_model(s.name, s.details, s.size, s.engine.ctx, until) for s, until in models.loaded()]))
+
+
+async def health(models: Models, request: Request) -> Response:
+    engines = models.engines()
+    return JSONResponse({"status": "ok", "running": sum(e.running for e in engines),
+                         "waiting": sum(e.waiting for e in engines)})
 
 
 class Pending:
     """A submitted request, its events arriving on the event loop (the engine emits on its thread).
     A reply that ends well is remembered for the next turn (Served.remember)."""
 
-    def __init__(self, served: Served, turn: Turn):
+    def __init__(self, lease: Lease, turn: Turn):
+        served = lease.served
         loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(event: Event):
@@ -110,7 +125,7 @@ class Pending:
             self.handle = served.engine.submit(turn.request, emit)
         except Busy as e:
             raise ApiError(503, f"{e}: try again in a moment", type="server_error", code="server_busy") from None
-        self.served, self.turn, self.done = served, turn, False
+        self.lease, self.served, self.turn, self.done = lease, served, turn, False
         self.text, self.tokens = [], []   # the reply so far
 
     async def next(self) -> Event:
@@ -118,6 +133,8 @@ class Pending:
         self.text.append(event.text)
         self.tokens += event.tokens
         self.done = event.finish_reason is not None
+        if self.done:   # the engine is done with it: the model may go while the last chunks are sent
+            self.lease.release()
         if event.finish_reason in ("stop", "length"):
             self.served.remember(self.turn, "".join(self.text), self.tokens)
         return event
@@ -126,9 +143,11 @@ class Pending:
         return self
 
     def __exit__(self, *exc):
-        """Cancel the request unless it has finished: the client left, or the handler failed."""
+        """Cancel the request unless it has finished (the client left, or the handler failed), and
+        let go of its model."""
         if not self.done:
             self.served.engine.cancel(self.handle)
+        self.lease.release()
 
 
 async def chat_chunks(stamp: Stamp, pending: Pending, deltas: ChatDeltas, include_usage: bool) -> AsyncIterator[dict]:
@@ -250,12 +269,6 @@ async def read_json(request: Request):
         return json.loads(body)
     except ValueError as e:
         raise ApiError(400, f"the request body is not JSON: {e}") from None
-
-
-def _check_model(served: Served, model: str | None):
-    if model is not None and model != served.name:
-        raise ApiError(404, f"the model {model!r} is not served here: this server runs {served.name!r}",
-                       "model", code="model_not_found")
 
 
 def _authorized(request: Request, api_key: str) -> bool:
