@@ -198,9 +198,13 @@ class Models:
             if name in self._loaded:
                 return
             nbytes = self._estimate(name)
-            self._make_room(name, nbytes)
             about = f" (about {gb(nbytes)} with its KV cache)" if nbytes is not None else ""
             self._log(f"loading {name} for a request{about} ...")
+            try:
+                self._make_room(name, nbytes)
+            except ApiError as e:
+                self._log(f"not loading {name}: {e}")
+                raise
             start = time.monotonic()
             o = self.options
             model, tokenizer = load(self.refs[name], o.quant, 0, False, o.ctx)
