@@ -22,7 +22,7 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 METHODS = ("rtn", "search")
 _BLOCK = 1 << 18  # weights per block: keeps the search's temporaries in cache
-# numpy releases the GIL inside its loops, so blocks quantize in parallel on threads.
+# numpy and the search kernel (nogil) release the GIL, so blocks quantize in parallel on threads.
 _WORKERS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count() or 1)
 

@@ -6,6 +6,7 @@ from nibble.formats.errors import NibbleError
 from nibble.quant.affine import AffineScheme, dequantize, quantize, reconstruction_error
 from nibble.formats.packing import pack, unpack
 from nibble.quant.search import search_affine
+from tests import reference
 
 SCHEMES = [AffineScheme(b, g) for b in (4, 8) for g in (32, 64, 128)]
 
@@ -120,6 +121,26 @@ def test_search_never_loses_group_by_group():
         return ((q * s[:, None] + b[:, None] - x) ** 2 * imp).sum(1)
 
     assert (err(s, b) <= err((hi - lo) / 15, lo) * (1 + 1e-4)).all()
+
+
+@pytest.mark.parametrize("nmax,most_alike", [(15, 0.95), (255, 0.45)])
+@pytest.mark.parametrize("imp_shape", [None, (64,), (12, 64)])
+def test_the_search_kernel_fits_as_its_numpy_twin(nmax, most_alike, imp_shape):
+    """The same candidates: most groups get the same scale and bias, and the total weighted error is
+    the twin's within float32's summing noise (near-ties among 255 levels go either way)."""
+    rng = np.random.default_rng(nmax)
+    x = (rng.standard_t(5, (40, 12, 64)) * 0.02).astype(np.float32)
+    imp = None if imp_shape is None else rng.gamma(0.5, size=imp_shape).astype(np.float32)
+    lo, hi = x.min(-1), x.max(-1)
+    s, b = search_affine(x, lo, hi, imp, nmax)
+    s_ref, b_ref = reference.search_affine(x, lo, hi, imp, nmax)
+
+    def err(s, b):
+        q = np.clip(np.rint((x - b[..., None]) / s[..., None]), 0, nmax)
+        return ((q * s[..., None] + b[..., None] - x).astype(np.float64) ** 2 * (1 if imp is None else imp)).sum(-1)
+    alike = np.isclose(s, s_ref, rtol=1e-5) & np.isclose(b, b_ref, rtol=1e-5, atol=1e-7)
+    assert alike.mean() >= most_alike
+    assert err(s, b).sum() <= err(s_ref, b_ref).sum() * (1 + 1e-3)
 
 
 def test_imatrix_and_shape_errors():
