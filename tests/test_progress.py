@@ -104,6 +104,28 @@ def test_the_compile_says_which_kernel_and_then_how_long_once():
     assert seen[-1].startswith("compiled the kernels for this CPU in ") and len(seen) == 2
 
 
+def test_a_compile_nobody_ends_is_ended_once_idle(monkeypatch):
+    """The library and tests never call finish(): once nothing compiles, the line is cleared, and a
+    later step's first update is a first one again (a log gets nothing yet)."""
+    err, clock = io.StringIO(), SimpleNamespace(now=0.0)
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock.now)
+    monkeypatch.setattr(compiling, "TICK", 0.001)
+    compiles = compiling._Compiles()
+    event = SimpleNamespace(data={"dispatcher": cpu.attention})
+    others = set(threading.enumerate())
+    compiles.on_start(event)
+    [ticker] = set(threading.enumerate()) - others
+    compiles.on_end(event)
+    clock.now = compiling.IDLE + 1
+    ticker.join(60)
+    assert not ticker.is_alive()
+    clock.now += 10 * progress.PLAIN_EVERY
+    before = err.getvalue()
+    progress.update("importing a.gguf: reading its metadata")
+    assert err.getvalue() == before
+
+
 def test_named_steps_say_which_of_how_many_and_the_time_left_at_the_pace_so_far():
     steps = compiling.Steps([("the matrix kernels", 10.0), ("the layer", 20.0)])
     steps.began = steps.step_began = 100.0

@@ -5,7 +5,7 @@ and for how long (formats.progress, updated every second), then how long it took
 numba tells each compile's start and end (its "numba:compile" events, which a kernel loaded from
 the cache does not send). The caller whose first pass made the compiles says when it is over
 (`finish`: the first token of `nibble run`, a warm-up's end); a caller that never says so (the
-library, tests) leaves the line once nothing has compiled for IDLE seconds.
+library, tests) has its line ended (cleared) once nothing has compiled for IDLE seconds.
 """
 from __future__ import annotations
 
@@ -71,9 +71,12 @@ class _Compiles(event.Listener):
             with self.lock:
                 if self.start is None:
                     return
-                if self.depth == 0 and time.monotonic() - self.last > IDLE:
+                idle = self.depth == 0 and time.monotonic() - self.last > IDLE
+                if idle:
                     self.start = None
-                    return
+            if idle:
+                progress.clear()   # nobody said the compile was over: its line ends here
+                return
             self._show()
 
     def _show(self):
