@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import hub, usage
 from .errors import FormatError
-from .gguf_header import read_gguf_header
+from .gguf_header import SPLIT_PART, read_gguf_header, split_parts
 from .paths import models_dir
 from .safetensors import read_safetensors_header
 
@@ -87,7 +87,7 @@ def _repo_models(repo) -> list[CachedModel]:
 
     found = []
     for stem, parts in hub.gguf_models(list(sizes)).items():
-        split = hub.SPLIT_PART.fullmatch(parts[0])
+        split = SPLIT_PART.fullmatch(parts[0])
         if split and len(parts) != int(split["count"]):
             continue   # a part is missing: resolve() would download it
         tag = _tag(stem, list(sizes), name)
@@ -117,7 +117,7 @@ def _tag(stem: str, files: list[str], label: str) -> str | None:
 def describe(path: Path) -> Details:
     """What the model at `path` (a directory, a .safetensors file or a GGUF's first part) is."""
     if path.suffix == ".gguf":
-        return _describe_gguf(_gguf_parts(path))
+        return _describe_gguf(split_parts(path))
     folder = path if path.is_dir() else path.parent
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -159,7 +159,7 @@ def size_on_disk(path: Path) -> int:
     """Bytes of a model directory's files, or of a GGUF model's parts."""
     if path.is_dir():
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return sum(p.stat().st_size for p in (_gguf_parts(path) if path.suffix == ".gguf" else [path]))
+    return sum(p.stat().st_size for p in (split_parts(path) if path.suffix == ".gguf" else [path]))
 
 
 def parameter_size(n: int | None) -> str:
@@ -188,15 +188,6 @@ def _count(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _gguf_parts(path: Path) -> list[Path]:
-    """A GGUF model's files: `path`, or every part of the split model it is the first part of."""
-    split = hub.SPLIT_PART.fullmatch(path.name)
-    if not split:
-        return [path]
-    count = int(split["count"])
-    return [path.with_name(f"{split['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
 def _describe_gguf(parts: list[Path]) -> Details:

@@ -24,6 +24,7 @@ from .config import ModelConfig
 from . import progress
 from .errors import FormatError
 from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
+from .gguf_header import split_parts
 from .gguf_metadata import check_metadata
 from .gguf_tokenizer import gguf_tokenizer, need
 from .half import HalfTensor
@@ -59,7 +60,6 @@ _NORM_SHIFT = {"gemma3": 1.0}   # added to every *norm.weight: Gemma's RMSNorm s
 # Rope tables llama.cpp keeps as tensors; import_gguf reads them into the config
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
 class _Reader(gguf.GGUFReader):
@@ -154,16 +154,6 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
             return _import(path, repack_blocks)
     except FormatError as e:
         raise FormatError(f"{path}: {e}") from None
-
-
-def split_parts(path: Path) -> list[Path]:
-    """The files of the GGUF model `path` is part of: itself, or every part of a split model, in
-    order (llama.cpp's gguf-split names them NAME-00001-of-00003.gguf; the first holds the metadata)."""
-    m = _SPLIT_NAME.fullmatch(path.name)
-    if not m or int(m["count"]) < 1:
-        return [path]
-    count = int(m["count"])
-    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
 def _open(path: Path) -> tuple[list, dict]:

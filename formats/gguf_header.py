@@ -8,6 +8,7 @@ numeric one skipped whole, so a header reads in milliseconds. Damaged bytes are 
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 from .errors import FormatError
 
 MAGIC = b"GGUF"
+# llama.cpp's gguf-split names a model's parts NAME-00001-of-00003.gguf; the first holds the metadata
+SPLIT_PART = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 # A header holds the tokenizer at most, a few MB: a length that reads further is damage, and the
 # walk over string arrays stops there instead of stepping through a whole damaged file.
 MAX_HEADER = 256 << 20
@@ -126,3 +129,13 @@ class _Walk:
 
     def damaged(self, why: str) -> FormatError:
         return FormatError(f"{self.path}: {why}")
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of the GGUF model `path` is part of: itself, or every part of a split model, in
+    order, whichever part `path` is."""
+    m = SPLIT_PART.fullmatch(path.name)
+    if not m or int(m["count"]) < 1:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import progress, usage
 from .errors import FormatError, NibbleError
+from .gguf_header import SPLIT_PART
 from .paths import models_dir
 from .tempfiles import temp_dir, temp_file
 
@@ -52,7 +53,6 @@ _HUB_REF = re.compile(r"(?:(?:https://)?(?:hf\.co|huggingface\.co)/)?"
                       r"(?:@(?P<revision>[\w./-]+?))?(?::(?P<tag>[\w.+-]+))?")
 # The quantization llama.cpp's -hf and ollama's hf.co/ take when a reference names none
 DEFAULT_TAG = "Q4_K_M"
-SPLIT_PART = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
 def resolve(ref: str, record: bool = True) -> Path:

@@ -21,8 +21,8 @@ from .model import Model
 from .tokenizer import Tokenizer
 
 CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a few seconds
-# A float model quantized on first use calibrates on fewer: the importances of 256 tokens gave
-# SmolLM2 int4 a held-out KL of 0.071 against 0.068 for 2048, and 0.20 with none
+# A float model quantized on first use calibrates on fewer: the importances settle long before
+# 2048 tokens (the quantized model's held-out KL barely moves), and at 7B each token is seconds
 FIRST_USE_CALIBRATION_TOKENS = 256
 
 
@@ -65,7 +65,7 @@ def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
         with status.ticking(line):   # the head alone takes seconds at 7B
             _write_quantized(model_dir, out, bits, 64, 8, None, FIRST_USE_CALIBRATION_TOKENS, True, False, step)
         status.done(f"nibble: quantized {ref} to int{bits} in {time.monotonic() - start:.0f} s, into {out}; "
-                      "--float runs it as stored")
+                    "--float runs it as stored")
     return read_model_dir(out)
 
 
