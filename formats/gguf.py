@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from .config import ModelConfig
-from . import progress
+from . import progress, superblocks
 from .errors import FormatError
 from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
 from .gguf_header import split_parts
@@ -245,7 +245,8 @@ def _finite(w, name: str):
     """w, or FormatError naming the tensor if a value (or a repacked block's scale or bias) is NaN
     or infinite: a damaged file, whose NaNs would otherwise reach the disk and the logits."""
     if isinstance(w, Repacked):
-        bad = not (np.isfinite(w.scales).all() and np.isfinite(w.biases).all())
+        values = [superblocks.supers(a) if superblocks.is_two_level(a) else a for a in (w.scales, w.biases)]
+        bad = not all(np.isfinite(a).all() for a in values)
     elif isinstance(w, HalfTensor):   # all exponent bits set: an infinity or a NaN
         exponent = np.uint16(0x7F80 if w.bf16 else 0x7C00)
         bad = ((w.bits & exponent) == exponent).any()

@@ -7,7 +7,8 @@ layout holds the same things in groups of 32: the integers packed into uint32 wo
 packing), scales and biases beside them. So the repacked tensor, dequantized, gives the very
 float32 numbers ggml's dequantization gives: the products and sums are the same float32
 operations on the same operands (q*d and 8*d are exact in float32). 5-bit integers take 8 bits,
-as MLX packs only 2, 4 and 8.
+as MLX packs only 2, 4 and 8. A K-quant's scales and biases stay in its two levels (superblocks):
+a float16 a super-block and a 6-bit integer a sub-block.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from . import superblocks
 from .packing import pack
 
 GROUP_SIZE = 32   # weights sharing a scale and bias: a ggml block, or a K-quant sub-block
@@ -28,16 +30,18 @@ class Repacked(NamedTuple):
     """One matrix [N, K] in MLX's affine layout:
     W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32]."""
     weight: np.ndarray   # uint32 [N, K*bits/32], packed integers
-    scales: np.ndarray   # [N, K/32] float16 where that holds every value exactly, else float32
-    biases: np.ndarray   # [N, K/32] the same dtype as scales
+    scales: np.ndarray   # [N, K/32] float16 where that holds every value exactly, else float32;
+                         # a K-quant's in two levels (superblocks), uint8 [N, K/256, 10]
+    biases: np.ndarray   # [N, K/32] the same dtype as scales; a K-quant's as its scales
     bits: int
 
 
 class _BlockType(NamedTuple):
     bits: int   # MLX's width for the integers: 4 or 8
-    # blocks [n, type_size] uint8 -> q [n, block_size] uint8,
-    #                                scales and biases [n, block_size/32] float32
+    # blocks [n, type_size] uint8 -> q [n, block_size] uint8, scales and biases [n, block_size/32]
+    # float32, or a K-quant's [n, 10] uint8 in two levels (superblocks)
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+    two_level: bool = False
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -81,10 +85,12 @@ def _q8_0(b):   # d f16, 32 int8; w = d * q: q + 128 is the int8's byte with its
 
 
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A K-quant super-block's 8 sub-block scales d*sc and biases -dmin*m, float32 [n, 8]."""
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    """A K-quant super-block's 8 sub-block scales d*sc and biases (-dmin)*m in two levels
+    (superblocks), uint8 [n, 10]: -dmin is dmin with its sign bit flipped, exactly."""
     sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])   # 6-bit integers, packed in 12 bytes
-    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    d, dmin = b[:, 0:2].copy().view("<f2"), b[:, 2:4].copy().view("<u2") ^ np.uint16(0x8000)
+    return (superblocks.pack(d, sc.astype(np.uint8)).reshape(len(b), -1),
+            superblocks.pack(dmin.view("<f2"), m.astype(np.uint8)).reshape(len(b), -1))
 
 
 def _q4_k(b):   # d, dmin, 12 bytes of 6-bit sc and m, 128 bytes of nibbles (32-byte runs)
@@ -99,8 +105,8 @@ def _q5_k(b):   # as Q4_K, with 32 bytes of fifth bits before the nibbles: bit s
 
 
 BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1),
-               QType.Q4_K: _BlockType(4, _q4_k), QType.Q5_0: _BlockType(8, _q5_0),
-               QType.Q5_1: _BlockType(8, _q5_1), QType.Q5_K: _BlockType(8, _q5_k),
+               QType.Q4_K: _BlockType(4, _q4_k, True), QType.Q5_0: _BlockType(8, _q5_0),
+               QType.Q5_1: _BlockType(8, _q5_1), QType.Q5_K: _BlockType(8, _q5_k, True),
                QType.Q8_0: _BlockType(8, _q8_0)}
 
 
@@ -111,8 +117,9 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked:
     rows = data.shape[0]
     cols = data.shape[1] // type_size * block_size                # K
     weight = np.empty((rows, cols * kind.bits // 32), np.uint32)  # [N, K*bits/32]
-    scales = np.empty((rows, cols // GROUP_SIZE), np.float32)     # [N, K/32]
-    biases = np.empty_like(scales)                                # [N, K/32]
+    scales = (np.empty(superblocks.shape(rows, cols, GROUP_SIZE), np.uint8) if kind.two_level
+              else np.empty((rows, cols // GROUP_SIZE), np.float32))   # [N, K/32]
+    biases = np.empty_like(scales)
     step = max(1, _STEP // cols)
     for r in range(0, rows, step):
         part = data[r:r + step]
@@ -120,8 +127,8 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked:
         with np.errstate(invalid="ignore", over="ignore"):   # a damaged f16 scale: the caller
             q, s, b = kind.decode(part.reshape(-1, type_size))   # checks scales and biases
         weight[r:r + n] = pack(q.reshape(n, cols), kind.bits)
-        scales[r:r + n], biases[r:r + n] = s.reshape(n, -1), b.reshape(n, -1)
-    return Repacked(weight, *_narrowed(scales, biases), kind.bits)
+        scales[r:r + n], biases[r:r + n] = s.reshape(scales[r:r + n].shape), b.reshape(scales[r:r + n].shape)
+    return Repacked(weight, *((scales, biases) if kind.two_level else _narrowed(scales, biases)), kind.bits)
 
 
 def _narrowed(scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nibble.formats import superblocks
 from nibble.formats.errors import NibbleError
 from nibble.formats.packing import pack, unpack
 
@@ -52,7 +53,9 @@ class QuantizedTensor(NamedTuple):
     biases as runner.kernels.linear.prepare keeps them; runner.kernels.cuda: device arrays)."""
     weight: np.ndarray  # uint32 [N, K*bits/32], packed integers (see packing)
     scales: np.ndarray  # [N, K/G] as stored: float16, bf16 (a HalfTensor), float32; prepared:
-                        # 16-bit floats as their uint16 bits (see bf16), anything else float32
+                        # 16-bit floats as their uint16 bits (see bf16), anything else float32;
+                        # or in two levels, a GGUF K-quant's: uint8 [N, K/256, 2 + 256/G]
+                        # (formats.superblocks), kept as stored
     biases: np.ndarray  # [N, K/G] like scales
     bits: int           # one of BITS
     group_size: int     # G, one of GROUP_SIZES
@@ -64,9 +67,12 @@ class QuantizedTensor(NamedTuple):
         return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
 
     @property
-    def groups_shape(self) -> tuple[int, int]:
-        """(N, K/G): the shape scales and biases must have."""
+    def groups_shape(self) -> tuple[int, ...]:
+        """The shape scales and biases must have: (N, K/G), or in two levels (superblocks)
+        (N, K/256, 2 + 256/G)."""
         N, K = self.shape
+        if superblocks.is_two_level(self.scales):
+            return superblocks.shape(N, K, self.group_size)
         return N, K // self.group_size
 
     @property
@@ -120,10 +126,15 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
     for r in range(0, rows, step):
         q = unpack(qt.weight[r:r + step], qt.bits).reshape(-1, n // g, g)  # [step, in/g, g]
         block = q.astype(np.float32)
-        block *= qt.scales[r:r + step, :, None].astype(np.float32)  # widen first: mixed-dtype
-        block += qt.biases[r:r + step, :, None].astype(np.float32)  # broadcasts are slow
+        block *= group_values(qt.scales[r:r + step])[..., None]  # widen first: mixed-dtype
+        block += group_values(qt.biases[r:r + step])[..., None]  # broadcasts are slow
         w[r:r + step] = block.reshape(-1, n)
     return w
+
+
+def group_values(a: np.ndarray) -> np.ndarray:
+    """Scales or biases as stored (float, or in two levels), float32 [N, K/G]."""
+    return superblocks.expand(a) if superblocks.is_two_level(a) else np.asarray(a, np.float32)
 
 
 def reconstruction_error(w: np.ndarray, qt: QuantizedTensor,

@@ -1,17 +1,16 @@
 """A GGUF file made ready to run: the exact repacks of formats/gguf.py, the rest quantized here.
 
-formats/ repacks the block types MLX's layout holds as they are; a matrix in any other quantized
-type (Q6_K, Q2_K, Q3_K, IQ*, ...) arrives dequantized to float32 and is quantized again to
-8 bits in groups of 32 by rounding to nearest: at least as many bits as any of those types had,
-so the error it adds is small next to theirs. F32, F16 and BF16 tensors stay as the file holds them.
+formats/ repacks the block types MLX's layout holds as they are (a K-quant's scales in their two
+levels); a matrix in any other quantized type (Q6_K, Q2_K, Q3_K, IQ*, ...) arrives dequantized to
+float32 and is quantized again to 8 bits in groups of 32 by rounding to nearest: at least as many
+bits as any of those types had, so the error it adds is small next to theirs. F32, F16 and BF16 tensors stay as the file holds them.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGMLQuantizationType as QType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.gguf import FLOAT_TYPES, import_gguf
@@ -31,6 +30,13 @@ class TypeOutcome:
     became: str      # "int4 g32 (exact)", "int8 g32 (requantized)", "float16",
                      # "float32 (dequantized)"
     tensors: int
+    bits_before: float   # bits per weight in the file
+    bits_after: float    # and as imported: integers, scales and biases
+
+    def __str__(self) -> str:
+        plural = "s" * (self.tensors != 1)
+        return (f"{self.gguf_type}: {self.tensors} tensor{plural} -> {self.became}, "
+                f"{self.bits_after:.2f} bits per weight (the file's {self.bits_before:.2f})")
 
 
 @dataclass
@@ -65,10 +71,27 @@ def import_gguf_model(path: str | Path, keep_float: bool = False) -> ImportRepor
             raise type(e)(f"{path}: {e}") from None
         model, kept_float = report.model, report.kept_float
         requantized = {p for p in imported.dequantized if f"{p}.weight" not in kept_float}
-    outcomes = Counter((qtype.name, _became(model, name, qtype, requantized))
-                       for name, qtype in imported.types.items())
-    return ImportReport(model, [TypeOutcome(t, became, n) for (t, became), n in outcomes.items()],
-                        kept_float, count_params(model.tensors, model.config.quantization))
+    tally = {}   # (type, became) -> [tensors, weights, bytes in the file, bytes as imported]
+    for name, qtype in imported.types.items():
+        weights, nbytes = _size(model, name)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        counts = tally.setdefault((qtype.name, _became(model, name, qtype, requantized)), [0, 0, 0, 0])
+        for i, n in enumerate((1, weights, weights * type_size // block_size, nbytes)):
+            counts[i] += n
+    outcomes = [TypeOutcome(t, became, n, 8 * before / weights, 8 * after / weights)
+                for (t, became), (n, weights, before, after) in tally.items()]
+    return ImportReport(model, outcomes, kept_float, count_params(model.tensors, model.config.quantization))
+
+
+def _size(model: ModelDir, name: str) -> tuple[int, int]:
+    """(weights, bytes) of the tensor `name` in `model`, a quantized one's scales and biases
+    included."""
+    path = name.removesuffix(".weight")
+    if f"{path}.scales" in model.tensors:
+        qt = read_linear(model.tensors, model.config.quantization, path)
+        return qt.shape[0] * qt.shape[1], qt.nbytes
+    t = model.tensors[name]
+    return t.size, t.nbytes
 
 
 def _became(model: ModelDir, name: str, qtype: QType, requantized: set[str]) -> str:

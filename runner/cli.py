@@ -437,8 +437,7 @@ def import_(gguf_file, output, keep_float, force):
     report = import_gguf_model(gguf_file, keep_float)
     out = write_model_dir(report.model, output, force=force)
     for o in report.outcomes:
-        plural = "s" * (o.tensors != 1)
-        click.echo(f"{o.gguf_type}: {o.tensors} tensor{plural} -> {o.became}", err=True)
+        click.echo(str(o), err=True)
     for name, why in report.kept_float.items():
         click.echo(f"kept in float: {name} ({why})", err=True)
     click.echo(f"wrote {out} ({len(report.model.tensors)} tensors, {report.nbytes / 1e6:.1f} MB, "

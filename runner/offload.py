@@ -27,9 +27,10 @@ HEADROOM = 0.9        # share of the free GPU memory to plan for (the rest: CUDA
 
 def device_nbytes(w) -> int:
     """Bytes of a weight on the device: bf16/f16 go up widened to float32 (kernels.cuda.upload),
-    a quantized weight's 16-bit scales and biases too."""
-    if isinstance(w, QuantizedTensor) and w.scales.dtype == np.uint16:
-        return w.weight.nbytes + 2 * (w.scales.nbytes + w.biases.nbytes)
+    a quantized weight's 16-bit or two-level scales and biases too."""
+    if isinstance(w, QuantizedTensor) and w.scales.dtype != np.float32:
+        N, K = w.shape
+        return w.weight.nbytes + 2 * 4 * N * (K // w.group_size)
     return 2 * w.nbytes if isinstance(w, HalfTensor) else w.nbytes
 
 

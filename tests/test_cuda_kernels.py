@@ -13,11 +13,12 @@ from nibble.runner.kernels import cuda as gpu
 from nibble.runner.kernels import layer as cpu_layer, linear
 from nibble.runner.kernels.layer import LayerWeights
 from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
+from nibble.formats import superblocks
 from nibble.formats.errors import UnsupportedModel
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.linear import prepare
 from tests import reference
-from tests.test_quant_kernels import mlx_weight, twin_dequantize
+from tests.test_quant_kernels import mlx_weight, twin_dequantize, two_level
 
 pytestmark = pytest.mark.skipif(not cuda.is_available(), reason="no CUDA GPU (NUMBA_ENABLE_CUDASIM=1 simulates one)")
 
@@ -219,6 +220,18 @@ def test_upload_keeps_weights_quantized():
     w = gpu.upload(qw)
     assert (*w.shape, w.bits, w.group_size) == (5, 64, 4, 32)
     np.testing.assert_array_equal(w.weight.copy_to_host(), qw.weight)
+
+
+def test_two_level_scales_go_up_as_their_float32_values():
+    """A GGUF K-quant's scales and biases in two levels are expanded once on upload: the kernels
+    read one float32 a group, the same product as the CPU's."""
+    w = rng.integers(0, 2**32, size=(21, 512 // 8), dtype=np.uint32)
+    s, b = two_level(21, 512, rng), two_level(21, 512, rng)
+    qw = prepare(QuantizedTensor(w, s, b, 4, 32))
+    x, out = f32(3, 512), f32(3, 21)
+    W = twin_dequantize(w, superblocks.expand(s), superblocks.expand(b), 4, 32)
+    np.testing.assert_allclose(run_linear(x, qw, out, False), expected(x, W, out, False), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(gpu.upload(qw).scales.copy_to_host(), superblocks.expand(s))
 
 
 def test_what_the_kernels_cannot_run_is_refused():

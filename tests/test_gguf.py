@@ -281,7 +281,9 @@ def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
     expected = gguf.quants.dequantize(raw, qtype)
     assert np.isfinite(expected).all()
     assert np.array_equal(dequantize(qt), expected)
-    if exponents == (-3, -1.3) and qtype not in (QType.Q4_K, QType.Q5_K):
+    if qtype in (QType.Q4_K, QType.Q5_K):   # the file's two levels: 10 bytes a super-block
+        assert qt.scales.shape == qt.biases.shape == (24, 2, 10) and qt.scales.dtype == np.uint8
+    elif exponents == (-3, -1.3):
         assert qt.scales.dtype == qt.biases.dtype == np.float16   # as few bytes as the GGUF's
     assert imported.types == {"model.layers.0.mlp.up_proj.weight": qtype} and not imported.dequantized
 

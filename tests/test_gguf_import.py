@@ -43,9 +43,11 @@ def mixed_gguf(tmp_path_factory):
 def test_requantizes_only_what_cannot_be_repacked(mixed_gguf):
     path, raw = mixed_gguf
     report = import_gguf_model(path)
-    assert report.outcomes == [TypeOutcome("F16", "float16", 1), TypeOutcome("F32", "float32", 5),
-                               TypeOutcome("Q4_0", "int4 g32 (exact)", 12),
-                               TypeOutcome("Q6_K", "int8 g32 (requantized)", 2)]
+    # the bits a weight: a float16 scale and bias a group of 32, 8-bit integers of Q6_K's 210 bytes
+    # a super-block of 256
+    assert report.outcomes == [TypeOutcome("F16", "float16", 1, 16, 16), TypeOutcome("F32", "float32", 5, 32, 32),
+                               TypeOutcome("Q4_0", "int4 g32 (exact)", 12, 4.5, 5),
+                               TypeOutcome("Q6_K", "int8 g32 (requantized)", 2, 210 * 8 / 256, 9)]
     md = report.model
     downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     assert md.config.quantization == {"group_size": 32, "bits": 4, "mode": "affine",
@@ -66,9 +68,9 @@ def test_requantizes_only_what_cannot_be_repacked(mixed_gguf):
 def test_keep_float(mixed_gguf):
     path, _ = mixed_gguf
     report = import_gguf_model(path, keep_float=True)
-    assert report.outcomes == [TypeOutcome("F16", "float16", 1), TypeOutcome("F32", "float32", 5),
-                               TypeOutcome("Q4_0", "float32 (dequantized)", 12),
-                               TypeOutcome("Q6_K", "float32 (dequantized)", 2)]
+    assert report.outcomes == [TypeOutcome("F16", "float16", 1, 16, 16), TypeOutcome("F32", "float32", 5, 32, 32),
+                               TypeOutcome("Q4_0", "float32 (dequantized)", 12, 4.5, 32),
+                               TypeOutcome("Q6_K", "float32 (dequantized)", 2, 210 * 8 / 256, 32)]
     assert report.model.config.quantization is None
 
 
@@ -104,8 +106,10 @@ def test_import_command(mixed_gguf, tmp_path):
     r = invoke("import", path, "-o", tmp_path / "q")
     assert r.exit_code == 0, r.output
     lines = r.stderr.splitlines()
-    assert lines[:4] == ["F16: 1 tensor -> float16", "F32: 5 tensors -> float32",
-                         "Q4_0: 12 tensors -> int4 g32 (exact)", "Q6_K: 2 tensors -> int8 g32 (requantized)"]
+    assert lines[:4] == ["F16: 1 tensor -> float16, 16.00 bits per weight (the file's 16.00)",
+                         "F32: 5 tensors -> float32, 32.00 bits per weight (the file's 32.00)",
+                         "Q4_0: 12 tensors -> int4 g32 (exact), 5.00 bits per weight (the file's 4.50)",
+                         "Q6_K: 2 tensors -> int8 g32 (requantized), 9.00 bits per weight (the file's 6.56)"]
     assert lines[4].startswith(f"wrote {tmp_path / 'q'} (") and "bits per weight)" in lines[4]
     back = read_model_dir(tmp_path / "q")
     report = import_gguf_model(path)
@@ -116,6 +120,31 @@ def test_import_command(mixed_gguf, tmp_path):
 
     r = invoke("import", path, "-o", tmp_path / "f", "--float")
     assert r.exit_code == 0, r.output
-    assert "Q4_0: 12 tensors -> float32 (dequantized)" in r.stderr.splitlines()
-    assert "32.00 bits per weight" not in r.stderr   # the F16 embedding stays 16-bit
+    assert "Q4_0: 12 tensors -> float32 (dequantized), 32.00 bits per weight (the file's 4.50)" in r.stderr.splitlines()
+    assert "F16: 1 tensor -> float16, 16.00 bits per weight (the file's 16.00)" in r.stderr.splitlines()
+    assert "32.00 bits per weight)" not in r.stderr   # the whole: the F16 embedding stays 16-bit
     assert read_model_dir(tmp_path / "f").config.quantization is None
+
+
+def test_k_quants_keep_their_two_levels(tmp_path):
+    """Q4_K and Q5_K imported exactly, their scales and biases in the file's two levels: 4.625
+    and 8.625 bits a weight (the file's 4.5 and 5.5), where float32 scales took 6 and 10."""
+    config = tiny_config(vocab_size=len(TOKENS), hidden_size=256, intermediate_size=256)
+    rng = np.random.default_rng(3)
+    hf = tiny_tensors(config)
+    tensors = {}
+    for name, w in llama_cpp_tensors(hf, config).items():
+        qtype = QType.Q5_K if "ffn_down" in name else QType.Q4_K
+        tensors[name] = w if w.ndim == 1 else (random_blocks(rng, *w.shape, qtype, (-3, -2)), qtype)
+    report = import_gguf_model(write_gguf(tmp_path / "k.gguf", tensors, config=config))
+    assert report.outcomes == [TypeOutcome("Q4_K", "int4 g32 (exact)", 13, 4.5, 4.625),
+                               TypeOutcome("F32", "float32", 5, 32, 32),
+                               TypeOutcome("Q5_K", "int8 g32 (exact)", 2, 5.5, 8.625)]
+    md = report.model
+    for name in hf:   # q and k: rows in llama.cpp's order in the file
+        path = name.removesuffix(".weight")
+        if f"{path}.scales" in md.tensors and not name.endswith(("q_proj.weight", "k_proj.weight")):
+            qt = read_linear(md.tensors, md.config.quantization, path)
+            assert qt.scales.shape == (qt.shape[0], qt.shape[1] // 256, 10)
+            want = gguf.quants.dequantize(*tensors[gguf_name(name)])
+            np.testing.assert_array_equal(dequantize(qt), want)

@@ -58,7 +58,10 @@ def example(text: str) -> QuantizedTensor:
     """A tiny prepared weight (2 rows of one group) of the type `text` (spec) describes."""
     bits, G, dtype, bf16, writable = text.split()
     bits, G = int(bits), int(G)
-    arrays = [np.zeros((2, G * bits // 32), np.uint32), np.ones((2, 1), dtype), np.zeros((2, 1), dtype)]
+    if dtype in ("uint8", "int8"):   # scales in two levels: one super-block of 256 weights
+        arrays = [np.zeros((2, 256 * bits // 32), np.uint32), *(np.zeros((2, 1, 10), dtype) for _ in "sb")]
+    else:
+        arrays = [np.zeros((2, G * bits // 32), np.uint32), np.ones((2, 1), dtype), np.zeros((2, 1), dtype)]
     for a, w in zip(arrays, writable):
         a.flags.writeable = w == "w"
     return KINDS[bits, G](*arrays, bits, G, bool(int(bf16)))
@@ -68,7 +71,7 @@ def compile_decode(text: str):
     """Run the decode kernel on a weight of the type `text` describes (compiling it, once)."""
     from .linear import qmatvec
     w = example(text)
-    x = np.zeros((1, w.group_size), np.float32)
+    x = np.zeros((1, w.shape[1]), np.float32)
     qmatvec(x, w, np.zeros((1, 2), np.float32), False)
 
 

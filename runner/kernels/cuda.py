@@ -26,6 +26,7 @@ from numba import cuda
 from . import cuda_kernels as kernels
 from .cuda_kernels import ADD, STORE, SWIGLU
 from .layer import LayerWeights
+from nibble.formats import superblocks
 from nibble.formats.errors import UnsupportedModel
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
@@ -51,7 +52,10 @@ def upload(w: np.ndarray | QuantizedTensor) -> DeviceWeight:
 
 
 def _wide(a: np.ndarray, bf16: bool) -> np.ndarray:
-    """Prepared scales or biases (float32, or the uint16 bits of bf16 or f16) as float32."""
+    """Prepared scales or biases (float32, the uint16 bits of bf16 or f16, or in two levels) as
+    float32 [N, K/G]."""
+    if superblocks.is_two_level(a):
+        return superblocks.expand(a)
     return HalfTensor(a, bf16).widen() if a.dtype == np.uint16 else a
 
 

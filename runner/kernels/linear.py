@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from nibble.formats import superblocks
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
 from . import cpu, half, prefill, prefill_int8, quant_decode
@@ -34,8 +35,9 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     Nothing is widened or copied: the packed weight stays as it is (a read-only np.memmap stays
     one; the kernels read its uint32 words as little-endian bytes), and so do scales and biases
     stored in 16 bits (float16 or bfloat16: their uint16 bits, `bf16` saying which; half the
-    bytes of float32, which decode reads every token). Other widths become float32 (a GGUF
-    K-quant's d * sc are not 16-bit exact). Refuses what the kernels would read out of bounds.
+    bytes of float32, which decode reads every token), and those in two levels (a GGUF K-quant's,
+    formats.superblocks). Other widths become float32. Refuses what the kernels would read out of
+    bounds.
     """
     bits, group_size, weight = qt.bits, qt.group_size, qt.weight
     if bits not in BITS or group_size not in GROUP_SIZES:
@@ -48,6 +50,11 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
         raise ValueError(f"scales and biases must be {list(qt.groups_shape)} for a {N}x{K} weight in "
                          f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
     kind = quant_decode.KINDS[bits, group_size]
+    if superblocks.is_two_level(qt.scales):
+        if group_size != 32 or qt.scales.dtype not in (np.uint8, np.int8) or qt.biases.dtype != qt.scales.dtype:
+            raise ValueError(f"scales and biases in two levels must be uint8 or int8 alike, in groups of 32; got "
+                             f"{qt.scales.dtype} and {qt.biases.dtype} in groups of {group_size}")
+        return kind(weight, *(np.ascontiguousarray(a) for a in (qt.scales, qt.biases)), bits, group_size, False)
     s, b = _half_bits(qt.scales), _half_bits(qt.biases)
     if s and b and s[1] == b[1]:
         return kind(weight, s[0], b[0], bits, group_size, s[1])

@@ -6,6 +6,7 @@ changes (it vectorized across groups with gathers, or widened int32 sums to int6
 loops are written with explicit 256-bit vectors. No x86-specific intrinsic: ARM gets its own
 instructions for the same LLVM operations.
 """
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, models, overload, register_model
@@ -232,6 +233,42 @@ def _scales8(typingctx, s, si, dx, di, bf16, count):
 
 
 @intrinsic
+def load_super(typingctx, arr, i):
+    """The little-endian float16 at bytes arr.flat[i:i+2] (a uint8 or int8 array), as float32."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_element(context, builder, sig, args, 0), ir.HalfType().as_pointer())
+        return builder.fpext(builder.load(ptr, align=1), ir.FloatType())
+    return types.float32(arr, i), codegen
+
+
+@intrinsic
+def _ints8(typingctx, arr, i):
+    """arr.flat[i:i+8], uint8 or int8, as 8 float32 lanes."""
+    signed = arr.dtype == types.int8
+
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 8), 1)
+        return (builder.sitofp if signed else builder.uitofp)(v, _ll(F32))
+    return F32(arr, i), codegen
+
+
+@njit(inline="always")
+def super_values8(a, n, sb):
+    """The 8 group values of super-block sb of row n of scales or biases in two levels (groups
+    of 32): float32(f16) * float32(integer), as formats.superblocks.expand computes them."""
+    i = (n * a.shape[1] + sb) * 10
+    return vmul(_ints8(a, i + 2), splat_f32(load_super(a, i)))
+
+
+@intrinsic
+def vmul(typingctx, a, b):
+    """a * b, lane by lane."""
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1], flags=_FAST)
+    return F32(a, b), codegen
+
+
+@intrinsic
 def load_first_f32x8(typingctx, arr, i, count):
     """float32 arr.flat[i:i+8], lanes past the first `count` zero (and not read)."""
     def codegen(context, builder, sig, args):
@@ -239,12 +276,24 @@ def load_first_f32x8(typingctx, arr, i, count):
     return F32(arr, i, count), codegen
 
 
-@njit(inline="always")
 def chunk_scales(s, n, g, dx, r, bf16):
     """Lanes k = 0..7: s[n, g + k] * dx[r, g + k] (zero past the last group), s a prepared
-    weight's scales as group_value reads them, dx float32 [rows, s's columns]."""
-    groups = s.shape[1]
-    return _scales8(s, n * groups + g, dx, r * groups + g, bf16, min(groups - g, 8))
+    weight's scales as group_value reads them, dx float32 [rows, groups]; scales in two levels
+    from the first group of a super-block, g a multiple of 8 (njit code only)."""
+
+
+@overload(chunk_scales, inline="always")
+def _chunk_scales_typed(s, n, g, dx, r, bf16):
+    if s.ndim == 3:
+        def two_level(s, n, g, dx, r, bf16):
+            groups = s.shape[1] * 8
+            return vmul(super_values8(s, n, g // 8), load_f32x8(dx, r * groups + g))
+        return two_level
+
+    def one_level(s, n, g, dx, r, bf16):
+        groups = s.shape[1]
+        return _scales8(s, n * groups + g, dx, r * groups + g, bf16, min(groups - g, 8))
+    return one_level
 
 
 @intrinsic(prefer_literal=True)
@@ -307,6 +356,8 @@ def group_value(a, n, g, bf16):
 
 @overload(group_value)
 def _group_value_typed(a, n, g, bf16):
+    if a.ndim == 3:   # two levels, groups of 32: a float16 and 8 integers a super-block
+        return lambda a, n, g, bf16: load_super(a, (n * a.shape[1] + g // 8) * 10) * np.float32(a[n, g // 8, 2 + g % 8])
     if a.dtype == types.float32:
         return lambda a, n, g, bf16: a[n, g]
     if a.dtype == types.uint16:
@@ -328,12 +379,34 @@ def _load_group8_typed(a, i, bf16):
 @njit(inline="always")
 def row_dot(w, bf16, n, v, r):
     """sum over g of w[n, g] * v[r, g]: w the scales or biases of a prepared weight (stored as
-    group_value reads them), v float32 [rows, w's columns]; 8 lanes at a time."""
-    groups = w.shape[1]
+    group_value reads them), v float32 [rows, groups]; 8 lanes at a time."""
+    groups = group_count(w)
     acc = zero_f32()
     for g in range(0, groups - 7, 8):
-        acc = fma(load_group8(w, n * groups + g, bf16), load_f32x8(v, r * groups + g), acc)
+        acc = fma(_group8(w, n, g, bf16), load_f32x8(v, r * groups + g), acc)
     total = hsum(acc)
     for g in range(groups - groups % 8, groups):
         total += group_value(w, n, g, bf16) * v[r, g]
     return total
+
+
+def group_count(a):
+    """Groups a row of scales or biases has (njit code only)."""
+
+
+@overload(group_count)
+def _group_count_typed(a):
+    if a.ndim == 3:
+        return lambda a: a.shape[1] * 8
+    return lambda a: a.shape[1]
+
+
+def _group8(a, n, g, bf16):
+    """Values of groups g..g+7 of row n of scales or biases, 8 float32 lanes (njit code only)."""
+
+
+@overload(_group8)
+def _group8_typed(a, n, g, bf16):
+    if a.ndim == 3:
+        return lambda a, n, g, bf16: super_values8(a, n, g // 8)
+    return lambda a, n, g, bf16: load_group8(a, n * a.shape[1] + g, bf16)
