@@ -1,5 +1,6 @@
 """The models on disk: what nibble's cache and the Hugging Face cache hold that nibble can run,
-each under the name that loads it, what it is (family, parameters, quantization), and removing one.
+each under the name that loads it with the copies quantized from it on first use, what it is
+(family, parameters, quantization), and removing one.
 
 A hub model is a set of files in one revision's snapshot: a safetensors model's (hub.HUB_FILES),
 or one GGUF model's parts, named `org/name:TAG` with the shortest tag that picks it (pick_gguf).
@@ -7,7 +8,9 @@ or one GGUF model's parts, named `org/name:TAG` with the shortest tag that picks
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -19,7 +22,7 @@ from pathlib import Path
 from . import hub, usage
 from .errors import FormatError
 from .gguf_header import SPLIT_PART, read_gguf_header, split_parts
-from .paths import models_dir
+from .paths import models_dir, quantized_dir
 from .safetensors import read_safetensors_header
 
 # safetensors dtypes as nibble names them (`bf16`); the others keep theirs, lowercased
@@ -31,11 +34,12 @@ class CachedModel:
     """A model already on disk, and the name that loads it."""
     ref: str             # what to pass to resolve(): an alias, "org/name[@commit][:TAG]" or a path
     path: Path           # what resolve(ref) gives: a directory, or a GGUF model's first part
-    size_bytes: int      # on disk (a hub model: its blobs)
+    size_bytes: int      # on disk (a hub model: its blobs), its quantized copies not counted
     repo_id: str | None = None    # a hub model's repo, revision, snapshot and files in it
     commit: str | None = None
     snapshot: Path | None = None
     files: tuple[str, ...] = ()
+    copies: tuple[Path, ...] = ()   # quantized from it on first use (quantized_dir), run in its stead
 
     @property
     def paths(self) -> list[Path]:
@@ -54,7 +58,8 @@ class Details:
 
 def list_cached_models() -> list[CachedModel]:
     """Models that resolve() can load without the network: nibble's own, then the Hugging Face
-    cache's, one per safetensors snapshot and one per whole GGUF model."""
+    cache's, one per safetensors snapshot and one per whole GGUF model, each with its quantized
+    copies; then the copies of models outside the caches or gone, by their paths."""
     from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -68,11 +73,43 @@ def list_cached_models() -> list[CachedModel]:
         # Passed explicitly: scan_cache_dir's default was frozen when huggingface_hub was imported.
         cache = scan_cache_dir(constants.HF_HUB_CACHE)
     except CacheNotFound:
-        return found
-    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        cache = None
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id) if cache else []:
         if repo.repo_type == "model" and repo.revisions:
             found += _repo_models(repo)
-    return found
+    copies = _quantized_copies()
+    found = [dataclasses.replace(m, copies=tuple(copies.pop(identity(m.path), []))) for m in found]
+    return found + [CachedModel(str(d), d, size_on_disk(d)) for ds in copies.values() for d in ds]
+
+
+def copy_name(ref: str, path: Path, bits: int) -> str:
+    """The folder in quantized_dir() of the model at `path` (named `ref`) quantized to `bits`."""
+    name = Path(ref).name if Path(ref).expanduser().exists() else ref.replace("/", "--")
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
+    return f"{slug}-{identity(path)}-int{bits}"
+
+
+def identity(path: Path) -> str:
+    """A hash of where a model's files are and of each one's size and time: a checkpoint changed
+    or replaced gets quantized copies of its own."""
+    path = Path(path).resolve()
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return hashlib.sha1(repr((str(path), stats)).encode()).hexdigest()[:12]
+
+
+def _quantized_copies() -> dict[str, list[Path]]:
+    """The whole copies in quantized_dir(), by the identity of the model they were made from."""
+    root = quantized_dir()
+    copies = {}
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if match := _COPY.fullmatch(d.name):
+            if (d / "config.json").is_file():   # else one being written, or a killed write's
+                copies.setdefault(match["identity"], []).append(d)
+    return copies
+
+
+_COPY = re.compile(r".*-(?P<identity>[0-9a-f]{12})-int\d+")
 
 
 def _repo_models(repo) -> list[CachedModel]:
@@ -213,6 +250,8 @@ def find(ref: str, models: list[CachedModel]) -> CachedModel | None:
     path = Path(ref).expanduser()
     if path.exists():
         key = _key(path)
+        if copy := next((c for m in models for c in m.copies if _key(c) == key), None):
+            return CachedModel(str(copy), copy, size_on_disk(copy))   # the copy alone
         return next((m for m in models if key in map(_key, [m.path, *m.paths])), None)
     if named := next((m for m in models if m.ref == ref), None):
         return named
@@ -229,16 +268,25 @@ def find(ref: str, models: list[CachedModel]) -> CachedModel | None:
 
 
 def in_caches(path: Path) -> bool:
-    """Whether `path` lies in nibble's models folder or the Hugging Face cache."""
+    """Whether `path` lies in nibble's models or quantized folder or the Hugging Face cache."""
     from huggingface_hub import constants
     key = Path(_key(path))
-    return any(key.is_relative_to(os.path.realpath(root)) for root in (models_dir(), constants.HF_HUB_CACHE))
+    roots = (models_dir(), quantized_dir(), constants.HF_HUB_CACHE)
+    return any(key.is_relative_to(os.path.realpath(root)) for root in roots)
 
 
 def remove(model: CachedModel, models: list[CachedModel]) -> int:
-    """Delete `model` from its cache; the bytes freed. A hub revision left with no other model is
-    deleted whole by huggingface_hub (snapshot, refs, blobs no other revision uses); else only
-    the model's files, and their blobs where no other file links to them."""
+    """Delete `model` from its cache, and its quantized copies; the bytes freed. A hub revision
+    left with no other model is deleted whole by huggingface_hub (snapshot, refs, blobs no other
+    revision uses); else only the model's files, and their blobs where no other file links to
+    them."""
+    copies = sum(size_on_disk(d) for d in model.copies)
+    for d in model.copies:
+        shutil.rmtree(d)
+    return copies + _remove(model, models)
+
+
+def _remove(model: CachedModel, models: list[CachedModel]) -> int:
     usage.forget(model.path)
     if model.repo_id is None:
         shutil.rmtree(model.path)

@@ -42,9 +42,11 @@ def ls(as_json):
         except NibbleError as e:   # one damaged file must not hide the others
             click.echo(f"nibble: {m.ref}: {e}", err=True)
             d = catalog.Details("?", "?", None, "?")
+        copies = [{"quantization": _quantization(c), "size_bytes": catalog.size_on_disk(c), "path": str(c)}
+                  for c in m.copies]
         rows.append({"name": m.ref, "family": d.family, "parameters": d.parameters, "quantization": d.quantization,
                      "format": d.format, "size_bytes": m.size_bytes, "last_used": usage.last_used(m.path),
-                     "path": str(m.path)})
+                     "path": str(m.path), "copies": copies})
     if as_json:
         for r in rows:
             r["last_used"] = _iso(r["last_used"])
@@ -52,7 +54,9 @@ def ls(as_json):
         return
     now = time.time()
     table(["NAME", "FAMILY", "PARAMETERS", "QUANTIZATION", "SIZE", "LAST USED"],
-          [[r["name"], r["family"], catalog.parameter_size(r["parameters"]), r["quantization"], format_bytes(r["size_bytes"]),
+          [[r["name"], r["family"], catalog.parameter_size(r["parameters"]),
+            " + ".join([r["quantization"], *(f"{c['quantization']} copy" for c in r["copies"])]),
+            format_bytes(r["size_bytes"] + sum(c["size_bytes"] for c in r["copies"])),
             ago(r["last_used"], now)] for r in rows])
     if not rows:
         click.echo("no models yet: `nibble pull MODEL` downloads one", err=True)
@@ -63,7 +67,8 @@ def ls(as_json):
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 def rm(ref, yes):
     """Remove MODEL (a name `nibble ls` shows, an alias, a hub id or a path) from nibble's cache or
-    the Hugging Face cache; a GGUF repo's other quantizations stay."""
+    the Hugging Face cache, with the copies quantized from it on first use; a GGUF repo's other
+    quantizations stay."""
     from nibble.formats import catalog
     models = catalog.list_cached_models()
     model = catalog.find(ref, models)
@@ -73,10 +78,25 @@ def rm(ref, yes):
             raise NibbleError(f"{path} is not in nibble's cache or the Hugging Face cache: "
                               "nibble rm removes only the models they hold")
         raise NibbleError(f"no model {ref} in nibble's cache or the Hugging Face cache (nibble ls lists them)")
+    copies = f" and its {_plural(len(model.copies), 'quantized copy', 'quantized copies')}" if model.copies else ""
     if not yes and sys.stdin is not None and sys.stdin.isatty():
-        click.confirm(f"remove {model.ref} ({format_bytes(model.size_bytes)}, {model.path})?", abort=True)
+        size = model.size_bytes + sum(catalog.size_on_disk(c) for c in model.copies)
+        click.confirm(f"remove {model.ref}{copies} ({format_bytes(size)}, {model.path})?", abort=True)
     freed = catalog.remove(model, models)
-    click.echo(f"removed {model.ref}: {format_bytes(freed)} freed")
+    click.echo(f"removed {model.ref}{copies}: {format_bytes(freed)} freed")
+
+
+def _quantization(path: Path) -> str:
+    """What a quantized copy is ("int4 g64"), or "?" if its files say nothing readable."""
+    from nibble.formats import catalog
+    try:
+        return catalog.describe(path).quantization
+    except NibbleError:
+        return "?"
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return one if n == 1 else f"{n} {many}"
 
 
 @click.command()

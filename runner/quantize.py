@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from nibble.formats import progress as status
+from nibble.formats import catalog, progress as status
 from nibble.formats.errors import NibbleError
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.paths import quantized_dir
@@ -51,7 +50,7 @@ def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
     """The float model `model_dir` (from `ref`) quantized to `bits` in groups of 64, embedding at 8
     bits, as nibble's cache keeps it: written there on first use, calibrated on
     FIRST_USE_CALIBRATION_TOKENS, and saying so on the progress line."""
-    out = quantized_dir() / f"{_slug(ref)}-{_identity(model_dir)}-int{bits}"
+    out = quantized_dir() / catalog.copy_name(ref, model_dir.path, bits)
     if not (out / "config.json").is_file():
         start, where = time.monotonic(), ["starting"]
 
@@ -95,21 +94,6 @@ def importance_matrix(model_dir: ModelDir, calib_text: str | None = None, calib_
     tokens = Tokenizer(model_dir).encode(text, add_bos=False)[:calib_tokens]
     model = Model(model_dir.config, model_dir.tensors)
     return collect_imatrix(model, tokens, min(512, model.config.max_position_embeddings), progress)
-
-
-def _slug(ref: str) -> str:
-    """A folder name that says which model: a hub id's org and name, a path's last part."""
-    name = Path(ref).name if Path(ref).expanduser().exists() else ref.replace("/", "--")
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
-
-
-def _identity(model_dir: ModelDir) -> str:
-    """A hash of where the model's files are and of each one's size and time: a checkpoint
-    changed or replaced gets a copy of its own."""
-    path = Path(model_dir.path).resolve()
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
-    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
-    return hashlib.sha1(repr((str(path), stats)).encode()).hexdigest()[:12]
 
 
 def read_calibration_file(path: str) -> str:

@@ -2,6 +2,7 @@
 caches laid out by hand and a hub started by the test; the GGUF header reader."""
 import json
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -210,3 +211,50 @@ def test_list_cached_models(isolated):
 
 def test_list_cached_models_empty():
     assert catalog.list_cached_models() == []
+
+
+def test_quantized_copies_are_listed_and_removed_with_their_model(isolated):
+    """A float model's copy quantized on first use shows in its row (ls), goes with it (rm), and
+    can be removed alone by its path; a copy whose model is gone is listed by its path."""
+    snapshot = lay_out_snapshot(isolated / "hf-hub", "org/tiny", TINY_REPO)
+    quantized = isolated / "nibble" / "quantized"
+
+    def copy(name: str, bits: int) -> str:
+        d = quantized / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                   "quantization": {"bits": bits, "group_size": 64}}))
+        (d / "model.safetensors").write_bytes(TINY_REPO["model.safetensors"])
+        return str(d)
+
+    int4, int8 = copy(catalog.copy_name("org/tiny", snapshot, 4), 4), copy(catalog.copy_name("org/tiny", snapshot, 8), 8)
+    orphan = copy("gone-0123456789ab-int4", 4)
+    copy("writing-0123456789ab-int4", 4)
+    os.remove(quantized / "writing-0123456789ab-int4" / "config.json")   # a write in progress
+    models = catalog.list_cached_models()
+    assert [(m.ref, m.copies) for m in models] == [("org/tiny", tuple(map(Path, (int4, int8)))), (orphan, ())]
+    size = sum(map(len, TINY_REPO.values()))
+    lines = invoke("ls").stdout.splitlines()
+    copies = sum(catalog.size_on_disk(Path(c)) for c in (int4, int8))
+    assert lines[1].startswith("org/tiny ") and " + int4 g64 copy + int8 g64 copy " in lines[1], lines
+    assert f" {format_bytes(size + copies)} " in lines[1] and lines[2].startswith(f"{orphan} "), lines
+    row = json.loads(invoke("ls", "--json").stdout)[0]
+    assert [(c["quantization"], c["path"]) for c in row["copies"]] == [("int4 g64", int4), ("int8 g64", int8)]
+
+    assert invoke("rm", int8, "-y").stdout.startswith(f"removed {int8}: ")   # the copy alone
+    assert os.path.isdir(snapshot) and not os.path.exists(int8)
+    result = invoke("rm", "org/tiny", "-y")
+    assert result.stdout.startswith("removed org/tiny and its quantized copy: ")
+    assert not os.path.exists(int4) and not os.path.exists(snapshot)
+    assert [m.ref for m in catalog.list_cached_models()] == [orphan]
+    assert invoke("rm", orphan, "-y").exit_code == 0 and catalog.list_cached_models() == []
+
+
+def test_the_copy_first_use_writes_is_the_one_ls_finds(isolated, tiny_dir):
+    """loader.as_quantized's copy of a hub model is listed under the model (the same identity)."""
+    from nibble.runner import loader
+    snapshot = lay_out_snapshot(isolated / "hf-hub", "org/tiny", {f.name: f.read_bytes() for f in tiny_dir.iterdir()})
+    loader.as_quantized("org/tiny", loader.open_model("org/tiny"), "int8")
+    [model] = catalog.list_cached_models()
+    assert model.path == snapshot and len(model.copies) == 1
+    assert catalog.describe(model.copies[0]).quantization == "int8 g64"

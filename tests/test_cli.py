@@ -230,6 +230,7 @@ def test_int8_kv_cache_flag(tiny_dir):
 
 def test_quantize_at_load_once(tiny_dir, tmp_path, monkeypatch):
     """--quant quantizes a float model once, into nibble's cache; later runs load that copy."""
+    from nibble.formats import catalog
     from nibble.runner import quantize
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
     writes = []
@@ -239,7 +240,7 @@ def test_quantize_at_load_once(tiny_dir, tmp_path, monkeypatch):
         r = invoke("run", "-m", tiny_dir, *GREEDY, "--quant", quant, "--json", "Hello")
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["prompt_tokens"] > 0
-    assert [p.name for p in writes] == [f"llama-{quantize._identity(read_model_dir(tiny_dir))}-int{b}" for b in (8, 4)]
+    assert [p.name for p in writes] == [f"llama-{catalog.identity(tiny_dir)}-int{b}" for b in (8, 4)]
     for out, bits in zip(writes, (8, 4)):
         assert out.parent == tmp_path / "quantized"
         q = json.loads((out / "config.json").read_text())["quantization"]
