@@ -4,7 +4,7 @@ its integer. A K-quant's d * sc is no float16 in general: one float per group wo
 where these take 8, plus 16 a super-block (Q4_K's weights at 4.625 bits, not 6).
 
 Stored as one byte array [N, K/256, 2 + 256/G]: for each super-block the float16's two bytes
-(little-endian), then its groups' integers (uint8, or int8 where they are signed). A group's
+(little-endian), then its groups' integers (uint8). A group's
 value is float32(f16) * float32(integer): the one product ggml's dequantization takes, so a
 weight comes out as the file's exactly.
 """
@@ -26,10 +26,10 @@ def is_two_level(a) -> bool:
 
 
 def pack(supers: np.ndarray, ints: np.ndarray) -> np.ndarray:
-    """float16 supers [n, S] and integers [n, S*P] (uint8 or int8) -> [n, S, 2 + P]."""
+    """float16 supers [n, S] and uint8 integers [n, S*P] -> [n, S, 2 + P]."""
     n, S = supers.shape
     out = np.empty((n, S, 2 + ints.shape[1] // S), ints.dtype)
-    out[:, :, :2] = np.ascontiguousarray(supers, "<f2").view(np.uint8).view(ints.dtype).reshape(n, S, 2)
+    out[:, :, :2] = np.ascontiguousarray(supers, "<f2").view(np.uint8).reshape(n, S, 2)
     out[:, :, 2:] = ints.reshape(n, S, -1)
     return out
 

@@ -54,7 +54,7 @@ class QuantizedTensor(NamedTuple):
     weight: np.ndarray  # uint32 [N, K*bits/32], packed integers (see packing)
     scales: np.ndarray  # [N, K/G] as stored: float16, bf16 (a HalfTensor), float32; prepared:
                         # 16-bit floats as their uint16 bits (see bf16), anything else float32;
-                        # or in two levels, a GGUF K-quant's: uint8 [N, K/256, 2 + 256/G]
+                        # or in two levels, a GGUF K-quant's: uint8 [N, K/256, 10]
                         # (formats.superblocks), kept as stored
     biases: np.ndarray  # [N, K/G] like scales
     bits: int           # one of BITS

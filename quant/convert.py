@@ -346,9 +346,9 @@ def _check_layout(qt: QuantizedTensor, path: str) -> None:
                               f"at {qt.bits} bits and group size {qt.group_size} needs "
                               f"{expected}")
         if superblocks.is_two_level(t):
-            if qt.group_size != 32 or t.dtype not in (np.uint8, np.int8) or t.dtype != qt.scales.dtype:
-                raise FormatError(f"{path}.{name} in two levels should be uint8 or int8 as its scales, in "
-                                  f"groups of 32, got {t.dtype} in groups of {qt.group_size}")
+            if qt.group_size != 32 or t.dtype != np.uint8:
+                raise FormatError(f"{path}.{name} in two levels should be uint8, in groups of 32, got "
+                                  f"{t.dtype} in groups of {qt.group_size}")
         elif not (isinstance(t, HalfTensor) or np.issubdtype(t.dtype, np.floating)):
             raise FormatError(f"{path}.{name} should be float16, bfloat16 or float32, "
                               f"got {t.dtype}")

@@ -58,7 +58,7 @@ def example(text: str) -> QuantizedTensor:
     """A tiny prepared weight (2 rows of one group) of the type `text` (spec) describes."""
     bits, G, dtype, bf16, writable = text.split()
     bits, G = int(bits), int(G)
-    if dtype in ("uint8", "int8"):   # scales in two levels: one super-block of 256 weights
+    if dtype == "uint8":   # scales in two levels: one super-block of 256 weights
         arrays = [np.zeros((2, 256 * bits // 32), np.uint32), *(np.zeros((2, 1, 10), dtype) for _ in "sb")]
     else:
         arrays = [np.zeros((2, G * bits // 32), np.uint32), np.ones((2, 1), dtype), np.zeros((2, 1), dtype)]

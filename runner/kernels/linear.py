@@ -51,8 +51,8 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
                          f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
     kind = quant_decode.KINDS[bits, group_size]
     if superblocks.is_two_level(qt.scales):
-        if group_size != 32 or qt.scales.dtype not in (np.uint8, np.int8) or qt.biases.dtype != qt.scales.dtype:
-            raise ValueError(f"scales and biases in two levels must be uint8 or int8 alike, in groups of 32; got "
+        if group_size != 32 or qt.scales.dtype != np.uint8 or qt.biases.dtype != np.uint8:
+            raise ValueError(f"scales and biases in two levels must be uint8, in groups of 32; got "
                              f"{qt.scales.dtype} and {qt.biases.dtype} in groups of {group_size}")
         return kind(weight, *(np.ascontiguousarray(a) for a in (qt.scales, qt.biases)), bits, group_size, False)
     s, b = _half_bits(qt.scales), _half_bits(qt.biases)

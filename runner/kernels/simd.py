@@ -234,7 +234,7 @@ def _scales8(typingctx, s, si, dx, di, bf16, count):
 
 @intrinsic
 def load_super(typingctx, arr, i):
-    """The little-endian float16 at bytes arr.flat[i:i+2] (a uint8 or int8 array), as float32."""
+    """The little-endian float16 at bytes arr.flat[i:i+2] (a uint8 array), as float32."""
     def codegen(context, builder, sig, args):
         ptr = builder.bitcast(_element(context, builder, sig, args, 0), ir.HalfType().as_pointer())
         return builder.fpext(builder.load(ptr, align=1), ir.FloatType())
@@ -243,12 +243,9 @@ def load_super(typingctx, arr, i):
 
 @intrinsic
 def _ints8(typingctx, arr, i):
-    """arr.flat[i:i+8], uint8 or int8, as 8 float32 lanes."""
-    signed = arr.dtype == types.int8
-
+    """uint8 arr.flat[i:i+8] as 8 float32 lanes."""
     def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 8), 1)
-        return (builder.sitofp if signed else builder.uitofp)(v, _ll(F32))
+        return builder.uitofp(_load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 8), 1), _ll(F32))
     return F32(arr, i), codegen
 
 
