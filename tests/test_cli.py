@@ -196,6 +196,13 @@ def test_import_writes_a_model_dir(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def interruptible():
+    """Popen's preexec_fn for a child that a test sends Ctrl-C: SIGINT back to its default, which
+    Python makes KeyboardInterrupt. A pytest started in the background by a shell without job
+    control ignores SIGINT, its children inherit that, and Python then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir, tmp_path):
     """A real SIGINT while the real model writes a reply that cannot end before it: a schema of
@@ -204,7 +211,8 @@ def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir, tmp_path):
     schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 1000}))
     proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "run", "-m", str(smollm2_dir), "-n", "2000",
                              "--json-schema", str(schema), "List numbers."],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=interruptible)
     first = proc.stdout.read(20)   # the reply has started
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -19,6 +19,7 @@ from nibble.runner.engine import Engine
 from nibble.runner.loader import load
 from nibble.runner.serve.models import EngineOptions, Models
 from nibble.runner.serve.server import Server, listen
+from tests.test_cli import interruptible
 from tests.tiny import tiny_model_dir
 
 KEY = "sk-test"
@@ -309,7 +310,7 @@ def test_nibble_serve_says_where_it_listens_refuses_past_its_queue_and_drains_on
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NUMBA_CACHE_DIR": numba.config.CACHE_DIR}
     proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "serve", "-m", str(long_dir), "--port", "0",
                              "--parallel", "1", "--queue", "1", "--api-key", KEY, "-c", str(CTX)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=interruptible)
     try:
         line = proc.stdout.readline()
         assert line.startswith("nibble serve: http://127.0.0.1:") and line.endswith("/v1 (long, 1 parallel)\n"), \

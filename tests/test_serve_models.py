@@ -17,7 +17,7 @@ from nibble.runner import loader
 from nibble.runner.serve.memory import model_bytes, positions_for
 from nibble.runner.serve.models import MAX_KEEP_ALIVE, EngineOptions, Models, parse_keep_alive, servable
 from nibble.runner.serve.server import Server, listen
-from tests.test_cli import assert_one_line_error, invoke
+from tests.test_cli import assert_one_line_error, interruptible, invoke
 from tests.test_hub import isolated, lay_out_snapshot  # noqa: F401 (a fixture)
 from tests.test_serve import GREEDY, KEY, LONG, Running
 from tests.tiny import tiny_model_dir, tiny_tensors
@@ -322,7 +322,7 @@ def test_the_openai_client_in_a_real_nibble_serve_process(cache, isolated):  # n
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NUMBA_CACHE_DIR": numba.config.CACHE_DIR}
     proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "serve", "--models", f"{A},{B}", "--port", "0",
                              "--api-key", KEY, "--max-models", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=interruptible)
     try:
         line = proc.stdout.readline()
         assert line.endswith(f"/v1 ({A}, 4 parallel)\n"), line + proc.stderr.read()
