@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hub, usage
+from . import families, hub, usage
 from .errors import FormatError
 from .gguf_header import SPLIT_PART, read_gguf_header, split_parts
 from .paths import models_dir, quantized_dir
@@ -181,11 +181,10 @@ def check_loads(path: Path) -> Details:
     tokenizer and weights' headers (read_model_dir, no weight read), or a GGUF's header and an
     architecture nibble runs (a GGUF's full import repacks every weight: `nibble run` does that)."""
     if path.suffix == ".gguf":
-        from .gguf import ARCHITECTURES
         details = describe(path)
-        if details.family not in ARCHITECTURES:
+        if families.gguf_arch(details.family) is None:
             raise FormatError(f"{path}: nibble cannot run the GGUF architecture {details.family!r}; "
-                              f"it runs {', '.join(ARCHITECTURES)}")
+                              f"it runs {', '.join(families.gguf_archs())}")
         return details
     from .model_dir import read_model_dir
     read_model_dir(path)

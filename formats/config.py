@@ -15,35 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import families
 from .errors import FormatError
 from .values import BOOL, COUNT, OBJECT, STRING, either, integer, list_of, number, optional
 from .wrappers import WRAPPERS, text_config
-
-# model_type -> the architecture that runs it (mlx-lm's alias table).
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-                 "gemma3_text": "gemma3", "smollm3": "llama", "phi3": "phi3"}
-
-# What transformers assumes for the fields a model type's config.json leaves out, where that
-# differs from ModelConfig's defaults (Llama's): checkpoints saved by transformers 4 omit every
-# field that equals its config class's default (Gemma3TextConfig's, and its default_theta for the
-# RoPE bases).
-DEFAULTS = {
-    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                        head_dim=256, hidden_activation="gelu_pytorch_tanh",
-                        max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2,
-                        eos_token_id=1, tie_word_embeddings=True, query_pre_attn_scalar=256,
-                        sliding_window=4096, sliding_window_pattern=6, rope_theta=1e6,
-                        rope_local_base_freq=1e4),
-    # a window that config.json leaves out is 4096, not none (qwen2/3: with use_sliding_window)
-    "mistral": dict(sliding_window=4096),
-    "qwen2": dict(sliding_window=4096),
-    "qwen3": dict(sliding_window=4096),
-    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
-                 original_max_position_embeddings=4096),
-    "smollm3": dict(rope_theta=2000000.0, num_key_value_heads=4, max_position_embeddings=32768,
-                    tie_word_embeddings=True),
-}
 
 # rope_type -> the rope_parameters fields it needs (transformers' _validate_*_rope_parameters).
 ROPE_TYPES = {
@@ -157,31 +132,24 @@ class ModelConfig:
             kind.check(f"config.json: {name}", getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:   # Qwen3Config's default is 128, not hidden_size / heads
-            self.head_dim = (128 if self.model_type == "qwen3"
-                             else self.hidden_size // self.num_attention_heads)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
             if not self.head_dim:
                 raise FormatError(f"config.json: hidden_size ({self.hidden_size}) is smaller than "
                                   f"num_attention_heads ({self.num_attention_heads}): heads of no "
                                   f"dims (set head_dim)")
-        if self.model_type == "qwen2":
-            self.attention_bias = True  # Qwen2 always has q/k/v biases; its config does not say so
-        if self.model_type == "mistral":
-            self.attention_bias = False   # transformers' mistral has no biases, whatever it says
-        if self.model_type in ("llama", "qwen3", "smollm3") and self.attention_bias:
-            raise FormatError(f"config.json: nibble cannot run attention_bias=True for "
-                              f"{self.model_type} (transformers gives its o_proj a bias too)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise FormatError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.model_type == "gemma3_text":
-            _gemma3_fields(self)
-        _check_rotary(self)
-        self.rope_scaling = _checked_rope_scaling(self)
-        self.rope_layers = _rope_layers(self)   # [layers]: False where a layer has no RoPE
-        self.windows = _layer_windows(self)   # [layers]: each one's sliding window, 0 for full attention
+        family = _family(self.model_type)
+        family.configure(self)
+        _check_rotary(self, family)
+        self.rope_scaling = _checked_rope_scaling(self, family)
+        self.rope_layers = family.rope_layers(self)   # [layers]: False where a layer has no RoPE
+        _check_layer_types(self)
+        self.windows = family.windows(self)   # [layers]: each one's sliding window, 0 for full attention
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -190,14 +158,10 @@ class ModelConfig:
         if isinstance(d.get("model_type"), str) and d["model_type"] in WRAPPERS:
             d = text_config(d)
         model_type = d.get("model_type")
-        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
-            known = ", ".join(sorted(ARCHITECTURES))
-            # a multimodal wrapper that wrappers.py does not unwrap
-            text = d.get("text_config")
-            inner = text.get("model_type") if isinstance(text, dict) else None
-            wraps = f" (a wrapper around a {inner!r} text model in text_config)" if inner else ""
-            raise FormatError(f"unsupported architecture {model_type!r}{wraps}: nibble runs {known}")
-        d = DEFAULTS.get(model_type, {}) | d
+        text = d.get("text_config")   # a multimodal wrapper that wrappers.py does not unwrap
+        inner = text.get("model_type") if isinstance(text, dict) else None
+        family = _family(model_type, f" (a wrapper around a {inner!r} text model in text_config)" if inner else "")
+        d = dict(family.model_types[model_type]) | d
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -208,7 +172,7 @@ class ModelConfig:
             if key in d and d[key] not in accepted:
                 raise FormatError(f"config.json: nibble cannot run {key}={d[key]!r} "
                                   f"(it runs {' or '.join(map(repr, accepted))})")
-        d = {k: v for k, v in d.items() if k != "rope_parameters"} | _rope_fields(d)
+        d = {k: v for k, v in d.items() if k != "rope_parameters"} | _rope_fields(d, family)
         try:
             return cls(**{k: v for k, v in d.items() if k in names},
                        extra={k: v for k, v in d.items() if k not in names})
@@ -230,7 +194,15 @@ class ModelConfig:
         return [] if e is None else [e] if isinstance(e, int) else list(e)
 
 
-def _rope_fields(d: dict) -> dict:
+def _family(model_type, wraps: str = "") -> families.Family:
+    family = families.of(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise FormatError(f"unsupported architecture {model_type!r}{wraps}: nibble runs "
+                          f"{', '.join(families.model_types())}")
+    return family
+
+
+def _rope_fields(d: dict, family: families.Family) -> dict:
     """rope_theta and rope_scaling from either spelling, with transformers' precedence:
     `rope_scaling` over `rope_parameters`, a theta inside the block over a top-level one."""
     block = d.get("rope_scaling") or d.get("rope_parameters") or {}
@@ -240,10 +212,10 @@ def _rope_fields(d: dict) -> dict:
             OBJECT.check(f"config.json: rope_parameters.{key}", block[key])
     local = {}
     nested = [block[k] for k in LAYER_TYPES if k in block]   # newer configs: one block per layer type
-    if nested and d.get("model_type") == "gemma3_text" and "sliding_attention" in block:
+    if nested and family.local_rope and "sliding_attention" in block:
         # the sliding layers' own RoPE (rope_local_base_freq in older configs)
         local = {"rope_local_base_freq": _plain_theta(block["sliding_attention"],
-                                                      d.get("rope_local_base_freq"))}
+                                                      d.get("rope_local_base_freq"), d["model_type"])}
         nested = [block.get("full_attention") or {}]
     if nested:
         if any(b != nested[0] for b in nested):
@@ -257,23 +229,24 @@ def _rope_fields(d: dict) -> dict:
             "partial_rotary_factor": partial} | local
 
 
-def _plain_theta(block: dict, default: float) -> float:
-    """The theta of gemma3's sliding_attention rope_parameters, which nibble runs unscaled."""
+def _plain_theta(block: dict, default: float, model_type: str) -> float:
+    """The theta of the sliding_attention rope_parameters, which nibble runs unscaled."""
     if block.get("rope_type", "default") != "default" or set(block) - {"rope_type", "rope_theta"}:
         raise FormatError(f"config.json: rope_parameters.sliding_attention is {block!r}: nibble runs "
-                          f"gemma3's sliding layers with plain RoPE (rope_type 'default')")
+                          f"{model_type}'s sliding layers with plain RoPE (rope_type 'default')")
     return block.get("rope_theta", default)
 
 
-def _check_rotary(c: ModelConfig):
-    """Partial rotary as transformers runs it: phi3 only (the others rotate whole heads whatever
-    the config says, so one that asks for less is refused), and in whole pairs of dims."""
+def _check_rotary(c: ModelConfig, family: families.Family):
+    """Partial rotary as transformers runs it: for the families whose blocks rotate part of a head
+    (the others rotate whole heads whatever the config says, so one that asks for less is
+    refused), and in whole pairs of dims."""
     f = c.partial_rotary_factor
     if f in (None, 1.0):
         if c.head_dim % 2:
             raise FormatError(f"config.json: head_dim {c.head_dim} is odd; RoPE rotates pairs of dims")
         return
-    if c.model_type != "phi3":
+    if not family.partial_rotary:
         raise FormatError(f"config.json: nibble cannot run partial_rotary_factor={f!r} for "
                           f"{c.model_type} (transformers' {c.model_type} rotates whole heads)")
     if not 0 < f <= 1 or c.rotary_dim % 2 or c.rotary_dim < 2:
@@ -281,7 +254,7 @@ def _check_rotary(c: ModelConfig):
                           f"{c.head_dim} dims; nibble rotates an even number of them, at least 2")
 
 
-def _checked_rope_scaling(c: ModelConfig) -> dict | None:
+def _checked_rope_scaling(c: ModelConfig, family: families.Family) -> dict | None:
     """c.rope_scaling with "rope_type" spelled out (older configs say "type"), None for plain
     RoPE; an unknown type or a missing field is a FormatError naming it."""
     s = dict(c.rope_scaling or {})
@@ -290,8 +263,8 @@ def _checked_rope_scaling(c: ModelConfig) -> dict | None:
     for key, field_kind in ROPE_FIELDS.items():
         if s.get(key) is not None:
             field_kind.check(f"config.json: rope_parameters.{key}", s[key])
-    if c.model_type == "phi3":
-        kind = _phi3_rope(c, s)
+    if family.rope:
+        kind = family.rope(c, s)
     if kind not in ROPE_TYPES:
         raise FormatError(f"config.json: unsupported rope_type {kind!r}: nibble runs "
                           f"{', '.join(ROPE_TYPES)}")
@@ -315,79 +288,29 @@ def _checked_rope_scaling(c: ModelConfig) -> dict | None:
     return s
 
 
-def _phi3_rope(c: ModelConfig, s: dict) -> str:
-    """Phi3Config's RoPE (in place on s): "su" and "yarn" are its old names for longrope, and a
-    longrope block takes the top-level original_max_position_embeddings over its own."""
-    kind = s["rope_type"]
-    if kind == "longrope":
-        s["original_max_position_embeddings"] = c.original_max_position_embeddings
-    elif kind in ("su", "yarn"):
-        kind = s["rope_type"] = "longrope"
-    elif kind != "default":
-        raise FormatError(f"config.json: phi3 runs default or longrope RoPE, not {kind!r}")
-    return kind
+def _check_layer_types(c: ModelConfig) -> None:
+    types = c.layer_types
+    if types is None:
+        return
+    if len(types) != c.num_hidden_layers:
+        raise FormatError(f"config.json: layer_types has {len(types)} entries for {c.num_hidden_layers} layers")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise FormatError(f"config.json: layer_types {', '.join(map(repr, unknown))} are not run "
+                          f"by nibble (it runs {', '.join(LAYER_TYPES)})")
 
 
-def _rope_layers(c: ModelConfig) -> list[bool]:
-    """Whether each layer applies RoPE: smollm3's no_rope_layers (0: a NoPE layer; by default
-    every no_rope_layer_interval-th layer), every layer for the others."""
-    L, flags = c.num_hidden_layers, c.no_rope_layers
-    if c.model_type != "smollm3":
-        return [True] * L
-    if flags is None:
-        every = c.extra.get("no_rope_layer_interval", 4)
-        COUNT.check("config.json: no_rope_layer_interval", every)
-        flags = [int((i + 1) % every != 0) for i in range(L)]
-    if len(flags) < L:
-        raise FormatError(f"config.json: no_rope_layers has {len(flags)} entries for {L} layers")
-    return [bool(f) for f in flags[:L]]
+def sliding_where_typed(types: list[str], window: int) -> list[int]:
+    """`window` in the layers `types` says slide, full attention (0) in the others."""
+    return [window if t == "sliding_attention" else 0 for t in types]
 
 
-def _layer_windows(c: ModelConfig) -> list[int]:
-    """Each layer's sliding window (0: full attention), as transformers runs each model type:
-    qwen2 and qwen3 slide in the "sliding_attention" layers and only with use_sliding_window,
-    smollm3 in the "sliding_attention" layers (by default its NoPE layers, with
-    use_sliding_window), mistral and phi3 in every layer, llama in none."""
-    L, window, types = c.num_hidden_layers, c.sliding_window or 0, c.layer_types
-    if types is not None:
-        if len(types) != L:
-            raise FormatError(f"config.json: layer_types has {len(types)} entries for {L} layers")
-        unknown = sorted(set(types) - set(LAYER_TYPES))
-        if unknown:
-            raise FormatError(f"config.json: layer_types {', '.join(map(repr, unknown))} are not run "
-                              f"by nibble (it runs {', '.join(LAYER_TYPES)})")
-    if c.model_type in ("qwen2", "qwen3"):
-        if not c.use_sliding_window:
-            window = 0
-        if types is None:
-            first = 28 if c.max_window_layers is None else c.max_window_layers   # Qwen2/3Config's default
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
-        return [window if t == "sliding_attention" else 0 for t in types]
-    if c.model_type == "smollm3" and types is None:   # by default its NoPE layers slide
-        slide = c.use_sliding_window and window
-        types = ["sliding_attention" if slide and not rope else "full_attention"
-                 for rope in c.rope_layers]
-    if c.model_type in ("gemma3_text", "smollm3"):   # they slide where layer_types says
-        return [window if t == "sliding_attention" else 0 for t in types]
-    if c.model_type == "llama":
-        window = 0   # transformers' LlamaModel has no sliding window, whatever the config says
+def one_window(c: ModelConfig, window: int) -> list[int]:
+    """`window` in every layer (0: full attention), for the model types transformers runs so:
+    a layer_types that asks for anything else is refused."""
     runs = "sliding_attention" if window else "full_attention"
-    if types is not None and any(t != runs for t in types):
+    if c.layer_types is not None and any(t != runs for t in c.layer_types):
         raise FormatError(f"config.json: layer_types asks for {'full' if window else 'sliding'} "
                           f"attention in some layers, but transformers runs {c.model_type} with "
                           f"{'sliding_window in every layer' if window else 'full attention'}")
-    return [window] * L
-
-
-def _gemma3_fields(c: ModelConfig):
-    """Refuses what nibble's gemma3 block does not run; spells out layer_types from
-    sliding_window_pattern as transformers does for older configs."""
-    if c.attention_bias:
-        raise FormatError("config.json: nibble cannot run attention_bias=True for gemma3 (its block "
-                          "has no q/k/v/o biases)")
-    for name in ("query_pre_attn_scalar", "rope_local_base_freq"):   # its block's, not optional
-        number(above=0).check(f"config.json: {name}", getattr(c, name))
-    if c.layer_types is None:   # every sliding_window_pattern-th layer is global
-        COUNT.check("config.json: sliding_window_pattern", c.sliding_window_pattern)
-        c.layer_types = ["full_attention" if (i + 1) % c.sliding_window_pattern == 0
-                         else "sliding_attention" for i in range(c.num_hidden_layers)]
+    return [window] * c.num_hidden_layers

@@ -21,11 +21,11 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from .config import ModelConfig
-from . import progress, superblocks
+from . import families, progress, superblocks
 from .errors import FormatError
 from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
 from .gguf_header import split_parts
-from .gguf_metadata import check_metadata
+from .gguf_metadata import check_metadata, float32_decimal
 from .gguf_tokenizer import gguf_tokenizer, need
 from .half import HalfTensor
 from .model_dir import ModelDir
@@ -34,10 +34,6 @@ FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 # Every type the gguf package can dequantize: repacked (gguf_blocks.BLOCK_TYPES) or made float32.
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(t for t in QType
                                       if t not in FLOAT_TYPES and hasattr(gguf.quants, t.name))
-# general.architecture -> Hugging Face model_type, for the architectures nibble imports
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
-               "phi3": "phi3", "gemma3": "gemma3_text"}
-ARCHITECTURES = tuple(MODEL_TYPES)
 _DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporaries
 
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -48,15 +44,6 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-# Where an architecture's names differ from llama's (convert_hf_to_gguf.py's tensor map)
-_ARCH_BLOCK_NAMES = {
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
-               "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # kept fused
-}
-_PERMUTED = ("llama", "smollm3")   # the converter's LlamaModel and its subclasses permute q/k
-_NORM_SHIFT = {"gemma3": 1.0}   # added to every *norm.weight: Gemma's RMSNorm scales by (1 + w)
 # Rope tables llama.cpp keeps as tensors; import_gguf reads them into the config
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -139,7 +126,7 @@ class GGUFImport:
 
 
 def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
-    """Read a GGUF file of one of ARCHITECTURES into a ModelDir with tensors under HF names.
+    """Read a GGUF file of one of families.gguf_archs() into a ModelDir with tensors under HF names.
 
     Matrices of gguf_blocks.BLOCK_TYPES are repacked into MLX's layout (repack_blocks=False:
     dequantized to float32 instead), other quantized types dequantized to float32, F32/F16/BF16
@@ -194,16 +181,17 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     progress.update(f"importing {path.name}: reading its metadata")   # seconds for a vocabulary of 50k
     tensors, meta = _open(path)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    layout = families.gguf_arch(arch) if isinstance(arch, str) else None
+    if layout is None:
         raise FormatError(f"unsupported GGUF architecture {arch!r}; nibble imports "
-                          f"{', '.join(ARCHITECTURES)}")
+                          f"{', '.join(families.gguf_archs())}")
     check_metadata(meta, arch)
     _check_types(tensors)
     raw = {t.name: t for t in tensors}
     rope = {n.removesuffix(".weight"): _rope_factors(raw.pop(n)) for n in _ROPE_TENSORS if n in raw}
-    hf_names = {name: _hf_name(name, arch) for name in raw}   # all checked before the slow part
+    hf_names = {name: _hf_name(name, layout) for name in raw}   # all checked before the slow part
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
-    config = _config(meta, arch, tie="output.weight" not in raw, rope=rope)
+    config = _config(meta, arch, layout, tie="output.weight" not in raw, rope=rope)
     _check_against_config(raw, config)
     tensors, types, bits, dequantized = {}, {}, {}, []
     for i, (name, t) in enumerate(raw.items()):
@@ -212,13 +200,13 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
         module = hf.removesuffix(".weight")
         matrix = len(t.shape) == 2
         kind = name.split(".")[-2]
-        if arch in _NORM_SHIFT and kind.endswith("norm"):
-            w = _dequantize(t) - np.float32(_NORM_SHIFT[arch])   # Hugging Face's w back
+        if layout.norm_shift and kind.endswith("norm"):
+            w = _dequantize(t) - np.float32(layout.norm_shift)   # Hugging Face's w back
         else:
             w = _read(t, repack_blocks and matrix)
         w = _finite(w, name)
         # llama.cpp reorders llama's q/k rows for its rope kernel; the others are left as in HF.
-        if arch in _PERMUTED and kind in ("attn_q", "attn_k"):
+        if layout.permuted_qk and kind in ("attn_q", "attn_k"):
             n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
             w = _each_array(w, lambda a: _unpermute(a, n_head, name))
         w = _each_array(w, _read_only)
@@ -361,22 +349,17 @@ def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
             .reshape(w.shape))
 
 
-def _hf_name(name: str, arch: str) -> str:
+def _hf_name(name: str, layout: families.GGUFArch) -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
-    names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
+    names = _BLOCK_NAMES | dict(layout.block_names)
     m = _BLOCK_NAME.fullmatch(name)
     if m is None or m[2] not in names:
         raise FormatError(f"GGUF tensor {name} has no Hugging Face counterpart nibble knows")
     return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
 
 
-def _f32(v: float) -> float:
-    """The shortest decimal that is this float32: metadata 1e-5 reads back 1e-05, not 9.99e-06."""
-    return float(str(np.float32(v)))
-
-
-def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> ModelConfig:
+def _config(meta: dict, arch: str, layout: families.GGUFArch, tie: bool, rope: dict[str, np.ndarray]) -> ModelConfig:
     a = arch + "."
     hidden = need(meta, a + "embedding_length")
     n_head = need(meta, a + "attention.head_count")
@@ -385,18 +368,18 @@ def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> Mo
         raise FormatError(f"GGUF {a}embedding_length {hidden} is smaller than attention.head_count "
                           f"{n_head}, and the file has no attention.key_length")
     rope_dim = meta.get(a + "rope.dimension_count", head_dim)
-    if rope_dim != head_dim and arch != "phi3":
+    if rope_dim != head_dim and not families.of(layout.model_type).partial_rotary:
         raise FormatError(f"GGUF rope.dimension_count {rope_dim} differs from the head size "
-                          f"{head_dim}; nibble runs partial rotary embeddings for phi3 only")
+                          f"{head_dim}; nibble's {arch} rotates whole heads")
     n_layers = need(meta, a + "block_count")
-    theta = _f32(meta.get(a + "rope.freq_base", 10000.0))
+    theta = float32_decimal(meta.get(a + "rope.freq_base", 10000.0))
     if not 0 < theta < math.inf:   # RoPE's base: the tables divide by its powers (as config.json's)
         raise FormatError(f"GGUF {a}rope.freq_base is {theta:g}, not a positive number")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     eos = list(dict.fromkeys(eos))  # unique, in order; one id is written as an int, as HF does
     return ModelConfig(
-        model_type=MODEL_TYPES[arch],
+        model_type=layout.model_type,
         hidden_size=hidden,
         intermediate_size=need(meta, a + "feed_forward_length"),
         num_hidden_layers=n_layers,
@@ -404,7 +387,7 @@ def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> Mo
         num_key_value_heads=meta.get(a + "attention.head_count_kv", n_head),
         head_dim=head_dim,
         vocab_size=len(need(meta, "tokenizer.ggml.tokens")),
-        rms_norm_eps=_f32(need(meta, a + "attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=float32_decimal(need(meta, a + "attention.layer_norm_rms_epsilon")),
         rope_theta=theta,
         rope_scaling=_rope_scaling(meta, a, theta, head_dim, rope),
         partial_rotary_factor=None if rope_dim == head_dim else rope_dim / head_dim,
@@ -412,38 +395,8 @@ def _config(meta: dict, arch: str, tie: bool, rope: dict[str, np.ndarray]) -> Mo
         tie_word_embeddings=tie,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
-        **_family_fields(meta, arch, n_layers, hidden // n_head, head_dim),
+        **layout.fields(meta, a, n_layers, hidden // n_head, head_dim),
     )
-
-
-def _family_fields(meta: dict, arch: str, n_layers: int, width_per_head: int,
-                   head_dim: int) -> dict:
-    """The config fields of gemma3, phi3 and smollm3 beyond llama's, as llama.cpp's
-    src/models/<arch>.cpp reads them (its own values where the file has none)."""
-    a = arch + "."
-    if arch == "gemma3":
-        if a + "final_logit_softcapping" in meta:
-            raise FormatError("GGUF gemma3.final_logit_softcapping is set; nibble's gemma3 has "
-                              "no logit soft-capping")
-        window = meta.get(a + "attention.sliding_window", 0)
-        # a flag per layer, or every n-th layer global (llama.cpp: n = 6 if the file has none)
-        pattern = meta.get(a + "attention.sliding_window_pattern", 6)
-        slides = (pattern if isinstance(pattern, list) else
-                  [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)])
-        return dict(
-            sliding_window=window or None,
-            layer_types=["sliding_attention" if window and s else "full_attention"
-                         for s in slides],
-            rope_local_base_freq=_f32(meta.get(a + "rope.freq_base_swa", 10000.0)),
-            # not in the file: llama.cpp scales scores by 1/sqrt(head_dim), by 1/sqrt(hidden /
-            # heads) for the 62-layer 27B (Gemma 3's query_pre_attn_scalar)
-            query_pre_attn_scalar=width_per_head if n_layers == 62 else head_dim)
-    if arch == "phi3":   # llama.cpp disables phi3's sliding window: full attention everywhere
-        return dict(original_max_position_embeddings=meta.get(
-            a + "rope.scaling.original_context_length"))
-    if arch == "smollm3":   # not in the file: llama.cpp has no RoPE in every 4th layer
-        return dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(n_layers)])
-    return {}
 
 
 def _rope_scaling(meta: dict, a: str, theta: float, head_dim: int,
@@ -456,13 +409,13 @@ def _rope_scaling(meta: dict, a: str, theta: float, head_dim: int,
         if len(rope) != 2:
             raise FormatError("GGUF has one of rope_factors_long.weight and "
                               "rope_factors_short.weight; longrope needs both")
-        s = {"rope_type": "longrope", **{f"{k}_factor": [_f32(v) for v in rope[f"rope_factors_{k}"]]
+        s = {"rope_type": "longrope", **{f"{k}_factor": [float32_decimal(v) for v in rope[f"rope_factors_{k}"]]
                                          for k in ("long", "short")}}
         if a + "rope.scaling.attn_factor" in meta:
-            s["attention_factor"] = _f32(meta[a + "rope.scaling.attn_factor"])
+            s["attention_factor"] = float32_decimal(meta[a + "rope.scaling.attn_factor"])
         return s
     kind = meta.get(a + "rope.scaling.type", "none")
-    factor = _f32(meta.get(a + "rope.scaling.factor", 1.0))
+    factor = float32_decimal(meta.get(a + "rope.scaling.factor", 1.0))
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return None
     if kind == "linear":
@@ -479,7 +432,7 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
     The file keeps only the per-frequency divisors, so check them against the settings every
     Llama 3.x release uses, with the largest divisor as `factor`.
     """
-    factor, low, high, old_ctx = _f32(factors.max()), 1.0, 4.0, 8192
+    factor, low, high, old_ctx = float32_decimal(factors.max()), 1.0, 4.0, 8192
     if not factor >= 1:   # Llama 3's divisors are 1 and up; 0 or NaN is damage
         raise FormatError(f"GGUF rope_freqs.weight holds {factor:g} as its largest divisor, where "
                           f"Llama 3's rope scaling has 1 or more: the file is damaged")

@@ -42,6 +42,12 @@ _KEYS = {
 }
 
 
+def float32_decimal(v: float) -> float:
+    """A float metadata value as llama.cpp reads it, float32, written as the shortest decimal
+    that is that float32: 1e-5 reads back 1e-05, not 9.99e-06."""
+    return float(str(np.float32(v)))
+
+
 def check_metadata(meta: dict, arch: str) -> None:
     """FormatError naming the first key nibble reads whose value is not of its kind, or a
     tokenizer list (types, scores) whose length is not the vocabulary's."""

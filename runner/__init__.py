@@ -8,6 +8,8 @@ Two calls run a model:
 """
 import importlib
 
+from . import models   # the families: the file readers in formats/ know them by their table
+
 _EXPORTS = {"load": ".loader", "stream_generate": ".generate", "generate_step": ".generate",
             "GenerationResponse": ".generate"}
 __all__ = list(_EXPORTS)

@@ -80,12 +80,12 @@ class CPUStage:
         return logits
 
     def blocks(self, x, kv, rows, act) -> list:
-        """Each layer's family.block compiled for its arguments' types (act: the first layer's
+        """Each layer's family.block() compiled for its arguments' types (act: the first layer's
         act_sq): numba's dispatcher works them out again at each call, ~8 us for a layer's named
         tuples (0.25 ms of a SmolLM2 token, 5%), but a layer's weights and rotations keep theirs:
         only those of x, rows, the cache (f32 or int8) and act_sq are looked at each pass, by
         numba's fingerprint of a value's type (0.1 us; typing rows costs 20)."""
-        block = self.model.family.block
+        block = self.model.family.block()
         key = tuple(map(compute_fingerprint, (x, rows, kv.layer(0), act)))
         if key not in self._blocks:
             m, c = self.model, self.model.config

@@ -10,6 +10,7 @@ import zipfile
 import pytest
 from hypothesis import HealthCheck, settings
 
+import nibble.runner  # noqa: F401  (its model families fill formats' table)
 from nibble.formats.model_dir import write_model_dir
 from tests.locks import shared
 from tests.tiny import SAMPLING, tiny_model_dir

@@ -164,7 +164,7 @@ def test_gemma3_fields_left_out_take_gemma3_text_config_defaults():
 @pytest.mark.parametrize("fields, message", [
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
-     "rope_parameters.sliding_attention is .*: nibble runs gemma3's sliding layers with plain RoPE"),
+     "rope_parameters.sliding_attention is .*: nibble runs gemma3_text's sliding layers with plain RoPE"),
     ({"attention_bias": True}, "attention_bias=True for gemma3"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu' \\(it runs 'gelu_pytorch_tanh'\\)"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),

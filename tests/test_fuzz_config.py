@@ -8,7 +8,8 @@ import pytest
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from nibble.formats.config import ARCHITECTURES, FIELDS, LAYER_TYPES, ROPE_FIELDS, ROPE_TYPES, ModelConfig
+from nibble.formats import families
+from nibble.formats.config import FIELDS, LAYER_TYPES, ROPE_FIELDS, ROPE_TYPES, ModelConfig
 from nibble.formats.errors import NibbleError
 from nibble.runner.model import Model
 from tests.tiny import tiny_config, tiny_tensors
@@ -16,13 +17,13 @@ from tests.tiny import tiny_config, tiny_tensors
 pytestmark = pytest.mark.fuzz
 
 # A valid config.json of each model type, as nibble writes it: the cases are mutations of these.
-BASES = {t: tiny_config(t).to_dict() for t in ARCHITECTURES}
+BASES = {t: tiny_config(t).to_dict() for t in families.model_types()}
 
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-2, 9),
     st.sampled_from([2**31, 2**40, 10**9, 2**63, -(2**63), 10**30]),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
-    st.sampled_from([*ROPE_TYPES, *LAYER_TYPES, *ARCHITECTURES, "gemma3", "su", "silu", "type"]))
+    st.sampled_from([*ROPE_TYPES, *LAYER_TYPES, *families.model_types(), "gemma3", "su", "silu", "type"]))
 JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(st.text(max_size=4) | st.sampled_from(list(ROPE_FIELDS)), inner,
                                       max_size=4), max_leaves=8)

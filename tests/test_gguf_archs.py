@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import nibble.formats.gguf as fg
+from nibble.formats import families
 from nibble.formats.gguf import import_gguf
 from nibble.formats.safetensors import read_checkpoint
 from nibble.runner.model import Model
@@ -63,10 +64,10 @@ def test_gemma3_and_smollm3_layers_beyond_the_fixtures():
     """The 3-layer fixtures hold no global gemma3 layer and no NoPE smollm3 layer: llama.cpp's
     defaults at more layers, and a per-layer pattern where the file has one."""
     meta = {"gemma3.attention.sliding_window": 512}
-    layers = fg._family_fields(meta, "gemma3", 7, 16, 16)["layer_types"]
+    layers = families.gguf_arch("gemma3").fields(meta, "gemma3.", 7, 16, 16)["layer_types"]
     assert [t[0] for t in layers] == list("sssssfs")   # every 6th layer global
     meta["gemma3.attention.sliding_window_pattern"] = [True, False, True]
-    layers = fg._family_fields(meta, "gemma3", 3, 16, 16)["layer_types"]
+    layers = families.gguf_arch("gemma3").fields(meta, "gemma3.", 3, 16, 16)["layer_types"]
     assert [t[0] for t in layers] == list("sfs")
-    assert fg._family_fields(meta, "gemma3", 62, 168, 128)["query_pre_attn_scalar"] == 168   # 27B
-    assert fg._family_fields({}, "smollm3", 8, 16, 16)["no_rope_layers"] == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert families.gguf_arch("gemma3").fields(meta, "gemma3.", 62, 168, 128)["query_pre_attn_scalar"] == 168   # 27B
+    assert families.gguf_arch("smollm3").fields({}, "smollm3.", 8, 16, 16)["no_rope_layers"] == [1, 1, 1, 0, 1, 1, 1, 0]

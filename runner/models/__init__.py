@@ -1,11 +1,14 @@
-"""One module per model family, in the style of mlx-lm's models/: each says how a checkpoint's
-tensors become its blocks' weights, which kernel runs a block, and each layer's RoPE tables.
-runner/model.py runs any of them. Which model_type belongs to which family is formats/config.py's
-ARCHITECTURES; a family module has:
+"""One module per model family, in the style of mlx-lm's models/: each is the one home of its
+family. It describes itself to the file readers in a `formats.families.Family` (FAMILY: its model
+types and their config defaults and rules, its GGUF names), which importing this package adds to
+their table, and says how its checkpoints' tensors become its blocks' weights. runner/model.py
+runs any of them. A family module has:
 
+    FAMILY: its formats.families.Family, named after the module
     layer(get, config, i) -> the weights of block i (a NamedTuple the block kernel takes), read
         with get(name, shape) for vectors and get.linear(path, shape) for matrices
-    block(x, weights, kv, rows, cos, sin, eps, window, act_sq): the jitted kernel of one block
+    block() -> the jitted kernel of one block, (x, weights, kv, rows, cos, sin, eps, window,
+        act_sq) (numba imported there, when a model is built: reading a config does not need it)
     ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
     norm(get, name, shape) -> an RMSNorm's weight as the kernels multiply by it (the final norm's too)
     embed_scale(config, embed) -> the factor on the embedded rows (embed: the embedding as loaded)
@@ -13,12 +16,16 @@ ARCHITECTURES; a family module has:
         rows collects: the q/k/v, o, gate/up and down projections (runner/calibrate.py)
 """
 import importlib
+import pkgutil
 from types import ModuleType
 
-from nibble.formats.config import ARCHITECTURES, ModelConfig
+from nibble.formats import families
+from nibble.formats.config import ModelConfig
+
+for _info in pkgutil.iter_modules(__path__):
+    families.add(importlib.import_module(f".{_info.name}", __name__).FAMILY)
 
 
 def family(config: ModelConfig) -> ModuleType:
-    """The family module of `config`'s model_type, imported on first use: each defines its
-    block's kernels, which a model of another family does not need."""
-    return importlib.import_module(f".{ARCHITECTURES[config.model_type]}", __name__)
+    """The family module that runs `config`'s model_type."""
+    return importlib.import_module(f".{families.of(config.model_type).name}", __name__)

@@ -6,14 +6,21 @@ import math
 
 import numpy as np
 
-from nibble.formats.config import ModelConfig
+from nibble.formats.config import ModelConfig, sliding_where_typed
+from nibble.formats.errors import FormatError
+from nibble.formats.families import Family, GGUFArch
+from nibble.formats.gguf_metadata import float32_decimal
 from nibble.formats.half import HalfTensor
-from ..kernels.gemma3 import Gemma3Weights, gemma3_layer
+from nibble.formats.values import COUNT, number
 from ..rope import rope_tables
 from . import llama
 
-block = gemma3_layer
 INPUTS = llama.INPUTS   # the same projections feed gemma3_layer's four act_sq rows
+
+
+def block():
+    from ..kernels.gemma3 import gemma3_layer
+    return gemma3_layer
 
 
 def norm(get, name: str, shape: tuple) -> np.ndarray | None:
@@ -23,7 +30,8 @@ def norm(get, name: str, shape: tuple) -> np.ndarray | None:
     return None if w is None else 1 + w
 
 
-def layer(get, c: ModelConfig, i: int) -> Gemma3Weights:
+def layer(get, c: ModelConfig, i: int):
+    from ..kernels.gemma3 import Gemma3Weights
     D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
@@ -74,3 +82,58 @@ def ropes(c: ModelConfig, ctx: int) -> list[tuple[np.ndarray, np.ndarray]]:
     sliding = dataclasses.replace(c, rope_theta=c.rope_local_base_freq, rope_scaling=None)
     tables = {"full_attention": rope_tables(c, ctx), "sliding_attention": rope_tables(sliding, ctx)}
     return [tables[t] for t in c.layer_types]
+
+
+# ---- the config and the files -------------------------------------------------------------------
+
+def _configure(c: ModelConfig) -> None:
+    """Refuses what the block does not run; spells out layer_types from sliding_window_pattern as
+    transformers does for older configs."""
+    if c.attention_bias:
+        raise FormatError("config.json: nibble cannot run attention_bias=True for gemma3 (its block "
+                          "has no q/k/v/o biases)")
+    for name in ("query_pre_attn_scalar", "rope_local_base_freq"):   # its block's, not optional
+        number(above=0).check(f"config.json: {name}", getattr(c, name))
+    if c.layer_types is None:   # every sliding_window_pattern-th layer is global
+        COUNT.check("config.json: sliding_window_pattern", c.sliding_window_pattern)
+        c.layer_types = ["full_attention" if (i + 1) % c.sliding_window_pattern == 0
+                         else "sliding_attention" for i in range(c.num_hidden_layers)]
+
+
+def _gguf_fields(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    if a + "final_logit_softcapping" in meta:
+        raise FormatError("GGUF gemma3.final_logit_softcapping is set; nibble's gemma3 has "
+                          "no logit soft-capping")
+    window = meta.get(a + "attention.sliding_window", 0)
+    # a flag per layer, or every n-th layer global (llama.cpp: n = 6 if the file has none)
+    pattern = meta.get(a + "attention.sliding_window_pattern", 6)
+    slides = (pattern if isinstance(pattern, list) else
+              [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)])
+    return dict(
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if window and s else "full_attention" for s in slides],
+        rope_local_base_freq=float32_decimal(meta.get(a + "rope.freq_base_swa", 10000.0)),
+        # not in the file: llama.cpp scales scores by 1/sqrt(head_dim), by 1/sqrt(hidden /
+        # heads) for the 62-layer 27B (Gemma 3's query_pre_attn_scalar)
+        query_pre_attn_scalar=width if layers == 62 else head_dim)
+
+
+# What Gemma3TextConfig assumes for the fields a config.json leaves out (and its default_theta for
+# the RoPE bases)
+FAMILY = Family(
+    "gemma3",
+    model_types={"gemma3_text": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
+        tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+        rope_theta=1e6, rope_local_base_freq=1e4)},
+    windows=lambda c: sliding_where_typed(c.layer_types, c.sliding_window or 0),   # where layer_types says
+    configure=_configure, local_rope=True,
+    # Gemma's RMSNorm scales by (1 + w): the converter stored 1 + w
+    gguf={"gemma3": GGUFArch("gemma3_text", norm_shift=1.0,
+                             block_names={"ffn_norm": "pre_feedforward_layernorm",
+                                          "post_attention_norm": "post_attention_layernorm",
+                                          "post_ffw_norm": "post_feedforward_layernorm"},
+                             fields=_gguf_fields)},
+)

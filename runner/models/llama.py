@@ -2,17 +2,25 @@
 Qwen3 (an RMSNorm over each query and key head before RoPE) and SmolLM3 (no RoPE in some layers)."""
 import numpy as np
 
-from nibble.formats.config import ModelConfig
-from ..kernels.layer import LayerWeights, decoder_layer
+from nibble.formats.config import ModelConfig, one_window, sliding_where_typed
+from nibble.formats.errors import FormatError
+from nibble.formats.families import Family, GGUFArch
+from nibble.formats.values import COUNT
 from ..rope import rope_tables
 
-block = decoder_layer
 # the projections whose input each of decoder_layer's four act_sq rows collects (calibrate.py)
 INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
-def layer(get, c: ModelConfig, i: int) -> LayerWeights:
+def block():
+    """The block's kernel (imported with numba when a model is built, not when a config is read)."""
+    from ..kernels.layer import decoder_layer
+    return decoder_layer
+
+
+def layer(get, c: ModelConfig, i: int):
+    from ..kernels.layer import LayerWeights
     D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
@@ -52,3 +60,68 @@ def ropes(c: ModelConfig, ctx: int) -> list[tuple[np.ndarray, np.ndarray]]:
     table = rope_tables(c, ctx)
     none = (np.zeros((ctx, 0), np.float32),) * 2
     return [table if rope else none for rope in c.rope_layers]
+
+
+# ---- the config and the files -------------------------------------------------------------------
+
+def _configure(c: ModelConfig) -> None:
+    if c.model_type == "qwen2":
+        c.attention_bias = True   # Qwen2 always has q/k/v biases; its config does not say so
+    elif c.model_type == "mistral":
+        c.attention_bias = False   # transformers' mistral has no biases, whatever it says
+    elif c.attention_bias:
+        raise FormatError(f"config.json: nibble cannot run attention_bias=True for "
+                          f"{c.model_type} (transformers gives its o_proj a bias too)")
+
+
+def _rope_layers(c: ModelConfig) -> list[bool]:
+    """smollm3's no_rope_layers (0: a NoPE layer; by default every no_rope_layer_interval-th
+    layer); RoPE in every layer of the others."""
+    L, flags = c.num_hidden_layers, c.no_rope_layers
+    if c.model_type != "smollm3":
+        return [True] * L
+    if flags is None:
+        every = c.extra.get("no_rope_layer_interval", 4)
+        COUNT.check("config.json: no_rope_layer_interval", every)
+        flags = [int((i + 1) % every != 0) for i in range(L)]
+    if len(flags) < L:
+        raise FormatError(f"config.json: no_rope_layers has {len(flags)} entries for {L} layers")
+    return [bool(f) for f in flags[:L]]
+
+
+def _windows(c: ModelConfig) -> list[int]:
+    """qwen2 and qwen3 slide in the "sliding_attention" layers and only with use_sliding_window,
+    smollm3 in the "sliding_attention" layers (by default its NoPE layers, with
+    use_sliding_window), mistral in every layer, llama in none."""
+    types, window = c.layer_types, c.sliding_window or 0
+    if c.model_type in ("qwen2", "qwen3"):
+        if types is None:
+            first = 28 if c.max_window_layers is None else c.max_window_layers   # Qwen2/3Config's default
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(c.num_hidden_layers)]
+        return sliding_where_typed(types, window if c.use_sliding_window else 0)
+    if c.model_type == "smollm3":
+        if types is None:   # by default its NoPE layers slide
+            slide = c.use_sliding_window and window
+            types = ["sliding_attention" if slide and not rope else "full_attention" for rope in c.rope_layers]
+        return sliding_where_typed(types, window)
+    # transformers' LlamaModel has no sliding window, whatever the config says
+    return one_window(c, 0 if c.model_type == "llama" else window)
+
+
+def _smollm3_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """Not in the file: llama.cpp has no RoPE in every 4th layer."""
+    return dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)])
+
+
+# a window that config.json leaves out is 4096, not none (qwen2/3: with use_sliding_window)
+FAMILY = Family(
+    "llama",
+    model_types={"llama": {}, "mistral": dict(sliding_window=4096), "qwen2": dict(sliding_window=4096),
+                 "qwen3": dict(sliding_window=4096, head_dim=128),   # not hidden_size / heads
+                 "smollm3": dict(rope_theta=2000000.0, num_key_value_heads=4, max_position_embeddings=32768,
+                                 tie_word_embeddings=True)},
+    windows=_windows, configure=_configure, rope_layers=_rope_layers,
+    # the converter's LlamaModel and its subclasses permute q/k
+    gguf={"llama": GGUFArch("llama", permuted_qk=True), "qwen2": GGUFArch("qwen2"), "qwen3": GGUFArch("qwen3"),
+          "smollm3": GGUFArch("smollm3", permuted_qk=True, fields=_smollm3_gguf)},
+)

@@ -4,18 +4,19 @@ rotary (Phi-4-mini's partial_rotary_factor) is in the RoPE tables: they are as w
 they rotate (rope.py)."""
 import numpy as np
 
-from nibble.formats.config import ModelConfig
-from ..kernels.layer import LayerWeights, decoder_layer
-from ..kernels.linear import Weight, row_block
+from nibble.formats.config import ModelConfig, one_window
+from nibble.formats.errors import FormatError
+from nibble.formats.families import Family, GGUFArch
 from . import llama
 
-block = decoder_layer
+block = llama.block
 ropes = llama.ropes   # one table for every layer
 norm, embed_scale = llama.norm, llama.embed_scale
 INPUTS = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
 
 
-def layer(get, c: ModelConfig, i: int) -> LayerWeights:
+def layer(get, c: ModelConfig, i: int):
+    from ..kernels.layer import LayerWeights
     D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
@@ -36,8 +37,40 @@ def layer(get, c: ModelConfig, i: int) -> LayerWeights:
     )
 
 
-def _split(w: Weight | None, sizes: tuple[int, ...]) -> list[Weight | None]:
-    """Consecutive blocks of rows of w, `sizes` rows each, as views (None where w is missing:
-    Model names the missing tensors after reading every layer)."""
+def _split(w, sizes: tuple[int, ...]) -> list:
+    """Consecutive blocks of rows of w (a Weight), `sizes` rows each, as views (None where w is
+    missing: Model names the missing tensors after reading every layer)."""
+    from ..kernels.linear import row_block
     ends = np.cumsum(sizes)
     return [None if w is None else row_block(w, end - n, end) for n, end in zip(sizes, ends)]
+
+
+# ---- the config and the files -------------------------------------------------------------------
+
+def _rope(c: ModelConfig, s: dict) -> str:
+    """Phi3Config's RoPE (in place on s): "su" and "yarn" are its old names for longrope, and a
+    longrope block takes the top-level original_max_position_embeddings over its own."""
+    kind = s["rope_type"]
+    if kind == "longrope":
+        s["original_max_position_embeddings"] = c.original_max_position_embeddings
+    elif kind in ("su", "yarn"):
+        kind = s["rope_type"] = "longrope"
+    elif kind != "default":
+        raise FormatError(f"config.json: phi3 runs default or longrope RoPE, not {kind!r}")
+    return kind
+
+
+def _gguf_fields(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp disables phi3's sliding window: full attention everywhere."""
+    return dict(original_max_position_embeddings=meta.get(a + "rope.scaling.original_context_length"))
+
+
+FAMILY = Family(
+    "phi3",
+    model_types={"phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
+                              original_max_position_embeddings=4096)},
+    windows=lambda c: one_window(c, c.sliding_window or 0),   # every layer slides
+    rope=_rope, partial_rotary=True,
+    gguf={"phi3": GGUFArch("phi3", block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                           fields=_gguf_fields)},   # kept fused
+)
