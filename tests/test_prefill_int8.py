@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels import prefill_int8
 from nibble.runner.kernels.cpu import SMALL
-from nibble.runner.kernels.linear import prepare, project_qkv, qmatmul, swiglu
+from nibble.runner.kernels.linear import gated_mlp, prepare, project_qkv, qmatmul
 from nibble.runner.kernels.prefill_int8 import matmul_int8
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize, twin_integers
@@ -150,9 +150,11 @@ def test_x_rounded_once_for_the_projections_of_one_input(T, bits, groups):
         np.testing.assert_array_equal(got, want)
     gate, up = ws[0], ws[2]
     out = np.empty_like(alone[0][:, :gate.weight.shape[0]])
-    _swiglu_jit(x, gate, gate, out)
+    _gated_jit(x, gate, gate, out, False)
     g = alone[0].astype(np.float64)
     np.testing.assert_allclose(out, reference.silu(g) * g, rtol=1e-6, atol=1e-7)
+    _gated_jit(x, gate, gate, out, True)
+    np.testing.assert_allclose(out, reference.gelu_tanh(g) * g, rtol=1e-5, atol=1e-6)   # as test_gelu_tanh_mul
 
 
 @njit
@@ -161,5 +163,5 @@ def _project_qkv_jit(x, wq, wk, wv, q, k, v):
 
 
 @njit
-def _swiglu_jit(x, w_gate, w_up, out):
-    swiglu(x, w_gate, w_up, out)
+def _gated_jit(x, w_gate, w_up, out, gelu):
+    gated_mlp(x, w_gate, w_up, out, gelu)

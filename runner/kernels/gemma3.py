@@ -12,7 +12,7 @@ from numba import njit
 
 from . import cpu
 from .layer import self_attention
-from .linear import Weight, linear, out_features
+from .linear import Weight, gated_mlp, linear, out_features
 
 
 class Gemma3Weights(NamedTuple):
@@ -61,10 +61,7 @@ def gemma3_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     # feed-forward block: x += norm((gelu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T), h = norm(x)
     cpu.rmsnorm(x, w.pre_feedforward_norm, eps, h)
     mlp = np.empty((T, out_features(w.w_gate)), np.float32)         # [T, F]
-    up = np.empty_like(mlp)
-    linear(h, w.w_gate, mlp, False)
-    linear(h, w.w_up, up, False)
-    cpu.gelu_tanh_mul(mlp, up)
+    gated_mlp(h, w.w_gate, w.w_up, mlp, True)               # GELU-gated
     if collect:
         cpu.add_squares(h, act_sq[2])
         cpu.add_squares(mlp, act_sq[3])

@@ -1,6 +1,6 @@
 """The decoder block as one jitted function, for float32, 16-bit float and quantized weights alike.
 
-Numba compiles it once per combination of weight types; `linear`, `project_qkv` and `swiglu`
+Numba compiles it once per combination of weight types; `linear`, `project_qkv` and `gated_mlp`
 choose their kernels at compile time from those types (float32: cpu's fused kernels; quantized
 and 16-bit: quant_decode's, half's and prefill's, through linear.py).
 """
@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit
 
 from . import cpu
-from .linear import Weight, linear, out_features, project_qkv, swiglu
+from .linear import Weight, gated_mlp, linear, out_features, project_qkv
 
 
 class LayerWeights(NamedTuple):
@@ -64,7 +64,7 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     # feed-forward block
     cpu.rmsnorm(x, w.post_norm, eps, h)
     mlp = np.empty((T, out_features(w.w_gate)), np.float32)         # [T, F]
-    swiglu(h, w.w_gate, w.w_up, mlp)
+    gated_mlp(h, w.w_gate, w.w_up, mlp, False)             # SwiGLU
     if collect:
         cpu.add_squares(h, act_sq[2])
         cpu.add_squares(mlp, act_sq[3])

@@ -226,33 +226,50 @@ def _prefill_rounded(rounded, x, w, out):
     prefill_int8.matmul_rounded(rounded, w, out, bool(False))   # a plain bool, as above
 
 
-def swiglu(x, w_gate, w_up, out):
-    """out = silu(x @ w_gate.T) * (x @ w_up.T)"""
+def gated_mlp(x, w_gate, w_up, out, gelu):
+    """out = act(x @ w_gate.T) * (x @ w_up.T): act SiLU (SwiGLU), or GELU's tanh approximation if
+    `gelu` (GeGLU); x rounded once for both where their weights take it rounded alike."""
     up = np.empty_like(out)
     linear(x, w_gate, out, False)
     linear(x, w_up, up, False)
-    out *= up / (1 + np.exp(-out))
+    _activate(out, up, gelu)
 
 
-@overload(swiglu)
-def _swiglu(x, w_gate, w_up, out):
+@overload(gated_mlp)
+def _gated_mlp(x, w_gate, w_up, out, gelu):
     if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
-        return lambda x, w_gate, w_up, out: cpu.swiglu(x, w_gate, w_up, out)
+        return lambda x, w_gate, w_up, out, gelu: _gated_float(x, w_gate, w_up, out, gelu)
     if _rounded_alike(w_gate, w_up):
-        return lambda x, w_gate, w_up, out: _swiglu_rounded_once(x, w_gate, w_up, out)
-    return lambda x, w_gate, w_up, out: _swiglu_each(x, w_gate, w_up, out)
+        return lambda x, w_gate, w_up, out, gelu: _gated_rounded_once(x, w_gate, w_up, out, gelu)
+    return lambda x, w_gate, w_up, out, gelu: _gated_each(x, w_gate, w_up, out, gelu)
+
+
+@njit(inline="always", **_jit)
+def _activate(g, up, gelu):
+    if gelu:
+        cpu.gelu_tanh_mul(g, up)
+    else:
+        cpu.silu_mul(g, up)
 
 
 @njit(**_jit)
-def _swiglu_each(x, w_gate, w_up, out):
+def _gated_float(x, w_gate, w_up, out, gelu):
+    if not gelu:
+        cpu.swiglu(x, w_gate, w_up, out)   # decode: both matrices in one pass
+        return
+    _gated_each(x, w_gate, w_up, out, gelu)
+
+
+@njit(**_jit)
+def _gated_each(x, w_gate, w_up, out, gelu):
     up = np.empty_like(out)
     linear(x, w_gate, out, False)
     linear(x, w_up, up, False)
-    cpu.silu_mul(out, up)
+    _activate(out, up, gelu)
 
 
 @njit(**_jit)
-def _swiglu_rounded_once(x, w_gate, w_up, out):
+def _gated_rounded_once(x, w_gate, w_up, out, gelu):
     up = np.empty_like(out)
     if x.shape[0] <= SMALL:
         rounded = quant_decode.round_rows(x, w_gate.group_size, w_gate.bits)
@@ -262,4 +279,4 @@ def _swiglu_rounded_once(x, w_gate, w_up, out):
         rounded = prefill_int8.round_rows(x, w_gate.bits)
         _prefill_rounded(rounded, x, w_gate, out)
         _prefill_rounded(rounded, x, w_up, up)
-    cpu.silu_mul(out, up)
+    _activate(out, up, gelu)
