@@ -25,6 +25,23 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
+def moe_mlp(h, router, w_gate, w_up, w_down, top_k, renormalize):
+    """A mixture of experts' MLP on h [T, D] (HF's Qwen3MoeSparseMoeBlock): softmax over the
+    router's logits, the k most probable experts (renormalised over the k if asked), the sum of
+    their SwiGLU MLPs weighted by those probabilities. Stacked weights: [E, F, D], [E, D, F]."""
+    h = h.astype(np.float64)
+    logits = h @ router.T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        chosen = np.argsort(-p[t], kind="stable")[:top_k]
+        weights = p[t, chosen] / (p[t, chosen].sum() if renormalize else 1.0)
+        for e, pe in sorted(zip(chosen, weights)):
+            out[t] += pe * (silu(h[t] @ w_gate[e].T) * (h[t] @ w_up[e].T)) @ w_down[e].T
+    return out
+
+
 def inv_frequencies(c: ModelConfig, seq_len: int):
     """[dim/2] inverse frequencies and the factor on cos and sin for a sequence of seq_len tokens,
     written as HF's _compute_*_parameters do it, independently of runner/rope.py (dim: the
