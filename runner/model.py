@@ -6,6 +6,7 @@ import numpy as np
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
+from nibble.quant.affine import QuantizedTensor
 from nibble.quant.convert import read_linear
 from .cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
 from .kernels import compiling, prefill
@@ -231,6 +232,24 @@ class _TensorGetter:
             raise FormatError(f"quantized tensor {path}.weight holds a {qt.shape[0]}x{qt.shape[1]} "
                               f"matrix, the config needs {shape[0]}x{shape[1]}")
         return prepare(qt)
+
+    def experts(self, path: str, name: str, count: int, shape: tuple) -> Weight | None:
+        """The `count` experts' matrices `name` of the MoE module `path` (path.E.name), stacked
+        into one weight with a leading expert axis (kernels/moe.py): float32 [E, N, K], or
+        quantized with stacked arrays. A copy: each expert is its own tensor in the file."""
+        parts = [self.linear(f"{path}.{e}.{name}", shape) for e in range(count)]
+        if any(p is None for p in parts):
+            return None
+        parts = [p.widen() if isinstance(p, HalfTensor) else p for p in parts]   # 16-bit: float32
+        if all(isinstance(p, np.ndarray) for p in parts):
+            return np.stack(parts)
+        kinds = {(type(p), p.scales.dtype, p.bf16) if isinstance(p, QuantizedTensor) else None for p in parts}
+        if len(kinds) > 1 or None in kinds:
+            raise FormatError(f"the experts' {path}.*.{name} are not all stored alike: nibble stacks "
+                              f"them into one weight")
+        first = parts[0]
+        return type(first)(*(np.stack([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")),
+                           first.bits, first.group_size, first.bf16)
 
     def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
         """A float32 tensor: norm weights and biases, which are small (1-D), widened if stored

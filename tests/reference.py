@@ -177,6 +177,12 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
         a = attention(q, k, v, pos, c.windows[i]).reshape(T, H * hd)
         x = x + lin(a, "self_attn.o_proj")
         h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        if p + "mlp.gate.weight" in W:   # a mixture of experts (qwen3_moe's sparse layers)
+            E = W[p + "mlp.gate.weight"].shape[0]
+            stacked = lambda n: np.stack([W[f"{p}mlp.experts.{e}.{n}.weight"] for e in range(E)])
+            x = x + moe_mlp(h, W[p + "mlp.gate.weight"], stacked("gate_proj"), stacked("up_proj"),
+                            stacked("down_proj"), c.extra["num_experts_per_tok"], c.extra["norm_topk_prob"])
+            continue
         if p + "mlp.gate_up_proj.weight" in W:   # phi3: gate and up in one matrix, HF's chunk(2)
             gate, up = np.split(lin(h, "mlp.gate_up_proj"), 2, axis=-1)
         else:

@@ -7,10 +7,12 @@ and 16-bit: quant_decode's, half's and prefill's, through linear.py).
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from . import cpu
 from .linear import Weight, gated_mlp, linear, out_features, project_qkv
+from .moe import MoEWeights, moe_mlp
 
 
 class LayerWeights(NamedTuple):
@@ -34,6 +36,27 @@ class LayerWeights(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Bytes of all the block's weights: what a decoded token reads of it."""
+        return sum(w.nbytes for w in self)
+
+
+class MoELayerWeights(NamedTuple):
+    """A decoder block whose MLP is a mixture of experts: LayerWeights' attention, moe's MLP."""
+    input_norm: np.ndarray
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    bq: np.ndarray
+    bk: np.ndarray
+    bv: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    wo: Weight
+    post_norm: np.ndarray
+    moe: MoEWeights
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the block's weights, every expert's."""
         return sum(w.nbytes for w in self)
 
 
@@ -63,12 +86,32 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     linear(attn, w.wo, x, True)                             # residual: x += attn @ wo.T
     # feed-forward block
     cpu.rmsnorm(x, w.post_norm, eps, h)
-    mlp = np.empty((T, out_features(w.w_gate)), np.float32)         # [T, F]
-    gated_mlp(h, w.w_gate, w.w_up, mlp, False)             # SwiGLU
     if collect:
         cpu.add_squares(h, act_sq[2])
-        cpu.add_squares(mlp, act_sq[3])
-    linear(mlp, w.w_down, x, True)                          # residual: x += mlp @ w_down.T
+    feed_forward(h, w, x, act_sq)                           # residual: x += mlp(h)
+
+
+def feed_forward(h, w, x, act_sq):
+    """x += the block's MLP of h: SwiGLU (LayerWeights) or a mixture of experts
+    (MoELayerWeights), chosen by w's type (njit code only)."""
+
+
+@overload(feed_forward, inline="always", jit_options=cpu._jit)
+def _feed_forward_typed(h, w, x, act_sq):
+    if isinstance(w, types.BaseNamedTuple) and w.instance_class is MoELayerWeights:
+        def mixture(h, w, x, act_sq):
+            out = np.empty_like(h)
+            moe_mlp(h, w.moe, out)
+            x += out
+        return mixture
+
+    def dense(h, w, x, act_sq):
+        mlp = np.empty((h.shape[0], out_features(w.w_gate)), np.float32)   # [T, F]
+        gated_mlp(h, w.w_gate, w.w_up, mlp, False)         # SwiGLU
+        if act_sq.shape[0] > 0:
+            cpu.add_squares(mlp, act_sq[3])
+        linear(mlp, w.w_down, x, True)                      # x += mlp @ w_down.T
+    return dense
 
 
 @njit(inline="always", **cpu._jit)

@@ -21,13 +21,26 @@ def block():
 
 def layer(get, c: ModelConfig, i: int):
     from ..kernels.layer import LayerWeights
-    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    D, F = c.hidden_size, c.intermediate_size
+    p = f"model.layers.{i}."
+    return LayerWeights(
+        **attention(get, c, i),
+        w_gate=get.linear(p + "mlp.gate_proj", (F, D)),
+        w_up=get.linear(p + "mlp.up_proj", (F, D)),
+        w_down=get.linear(p + "mlp.down_proj", (D, F)),
+    )
+
+
+def attention(get, c: ModelConfig, i: int) -> dict:
+    """Block i's weights up to its MLP (the attention half and its norms), as LayerWeights and
+    MoELayerWeights name them."""
+    D, hd = c.hidden_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
     bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
-    # empty for the models without q/k norms: decoder_layer skips them
-    qk_norm = get if c.model_type == "qwen3" else lambda name, shape: np.zeros(0, np.float32)
-    return LayerWeights(
+    # empty for the models without q/k norms: the block skips them
+    qk_norm = get if c.model_type in ("qwen3", "qwen3_moe") else lambda name, shape: np.zeros(0, np.float32)
+    return dict(
         input_norm=get(p + "input_layernorm.weight", (D,)),
         wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
         wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
@@ -39,9 +52,6 @@ def layer(get, c: ModelConfig, i: int):
         k_norm=qk_norm(p + "self_attn.k_norm.weight", (hd,)),
         wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
         post_norm=get(p + "post_attention_layernorm.weight", (D,)),
-        w_gate=get.linear(p + "mlp.gate_proj", (F, D)),
-        w_up=get.linear(p + "mlp.up_proj", (F, D)),
-        w_down=get.linear(p + "mlp.down_proj", (D, F)),
     )
 
 

@@ -1,0 +1,75 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3's attention (q/k norms) and, in its
+sparse layers, a mixture of experts for the MLP: softmax over the router's logits, the top
+num_experts_per_tok experts, their probabilities renormalised if norm_topk_prob. Every
+decoder_sparse_step-th layer is sparse, except those in mlp_only_layers (a dense MLP)."""
+import numpy as np
+
+from nibble.formats.config import ModelConfig, one_window
+from nibble.formats.errors import FormatError
+from nibble.formats.families import Family
+from nibble.formats.values import BOOL, COUNT, integer, list_of
+from . import llama
+
+block, ropes, norm, embed_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale
+INPUTS = llama.INPUTS
+
+
+def experts(c: ModelConfig) -> int:
+    """num_experts, or num_local_experts as transformers 5 writes it (128 if neither)."""
+    return c.extra.get("num_experts", c.extra.get("num_local_experts", 128))
+
+
+def sparse(c: ModelConfig, i: int) -> bool:
+    """Whether layer i's MLP is the mixture of experts (Qwen3MoeDecoderLayer's rule)."""
+    step = c.extra["decoder_sparse_step"]
+    return i not in c.extra["mlp_only_layers"] and experts(c) > 0 and (i + 1) % step == 0
+
+
+def layer(get, c: ModelConfig, i: int):
+    from ..kernels.layer import MoELayerWeights
+    from ..kernels.moe import MoEWeights
+    if not sparse(c, i):
+        return llama.layer(get, c, i)
+    D, E, F = c.hidden_size, experts(c), c.extra["moe_intermediate_size"]
+    p = f"model.layers.{i}.mlp."
+    moe = MoEWeights(get(p + "gate.weight", (E, D)),
+                     get.experts(p + "experts", "gate_proj", E, (F, D)),
+                     get.experts(p + "experts", "up_proj", E, (F, D)),
+                     get.experts(p + "experts", "down_proj", E, (D, F)),
+                     c.extra["num_experts_per_tok"], c.extra["norm_topk_prob"])
+    return MoELayerWeights(**llama.attention(get, c, i), moe=moe)
+
+
+# ---- the config and the files -------------------------------------------------------------------
+
+FIELDS = {"num_experts": COUNT, "num_local_experts": COUNT, "num_experts_per_tok": COUNT,
+          "moe_intermediate_size": COUNT, "norm_topk_prob": BOOL, "decoder_sparse_step": COUNT,
+          "mlp_only_layers": list_of(integer(), "layer indexes")}
+
+
+def _configure(c: ModelConfig) -> None:
+    llama.FAMILY.configure(c)   # qwen3's rule: no attention bias
+    if c.extra.get("mlp_only_layers") is None:   # null in a config.json: none
+        c.extra["mlp_only_layers"] = []
+    for name, kind in FIELDS.items():
+        if name in c.extra:
+            kind.check(f"config.json: {name}", c.extra[name])
+    E = experts(c)
+    if c.extra["num_experts_per_tok"] > E:
+        raise FormatError(f"config.json: num_experts_per_tok ({c.extra['num_experts_per_tok']}) is more "
+                          f"than the {E} experts")
+
+
+def _windows(c: ModelConfig) -> list[int]:
+    """Qwen3MoeConfig keeps sliding_window only with use_sliding_window, and its attention then
+    slides in every layer."""
+    return one_window(c, (c.sliding_window or 0) if c.use_sliding_window else 0)
+
+
+FAMILY = Family(
+    "qwen3_moe",
+    # Qwen3MoeConfig's defaults
+    model_types={"qwen3_moe": dict(sliding_window=4096, num_experts_per_tok=8, moe_intermediate_size=768,
+                                   norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])},
+    windows=_windows, configure=_configure,
+)
