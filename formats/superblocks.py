@@ -21,8 +21,8 @@ def shape(rows: int, cols: int, group_size: int) -> tuple[int, int, int]:
 
 
 def is_two_level(a) -> bool:
-    """Whether scales or biases `a` are stored in two levels (else one float a group)."""
-    return getattr(a, "ndim", 2) == 3
+    """Whether scales or biases `a` are stored in two levels (bytes; else one float a group)."""
+    return getattr(a, "dtype", None) == np.uint8
 
 
 def pack(supers: np.ndarray, ints: np.ndarray) -> np.ndarray:

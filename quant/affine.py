@@ -63,17 +63,18 @@ class QuantizedTensor(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(N, K), as a float matrix's shape."""
-        return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
+        """(N, K), as a float matrix's shape; of each expert's matrix where the arrays are
+        stacked experts' (a leading expert axis on each: a mixture of experts' weights)."""
+        return self.weight.shape[-2], self.weight.shape[-1] * 32 // self.bits
 
     @property
     def groups_shape(self) -> tuple[int, ...]:
-        """The shape scales and biases must have: (N, K/G), or in two levels (superblocks)
-        (N, K/256, 2 + 256/G)."""
+        """The shape scales and biases must have: (N, K/G) (after the expert axis, if stacked),
+        or in two levels (superblocks) (N, K/256, 2 + 256/G)."""
         N, K = self.shape
         if superblocks.is_two_level(self.scales):
             return superblocks.shape(N, K, self.group_size)
-        return N, K // self.group_size
+        return *self.weight.shape[:-2], N, K // self.group_size
 
     @property
     def nbytes(self) -> int:

@@ -336,9 +336,10 @@ def _scheme_for(quantization: dict | None, tensors: dict[str, np.ndarray],
 
 def _check_layout(qt: QuantizedTensor, path: str) -> None:
     w = qt.weight
-    if w.dtype != np.uint32 or w.ndim != 2:
+    stacked = w.ndim == 3 and not superblocks.is_two_level(qt.scales)   # experts, one matrix each
+    if w.dtype != np.uint32 or (w.ndim != 2 and not stacked):
         raise FormatError(f"{path}.weight should be a uint32 matrix of packed "
-                          f"{qt.bits}-bit values, got {w.dtype} of shape {w.shape}")
+                          f"{qt.bits}-bit values (or experts' matrices stacked), got {w.dtype} of shape {w.shape}")
     expected = qt.groups_shape
     for name, t in (("scales", qt.scales), ("biases", qt.biases)):
         if t.shape != expected:

@@ -234,10 +234,22 @@ class _TensorGetter:
         return prepare(qt)
 
     def experts(self, path: str, name: str, count: int, shape: tuple) -> Weight | None:
-        """The `count` experts' matrices `name` of the MoE module `path` (path.E.name), stacked
-        into one weight with a leading expert axis (kernels/moe.py): float32 [E, N, K], or
-        quantized with stacked arrays. A copy: each expert is its own tensor in the file."""
-        parts = [self.linear(f"{path}.{e}.{name}", shape) for e in range(count)]
+        """The `count` experts' matrices `name` [N, K] of the MoE module `path` (a layer's mlp) as
+        one weight with a leading expert axis (kernels/moe.py): float32 [E, N, K], or quantized
+        with stacked arrays. Stored stacked (MLX's `path.switch_mlp.name`), as stored (a
+        quantized one stays in the file's memory map); one tensor an expert
+        (`path.experts.E.name`), stacked here: a copy."""
+        stacked = f"{path}.switch_mlp.{name}"
+        if f"{stacked}.weight" in self.tensors:
+            w = read_linear(self.tensors, self.quantization, stacked)
+            if isinstance(w, QuantizedTensor):
+                if w.weight.shape[0] != count or w.shape != shape:
+                    raise FormatError(f"quantized tensor {stacked}.weight holds {w.weight.shape[0]} "
+                                      f"{w.shape[0]}x{w.shape[1]} matrices, the config needs {count} "
+                                      f"{shape[0]}x{shape[1]}")
+                return prepare(w)
+            return self(f"{stacked}.weight", (count, *shape))
+        parts = [self.linear(f"{path}.experts.{e}.{name}", shape) for e in range(count)]
         if any(p is None for p in parts):
             return None
         parts = [p.widen() if isinstance(p, HalfTensor) else p for p in parts]   # 16-bit: float32
@@ -245,8 +257,8 @@ class _TensorGetter:
             return np.stack(parts)
         kinds = {(type(p), p.scales.dtype, p.bf16) if isinstance(p, QuantizedTensor) else None for p in parts}
         if len(kinds) > 1 or None in kinds:
-            raise FormatError(f"the experts' {path}.*.{name} are not all stored alike: nibble stacks "
-                              f"them into one weight")
+            raise FormatError(f"the experts' {path}.experts.*.{name} are not all stored alike: nibble "
+                              f"stacks them into one weight")
         first = parts[0]
         return type(first)(*(np.stack([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")),
                            first.bits, first.group_size, first.bf16)

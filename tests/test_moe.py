@@ -60,3 +60,43 @@ def test_quantized_experts_match_the_twin_of_their_values(T):
     moe.moe_mlp(h, moe.MoEWeights(router, qgate, qup, qdown, 2, True), out)
     want = reference.moe_mlp(h, router, fgate, fup, fdown, 2, True)
     np.testing.assert_allclose(out, want, rtol=0.05, atol=0.02 * np.abs(want).max())
+
+
+def test_stacked_experts_run_as_stored_and_as_one_tensor_each():
+    """A quantized MoE checkpoint holds its experts as MLX does, stacked (mlp.switch_mlp.*: kept in
+    the file's memory, no copy), or one tensor an expert (mlp.experts.N.*: stacked at load): the
+    same logits, bit for bit (the qwen3-moe fixture, its experts quantized to 4 bits)."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from nibble.formats.config import ModelConfig
+    from nibble.formats.safetensors import read_checkpoint
+    from nibble.runner.model import Model
+
+    folder = Path(__file__).parent / "data" / "transformers" / "qwen3-moe"
+    config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    config = dataclasses.replace(config, quantization={"group_size": 32, "bits": 4, "mode": "affine"})
+    floats = {k: (v.widen() if hasattr(v, "widen") else v) for k, v in read_checkpoint(folder).items()}
+    each, stacked = {}, {}
+    for name, t in floats.items():
+        if ".mlp.experts." not in name:
+            each[name] = stacked[name] = t
+            continue
+        qt = quantize(t, AffineScheme(4, 32), method="rtn")
+        path = name.removesuffix(".weight")
+        each |= {f"{path}.weight": qt.weight, f"{path}.scales": qt.scales, f"{path}.biases": qt.biases}
+    for layer in (0, 2):   # the sparse layers
+        E = sum(1 for k in each if k.startswith(f"model.layers.{layer}.mlp.experts.") and k.endswith("gate_proj.weight"))
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            for part in ("weight", "scales", "biases"):
+                stacked[f"model.layers.{layer}.mlp.switch_mlp.{m}.{part}"] = np.stack(
+                    [each[f"model.layers.{layer}.mlp.experts.{e}.{m}.{part}"] for e in range(E)])
+    tokens = np.load(folder / "tokens.npy")
+    logits = []
+    for tensors in (each, stacked):
+        model = Model(config, tensors)
+        logits.append(model.forward(tokens, model.new_cache(64), all_logits=True))
+    np.testing.assert_array_equal(logits[0], logits[1])
+    gate = Model(config, stacked).layers[0].moe.w_gate
+    assert np.shares_memory(gate.weight, stacked["model.layers.0.mlp.switch_mlp.gate_proj.weight"])

@@ -31,11 +31,10 @@ def layer(get, c: ModelConfig, i: int):
     if not sparse(c, i):
         return llama.layer(get, c, i)
     D, E, F = c.hidden_size, experts(c), c.extra["moe_intermediate_size"]
-    p = f"model.layers.{i}.mlp."
-    moe = MoEWeights(get(p + "gate.weight", (E, D)),
-                     get.experts(p + "experts", "gate_proj", E, (F, D)),
-                     get.experts(p + "experts", "up_proj", E, (F, D)),
-                     get.experts(p + "experts", "down_proj", E, (D, F)),
+    p = f"model.layers.{i}.mlp"
+    moe = MoEWeights(get(p + ".gate.weight", (E, D)),
+                     get.experts(p, "gate_proj", E, (F, D)), get.experts(p, "up_proj", E, (F, D)),
+                     get.experts(p, "down_proj", E, (D, F)),
                      c.extra["num_experts_per_tok"], c.extra["norm_topk_prob"])
     return MoELayerWeights(**llama.attention(get, c, i), moe=moe)
 
