@@ -20,6 +20,7 @@ from nibble.formats.model_dir import ModelDir, write_model_dir
 from nibble.formats.safetensors import TensorSpec, TensorStream
 from nibble.quant.convert import default_calibration_text
 from .model import Model
+from .models import family
 
 _LLAMA_3_2 = dict(max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
@@ -41,6 +42,12 @@ SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    # a token reads the attention and 8 of the 128 experts of each layer: about 3B of 30B weights
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True),
 }
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -48,8 +55,10 @@ INIT_STD = 0.02   # of a fresh model's weights (transformers' initializer_range)
 
 
 def random_model(shapes: str | dict, bits: int, group_size: int = 64, seed: int = 0) -> Model:
-    """A llama model of SHAPES[shapes] (or of the config fields given) with random `bits`-bit
-    weights in MLX's layout, every matrix its own: nothing is shared that a cache could keep."""
+    """A model of SHAPES[shapes] (or of the config fields given) with random `bits`-bit weights
+    in MLX's layout, every matrix its own: nothing is shared that a cache could keep. The
+    projections (`*_proj`, an MoE's stacked experts among them) are quantized; a router stays
+    float32, as `nibble quantize` leaves it."""
     c = _config(shapes, quantization={"bits": bits, "group_size": group_size})
     rng = np.random.default_rng(seed)
     tensors = {}
@@ -59,12 +68,16 @@ def random_model(shapes: str | dict, bits: int, group_size: int = 64, seed: int 
             continue
         # uniform integers; scale and bias map them to [-sqrt(3/k), sqrt(3/k)]: variance 1/k,
         # so activations keep their size through the layers
-        (n, k), path = shape, name.removesuffix(".weight")
+        *lead, k = shape
+        path = name.removesuffix(".weight")
         half_range = np.sqrt(3 / k)
+        if not path.endswith("_proj") and path != "model.embed_tokens" and path != "lm_head":
+            tensors[name] = rng.uniform(-half_range, half_range, shape).astype(np.float32)
+            continue
         scale = np.float16(2 * half_range / (2 ** bits - 1))
-        tensors[name] = rng.integers(0, 2 ** 32, (n, k * bits // 32), dtype=np.uint32)
-        tensors[f"{path}.scales"] = np.full((n, k // group_size), scale, np.float16)
-        tensors[f"{path}.biases"] = np.full((n, k // group_size), -half_range, np.float16)
+        tensors[name] = rng.integers(0, 2 ** 32, (*lead, k * bits // 32), dtype=np.uint32)
+        tensors[f"{path}.scales"] = np.full((*lead, k // group_size), scale, np.float16)
+        tensors[f"{path}.biases"] = np.full((*lead, k // group_size), -half_range, np.float16)
     return Model(c, tensors)
 
 
@@ -105,28 +118,22 @@ def byte_level_tokenizer(text: str, vocab_size: int) -> Tokenizer:
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a llama model (no biases; lm_head unless tied to the embedding) by Hugging
-    Face name, in a checkpoint's order: matrices [out, in], norms [D]."""
-    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, D)}
+    """Every tensor of the model (no biases; lm_head unless tied to the embedding) by Hugging
+    Face name, in a checkpoint's order, its blocks' as its family says (block_shapes)."""
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (D,), p + "self_attn.q_proj.weight": (q_dim, D),
-                   p + "self_attn.k_proj.weight": (kv_dim, D), p + "self_attn.v_proj.weight": (kv_dim, D),
-                   p + "self_attn.o_proj.weight": (D, q_dim), p + "post_attention_layernorm.weight": (D,),
-                   p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                   p + "mlp.down_proj.weight": (D, F)}
-    head = {} if c.tie_word_embeddings else {"lm_head.weight": (c.vocab_size, D)}
-    return shapes | {"model.norm.weight": (D,)} | head
+        shapes |= family(c).block_shapes(c, i)
+    head = {} if c.tie_word_embeddings else {"lm_head.weight": (c.vocab_size, c.hidden_size)}
+    return shapes | {"model.norm.weight": (c.hidden_size,)} | head
 
 
-def _config(shapes: str | dict, **fields) -> ModelConfig:
+def _config(shapes: str | dict, extra: dict | None = None, **fields) -> ModelConfig:
+    """A llama config (or the model_type the shapes name) of the shapes and fields given."""
     if isinstance(shapes, str):
         if shapes not in SHAPES:
             raise NibbleError(f"unknown shapes {shapes!r}: choose {', '.join(SHAPES)}")
         shapes = SHAPES[shapes]
-    return ModelConfig(model_type="llama", **shapes, **fields)
+    return ModelConfig.from_dict({"model_type": "llama", **shapes, **fields, **(extra or {})})
 
 
 def _random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> HalfTensor:
@@ -136,9 +143,10 @@ def _random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> HalfTensor
     if len(shape) == 1:
         return HalfTensor(np.full(shape, 0x3F80, np.uint16), bf16=True)   # 1.0
     bits = np.empty(shape, np.uint16)
-    step = max(1, (1 << 22) // shape[1])
-    for r in range(0, shape[0], step):
-        block = rng.standard_normal((min(step, shape[0] - r), shape[1]), np.float32)
+    rows = bits.reshape(-1, shape[-1])   # stacked experts' rows one after another
+    step = max(1, (1 << 22) // shape[-1])
+    for r in range(0, len(rows), step):
+        block = rng.standard_normal((min(step, len(rows) - r), shape[-1]), np.float32)
         block *= INIT_STD
-        bits[r:r + step] = block.view(np.uint32) >> 16
+        rows[r:r + step] = block.view(np.uint32) >> 16
     return HalfTensor(bits, bf16=True)

@@ -54,12 +54,25 @@ def test_random_model_has_the_shapes_and_quantization():
 
 
 @pytest.mark.parametrize("name, billions", [("llama-3.2-1b", 1.24), ("llama-3.2-3b", 3.21),
-                                            ("llama-2-7b", 6.74), ("qwen3-8b", 8.19)])
+                                            ("llama-2-7b", 6.74), ("qwen3-8b", 8.19), ("qwen3-30b-a3b", 30.53)])
 def test_shapes_have_the_models_parameter_count(name, billions):
     """Each entry of SHAPES holds as many parameters as the model card says (qwen3's q/k norms,
     a few thousand, aside): the synthetic model reads the bytes the real one would."""
     shapes = synthetic.weight_shapes(synthetic._config(name)).values()
     assert sum(math.prod(s) for s in shapes) / 1e9 == pytest.approx(billions, abs=0.005)
+
+
+def test_a_mixture_of_experts_reads_its_routed_experts_per_token():
+    """A random MoE model (qwen3_moe's block, stacked int4 experts) runs, and the bytes a decoded
+    token reads count top_k of the E experts of each layer, not all of them."""
+    moe = dict(SMALL, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    model = synthetic.random_model(moe, bits=4, group_size=32)
+    layer = model.layers[0]
+    experts = sum(w.nbytes for w in (layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down))
+    assert layer.moe.w_gate.weight.shape == (8, 64, 64 * 4 // 32)   # [E, F, D / 8 a word]
+    assert layer.moe.nbytes == layer.moe.router.nbytes + experts * 2 // 8
+    logits = model.forward([1, 2, 3], model.new_cache(8))
+    assert logits.shape == (1, 96) and np.isfinite(logits).all() and logits.std() > 0
 
 
 def test_tied_shapes_have_no_head():

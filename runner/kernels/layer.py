@@ -56,7 +56,7 @@ class MoELayerWeights(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all the block's weights, every expert's."""
+        """Bytes of the block's weights a decoded token reads: the routed experts' (moe.nbytes)."""
         return sum(w.nbytes for w in self)
 
 

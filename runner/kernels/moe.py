@@ -30,7 +30,10 @@ class MoEWeights(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self[:4])
+        """Bytes a decoded token reads on average: the router, and top_k of the E experts (the
+        weights held are the router and every expert)."""
+        experts = sum(w.nbytes for w in self[1:4])
+        return self.router.nbytes + experts * self.top_k // self.router.shape[0]
 
 
 def expert(w, e):

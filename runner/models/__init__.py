@@ -12,6 +12,8 @@ runs any of them. A family module has:
     ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
     norm(get, name, shape) -> an RMSNorm's weight as the kernels multiply by it (the final norm's too)
     embed_scale(config, embed) -> the factor on the embedded rows (embed: the embedding as loaded)
+    block_shapes(config, i) -> block i's tensors by Hugging Face name and shape (llama's and
+        qwen3_moe's: the random models of runner/synthetic.py)
     INPUTS: the weight names (after model.layers.<i>.) whose input each of the block's four act_sq
         rows collects: the q/k/v, o, gate/up and down projections (runner/calibrate.py)
 """

@@ -55,6 +55,26 @@ def attention(get, c: ModelConfig, i: int) -> dict:
     )
 
 
+def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Block i's tensors by Hugging Face name, in a checkpoint's order (no biases): matrices
+    [out, in], norms [D] (runner/synthetic.py makes random models of them)."""
+    D, F = c.hidden_size, c.intermediate_size
+    p = f"model.layers.{i}."
+    return attention_shapes(c, i) | {p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                                     p + "mlp.down_proj.weight": (D, F)}
+
+
+def attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    D, hd = c.hidden_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    p = f"model.layers.{i}."
+    norms = {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)} if c.model_type in (
+        "qwen3", "qwen3_moe") else {}
+    return {p + "input_layernorm.weight": (D,), p + "self_attn.q_proj.weight": (q_dim, D),
+            p + "self_attn.k_proj.weight": (kv_dim, D), p + "self_attn.v_proj.weight": (kv_dim, D),
+            **norms, p + "self_attn.o_proj.weight": (D, q_dim), p + "post_attention_layernorm.weight": (D,)}
+
+
 def norm(get, name: str, shape: tuple) -> np.ndarray | None:
     """An RMSNorm's weight, as the kernels multiply by it."""
     return get(name, shape)

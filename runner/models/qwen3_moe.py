@@ -39,6 +39,18 @@ def layer(get, c: ModelConfig, i: int):
     return MoELayerWeights(**llama.attention(get, c, i), moe=moe)
 
 
+def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """As llama's; a sparse layer's MLP: the router [E, D] and the experts stacked, as MLX's
+    switch_mlp holds them."""
+    if not sparse(c, i):
+        return llama.block_shapes(c, i)
+    D, E, F = c.hidden_size, experts(c), c.extra["moe_intermediate_size"]
+    p = f"model.layers.{i}.mlp."
+    return llama.attention_shapes(c, i) | {
+        p + "gate.weight": (E, D), p + "switch_mlp.gate_proj.weight": (E, F, D),
+        p + "switch_mlp.up_proj.weight": (E, F, D), p + "switch_mlp.down_proj.weight": (E, D, F)}
+
+
 # ---- the config and the files -------------------------------------------------------------------
 
 FIELDS = {"num_experts": COUNT, "num_local_experts": COUNT, "num_experts_per_tok": COUNT,
