@@ -65,7 +65,8 @@ class QuantizedTensor(NamedTuple):
     def shape(self) -> tuple[int, int]:
         """(N, K), as a float matrix's shape; of each expert's matrix where the arrays are
         stacked experts' (a leading expert axis on each: a mixture of experts' weights)."""
-        return self.weight.shape[-2], self.weight.shape[-1] * 32 // self.bits
+        *_, n, words = tuple(self.weight.shape)   # a tuple: numba's CUDA simulator indexes no shape from the end
+        return n, words * 32 // self.bits
 
     @property
     def groups_shape(self) -> tuple[int, ...]:
@@ -74,7 +75,8 @@ class QuantizedTensor(NamedTuple):
         N, K = self.shape
         if superblocks.is_two_level(self.scales):
             return superblocks.shape(N, K, self.group_size)
-        return *self.weight.shape[:-2], N, K // self.group_size
+        *experts, _, _ = tuple(self.weight.shape)
+        return *experts, N, K // self.group_size
 
     @property
     def nbytes(self) -> int:
