@@ -105,10 +105,10 @@ def test_int8_activations_are_as_close_as_llamacpps_q8(smollm2, smollm2_f32, tmp
     """Prefill (one batch a window) and decode (one token at a time) on activations rounded to
     int8 blocks, against the same weights in float32: KL and top-1 agreement as llama.cpp's Q4_1
     run against its F32 (the same weights; it rounds activations to Q8 blocks), which has 0.00320
-    and 0.968 on 32 windows."""
+    and 0.968 on 32 windows. Two windows here: prefill 0.00305 and 0.976, decode 0.00295 and 0.977."""
     q8 = LLAMACPP["perplexity"]["results"]["Q4_1"]
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    tokens = smollm2[1].encode(text, add_bos=False)[:2048]
+    tokens = smollm2[1].encode(text, add_bos=False)[:1024]
     evaluate(smollm2_f32[0], tokens, ctx=512, save_logits=str(tmp_path / "f32.bin"))
     for decode in (False, True):
         int8 = evaluate(smollm2[0], tokens, ctx=512, decode=decode, kl_base=str(tmp_path / "f32.bin"))
