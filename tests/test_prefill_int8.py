@@ -150,10 +150,10 @@ def test_x_rounded_once_for_the_projections_of_one_input(T, bits, groups):
         np.testing.assert_array_equal(got, want)
     gate, up = ws[0], ws[2]
     out = np.empty_like(alone[0][:, :gate.weight.shape[0]])
-    _gated_jit(x, gate, gate, out, False)
+    _swiglu_jit(x, gate, gate, out)
     g = alone[0].astype(np.float64)
     np.testing.assert_allclose(out, reference.silu(g) * g, rtol=1e-6, atol=1e-7)
-    _gated_jit(x, gate, gate, out, True)
+    _geglu_jit(x, gate, gate, out)
     np.testing.assert_allclose(out, reference.gelu_tanh(g) * g, rtol=1e-5, atol=1e-6)   # as test_gelu_tanh_mul
 
 
@@ -163,5 +163,10 @@ def _project_qkv_jit(x, wq, wk, wv, q, k, v):
 
 
 @njit
-def _gated_jit(x, w_gate, w_up, out, gelu):
-    gated_mlp(x, w_gate, w_up, out, gelu)
+def _swiglu_jit(x, w_gate, w_up, out):
+    gated_mlp(x, w_gate, w_up, out, False)
+
+
+@njit
+def _geglu_jit(x, w_gate, w_up, out):
+    gated_mlp(x, w_gate, w_up, out, True)

@@ -230,36 +230,33 @@ def _prefill_rounded(rounded, x, w, out):
 
 def gated_mlp(x, w_gate, w_up, out, gelu):
     """out = act(x @ w_gate.T) * (x @ w_up.T): act SiLU (SwiGLU), or GELU's tanh approximation if
-    `gelu` (GeGLU); x rounded once for both where their weights take it rounded alike."""
-    up = np.empty_like(out)
-    linear(x, w_gate, out, False)
-    linear(x, w_up, up, False)
-    _activate(out, up, gelu)
+    `gelu` (GeGLU), a constant of the caller's (only its activation compiles); x rounded once for
+    both where their weights take it rounded alike (njit code only)."""
 
 
-@overload(gated_mlp)
+@overload(gated_mlp, prefer_literal=True)
 def _gated_mlp(x, w_gate, w_up, out, gelu):
-    if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array):
-        return lambda x, w_gate, w_up, out, gelu: _gated_float(x, w_gate, w_up, out, gelu)
+    if not isinstance(gelu, types.BooleanLiteral):
+        return None
+    if isinstance(w_gate, types.Array) and isinstance(w_up, types.Array) and not gelu.literal_value:
+        return lambda x, w_gate, w_up, out, gelu: cpu.swiglu(x, w_gate, w_up, out)   # decode: one pass
+    # gelu goes on as a constant: numba compiles a function once for each constant's value
     if _rounded_alike(w_gate, w_up):
         return lambda x, w_gate, w_up, out, gelu: _gated_rounded_once(x, w_gate, w_up, out, gelu)
     return lambda x, w_gate, w_up, out, gelu: _gated_each(x, w_gate, w_up, out, gelu)
 
 
-@njit(inline="always", **_jit)
 def _activate(g, up, gelu):
-    if gelu:
-        cpu.gelu_tanh_mul(g, up)
-    else:
-        cpu.silu_mul(g, up)
+    """g = act(g) * up, act as gated_mlp's constant `gelu` says (njit code only)."""
 
 
-@njit(**_jit)
-def _gated_float(x, w_gate, w_up, out, gelu):
-    if not gelu:
-        cpu.swiglu(x, w_gate, w_up, out)   # decode: both matrices in one pass
-        return
-    _gated_each(x, w_gate, w_up, out, gelu)
+@overload(_activate, prefer_literal=True)
+def _activate_typed(g, up, gelu):
+    if not isinstance(gelu, types.BooleanLiteral):
+        return None
+    if gelu.literal_value:
+        return lambda g, up, gelu: cpu.gelu_tanh_mul(g, up)
+    return lambda g, up, gelu: cpu.silu_mul(g, up)
 
 
 @njit(**_jit)
