@@ -2,7 +2,6 @@
 sparse layers, a mixture of experts for the MLP: softmax over the router's logits, the top
 num_experts_per_tok experts, their probabilities renormalised if norm_topk_prob. Every
 decoder_sparse_step-th layer is sparse, except those in mlp_only_layers (a dense MLP)."""
-import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
