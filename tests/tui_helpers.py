@@ -23,7 +23,9 @@ def make_app(tiny, model: str | None = "tiny", load=None, **kwargs) -> ChatApp:
     return ChatApp(model, load=load or (lambda ref, quant: tiny), **kwargs)
 
 
-async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "condition"):
+async def wait_for(pilot, condition, timeout: float = 180.0, what: str = "condition"):
+    # generous: a reply's first tokens may wait for the kernels' first compile, which on a cold
+    # cache, beside the suite's other worker, took over 20 s
     for _ in range(int(timeout / 0.01)):   # at least `timeout` seconds of pauses
         if condition():
             return
