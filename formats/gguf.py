@@ -1,11 +1,13 @@
 """GGUF import: a llama.cpp model file read into an in-memory ModelDir.
 
-Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation undone. The block
-types gguf_blocks knows are repacked, exactly, into MLX's affine layout (`P.weight` packed
-uint32, `P.scales`, `P.biases`, and `quantization` in the config, as an MLX checkpoint holds
-them); other quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config,
-tokenizer and chat template are rebuilt from the metadata (the tokenizer by gguf_tokenizer, with
-llama.cpp's ids).
+Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation undone; a mixture
+of experts' experts, stacked in one 3-D tensor [experts, rows, columns], keep that shape, named as
+MLX's switch_mlp holds them. The block types gguf_blocks knows are repacked, exactly, into MLX's
+affine layout (`P.weight` packed uint32, `P.scales`, `P.biases`, and `quantization` in the config,
+as an MLX checkpoint holds them; stacked experts with the leading expert axis on each); other
+quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config, tokenizer and
+chat template are rebuilt from the metadata (the tokenizer by gguf_tokenizer, with llama.cpp's
+ids).
 """
 from __future__ import annotations
 
@@ -47,6 +49,12 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
 # Rope tables llama.cpp keeps as tensors; import_gguf reads them into the config
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's mixture-of-experts tensors, a block's router and its experts stacked, and their dims
+# (GGUF's order, the fastest-varying first) by the metadata that sizes them
+_EXPERT_DIMS = {"ffn_gate_inp": ("embedding_length", "expert_count"),
+                **{f"ffn_{p}_exps": ("embedding_length", "expert_feed_forward_length", "expert_count")
+                   for p in ("gate", "up")},
+                "ffn_down_exps": ("expert_feed_forward_length", "embedding_length", "expert_count")}
 
 
 class _Reader(gguf.GGUFReader):
@@ -193,12 +201,13 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
     config = _config(meta, arch, layout, tie="output.weight" not in raw, rope=rope)
     _check_against_config(raw, config)
+    _check_experts(raw, meta, arch + ".")
     tensors, types, bits, dequantized = {}, {}, {}, []
     for i, (name, t) in enumerate(raw.items()):
         progress.update(f"importing {path.name}: {i + 1} of {len(raw)} tensors")
         hf = hf_names[name]
         module = hf.removesuffix(".weight")
-        matrix = len(t.shape) == 2
+        matrix = len(t.shape) in (2, 3)   # a matrix, or experts' matrices stacked
         kind = name.split(".")[-2]
         if layout.norm_shift and kind.endswith("norm"):
             w = _dequantize(t) - np.float32(layout.norm_shift)   # Hugging Face's w back
@@ -233,7 +242,8 @@ def _finite(w, name: str):
     """w, or FormatError naming the tensor if a value (or a repacked block's scale or bias) is NaN
     or infinite: a damaged file, whose NaNs would otherwise reach the disk and the logits."""
     if isinstance(w, Repacked):
-        values = [superblocks.supers(a) if superblocks.is_two_level(a) else a for a in (w.scales, w.biases)]
+        values = [superblocks.supers(a.reshape(-1, *a.shape[-2:])) if superblocks.is_two_level(a) else a
+                  for a in (w.scales, w.biases)]
         bad = not all(np.isfinite(a).all() for a in values)
     elif isinstance(w, HalfTensor):   # all exponent bits set: an infinity or a NaN
         exponent = np.uint16(0x7F80 if w.bf16 else 0x7C00)
@@ -259,6 +269,28 @@ def _check_against_config(tensors: dict, c: ModelConfig) -> None:
         if m and int(m[1]) >= c.num_hidden_layers:
             raise FormatError(f"GGUF tensor {name} is in block {m[1]}, but block_count is "
                               f"{c.num_hidden_layers}")
+
+
+def _check_experts(tensors: dict, meta: dict, a: str) -> None:
+    """What llama.cpp checks of a mixture of experts' tensors before it loads them: a block with
+    any has its router and gate, up and down experts, each of the dims the metadata gives (an
+    expert's width, where the file has none, as the block's ffn_gate_exps has it)."""
+    blocks = {m[1] for m in map(_BLOCK_NAME.fullmatch, tensors) if m and m[2] in _EXPERT_DIMS}
+    for i in sorted(blocks, key=int):
+        names = {kind: f"blk.{i}.{kind}.weight" for kind in _EXPERT_DIMS}
+        if missing := [n for n in names.values() if n not in tensors][:1]:
+            raise FormatError(f"GGUF block {i} has experts but no {missing[0]}: a mixture of experts "
+                              f"needs its router (ffn_gate_inp) and gate, up and down experts")
+        gate = [int(n) for n in tensors[names["ffn_gate_exps"]].shape]
+        sizes = {"embedding_length": meta[a + "embedding_length"],
+                 "expert_count": meta.get(a + "expert_count", 0),   # llama.cpp's when absent
+                 "expert_feed_forward_length": meta.get(a + "expert_feed_forward_length",
+                                                        gate[1] if len(gate) == 3 else 0)}
+        for kind, name in names.items():
+            dims = [int(n) for n in tensors[name].shape]
+            if dims != [sizes[k] for k in _EXPERT_DIMS[kind]]:
+                raise FormatError(f"GGUF tensor {name} is {dims}, not "
+                                  f"[{', '.join(f'{k} {sizes[k]}' for k in _EXPERT_DIMS[kind])}]")
 
 
 def _rope_factors(t) -> np.ndarray:

@@ -28,11 +28,12 @@ _STEP = 1 << 22   # weights repacked at a time: bounds the temporaries
 
 class Repacked(NamedTuple):
     """One matrix [N, K] in MLX's affine layout:
-    W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32]."""
-    weight: np.ndarray   # uint32 [N, K*bits/32], packed integers
-    scales: np.ndarray   # [N, K/32] float16 where that holds every value exactly, else float32;
-                         # a K-quant's in two levels (superblocks), uint8 [N, K/256, 10]
-    biases: np.ndarray   # [N, K/32] the same dtype as scales; a K-quant's as its scales
+    W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32]; or experts' matrices stacked
+    [E, N, K], as MLX's switch_mlp holds them: each array with the leading expert axis."""
+    weight: np.ndarray   # uint32 [(E,) N, K*bits/32], packed integers
+    scales: np.ndarray   # [(E,) N, K/32] float16 where that holds every value exactly, else float32;
+                         # a K-quant's in two levels (superblocks), uint8 [(E,) N, K/256, 10]
+    biases: np.ndarray   # [(E,) N, K/32] the same dtype as scales; a K-quant's as its scales
     bits: int
 
 
@@ -111,7 +112,12 @@ BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1
 
 
 def repack(data: np.ndarray, qtype: QType) -> Repacked:
-    """A GGUF matrix of one of BLOCK_TYPES (its bytes, [N, bytes per row]) in MLX's layout."""
+    """A GGUF matrix of one of BLOCK_TYPES (its bytes, [N, bytes per row]), or experts' matrices
+    stacked ([E, N, bytes per row]), in MLX's layout."""
+    *stacked, n, row_bytes = data.shape
+    if stacked:   # every row is repacked alone: the experts' rows as one matrix's
+        flat = repack(data.reshape(-1, row_bytes), qtype)
+        return Repacked(*(a.reshape(*stacked, n, *a.shape[1:]) for a in flat[:3]), flat.bits)
     kind = BLOCK_TYPES[qtype]
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows = data.shape[0]

@@ -70,12 +70,12 @@ class QuantizedTensor(NamedTuple):
 
     @property
     def groups_shape(self) -> tuple[int, ...]:
-        """The shape scales and biases must have: (N, K/G) (after the expert axis, if stacked),
-        or in two levels (superblocks) (N, K/256, 2 + 256/G)."""
+        """The shape scales and biases must have, after the expert axis if stacked: (N, K/G), or
+        in two levels (superblocks) (N, K/256, 2 + 256/G)."""
         N, K = self.shape
-        if superblocks.is_two_level(self.scales):
-            return superblocks.shape(N, K, self.group_size)
         *experts, _, _ = tuple(self.weight.shape)
+        if superblocks.is_two_level(self.scales):
+            return *experts, *superblocks.shape(N, K, self.group_size)
         return *experts, N, K // self.group_size
 
     @property

@@ -198,7 +198,7 @@ def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict
         if scheme is None:
             n += t.size
         elif kind == "weight":
-            n += t.shape[0] * t.shape[1] * 32 // scheme.bits
+            n += math.prod(t.shape) * 32 // scheme.bits   # stacked experts' too
     return n
 
 
@@ -336,7 +336,7 @@ def _scheme_for(quantization: dict | None, tensors: dict[str, np.ndarray],
 
 def _check_layout(qt: QuantizedTensor, path: str) -> None:
     w = qt.weight
-    stacked = w.ndim == 3 and not superblocks.is_two_level(qt.scales)   # experts, one matrix each
+    stacked = w.ndim == 3   # experts, one matrix each
     if w.dtype != np.uint32 or (w.ndim != 2 and not stacked):
         raise FormatError(f"{path}.weight should be a uint32 matrix of packed "
                           f"{qt.bits}-bit values (or experts' matrices stacked), got {w.dtype} of shape {w.shape}")

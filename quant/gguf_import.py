@@ -3,10 +3,14 @@
 formats/ repacks the block types MLX's layout holds as they are (a K-quant's scales in their two
 levels); a matrix in any other quantized type (Q6_K, Q2_K, Q3_K, IQ*, ...) arrives dequantized to
 float32 and is quantized again to 8 bits in groups of 32 by rounding to nearest: at least as many
-bits as any of those types had, so the error it adds is small next to theirs. F32, F16 and BF16 tensors stay as the file holds them.
+bits as any of those types had, so the error it adds is small next to theirs (a mixture of
+experts' stacked experts too, each expert's matrix alike). F32, F16 and BF16 tensors stay as the
+file holds them.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,10 +70,9 @@ def import_gguf_model(path: str | Path, keep_float: bool = False) -> ImportRepor
     model, kept_float, requantized = imported.model, {}, set()
     if imported.dequantized and not keep_float:
         try:
-            report = quantize_linears(model, imported.dequantized, REQUANTIZE)
+            model, kept_float = _requantized(model, imported.dequantized)
         except NibbleError as e:   # weights too large to requantize: the file's, by name
             raise type(e)(f"{path}: {e}") from None
-        model, kept_float = report.model, report.kept_float
         requantized = {p for p in imported.dequantized if f"{p}.weight" not in kept_float}
     tally = {}   # (type, became) -> [tensors, weights, bytes in the file, bytes as imported]
     for name, qtype in imported.types.items():
@@ -83,13 +86,29 @@ def import_gguf_model(path: str | Path, keep_float: bool = False) -> ImportRepor
     return ImportReport(model, outcomes, kept_float, count_params(model.tensors, model.config.quantization))
 
 
+def _requantized(model: ModelDir, paths: list[str]) -> tuple[ModelDir, dict[str, str]]:
+    """quantize_linears' model and kept_float for the matrices at `paths`, REQUANTIZE'd. Stacked
+    experts [E, N, K] are quantized as the matrix [E*N, K] of their rows (a group never spans two
+    rows, so each expert's matrix comes out as it would alone) and stacked back."""
+    weights = {p: model.tensors[f"{p}.weight"] for p in paths}
+    stacked = {p: w.shape[:-1] for p, w in weights.items() if w.ndim == 3}
+    rows = {f"{p}.weight": weights[p].reshape(-1, weights[p].shape[-1]) for p in stacked}
+    report = quantize_linears(dataclasses.replace(model, tensors=model.tensors | rows), paths, REQUANTIZE)
+    tensors = dict(report.model.tensors)
+    for p, lead in stacked.items():
+        for name in (f"{p}.weight", f"{p}.scales", f"{p}.biases"):
+            if name in tensors:   # a matrix left float has its weight only
+                tensors[name] = tensors[name].reshape(*lead, tensors[name].shape[-1])
+    return dataclasses.replace(report.model, tensors=tensors), report.kept_float
+
+
 def _size(model: ModelDir, name: str) -> tuple[int, int]:
     """(weights, bytes) of the tensor `name` in `model`, a quantized one's scales and biases
     included."""
     path = name.removesuffix(".weight")
     if f"{path}.scales" in model.tensors:
         qt = read_linear(model.tensors, model.config.quantization, path)
-        return qt.shape[0] * qt.shape[1], qt.nbytes
+        return math.prod(qt.weight.shape[:-1]) * qt.shape[1], qt.nbytes   # stacked experts': all
     t = model.tensors[name]
     return t.size, t.nbytes
 

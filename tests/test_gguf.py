@@ -15,7 +15,7 @@ from nibble.formats import gguf_blocks
 from nibble.formats.errors import FormatError
 from nibble.formats.gguf import import_gguf
 from nibble.formats.half import HalfTensor
-from nibble.quant.affine import dequantize
+from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import read_linear
 from tests.tiny import tiny_config, tiny_tensors
 
@@ -112,6 +112,34 @@ def llama_cpp_tensors(hf: dict, config, permuted=True) -> dict:
             w = permute(w, config.num_attention_heads, config.num_key_value_heads)
         out[gguf_name(name)] = w
     return out
+
+
+def moe_tensors(config, experts: int, width: int, stack=lambda name, w: w, seed=0) -> dict:
+    """A qwen3moe model as convert_hf_to_gguf.py writes it: qwen3's attention and norms, and in
+    every block a router [E, D] and the experts stacked: gate and up [E, F, D], down [E, D, F]
+    (numpy's order; `stack` makes each float stack what the file holds: an array or (raw, type))."""
+    rng = np.random.default_rng(seed)
+    D = config.hidden_size
+    out = {n: w for n, w in llama_cpp_tensors(tiny_tensors(config, seed), config, permuted=False).items()
+           if n.split(".")[-2] not in ("ffn_gate", "ffn_up", "ffn_down")}   # qwen3's dense MLP
+    w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    for i in range(config.num_hidden_layers):
+        out[f"blk.{i}.ffn_gate_inp.weight"] = w(experts, D)
+        for kind, shape in (("gate", (experts, width, D)), ("up", (experts, width, D)), ("down", (experts, D, width))):
+            name = f"blk.{i}.ffn_{kind}_exps.weight"
+            out[name] = stack(name, w(*shape))
+    return out
+
+
+def moe_meta(experts: int, used: int, width: int) -> dict:
+    return {f"qwen3moe.{k}": (v, gguf.GGUFValueType.UINT32) for k, v in
+            (("expert_count", experts), ("expert_used_count", used), ("expert_feed_forward_length", width))}
+
+
+def random_stack(rng, w: np.ndarray, qtype) -> tuple[np.ndarray, QType]:
+    """Random valid blocks of `qtype` for a stack of w's shape [E, N, K]: bytes [E, N, row bytes]."""
+    E, N, K = w.shape
+    return random_blocks(rng, E * N, K, qtype, (-3, -2)).reshape(E, N, -1), qtype
 
 
 def test_permute_reference_order():
@@ -288,6 +316,38 @@ def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
     assert imported.types == {"model.layers.0.mlp.up_proj.weight": qtype} and not imported.dequantized
 
 
+@pytest.mark.parametrize("qtype", [*gguf_blocks.BLOCK_TYPES, QType.Q6_K])
+def test_stacked_experts_are_exact(tmp_path, monkeypatch, qtype):
+    """A mixture of experts' stacks [E, N, K] repacked with the leading expert axis on weight,
+    scales and biases (a K-quant's two levels too), each expert's matrix gguf's dequantization bit
+    for bit; a type not repacked dequantized as a whole; the router float32."""
+    monkeypatch.setattr(gguf_blocks, "_STEP", 3 * 256)   # steps that cross from expert to expert
+    config = tiny_config("qwen3", vocab_size=len(TOKENS), hidden_size=256, num_hidden_layers=1)
+    rng = np.random.default_rng(4)
+    raw = moe_tensors(config, 3, 256, lambda name, w: random_stack(rng, w, qtype))
+    imported = import_gguf(write_gguf(tmp_path / "moe.gguf", raw, "qwen3moe", config, moe_meta(3, 2, 256)))
+    md, p = imported.model, "model.layers.0.mlp."
+    assert md.config.model_type == "qwen3_moe"
+    np.testing.assert_array_equal(md.tensors[p + "gate.weight"], raw["blk.0.ffn_gate_inp.weight"])
+    repacked = qtype in gguf_blocks.BLOCK_TYPES
+    for kind in ("gate", "up", "down"):
+        path, (data, _) = f"{p}switch_mlp.{kind}_proj", raw[f"blk.0.ffn_{kind}_exps.weight"]
+        want = gguf.quants.dequantize(data, qtype)   # [3, 256, 256]
+        assert imported.types[f"{path}.weight"] == qtype
+        if not repacked:
+            assert md.tensors[f"{path}.weight"].dtype == np.float32 and path in imported.dequantized
+            np.testing.assert_array_equal(md.tensors[f"{path}.weight"], want)
+            continue
+        qt = read_linear(md.tensors, md.config.quantization, path)
+        assert qt.weight.shape[0] == 3 and qt.shape == (256, 256)
+        if qtype in (QType.Q4_K, QType.Q5_K):
+            assert qt.scales.shape == qt.biases.shape == (3, 256, 1, 10)
+        for e in range(3):
+            one = QuantizedTensor(qt.weight[e], qt.scales[e], qt.biases[e], qt.bits, qt.group_size)
+            np.testing.assert_array_equal(dequantize(one), want[e], err_msg=f"{path} expert {e}")
+    assert (imported.dequantized == []) == repacked
+
+
 def test_repacked_q_k_are_unpermuted(tmp_path):
     # q/k/v Q8_0 and the rest Q4_0: the commonest width is the default, the others get entries.
     config = tiny_config(vocab_size=len(TOKENS), tie_word_embeddings=False)
@@ -356,6 +416,7 @@ def test_unsupported_tokenizer(tmp_path):
 
 
 def test_unknown_tensor(tmp_path):
+    # a llama file with experts (Mixtral's): llama has no router
     odd = write_gguf(tmp_path / "odd.gguf", {"blk.0.ffn_gate_inp.weight": np.ones(8, np.float32)})
     with pytest.raises(FormatError, match="ffn_gate_inp"):
         import_gguf(odd)

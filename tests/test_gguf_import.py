@@ -7,14 +7,15 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 from nibble.formats.model_dir import read_model_dir
-from nibble.quant.affine import dequantize, reconstruction_error
+from nibble.quant.affine import dequantize, group_values, reconstruction_error
 from nibble.quant.convert import read_linear
 from nibble.quant.gguf_import import TypeOutcome, import_gguf_model
 from nibble.runner.kernels import linear
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.loader import from_model_dir, load
 from tests.test_cli import invoke
-from tests.test_gguf import TOKENS, gguf_name, llama_cpp_tensors, random_blocks, write_gguf
+from tests.test_gguf import (TOKENS, gguf_name, llama_cpp_tensors, moe_meta, moe_tensors, random_blocks,
+                             random_stack, write_gguf)
 from tests.tiny import tiny_config, tiny_tensors
 
 # down_proj's rows (F = 256) take whole Q6_K super-blocks.
@@ -94,6 +95,41 @@ def test_runs_as_its_dequantized_weights(mixed_gguf):
     want = reference.forward(ids, reference.new_cache(32), all_logits=True)
     tol = 1e-1 if linear.int8_activations() else 2e-3
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_a_k_quant_mixture_of_experts(tmp_path):
+    """qwen3moe as llama.cpp's Q4_K_M mixes it: Q4_K gate and up experts kept in their two levels
+    with the expert axis, Q6_K down experts requantized to int8 expert by expert. It runs (decode
+    and prefill) bit for bit as the same experts with float32 scales and biases: the kernels read
+    each expert's two levels as a dense K-quant's. (Against float weights, x rounded to int8 blocks
+    routes a row or two of this random model to another expert.)"""
+    config = tiny_config("qwen3", vocab_size=len(TOKENS), hidden_size=256)
+    rng = np.random.default_rng(5)
+    raw = moe_tensors(config, 4, 256, lambda name, w: random_stack(
+        rng, w, QType.Q6_K if "down" in name else QType.Q4_K))
+    path = write_gguf(tmp_path / "moe.gguf", raw, "qwen3moe", config, moe_meta(4, 2, 256))
+    report = import_gguf_model(path)
+    assert report.outcomes == [TypeOutcome("F32", "float32", 21, 32, 32),
+                               TypeOutcome("Q4_K", "int4 g32 (exact)", 4, 4.5, 4.625),
+                               TypeOutcome("Q6_K", "int8 g32 (requantized)", 2, 210 * 8 / 256, 9)]
+    assert report.params == sum(np.prod(t.shape) for t in gguf.GGUFReader(path).tensors)
+    md = report.model
+    for i in range(2):
+        down = read_linear(md.tensors, md.config.quantization, f"model.layers.{i}.mlp.switch_mlp.down_proj")
+        assert (down.bits, down.weight.shape, down.scales.shape) == (8, (4, 256, 64), (4, 256, 8))
+        want = gguf.quants.dequantize(*raw[f"blk.{i}.ffn_down_exps.weight"])
+        for e in range(4):
+            assert reconstruction_error(want[e], down._replace(weight=down.weight[e], scales=down.scales[e],
+                                                               biases=down.biases[e])) < 0.005
+    one_level = dict(md.tensors)
+    for name, a in md.tensors.items():
+        if name.endswith((".scales", ".biases")) and a.dtype == np.uint8:   # [E, N, K/256, 10]
+            one_level[name] = group_values(a.reshape(-1, *a.shape[2:])).reshape(*a.shape[:2], -1)
+    two, _ = from_model_dir(md)
+    one, _ = from_model_dir(replace(md, tensors=one_level))
+    for ids in ([5, 17, 42, 99, 7, 3] * 4)[:SMALL], [5, 17, 42, 99, 7, 3] * 4:
+        assert np.array_equal(two.forward(ids, two.new_cache(32), all_logits=True),
+                              one.forward(ids, one.new_cache(32), all_logits=True))
 
 
 def test_load_runs_a_gguf_quantized(mixed_gguf):

@@ -133,6 +133,49 @@ def test_metadata_value_of_the_wrong_kind(tiny_gguf, damage, message):
         import_gguf(tiny_gguf)
 
 
+MOE = tiny_config("qwen3", vocab_size=263, num_hidden_layers=1)   # D 64; 3 experts of F 32 below
+
+
+def one_fewer_expert(t):
+    t["blk.0.ffn_up_exps.weight"] = t["blk.0.ffn_up_exps.weight"][:2]
+
+
+def down_transposed(t):
+    t["blk.0.ffn_down_exps.weight"] = t["blk.0.ffn_down_exps.weight"].transpose(0, 2, 1).copy()
+
+
+def no_down(t):
+    del t["blk.0.ffn_down_exps.weight"]
+
+
+def no_router(t):
+    del t["blk.0.ffn_gate_inp.weight"]
+
+
+@pytest.mark.parametrize("damage, meta, message", [
+    (one_fewer_expert, (3, 2, 32), "GGUF tensor blk.0.ffn_up_exps.weight is [64, 32, 2], not [embedding_length "
+                                   "64, expert_feed_forward_length 32, expert_count 3]"),
+    (down_transposed, (3, 2, 32), "GGUF tensor blk.0.ffn_down_exps.weight is [64, 32, 3], not "
+                                  "[expert_feed_forward_length 32, embedding_length 64, expert_count 3]"),
+    (None, (3, 2, 16), "GGUF tensor blk.0.ffn_gate_exps.weight is [64, 32, 3], not [embedding_length 64, "
+                       "expert_feed_forward_length 16, expert_count 3]"),
+    (None, (4, 2, 32), "GGUF tensor blk.0.ffn_gate_inp.weight is [64, 3], not [embedding_length 64, "
+                       "expert_count 4]"),
+    (no_down, (3, 2, 32), "GGUF block 0 has experts but no blk.0.ffn_down_exps.weight: a mixture of "
+                          "experts needs its router (ffn_gate_inp) and gate, up and down experts"),
+    (no_router, (3, 2, 32), "GGUF block 0 has experts but no blk.0.ffn_gate_inp.weight"),
+    (None, (3, 4, 32), "GGUF metadata qwen3moe.expert_used_count 4 is more than the 3 experts"),
+    (None, (0, 2, 32), "GGUF metadata qwen3moe.expert_count is 0, not a positive integer"),
+])
+def test_experts_of_the_wrong_shape_or_count(tmp_path, damage, meta, message):
+    tensors = test_gguf.moe_tensors(MOE, 3, 32)
+    if damage:
+        damage(tensors)
+    path = write_gguf(tmp_path / "moe.gguf", tensors, "qwen3moe", MOE, test_gguf.moe_meta(*meta))
+    with pytest.raises(FormatError, match=rf"^\S*moe\.gguf: {re.escape(message)}"):
+        import_gguf(path)
+
+
 def test_token_types_not_one_per_token(tmp_path, monkeypatch):
     monkeypatch.setattr(test_gguf, "TYPES", test_gguf.TYPES[:-1])
     path = write_gguf(tmp_path / "m.gguf", {})

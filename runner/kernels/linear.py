@@ -43,7 +43,7 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     if bits not in BITS or group_size not in GROUP_SIZES:
         raise ValueError(f"no kernel for {bits}-bit weights in groups of {group_size}: "
                          f"bits must be one of {BITS} and group_size one of {GROUP_SIZES}")
-    stacked = weight.ndim == 3 and not superblocks.is_two_level(qt.scales)   # experts (kernels/moe.py)
+    stacked = weight.ndim == 3   # experts (kernels/moe.py)
     if weight.dtype != np.uint32 or (weight.ndim != 2 and not stacked) or not weight.flags.c_contiguous:
         raise ValueError(f"weight must be a C-contiguous uint32 matrix (or experts' matrices stacked), "
                          f"got {weight.dtype} {weight.shape}")

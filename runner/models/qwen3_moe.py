@@ -5,7 +5,7 @@ decoder_sparse_step-th layer is sparse, except those in mlp_only_layers (a dense
 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family
+from nibble.formats.families import Family, GGUFArch
 from nibble.formats.values import BOOL, COUNT, integer, list_of
 from . import llama
 
@@ -76,10 +76,29 @@ def _windows(c: ModelConfig) -> list[int]:
     return one_window(c, (c.sliding_window or 0) if c.use_sliding_window else 0)
 
 
+def _qwen3moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp's qwen3moe: experts in every layer, the k probabilities always renormalised; an
+    expert's width, where the file has none, feed_forward_length / expert_used_count."""
+    # absent, they read as 0, as llama.cpp reads them (and refuses the file)
+    E, k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 0)
+    for key, value in (("expert_count", E), ("expert_used_count", k)):
+        COUNT.check(f"GGUF metadata {a}{key}", value)
+    if k > E:
+        raise FormatError(f"GGUF metadata {a}expert_used_count {k} is more than the {E} experts")
+    F = meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0) // k)
+    COUNT.check(f"GGUF metadata {a}expert_feed_forward_length", F)
+    return dict(extra=dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=F,
+                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]))
+
+
 FAMILY = Family(
     "qwen3_moe",
     # Qwen3MoeConfig's defaults
     model_types={"qwen3_moe": dict(sliding_window=4096, num_experts_per_tok=8, moe_intermediate_size=768,
                                    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])},
     windows=_windows, configure=_configure,
+    gguf={"qwen3moe": GGUFArch(
+        "qwen3_moe", fields=_qwen3moe_gguf,
+        block_names={"ffn_gate_inp": "mlp.gate",
+                     **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}})},
 )
