@@ -482,7 +482,9 @@ async def test_a_model_that_fails_to_load_is_named_and_another_can_be_picked(hom
         assert any("Could not load broken: config.json is missing hidden_size" in n for n in notes(app))
         assert str(app.chat_screen.status.query_one("#status-model").render()) == "no model"
         await send(pilot, "anyone there?", wait=False)
-        assert any("No model is loaded" in n for n in notes(app))
+        # The box is cleared before the message is shown and the reply is looked for.
+        await wait_for(pilot, lambda: any("No model is loaded" in n for n in notes(app)),
+                       what="the note that no model is loaded")
         await pilot.press("ctrl+o")
         await wait_for(pilot, lambda: app.screen.query_one("#models").get_option_at_index(0).id == "tiny")
         await pilot.press("enter")
