@@ -34,6 +34,8 @@ class Model:
         self.embed = get.linear("model.embed_tokens", (c.vocab_size, D))     # [V, D]
         self.embed_scale = self.family.embed_scale(c, self.embed)           # on the embedded rows
         self.norm = self.family.norm(get, "model.norm.weight", (D,))         # [D]
+        if self.norm is not None and self.family.logits_scale(c) != 1:   # logits = norm(x) . lm_head
+            self.norm = self.norm * np.float32(self.family.logits_scale(c))
         self.lm_head = (self.embed if c.tie_word_embeddings
                         else get.linear("lm_head", (c.vocab_size, D)))       # [V, D]
         self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
@@ -233,12 +235,12 @@ class _TensorGetter:
                               f"matrix, the config needs {shape[0]}x{shape[1]}")
         return prepare(qt)
 
-    def experts(self, path: str, name: str, count: int, shape: tuple) -> Weight | None:
+    def experts(self, path: str, name: str, count: int, shape: tuple, each: str | None = None) -> Weight | None:
         """The `count` experts' matrices `name` [N, K] of the MoE module `path` (a layer's mlp) as
         one weight with a leading expert axis (kernels/moe.py): float32 [E, N, K], or quantized
         with stacked arrays. Stored stacked (MLX's `path.switch_mlp.name`), as stored (a
         quantized one stays in the file's memory map); one tensor an expert
-        (`path.experts.E.name`), stacked here: a copy."""
+        (`path.experts.E.<each>`, `each` the checkpoint's name if not `name`), stacked here: a copy."""
         stacked = f"{path}.switch_mlp.{name}"
         if f"{stacked}.weight" in self.tensors:
             w = read_linear(self.tensors, self.quantization, stacked)
@@ -249,7 +251,7 @@ class _TensorGetter:
                                       f"{shape[0]}x{shape[1]}")
                 return prepare(w)
             return self(f"{stacked}.weight", (count, *shape))
-        parts = [self.linear(f"{path}.experts.{e}.{name}", shape) for e in range(count)]
+        parts = [self.linear(f"{path}.experts.{e}.{each or name}", shape) for e in range(count)]
         if any(p is None for p in parts):
             return None
         parts = [p.widen() if isinstance(p, HalfTensor) else p for p in parts]   # 16-bit: float32

@@ -21,6 +21,7 @@ from numba._dispatcher import compute_fingerprint
 
 from .cache import HostKV, Rows, blocks_for, identity_table
 from .kernels import ahead, cpu, linear
+from .kernels.layer import weights_of
 
 _NOT_COLLECTING = np.zeros((0, 0))
 
@@ -28,7 +29,7 @@ _NOT_COLLECTING = np.zeros((0, 0))
 def weight_nbytes(model, first: int, last: int, head: bool, nbytes=lambda w: w.nbytes) -> int:
     """Bytes of layers [first, last) of `model`, and of its head if `head`, `nbytes` a weight
     (the GPU counts what it holds: see offload.device_nbytes)."""
-    weights = [w for layer in model.layers[first:last] for w in layer]
+    weights = [w for layer in model.layers[first:last] for w in weights_of(layer)]
     return sum(map(nbytes, weights + ([model.norm, model.lm_head] if head else [])))
 
 

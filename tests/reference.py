@@ -25,20 +25,33 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def moe_mlp(h, router, w_gate, w_up, w_down, top_k, renormalize):
-    """A mixture of experts' MLP on h [T, D] (HF's Qwen3MoeSparseMoeBlock): softmax over the
-    router's logits, the k most probable experts (renormalised over the k if asked), the sum of
-    their SwiGLU MLPs weighted by those probabilities. Stacked weights: [E, F, D], [E, D, F]."""
+def moe_mlp(h, router, w_gate, w_up, w_down, top_k, renormalize=False, top_k_first=False,
+            router_bias=None, shared=None):
+    """A mixture of experts' MLP on h [T, D] (HF's Qwen3MoeSparseMoeBlock and its kin): the
+    router's logits (plus router_bias), softmax over them and the k most probable experts
+    (renormalised over the k if asked), or if top_k_first the k largest logits and a softmax over
+    those (Granite's and gpt-oss's routers); the sum of the experts' SwiGLU MLPs weighted by
+    those probabilities. Stacked weights: [E, F, D], [E, D, F]. shared: (w_gate, w_up, w_down,
+    gate [D] or None), an expert that sees every row, its output times sigmoid(h . gate)."""
     h = h.astype(np.float64)
-    logits = h @ router.T
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    mlp = lambda x, g, u, d: (silu(x @ g.T) * (x @ u.T)) @ d.T
+    logits = h @ router.T + (0.0 if router_bias is None else router_bias)
     out = np.zeros_like(h)
     for t in range(len(h)):
-        chosen = np.argsort(-p[t], kind="stable")[:top_k]
-        weights = p[t, chosen] / (p[t, chosen].sum() if renormalize else 1.0)
+        chosen = np.argsort(-logits[t], kind="stable")[:top_k]
+        if top_k_first:
+            weights = np.exp(logits[t, chosen] - logits[t, chosen].max())
+            weights /= weights.sum()
+        else:
+            p = np.exp(logits[t] - logits[t].max())
+            p /= p.sum()
+            weights = p[chosen] / (p[chosen].sum() if renormalize else 1.0)
         for e, pe in sorted(zip(chosen, weights)):
-            out[t] += pe * (silu(h[t] @ w_gate[e].T) * (h[t] @ w_up[e].T)) @ w_down[e].T
+            out[t] += pe * mlp(h[t], w_gate[e], w_up[e], w_down[e])
+    if shared is not None:
+        g, u, d, gate = shared
+        y = mlp(h, g, u, d)
+        out += y if gate is None else y / (1 + np.exp(-(h @ gate)))[:, None]
     return out
 
 
@@ -156,7 +169,9 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
     T = len(tokens)
     pos = np.arange(T)
     inv_freq, scale = rope_frequencies(c, pos)
-    x = W["model.embed_tokens.weight"][np.asarray(tokens)]
+    # Granite's multipliers (1 for the others)
+    residual = c.extra.get("residual_multiplier", 1.0)
+    x = W["model.embed_tokens.weight"][np.asarray(tokens)] * c.extra.get("embedding_multiplier", 1.0)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         def lin(h, n):
@@ -168,20 +183,19 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
             q, k, v = np.split(lin(h, "self_attn.qkv_proj"), [H * hd, (H + Hkv) * hd], axis=-1)
         else:
             q, k, v = (lin(h, f"self_attn.{n}_proj") for n in "qkv")
+        if p + "self_attn.q_norm.weight" in W:   # RMSNorm before RoPE: over each head (qwen3) or row (olmoe)
+            q_norm, k_norm = W[p + "self_attn.q_norm.weight"], W[p + "self_attn.k_norm.weight"]
+            q = rmsnorm(q.reshape(-1, len(q_norm)), q_norm, c.rms_norm_eps)
+            k = rmsnorm(k.reshape(-1, len(k_norm)), k_norm, c.rms_norm_eps)
         q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
-        if p + "self_attn.q_norm.weight" in W:   # qwen3: RMSNorm over each head, before RoPE
-            q = rmsnorm(q, W[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
-            k = rmsnorm(k, W[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
         if c.rope_layers[i]:   # smollm3's NoPE layers skip it
             q, k = rotate(q, pos, inv_freq, scale), rotate(k, pos, inv_freq, scale)
-        a = attention(q, k, v, pos, c.windows[i]).reshape(T, H * hd)
-        x = x + lin(a, "self_attn.o_proj")
+        a = attention(q, k, v, pos, c.windows[i], c.extra.get("attention_multiplier")).reshape(T, H * hd)
+        x = x + residual * lin(a, "self_attn.o_proj")
         h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        if p + "mlp.gate.weight" in W:   # a mixture of experts (qwen3_moe's sparse layers)
-            E = W[p + "mlp.gate.weight"].shape[0]
-            stacked = lambda n: np.stack([W[f"{p}mlp.experts.{e}.{n}.weight"] for e in range(E)])
-            x = x + moe_mlp(h, W[p + "mlp.gate.weight"], stacked("gate_proj"), stacked("up_proj"),
-                            stacked("down_proj"), c.extra["num_experts_per_tok"], c.extra["norm_topk_prob"])
+        moe = _moe(c, W, p)
+        if moe is not None:
+            x = x + residual * moe_mlp(h, **moe)
             continue
         if p + "mlp.gate_up_proj.weight" in W:   # phi3: gate and up in one matrix, HF's chunk(2)
             gate, up = np.split(lin(h, "mlp.gate_up_proj"), 2, axis=-1)
@@ -190,7 +204,35 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
         x = x + lin(silu(gate) * up, "mlp.down_proj")
     x = rmsnorm(x, W["model.norm.weight"], c.rms_norm_eps)
     head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
-    return x @ head.T
+    return x @ head.T / c.extra.get("logits_scaling", 1.0)
+
+
+def _moe(c: ModelConfig, W: dict, p: str) -> dict | None:
+    """moe_mlp's arguments for block p's mixture of experts, as HF's modeling files name its
+    tensors and read its config; None for a dense MLP."""
+    k = c.extra.get("num_experts_per_tok")
+    if c.model_type in ("granitemoe", "granitemoeshared"):   # fused: gate's rows then up's; top k, then softmax
+        m = p + "block_sparse_moe."
+        gate, up = np.split(W[m + "input_linear.weight"], 2, axis=1)
+        shared = None
+        if p + "shared_mlp.input_linear.weight" in W:
+            sg, su = np.split(W[p + "shared_mlp.input_linear.weight"], 2, axis=0)
+            shared = (sg, su, W[p + "shared_mlp.output_linear.weight"], None)
+        return dict(router=W[m + "router.layer.weight"], w_gate=gate, w_up=up, w_down=W[m + "output_linear.weight"],
+                    top_k=k, top_k_first=True, shared=shared)
+    module, names = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    if c.model_type == "mixtral":
+        module, names = "block_sparse_moe.", ("w1", "w3", "w2")
+    router = W.get(p + module + "gate.weight")
+    if router is None:
+        return None
+    stacked = lambda n: np.stack([W[f"{p}{module}experts.{e}.{n}.weight"] for e in range(len(router))])
+    shared = None
+    if c.model_type == "qwen2_moe":
+        shared = (*(W[f"{p}mlp.shared_expert.{n}.weight"] for n in names),
+                  W[p + "mlp.shared_expert_gate.weight"][0])
+    return dict(router=router, w_gate=stacked(names[0]), w_up=stacked(names[1]), w_down=stacked(names[2]),
+                top_k=k, renormalize=c.model_type == "mixtral" or c.extra["norm_topk_prob"], shared=shared)
 
 
 def gemma3_forward(c: ModelConfig, tensors: dict, tokens, inputs: dict | None = None) -> np.ndarray:

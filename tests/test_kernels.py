@@ -120,7 +120,7 @@ def pool(blocks, Hkv, hd):
 
 def attend(q, kv, rows, window):
     out = np.empty_like(q)
-    cpu.attention(q, *kv, rows, window, out)
+    cpu.attention(q, *kv, rows, window, 1 / np.sqrt(q.shape[-1]), out)
     return out
 
 

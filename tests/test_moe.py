@@ -26,26 +26,70 @@ def stacked(ws: np.ndarray, bits: int):
             np.stack([dequantize(q) for q in quantized]))
 
 
-@pytest.mark.parametrize("T", [1, 3, 40])                       # decode, a few rows, a prefill
-@pytest.mark.parametrize("top_k, renormalize", [(2, True), (3, False)])
-def test_float_experts_match_the_twin(T, top_k, renormalize):
-    rng = np.random.default_rng(T)
+# (top_k, top_k_first, renormalize, router bias, shared expert): Qwen3-MoE and Mixtral, OLMoE and
+# Qwen2-MoE (a gated shared expert), Granite's router and its shared variant, gpt-oss's router
+ROUTERS = [(2, False, True, False, None), (3, False, False, False, "gated"), (2, True, False, False, "plain"),
+           (3, True, False, True, None)]
+
+
+def weights(rng, top_k, top_k_first, renormalize, bias, shared):
+    """-> (MoEWeights, the twin's keyword arguments) of random float experts."""
     router, gate, up, down = experts(rng)
+    router_bias = rng.standard_normal(E).astype(np.float32) if bias else np.zeros(0, np.float32)
+    twin = dict(top_k=top_k, renormalize=renormalize, top_k_first=top_k_first,
+                router_bias=router_bias if bias else None)
+    kept = None
+    if shared:
+        w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        sg, su, sd = w(48, D), w(48, D), w(D, 48)
+        g = w(D) if shared == "gated" else np.zeros(0, np.float32)
+        kept = moe.SharedExpert(sg, su, sd, g)
+        twin["shared"] = (sg, su, sd, g if shared == "gated" else None)
+    return (moe.MoEWeights(router, router_bias, gate, up, down, top_k, top_k_first, renormalize, kept),
+            dict(router=router, w_gate=gate, w_up=up, w_down=down, **twin))
+
+
+@pytest.mark.parametrize("T", [1, 3, 40])                       # decode, a few rows, a prefill
+@pytest.mark.parametrize("router", ROUTERS)
+def test_float_experts_match_the_twin(T, router):
+    rng = np.random.default_rng(T)
+    w, twin = weights(rng, *router)
     h = rng.standard_normal((T, D)).astype(np.float32)
     out = np.empty_like(h)
-    moe.moe_mlp(h, moe.MoEWeights(router, gate, up, down, top_k, renormalize), out)
-    np.testing.assert_allclose(out, reference.moe_mlp(h, router, gate, up, down, top_k, renormalize),
-                               rtol=1e-4, atol=1e-5)
+    moe.moe_mlp(h, w, out)
+    np.testing.assert_allclose(out, reference.moe_mlp(h, **twin), rtol=1e-4, atol=1e-5)
 
 
-def test_routing_picks_the_most_probable_and_renormalises():
+@pytest.mark.parametrize("top_k_first", [False, True])
+def test_routing_picks_the_largest_logits_and_their_probabilities_sum_to_one(top_k_first):
     rng = np.random.default_rng(0)
     router = rng.standard_normal((E, D)).astype(np.float32)
+    bias = rng.standard_normal(E).astype(np.float32)
     h = rng.standard_normal((5, D)).astype(np.float32)
-    experts_, probs = moe.route(h, router, 3, True)
-    logits = h.astype(np.float64) @ router.T.astype(np.float64)
+    experts_, probs = moe.route(h, router, bias, 3, top_k_first, True)
+    logits = h.astype(np.float64) @ router.T.astype(np.float64) + bias
     np.testing.assert_array_equal(experts_, np.argsort(-logits, kind="stable")[:, :3])
     np.testing.assert_allclose(probs.sum(1), 1, rtol=1e-6)
+
+
+def test_without_renormalising_the_probabilities_are_the_softmax_over_all():
+    rng = np.random.default_rng(1)
+    router = rng.standard_normal((E, D)).astype(np.float32)
+    h = rng.standard_normal((5, D)).astype(np.float32)
+    experts_, probs = moe.route(h, router, np.zeros(0, np.float32), 3, False, False)
+    logits = h.astype(np.float64) @ router.T.astype(np.float64)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(probs, np.take_along_axis(p, experts_, 1), rtol=1e-5)
+
+
+def test_equal_logits_pick_the_lower_index():
+    router = np.zeros((E, D), np.float32)   # every logit 0
+    h = np.ones((2, D), np.float32)
+    for top_k_first in (False, True):
+        experts_, probs = moe.route(h, router, np.zeros(0, np.float32), 3, top_k_first, True)
+        np.testing.assert_array_equal(experts_, [[0, 1, 2]] * 2)
+        np.testing.assert_allclose(probs, 1 / 3, rtol=1e-6)
 
 
 @pytest.mark.parametrize("T", [1, 40])
@@ -57,7 +101,8 @@ def test_quantized_experts_match_the_twin_of_their_values(T):
     (qgate, fgate), (qup, fup), (qdown, fdown) = stacked(gate, 4), stacked(up, 4), stacked(down, 4)
     h = rng.standard_normal((T, D)).astype(np.float32)
     out = np.empty_like(h)
-    moe.moe_mlp(h, moe.MoEWeights(router, qgate, qup, qdown, 2, True), out)
+    none = np.zeros(0, np.float32)
+    moe.moe_mlp(h, moe.MoEWeights(router, none, qgate, qup, qdown, 2, False, True, None), out)
     want = reference.moe_mlp(h, router, fgate, fup, fdown, 2, True)
     np.testing.assert_allclose(out, want, rtol=0.05, atol=0.02 * np.abs(want).max())
 

@@ -45,7 +45,7 @@ def test_attention_over_a_non_finite_key_is_not_finite_for_the_queries_that_see_
     ones = np.ones((Hkv, T), np.float32)
     out = np.empty_like(q)
     one_block = Rows.single(0, T, np.zeros(1))   # the cache as one block of T positions
-    cpu.attention(q, k[None], v[None], ones[None], ones[None], one_block, 0, out)
+    cpu.attention(q, k[None], v[None], ones[None], ones[None], one_block, 0, 1 / np.sqrt(hd), out)
     with np.errstate(invalid="ignore"):
         want = reference.attention(q.astype(np.float64), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
                                    np.arange(T))

@@ -247,14 +247,15 @@ def rope(x, cos, sin, positions):
 
 
 @njit(parallel=True, **_jit)
-def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, out):
+def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, out):
     """Causal grouped-query attention of new queries against the cache, read through block tables.
 
     q: [T, H, hd], row t the query of position p = rows.positions[t] of sequence rows.seq[t];
     k_cache, v_cache: [blocks, Hkv, BLOCK, hd] (float32, or int8 rows times k_scale, v_scale
     [blocks, Hkv, BLOCK]), already holding that sequence's positions 0..p in the blocks its table
     rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
-    its last `window` positions (Mistral's sliding window). One (row, head) pair per task, with
+    its last `window` positions (Mistral's sliding window). The scores are q . k times `scale`
+    (1/sqrt(hd) but for Gemma's and Granite's). One (row, head) pair per task, with
     an online softmax: one pass over the keys and values, keeping a running maximum, sum and
     weighted sum of values, the scores of one block of positions at a time (their dot products
     independent of each other, the sums rescaled once a block); no T x T matrix, no whole row. A row's result
@@ -263,7 +264,7 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, out):
     T, H, hd = q.shape
     B = k_cache.shape[2]
     group = H // k_cache.shape[1]
-    scale = np.float32(1.0 / math.sqrt(hd))
+    scale = np.float32(scale)
     for task in prange(T * H):
         # the rows from both ends taken in turn: a prompt's later rows attend to more positions,
         # and each thread runs a contiguous range of tasks

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from . import cpu
-from .layer import self_attention
+from .layer import self_attention, weight_nbytes
 from .linear import Weight, gated_mlp, linear, out_features
 
 
@@ -22,8 +22,9 @@ class Gemma3Weights(NamedTuple):
     wq: Weight                         # [H*hd, D]
     wk: Weight                         # [Hkv*hd, D]
     wv: Weight                         # [Hkv*hd, D]
-    q_norm: np.ndarray                 # [hd] times the attention's scale correction (see models/gemma3.py)
+    q_norm: np.ndarray                 # [hd]
     k_norm: np.ndarray                 # [hd]
+    attention_scale: np.float32        # scores times query_pre_attn_scalar^-0.5
     wo: Weight                         # [D, H*hd]
     post_attention_norm: np.ndarray    # [D]
     pre_feedforward_norm: np.ndarray   # [D]
@@ -35,7 +36,7 @@ class Gemma3Weights(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Bytes of all the block's weights: what a decoded token reads of it."""
-        return sum(w.nbytes for w in self)
+        return weight_nbytes(self)
 
 
 @njit(**cpu._jit)
@@ -52,7 +53,7 @@ def gemma3_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     if collect:
         cpu.add_squares(h, act_sq[0])
     attn = self_attention(h, w.wq, w.wk, w.wv, no_bias, no_bias, no_bias, w.q_norm, w.k_norm,
-                          kv, rows, cos, sin, eps, window)  # [T, H*hd]
+                          kv, rows, cos, sin, eps, window, w.attention_scale)  # [T, H*hd]
     if collect:
         cpu.add_squares(attn, act_sq[1])
     linear(attn, w.wo, h, False)                            # h = attn @ wo.T

@@ -25,10 +25,12 @@ class LayerWeights(NamedTuple):
     bq: np.ndarray           # [H*hd] (qwen2; zeros for models without biases)
     bk: np.ndarray           # [Hkv*hd]
     bv: np.ndarray           # [Hkv*hd]
-    q_norm: np.ndarray       # [hd] (qwen3: RMSNorm of each query head; shape (0,) for models without)
-    k_norm: np.ndarray       # [hd] (each key head)
+    q_norm: np.ndarray       # [hd] (qwen3: RMSNorm of each query head), [H*hd] (olmoe: of each
+    k_norm: np.ndarray       # row's whole width); [hd] or [Hkv*hd] for keys; shape (0,): none
     wo: Weight               # [D, H*hd]
     post_norm: np.ndarray    # [D]
+    attention_scale: np.float32   # the scores are q . k times this: 1/sqrt(hd), or Granite's
+    residual_scale: np.float32    # the attention's and the MLP's outputs times this, added to x (Granite's)
     w_gate: Weight           # [F, D]
     w_up: Weight             # [F, D]
     w_down: Weight           # [D, F]
@@ -36,7 +38,7 @@ class LayerWeights(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Bytes of all the block's weights: what a decoded token reads of it."""
-        return sum(w.nbytes for w in self)
+        return weight_nbytes(self)
 
 
 class MoELayerWeights(NamedTuple):
@@ -52,12 +54,23 @@ class MoELayerWeights(NamedTuple):
     k_norm: np.ndarray
     wo: Weight
     post_norm: np.ndarray
+    attention_scale: np.float32
+    residual_scale: np.float32
     moe: MoEWeights
 
     @property
     def nbytes(self) -> int:
         """Bytes of the block's weights a decoded token reads: the routed experts' (moe.nbytes)."""
-        return sum(w.nbytes for w in self)
+        return weight_nbytes(self)
+
+
+def weights_of(block: tuple) -> list:
+    """A block's weights (its arrays, matrices and experts), without its scalars."""
+    return [w for w in block if not isinstance(w, np.float32)]
+
+
+def weight_nbytes(block: tuple) -> int:
+    return sum(w.nbytes for w in weights_of(block))
 
 
 @njit(**cpu._jit)
@@ -80,15 +93,25 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     if collect:
         cpu.add_squares(h, act_sq[0])
     attn = self_attention(h, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, w.q_norm, w.k_norm,
-                          kv, rows, cos, sin, eps, window)  # [T, H*hd]
+                          kv, rows, cos, sin, eps, window, w.attention_scale)  # [T, H*hd]
     if collect:
         cpu.add_squares(attn, act_sq[1])
-    linear(attn, w.wo, x, True)                             # residual: x += attn @ wo.T
+    scaled = w.residual_scale != 1
+    if scaled:   # x += s * (attn @ wo.T)
+        linear(attn, w.wo, h, False)
+        x += w.residual_scale * h
+    else:
+        linear(attn, w.wo, x, True)                         # residual: x += attn @ wo.T
     # feed-forward block
     cpu.rmsnorm(x, w.post_norm, eps, h)
     if collect:
         cpu.add_squares(h, act_sq[2])
-    feed_forward(h, w, x, act_sq)                           # residual: x += mlp(h)
+    if scaled:
+        y = np.zeros_like(x)
+        feed_forward(h, w, y, act_sq)
+        x += w.residual_scale * y
+    else:
+        feed_forward(h, w, x, act_sq)                       # residual: x += mlp(h)
 
 
 def feed_forward(h, w, x, act_sq):
@@ -115,11 +138,11 @@ def _feed_forward_typed(h, w, x, act_sq):
 
 
 @njit(inline="always", **cpu._jit)
-def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps, window):
+def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps, window, scale):
     """-> [T, H*hd]: causal attention of the normed input h[T, D] (before the output projection),
     the rows' k and v stored first in the layer's cache kv (see decoder_layer), so that the rows
     of one prompt chunk see each other. Biases of shape (0,) are skipped, and so are q/k norms
-    (RMSNorm of each head, before RoPE)."""
+    (RMSNorm of each head or of the whole row, before RoPE)."""
     k_cache, v_cache, k_scale, v_scale = kv
     T = h.shape[0]
     Hkv, hd = k_cache.shape[1], k_cache.shape[3]
@@ -132,9 +155,10 @@ def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin
         q += bq
         k += bk
         v += bv
-    if q_norm.shape[0]:   # each head normalized on its own, before RoPE (in place)
-        cpu.rmsnorm(q.reshape(T * H, hd), q_norm, eps, q.reshape(T * H, hd))
-        cpu.rmsnorm(k.reshape(T * Hkv, hd), k_norm, eps, k.reshape(T * Hkv, hd))
+    if q_norm.shape[0]:   # before RoPE, in place: each head on its own, or each row's whole width
+        n, m = q_norm.shape[0], k_norm.shape[0]
+        cpu.rmsnorm(q.reshape(T * H * hd // n, n), q_norm, eps, q.reshape(T * H * hd // n, n))
+        cpu.rmsnorm(k.reshape(T * Hkv * hd // m, m), k_norm, eps, k.reshape(T * Hkv * hd // m, m))
     q = q.reshape(T, H, hd)
     k = k.reshape(T, Hkv, hd)
     v = v.reshape(T, Hkv, hd)
@@ -144,5 +168,5 @@ def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin
         cpu.store_kv(k_cache, k_scale, k[t], rows, t)
         cpu.store_kv(v_cache, v_scale, v[t], rows, t)
     attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
-    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, attn.reshape(T, H, hd))
+    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, attn.reshape(T, H, hd))
     return attn

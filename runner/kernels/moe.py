@@ -8,6 +8,11 @@ rows are routed to is read once for them all (their rows gathered into one matri
 or a batch's), and one no row is routed to is not read at all: in a memory-mapped file its pages
 are never touched. Each row sums its experts' outputs in the order of their indices, as
 transformers' loop over the experts hit does.
+
+Routers differ by family: softmax over all E logits and then the k largest (renormalised over
+the k or not: Qwen, Mixtral, OLMoE), or the k largest logits and then a softmax over those
+(Granite, gpt-oss), with a bias on the logits or not. A shared expert (Qwen2-MoE, Granite's
+shared variant) sees every row, its output weighted by a sigmoid gate or not.
 """
 from typing import NamedTuple
 
@@ -19,21 +24,38 @@ from . import cpu
 from .linear import Weight, gated_mlp, linear, out_features
 
 
-class MoEWeights(NamedTuple):
-    """The experts of one MoE MLP and their router (module level: cached kernels name the type)."""
-    router: np.ndarray   # [E, D] float32: the router's logits are h @ router.T
-    w_gate: Weight       # [E, F, D], stacked
-    w_up: Weight         # [E, F, D]
-    w_down: Weight       # [E, D, F]
-    top_k: int           # experts a row is routed to
-    renormalize: bool    # the k probabilities divided by their sum (softmax over all E, then top k)
+class SharedExpert(NamedTuple):
+    """An expert every row goes through, beside the routed ones."""
+    w_gate: Weight       # [F, D]
+    w_up: Weight         # [F, D]
+    w_down: Weight       # [D, F]
+    gate: np.ndarray     # [D] float32: its output times sigmoid(h . gate); shape (0,): no gate
 
     @property
     def nbytes(self) -> int:
-        """Bytes a decoded token reads on average: the router, and top_k of the E experts (the
-        weights held are the router and every expert)."""
-        experts = sum(w.nbytes for w in self[1:4])
-        return self.router.nbytes + experts * self.top_k // self.router.shape[0]
+        return sum(w.nbytes for w in self)
+
+
+class MoEWeights(NamedTuple):
+    """The experts of one MoE MLP and their router (module level: cached kernels name the type)."""
+    router: np.ndarray       # [E, D] float32: the router's logits are h @ router.T
+    router_bias: np.ndarray  # [E] float32, added to the logits; shape (0,): none
+    w_gate: Weight           # [E, F, D], stacked
+    w_up: Weight             # [E, F, D]
+    w_down: Weight           # [E, D, F]
+    top_k: int               # experts a row is routed to
+    top_k_first: bool        # the k largest logits, then a softmax over them (else softmax, then k)
+    renormalize: bool        # softmax first: the k probabilities divided by their sum
+    shared: SharedExpert | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decoded token reads on average: the router, the shared expert and top_k of the
+        E experts (the weights held are the router and every expert)."""
+        experts = sum(w.nbytes for w in (self.w_gate, self.w_up, self.w_down))
+        shared = 0 if self.shared is None else self.shared.nbytes
+        return (self.router.nbytes + self.router_bias.nbytes + shared
+                + experts * self.top_k // self.router.shape[0])
 
 
 def expert(w, e):
@@ -49,20 +71,31 @@ def _expert_typed(w, e):
 
 
 @njit(**cpu._jit)
-def route(h, router, top_k, renormalize):
-    """-> (experts [T, k] int64, probabilities [T, k] float32) of each row of h [T, D]: softmax
-    over the router's logits in float32, the k largest (the lower index first among equals),
-    renormalised over the k if asked."""
+def route(h, router, bias, top_k, top_k_first, renormalize):
+    """-> (experts [T, k] int64, probabilities [T, k] float32) of each row of h [T, D], in float32
+    (MoEWeights says which way); among equal logits the lower index first."""
     T, E = h.shape[0], router.shape[0]
     logits = np.empty((T, E), np.float32)
     linear(h, router, logits, False)
+    if bias.shape[0]:
+        logits += bias
     experts = np.empty((T, top_k), np.int64)
     probs = np.empty((T, top_k), np.float32)
     for t in range(T):
         row = logits[t]
-        p = np.exp(row - row.max())
+        order = np.argsort(-row, kind="mergesort")   # stable: equal logits by index
+        if top_k_first:
+            top = row[order[0]]
+            total = np.float32(0.0)
+            for j in range(top_k):
+                experts[t, j] = order[j]
+                probs[t, j] = np.exp(row[order[j]] - top)
+                total += probs[t, j]
+            for j in range(top_k):
+                probs[t, j] /= total
+            continue
+        p = np.exp(row - row[order[0]])
         p /= p.sum()
-        order = np.argsort(-p, kind="mergesort")   # stable: equal probabilities by index
         total = np.float32(0.0)
         for j in range(top_k):
             experts[t, j] = order[j]
@@ -76,9 +109,10 @@ def route(h, router, top_k, renormalize):
 
 @njit(**cpu._jit)
 def moe_mlp(h, w, out):
-    """out[T, D] = sum over each row's k experts of p * down(silu(gate(h)) * up(h)), h [T, D]."""
+    """out[T, D] = sum over each row's k experts of p * down(silu(gate(h)) * up(h)), h [T, D],
+    plus the shared expert's output if there is one."""
     T, D = h.shape
-    experts, probs = route(h, w.router, w.top_k, w.renormalize)
+    experts, probs = route(h, w.router, w.router_bias, w.top_k, w.top_k_first, w.renormalize)
     E = w.router.shape[0]
     F = out_features(expert(w.w_gate, 0))
     out[:] = 0
@@ -110,3 +144,29 @@ def moe_mlp(h, w, out):
         for i in range(n):
             t = rows[i]
             out[t] += probs[t, slot[t, e]] * y[i]
+    add_shared(h, w.shared, out)
+
+
+def add_shared(h, shared, out):
+    """out += the shared expert's output on h, if there is one (njit code only)."""
+
+
+@overload(add_shared, inline="always", jit_options=cpu._jit)
+def _add_shared_typed(h, shared, out):
+    if isinstance(shared, types.NoneType):
+        return lambda h, shared, out: None
+
+    def add(h, shared, out):
+        T, D = h.shape
+        mid = np.empty((T, out_features(shared.w_gate)), np.float32)
+        gated_mlp(h, shared.w_gate, shared.w_up, mid, False)
+        y = np.empty((T, D), np.float32)
+        linear(mid, shared.w_down, y, False)
+        if shared.gate.shape[0]:
+            for t in range(T):
+                g = np.float32(0.0)
+                for d in range(D):
+                    g += h[t, d] * shared.gate[d]
+                y[t] *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+        out += y
+    return add

@@ -12,6 +12,7 @@ runs any of them. A family module has:
     ropes(config, ctx) -> [(cos, sin)] for each layer, [ctx, rotated dims / 2] each
     norm(get, name, shape) -> an RMSNorm's weight as the kernels multiply by it (the final norm's too)
     embed_scale(config, embed) -> the factor on the embedded rows (embed: the embedding as loaded)
+    logits_scale(config) -> the factor on the logits (made part of the final norm's weight)
     block_shapes(config, i) -> block i's tensors by Hugging Face name and shape (llama's and
         qwen3_moe's: the random models of runner/synthetic.py)
     INPUTS: the weight names (after model.layers.<i>.) whose input each of the block's four act_sq

@@ -16,6 +16,7 @@ from ..rope import rope_tables
 from . import llama
 
 INPUTS = llama.INPUTS   # the same projections feed gemma3_layer's four act_sq rows
+logits_scale = llama.logits_scale
 
 
 def block():
@@ -35,18 +36,14 @@ def layer(get, c: ModelConfig, i: int):
     D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
-    q_norm = norm(get, p + "self_attn.q_norm.weight", (hd,))
-    if q_norm is not None:
-        # the attention kernel divides scores by sqrt(hd), Gemma by sqrt(query_pre_attn_scalar):
-        # q scaled by their ratio before RoPE (both linear) makes up the difference
-        q_norm *= np.float32(math.sqrt(hd / c.query_pre_attn_scalar))
     return Gemma3Weights(
         input_norm=norm(get, p + "input_layernorm.weight", (D,)),
         wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
         wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
         wv=get.linear(p + "self_attn.v_proj", (kv_dim, D)),
-        q_norm=q_norm,
+        q_norm=norm(get, p + "self_attn.q_norm.weight", (hd,)),
         k_norm=norm(get, p + "self_attn.k_norm.weight", (hd,)),
+        attention_scale=np.float32(c.query_pre_attn_scalar ** -0.5),
         wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
         post_attention_norm=norm(get, p + "post_attention_layernorm.weight", (D,)),
         pre_feedforward_norm=norm(get, p + "pre_feedforward_layernorm.weight", (D,)),

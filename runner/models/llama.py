@@ -1,5 +1,7 @@
 """Llama and the families that share its block: Mistral (a sliding window), Qwen2 (q/k/v biases),
 Qwen3 (an RMSNorm over each query and key head before RoPE) and SmolLM3 (no RoPE in some layers)."""
+import math
+
 import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window, sliding_where_typed
@@ -31,15 +33,17 @@ def layer(get, c: ModelConfig, i: int):
     )
 
 
-def attention(get, c: ModelConfig, i: int) -> dict:
+def attention(get, c: ModelConfig, i: int, qk_norm: str | None = None) -> dict:
     """Block i's weights up to its MLP (the attention half and its norms), as LayerWeights and
-    MoELayerWeights name them."""
+    MoELayerWeights name them. qk_norm: where q and k are RMSNormed before RoPE, as
+    `qk_norm_shapes` says."""
     D, hd = c.hidden_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
     bias = get if c.attention_bias else lambda name, shape: np.zeros(shape, np.float32)
+    norms = qk_norm_shapes(c, qk_norm)
     # empty for the models without q/k norms: the block skips them
-    qk_norm = get if c.model_type in ("qwen3", "qwen3_moe") else lambda name, shape: np.zeros(0, np.float32)
+    none = np.zeros(0, np.float32)
     return dict(
         input_norm=get(p + "input_layernorm.weight", (D,)),
         wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
@@ -48,11 +52,25 @@ def attention(get, c: ModelConfig, i: int) -> dict:
         bq=bias(p + "self_attn.q_proj.bias", (q_dim,)),
         bk=bias(p + "self_attn.k_proj.bias", (kv_dim,)),
         bv=bias(p + "self_attn.v_proj.bias", (kv_dim,)),
-        q_norm=qk_norm(p + "self_attn.q_norm.weight", (hd,)),
-        k_norm=qk_norm(p + "self_attn.k_norm.weight", (hd,)),
+        q_norm=get(p + "self_attn.q_norm.weight", norms[0]) if norms else none,
+        k_norm=get(p + "self_attn.k_norm.weight", norms[1]) if norms else none,
         wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
         post_norm=get(p + "post_attention_layernorm.weight", (D,)),
+        attention_scale=np.float32(1 / math.sqrt(hd)),
+        residual_scale=np.float32(1),
     )
+
+
+def qk_norm_shapes(c: ModelConfig, qk_norm: str | None) -> tuple[tuple[int], tuple[int]] | None:
+    """The shapes of q_norm and k_norm: "head", an RMSNorm over each head (qwen3's, and qwen3's
+    and qwen3_moe's if not said), "row", over each row's whole projection (olmoe's); None: none."""
+    hd = c.head_dim
+    qk_norm = qk_norm or ("head" if c.model_type in ("qwen3", "qwen3_moe") else None)
+    if qk_norm == "head":
+        return (hd,), (hd,)
+    if qk_norm == "row":
+        return (c.num_attention_heads * hd,), (c.num_key_value_heads * hd,)
+    return None
 
 
 def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
@@ -68,8 +86,8 @@ def attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     D, hd = c.hidden_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
-    norms = {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)} if c.model_type in (
-        "qwen3", "qwen3_moe") else {}
+    shapes = qk_norm_shapes(c, None)
+    norms = {p + "self_attn.q_norm.weight": shapes[0], p + "self_attn.k_norm.weight": shapes[1]} if shapes else {}
     return {p + "input_layernorm.weight": (D,), p + "self_attn.q_proj.weight": (q_dim, D),
             p + "self_attn.k_proj.weight": (kv_dim, D), p + "self_attn.v_proj.weight": (kv_dim, D),
             **norms, p + "self_attn.o_proj.weight": (D, q_dim), p + "post_attention_layernorm.weight": (D,)}
@@ -82,6 +100,11 @@ def norm(get, name: str, shape: tuple) -> np.ndarray | None:
 
 def embed_scale(c: ModelConfig, embed) -> float:
     """The factor on the embedded rows: none."""
+    return 1.0
+
+
+def logits_scale(c: ModelConfig) -> float:
+    """The factor on the logits: none."""
     return 1.0
 
 

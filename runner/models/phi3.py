@@ -2,6 +2,8 @@
 and gate/up as another (gate_up_proj), split here into views of their rows; no biases. Partial
 rotary (Phi-4-mini's partial_rotary_factor) is in the RoPE tables: they are as wide as the dims
 they rotate (rope.py)."""
+import math
+
 import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window
@@ -11,7 +13,7 @@ from . import llama
 
 block = llama.block
 ropes = llama.ropes   # one table for every layer
-norm, embed_scale = llama.norm, llama.embed_scale
+norm, embed_scale, logits_scale = llama.norm, llama.embed_scale, llama.logits_scale
 INPUTS = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
 
 
@@ -20,9 +22,9 @@ def layer(get, c: ModelConfig, i: int):
     D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
     p = f"model.layers.{i}."
-    wq, wk, wv = _split(get.linear(p + "self_attn.qkv_proj", (q_dim + 2 * kv_dim, D)),
+    wq, wk, wv = split_rows(get.linear(p + "self_attn.qkv_proj", (q_dim + 2 * kv_dim, D)),
                         (q_dim, kv_dim, kv_dim))
-    w_gate, w_up = _split(get.linear(p + "mlp.gate_up_proj", (2 * F, D)), (F, F))
+    w_gate, w_up = split_rows(get.linear(p + "mlp.gate_up_proj", (2 * F, D)), (F, F))
     no_norm = np.zeros(0, np.float32)
     return LayerWeights(
         input_norm=get(p + "input_layernorm.weight", (D,)),
@@ -32,12 +34,13 @@ def layer(get, c: ModelConfig, i: int):
         q_norm=no_norm, k_norm=no_norm,
         wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
         post_norm=get(p + "post_attention_layernorm.weight", (D,)),
+        attention_scale=np.float32(1 / math.sqrt(hd)), residual_scale=np.float32(1),
         w_gate=w_gate, w_up=w_up,
         w_down=get.linear(p + "mlp.down_proj", (D, F)),
     )
 
 
-def _split(w, sizes: tuple[int, ...]) -> list:
+def split_rows(w, sizes: tuple[int, ...]) -> list:
     """Consecutive blocks of rows of w (a Weight), `sizes` rows each, as views (None where w is
     missing: Model names the missing tensors after reading every layer)."""
     from ..kernels.linear import row_block

@@ -1,0 +1,32 @@
+"""Mixtral: Mistral's attention (a sliding window in every layer, if any) and in every layer a
+mixture of experts for the MLP: softmax over the router's logits, the top num_experts_per_tok
+experts (2 of 8), their probabilities always renormalised. Its checkpoints name the experts'
+gate, down and up matrices w1, w2 and w3 (MLX's: switch_mlp's gate_proj, down_proj, up_proj)."""
+
+from nibble.formats.config import ModelConfig, one_window
+from nibble.formats.families import Family
+from . import llama, qwen3_moe
+
+block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
+INPUTS = llama.INPUTS
+
+
+def layer(get, c: ModelConfig, i: int):
+    from ..kernels.layer import MoELayerWeights
+    p = f"model.layers.{i}.block_sparse_moe"
+    moe = qwen3_moe.routed(get, p, c, "gate", qwen3_moe.stacked(get, p, c, c.intermediate_size, ("w1", "w3", "w2")),
+                           renormalize=True)
+    return MoELayerWeights(**llama.attention(get, c, i), moe=moe)
+
+
+def _configure(c: ModelConfig) -> None:
+    c.attention_bias = False   # transformers' mixtral has no biases, whatever it says
+    qwen3_moe.check_experts(c)
+
+
+FAMILY = Family(
+    "mixtral",
+    # MixtralConfig's defaults
+    model_types={"mixtral": dict(rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2)},
+    windows=lambda c: one_window(c, c.sliding_window or 0), configure=_configure,
+)

@@ -1,0 +1,39 @@
+"""OLMoE: Llama's attention with an RMSNorm over each row's whole query and key projections (not
+each head's, as Qwen3's), and in every layer a mixture of experts for the MLP: softmax over the
+router's logits, the top num_experts_per_tok (8 of 64), not renormalised unless norm_topk_prob."""
+
+from nibble.formats.config import ModelConfig, one_window
+from nibble.formats.errors import FormatError
+from nibble.formats.families import Family
+from . import llama, qwen3_moe
+
+block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
+INPUTS = llama.INPUTS
+
+
+def layer(get, c: ModelConfig, i: int):
+    from ..kernels.layer import MoELayerWeights
+    p = f"model.layers.{i}.mlp"
+    moe = qwen3_moe.routed(get, p, c, "gate", qwen3_moe.stacked(get, p, c, c.intermediate_size),
+                           renormalize=c.extra["norm_topk_prob"])
+    return MoELayerWeights(**llama.attention(get, c, i, qk_norm="row"), moe=moe)
+
+
+def _configure(c: ModelConfig) -> None:
+    if c.attention_bias:
+        raise FormatError("config.json: nibble cannot run attention_bias=True for olmoe (transformers "
+                          "gives its o_proj a bias too)")
+    if c.extra.get("clip_qkv") is not None:
+        raise FormatError(f"config.json: nibble cannot run clip_qkv={c.extra['clip_qkv']!r} for olmoe "
+                          "(its block does not clamp q, k and v)")
+    if qwen3_moe.experts(c) is None:   # OlmoeConfig's default
+        c.extra["num_experts"] = 64
+    qwen3_moe.check_experts(c)
+
+
+FAMILY = Family(
+    "olmoe",
+    # OlmoeConfig's defaults
+    model_types={"olmoe": dict(num_experts_per_tok=8, norm_topk_prob=False)},
+    windows=lambda c: one_window(c, 0), configure=_configure,   # transformers' olmoe never slides
+)
