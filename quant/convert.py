@@ -27,8 +27,20 @@ from .affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconst
 
 EMBEDDING = "model.embed_tokens"
 HEAD = "lm_head"
-# Module paths of the decoder's linears: model.layers.<i>.self_attn.q_proj, ...mlp.down_proj
-_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.\w+\.\w+_proj")
+# Module paths of the decoder's linears: model.layers.<i>.self_attn.q_proj, ...mlp.down_proj,
+# ...mlp.shared_expert.up_proj, ...shared_mlp.input_linear (Granite's)
+_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.[\w.]+_(proj|linear)")
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """The matrices of a mixture's experts written as one stacked weight [E, N, K], as MLX's
+    switch_mlp holds them (the runner's families say which: runner/models/): made of the
+    checkpoint's tensors `sources`, which it replaces; `matrices(tensors)` yields each expert's
+    float32 [N, K] in turn."""
+    sources: tuple[str, ...]
+    shape: tuple[int, int, int]
+    matrices: Callable[[dict], Iterator[np.ndarray]]
 
 
 @dataclass
@@ -40,6 +52,7 @@ class QuantizeReport:
     bytes_before: int              # all tensors, as held in memory
     bytes_after: int
     params: int                    # weights in the float model
+    plain_experts: int = 0         # experts quantized without importances: calibration rarely reached them
 
     @property
     def bits_per_weight(self) -> float:
@@ -55,7 +68,8 @@ def is_quantized(config: ModelConfig) -> bool:
 def quantize_model(model: ModelDir, bits: int, group_size: int,
                    imatrix: dict[str, np.ndarray] | None = None, embed_bits: int | None = None,
                    method: str = "search", allow_requantize: bool = False,
-                   progress: Callable[[str, int, int], None] | None = None) -> QuantizeReport:
+                   progress: Callable[[str, int, int], None] | None = None,
+                   stacks: dict[str, ExpertStack] | None = None) -> QuantizeReport:
     """Quantize every linear of a float model to `bits` with one scale and bias per `group_size`.
 
     The linears are the decoder layers' `*_proj` matrices, the embedding (which also serves as
@@ -64,10 +78,13 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
     its importance per input channel [in]; the embedding, a lookup table, gets none. A matrix
     whose rows do not split into whole groups stays float (as in mlx-lm) and is reported.
     progress(name, done, total) is called after each matrix. An already quantized model is
-    refused unless allow_requantize, which dequantizes it first. Returns a report holding the
-    new ModelDir, all in memory (QuantizePlan streams it to a file instead); `model` is not changed.
+    refused unless allow_requantize, which dequantizes it first. `stacks` (output weight name ->
+    ExpertStack): a mixture's experts, each stack quantized expert by expert (its importances
+    [E, K] in imatrix; an expert's row of zeros: plain weighting) and written stacked. Returns a
+    report holding the new ModelDir, all in memory (QuantizePlan streams it to a file instead);
+    `model` is not changed.
     """
-    plan = QuantizePlan(model, bits, group_size, imatrix, embed_bits, method, allow_requantize)
+    plan = QuantizePlan(model, bits, group_size, imatrix, embed_bits, method, allow_requantize, stacks)
     tensors = dict(plan.tensors(progress))
     return plan.report(dataclasses.replace(model, path=None, config=plan.config, tensors=tensors))
 
@@ -79,20 +96,29 @@ class QuantizePlan:
 
     def __init__(self, model: ModelDir, bits: int, group_size: int,
                  imatrix: dict[str, np.ndarray] | None = None, embed_bits: int | None = None,
-                 method: str = "search", allow_requantize: bool = False):
+                 method: str = "search", allow_requantize: bool = False,
+                 stacks: dict[str, ExpertStack] | None = None):
         scheme = AffineScheme(bits, group_size)
         embed_scheme = AffineScheme(embed_bits, group_size) if embed_bits is not None else scheme
         self.model, self.method = model, method
         # name -> float tensor, or a QuantizedTensor to requantize (dequantized when its turn comes)
         self.source = _float_tensors(model, allow_requantize)
-        self.imatrix = _check_imatrix_names(imatrix or {}, self.source)
-        self.linears = _linear_paths(self.source)
+        # the stacks whose rows split into whole groups (the others' sources stay as they are), by
+        # their first source: where they are written (Granite's gate and up share theirs)
+        self.stacks: dict[str, list[tuple[str, ExpertStack]]] = {}
+        for name, stack in (stacks or {}).items():
+            if not _misfit(stack.shape, scheme):
+                self.stacks.setdefault(stack.sources[0], []).append((name, stack))
+        fitting = [pair for pairs in self.stacks.values() for pair in pairs]
+        self.consumed = {src for _, stack in fitting for src in stack.sources}
+        self.imatrix = _check_imatrix_names(imatrix or {}, self.source, [name for name, _ in fitting])
+        self.linears = [p for p in _linear_paths(self.source) if f"{p}.weight" not in self.consumed]
         self.schemes: dict[str, AffineScheme] = {}   # module path -> scheme, of those quantized
         self.kept_float: dict[str, str] = {}         # weight name of a matrix left in float -> why
         overrides = {}
         for path in self.linears:
             s = embed_scheme if path in (EMBEDDING, HEAD) else scheme
-            misfit = _misfit(self.source[f"{path}.weight"], s)
+            misfit = _misfit(self.source[f"{path}.weight"].shape, s)
             if misfit:
                 self.kept_float[f"{path}.weight"] = misfit
             else:
@@ -104,25 +130,38 @@ class QuantizePlan:
         self.specs: dict[str, TensorSpec] = {}   # each quantized weight replaced by its three parts
         for name, t in self.source.items():
             s = self._scheme(name)
-            if s is not None:
-                out, n = t.shape
-                groups = TensorSpec("F16", (out, n // s.group_size))
-                weight, scales, biases = _parts(name)
-                self.specs |= {weight: TensorSpec("U32", (out, n * s.bits // 32)),
-                               scales: groups, biases: groups}
+            if name in self.stacks:
+                for out, stack in self.stacks[name]:
+                    self.specs |= _quantized_specs(out, stack, scheme)
+            elif name in self.consumed:
+                continue
+            elif s is not None:
+                self.specs |= _quantized_specs(name, t, s)
             else:
                 self.specs[name] = (TensorSpec("F32", t.shape) if isinstance(t, QuantizedTensor)
                                     else tensor_spec(t))
         self.errors: dict[str, float] = {}   # quantized weight name -> relative RMS error, filled by tensors()
+        self.scheme = scheme
+        self.plain_experts = 0   # experts of the stacks quantized without importances, counted by tensors()
 
     def tensors(self, progress: Callable[[str, int, int], None] | None = None
                 ) -> Iterator[tuple[str, np.ndarray | HalfTensor]]:
         """(name, tensor) for every name in `specs`, quantizing one matrix at a time; what a
         tensor held of the input's memory map is given back once its turn is over (see release).
         Fills `errors`; progress(name, done, total) after each linear."""
-        done = 0
+        done, total = 0, len(self.linears) + sum(map(len, self.stacks.values()))
         for name, t in self.source.items():
             s = self._scheme(name)
+            for out, stack in self.stacks.get(name, ()):
+                qt = self._quantize_stack(out, stack)
+                yield from zip(_parts(out), (qt.weight, qt.scales, qt.biases))
+                for src in stack.sources:
+                    release(self.source[src])
+                done += 1
+                if progress is not None:
+                    progress(out, done, total)
+            if name in self.consumed:
+                continue
             if s is None:
                 yield name, dequantize(t) if isinstance(t, QuantizedTensor) else t
             else:
@@ -133,7 +172,7 @@ class QuantizePlan:
             if s is not None or name in self.kept_float:
                 done += 1
                 if progress is not None:
-                    progress(name, done, len(self.linears))
+                    progress(name, done, total)
 
     def report(self, model: ModelDir) -> QuantizeReport:
         """The report on `model`, the quantized model made of `tensors()`."""
@@ -141,11 +180,29 @@ class QuantizePlan:
             model=model, errors=self.errors, kept_float=self.kept_float,
             bytes_before=sum(t.nbytes for t in self.model.tensors.values()),
             bytes_after=sum(spec.nbytes for spec in self.specs.values()),
-            params=sum(math.prod(t.shape) for t in self.source.values()))
+            params=sum(math.prod(t.shape) for t in self.source.values()), plain_experts=self.plain_experts)
 
     def _scheme(self, name: str) -> AffineScheme | None:
         """The scheme of weight `name`, None when it stays float."""
         return self.schemes.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+
+    def _quantize_stack(self, name: str, stack: ExpertStack) -> QuantizedTensor:
+        """The experts of `stack` quantized one by one (each with its row of the importances, or
+        plainly where that row is zeros), stacked."""
+        imp = self.imatrix.get(name)
+        parts, errors = [], []
+        for e, w in enumerate(stack.matrices(self.model.tensors)):
+            if w.shape != stack.shape[1:]:
+                raise NibbleError(f"{stack.sources[min(e, len(stack.sources) - 1)]}: expert {e}'s matrix is "
+                                  f"{w.shape[0]}x{w.shape[1]}, the config needs {stack.shape[1]}x{stack.shape[2]}")
+            row = None if imp is None or not imp[e].any() else imp[e]
+            self.plain_experts += imp is not None and row is None
+            qt, err = _quantized(f"{name}[{e}]", w, self.scheme, row, self.method)
+            parts.append(qt)
+            errors.append(err)
+        self.errors[name] = float(np.sqrt(np.mean(np.square(errors))))
+        return QuantizedTensor(*(np.stack([getattr(q, f) for q in parts]) for f in ("weight", "scales", "biases")),
+                               self.scheme.bits, self.scheme.group_size)
 
     def _quantize(self, name: str, t, s: AffineScheme) -> QuantizedTensor:
         w = dequantize(t) if isinstance(t, QuantizedTensor) else np.asarray(t)  # [out, in] float32
@@ -169,7 +226,7 @@ def quantize_linears(model: ModelDir, paths: list[str], scheme: AffineScheme) ->
     for path in paths:
         name = f"{path}.weight"
         w = np.asarray(tensors[name])   # [out, in] float32 (bf16 widened), one matrix at a time
-        if misfit := _misfit(w, scheme):
+        if misfit := _misfit(w.shape, scheme):
             kept_float[name] = misfit
             continue
         qt, errors[name] = _quantized(name, w, scheme, None, "rtn")
@@ -240,10 +297,19 @@ def _parts(name: str) -> tuple[str, str, str]:
     return name, f"{path}.scales", f"{path}.biases"
 
 
-def _misfit(w, s: AffineScheme) -> str:
-    """Why matrix w [out, in] cannot be quantized with scheme s, or "" when it can."""
-    n = w.shape[1]
+def _misfit(shape: tuple, s: AffineScheme) -> str:
+    """Why a matrix of `shape` ([out, in], or experts' [E, out, in]) cannot be quantized with
+    scheme s, or "" when it can."""
+    n = shape[-1]
     return f"row length {n} is not a multiple of the group size {s.group_size}" if n % s.group_size else ""
+
+
+def _quantized_specs(name: str, t, s: AffineScheme) -> dict[str, TensorSpec]:
+    """The specs of weight `name` quantized with s: a matrix [out, in], or stacked [E, out, in]."""
+    *lead, n = t.shape
+    groups = TensorSpec("F16", (*lead, n // s.group_size))
+    weight, scales, biases = _parts(name)
+    return {weight: TensorSpec("U32", (*lead, n * s.bits // 32)), scales: groups, biases: groups}
 
 
 def _quantized(name: str, w: np.ndarray, s: AffineScheme, imp: np.ndarray | None,
@@ -298,10 +364,10 @@ def _float_tensors(model: ModelDir, allow_requantize: bool) -> dict:
     return out
 
 
-def _check_imatrix_names(imatrix: dict[str, np.ndarray],
-                         tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _check_imatrix_names(imatrix: dict[str, np.ndarray], tensors: dict[str, np.ndarray],
+                         stacked: list[str]) -> dict[str, np.ndarray]:
     # Tied models have no lm_head tensor, but a calibration run may still measure its input.
-    unknown = [k for k in imatrix if k not in tensors and k != f"{HEAD}.weight"]
+    unknown = [k for k in imatrix if k not in tensors and k not in stacked and k != f"{HEAD}.weight"]
     if unknown:
         raise NibbleError(f"importance matrix names tensors the model does not have: "
                           f"{', '.join(unknown[:3])}; keys must be weight names such as "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from nibble.formats.half import HalfTensor
 from nibble.formats.safetensors import release
 from .model import Model
 from .stages import CPUStage
@@ -21,17 +22,25 @@ def collect_imatrix(model: Model, tokens, ctx: int = 512, progress=None) -> dict
     tokens = np.asarray(tokens)
     windows = [tokens[i:i + ctx] for i in range(0, len(tokens) - 1, ctx)]
     xs = [model.embedding(window) for window in windows]     # [T, D] residual stream of each
-    sums = np.zeros((c.num_hidden_layers, 4, max(c.hidden_size, c.intermediate_size)))
+    imatrix = {}
     for i, weights in enumerate(model.layers):
         layer = CPUStage(model, i, i + 1, head=False)
         kv = layer.new_cache(ctx, np.float32)   # each window starts at position 0, over the last
+        sums = np.zeros(model.family.act_shape(c, i))   # the family's rows for this block
         for x in xs:
-            layer.forward(x, kv, 0, False, sums)   # x in place
-        for w in weights:
-            release(w)
+            layer.forward(x, kv, 0, False, {i: sums})   # x in place
+        imatrix |= model.family.importances(c, i, sums, len(tokens))
+        _release(weights)
         if progress:
             progress(i + 1, c.num_hidden_layers)
-    widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.hidden_size, c.intermediate_size)
-    inputs = model.family.INPUTS   # the projections each slot's input feeds, by the family's names
-    return {f"model.layers.{i}.{name}.weight": sums[i, slot, :widths[slot]] / len(tokens)
-            for i in range(c.num_hidden_layers) for slot, names in enumerate(inputs) for name in names}
+    return imatrix
+
+
+def _release(weights: tuple) -> None:
+    """Give back the pages of a block's weights: its arrays and those in its tuples (a mixture's
+    experts and router)."""
+    for w in weights:
+        if isinstance(w, tuple):
+            _release(w)
+        elif isinstance(w, (np.ndarray, HalfTensor)):
+            release(w)

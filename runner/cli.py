@@ -557,6 +557,10 @@ def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_re
     click.echo(err=True)
     for name, why in report.kept_float.items():
         click.echo(f"kept in float: {name} ({why})", err=True)
+    if report.plain_experts:
+        click.echo(f"{report.plain_experts} experts' matrices were quantized without importances: the "
+                   f"calibration text reached those experts too rarely (--calib with more text reaches more)",
+                   err=True)
     click.echo(f"wrote {output}: {report.bytes_before / 1e6:.1f} MB -> {report.bytes_after / 1e6:.1f} MB, "
                f"{report.bits_per_weight:.2f} bits per weight", err=True)
 

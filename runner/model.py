@@ -83,8 +83,8 @@ class Model:
                 act_sq: np.ndarray | None = None) -> np.ndarray:
         """Run tokens at positions cache.pos.. and return logits [T, V] (all_logits) or [1, V].
 
-        act_sq [layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of each
-        layer's projections (see decoder_layer).
+        act_sq, if given: each layer's sums of its projections' squared inputs by layer index
+        (float64, as the family's act_shape; see decoder_layer), accumulated.
         """
         T, pos0 = len(tokens), cache.pos
         self._check_pool(cache.pool)

@@ -17,6 +17,7 @@ from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibrati
 from .calibrate import collect_imatrix
 from .loader import open_model
 from .model import Model
+from .models import family
 from .tokenizer import Tokenizer
 
 CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a few seconds
@@ -76,7 +77,8 @@ def _write_quantized(model_dir: ModelDir, out, bits: int, group_size: int, embed
         imatrix = importance_matrix(model_dir, calib_text, calib_tokens, progress=progress and (
             lambda done, total: progress("calibrating", done, total)))
     plan = QuantizePlan(model_dir, bits, group_size, imatrix=imatrix, embed_bits=embed_bits,
-                        allow_requantize=allow_requantize)
+                        allow_requantize=allow_requantize,
+                        stacks=family(model_dir.config).stacks(model_dir.config, model_dir.tensors))
     tensors = plan.tensors(progress=progress and (
         lambda name, done, total: progress("quantizing", done, total)))
     write_model_dir(dataclasses.replace(model_dir, path=None, config=plan.config, tensors={}), out,

@@ -59,8 +59,8 @@ class CPUStage:
 
     def run(self, x: np.ndarray, kv: HostKV | None, rows: Rows, logit_rows: np.ndarray,
             act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
-        """act_sq [model layers, 4, max(D, F)] float64, if given, accumulates the squared inputs of
-        each layer's projections (see decoder_layer)."""
+        """act_sq, if given: each layer's sums of its projections' squared inputs by layer index
+        (float64, as the family's act_shape; see decoder_layer), accumulated."""
         m, c = self.model, self.model.config
         acts = [_NOT_COLLECTING] * len(m.layers) if act_sq is None else act_sq
         blocks = self.blocks(x, kv, rows, acts[self.first]) if self.last > self.first else []

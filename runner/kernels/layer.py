@@ -80,9 +80,10 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     blocks of the layer's cache kv = (k, v [blocks, Hkv, BLOCK, hd], k_scale, v_scale [blocks,
     Hkv, BLOCK]). One call per layer keeps Python out of the token loop's inner steps.
 
-    weights: LayerWeights. act_sq: [4, max(D, F)] float64 sums of the squared inputs of
-    the q/k/v, o, gate/up and down projections (for the importance matrix of quantization), or
-    shape (0, 0) when not collecting.
+    weights: LayerWeights or MoELayerWeights. act_sq: float64 sums of the squared inputs of
+    the q/k/v, o, gate/up and down projections, a row each (for the importance matrix of
+    quantization; a mixture's experts have rows of their own: moe.moe_mlp), or shape (0, 0)
+    when not collecting.
     """
     w = weights
     T = x.shape[0]
@@ -124,7 +125,7 @@ def _feed_forward_typed(h, w, x, act_sq):
     if isinstance(w, types.BaseNamedTuple) and w.instance_class is MoELayerWeights:
         def mixture(h, w, x, act_sq):
             out = np.empty_like(h)
-            moe_mlp(h, w.moe, out)
+            moe_mlp(h, w.moe, out, act_sq)
             x += out
         return mixture
 

@@ -108,9 +108,14 @@ def route(h, router, bias, top_k, top_k_first, renormalize):
 
 
 @njit(**cpu._jit)
-def moe_mlp(h, w, out):
+def moe_mlp(h, w, out, act_sq):
     """out[T, D] = sum over each row's k experts of p * down(silu(gate(h)) * up(h)), h [T, D],
-    plus the shared expert's output if there is one."""
+    plus the shared expert's output if there is one.
+
+    act_sq (calibration: shape (0, 0) when not collecting), the rows after the attention's and
+    the MLP input's (layer.decoder_layer): 3, the shared expert's down input; 4 + 2e and 5 + 2e,
+    expert e's gate/up input and down input over the rows routed to it; 4 + 2E, the number of
+    rows routed to each expert."""
     T, D = h.shape
     experts, probs = route(h, w.router, w.router_bias, w.top_k, w.top_k_first, w.renormalize)
     E = w.router.shape[0]
@@ -139,27 +144,33 @@ def moe_mlp(h, w, out):
             x[i] = h[rows[i]]
         mid = np.empty((n, F), np.float32)
         gated_mlp(x, expert(w.w_gate, e), expert(w.w_up, e), mid, False)
+        if act_sq.shape[0] > 0:
+            cpu.add_squares(x, act_sq[4 + 2 * e])
+            cpu.add_squares(mid, act_sq[5 + 2 * e])
+            act_sq[4 + 2 * E, e] += n
         y = np.empty((n, D), np.float32)
         linear(mid, expert(w.w_down, e), y, False)
         for i in range(n):
             t = rows[i]
             out[t] += probs[t, slot[t, e]] * y[i]
-    add_shared(h, w.shared, out)
+    add_shared(h, w.shared, out, act_sq)
 
 
-def add_shared(h, shared, out):
+def add_shared(h, shared, out, act_sq):
     """out += the shared expert's output on h, if there is one (njit code only)."""
 
 
 @overload(add_shared, inline="always", jit_options=cpu._jit)
-def _add_shared_typed(h, shared, out):
+def _add_shared_typed(h, shared, out, act_sq):
     if isinstance(shared, types.NoneType):
-        return lambda h, shared, out: None
+        return lambda h, shared, out, act_sq: None
 
-    def add(h, shared, out):
+    def add(h, shared, out, act_sq):
         T, D = h.shape
         mid = np.empty((T, out_features(shared.w_gate)), np.float32)
         gated_mlp(h, shared.w_gate, shared.w_up, mid, False)
+        if act_sq.shape[0] > 0:
+            cpu.add_squares(mid, act_sq[3])
         y = np.empty((T, D), np.float32)
         linear(mid, shared.w_down, y, False)
         if shared.gate.shape[0]:

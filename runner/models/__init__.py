@@ -15,8 +15,12 @@ runs any of them. A family module has:
     logits_scale(config) -> the factor on the logits (made part of the final norm's weight)
     block_shapes(config, i) -> block i's tensors by Hugging Face name and shape (llama's and
         qwen3_moe's: the random models of runner/synthetic.py)
-    INPUTS: the weight names (after model.layers.<i>.) whose input each of the block's four act_sq
-        rows collects: the q/k/v, o, gate/up and down projections (runner/calibrate.py)
+    act_shape(config, i) -> the shape of block i's act_sq, the sums of its projections' squared
+        inputs that the block kernel adds to when calibrating (runner/calibrate.py)
+    importances(config, i, act_sq, tokens) -> block i's entries of the importance matrix, by the
+        weight names quantize writes
+    stacks(config, tensors) -> {weight name: quant.convert.ExpertStack}: a mixture's experts,
+        which quantize writes stacked (none for the dense families)
 """
 import importlib
 import pkgutil

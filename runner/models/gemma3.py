@@ -15,8 +15,8 @@ from nibble.formats.values import COUNT, number
 from ..rope import rope_tables
 from . import llama
 
-INPUTS = llama.INPUTS   # the same projections feed gemma3_layer's four act_sq rows
-logits_scale = llama.logits_scale
+# the same projections feed gemma3_layer's four act_sq rows
+act_shape, importances, stacks, logits_scale = llama.act_shape, llama.importances, llama.stacks, llama.logits_scale
 
 
 def block():

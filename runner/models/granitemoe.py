@@ -5,17 +5,50 @@ times residual_multiplier, the embeddings times embedding_multiplier, the logits
 logits_scaling; in every layer a mixture of experts whose router takes the k largest logits and
 a softmax over those. Its checkpoints hold each layer's experts as two fused tensors:
 input_linear [E, 2F, D] (gate's rows, then up's) and output_linear [E, D, F]."""
+import math
+
 import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family
+from nibble.formats.families import Family, GGUFArch
+from nibble.formats.gguf_metadata import float32_decimal
 from nibble.formats.values import integer, number
 from . import llama, qwen3_moe
 from .phi3 import split_rows
 
 block, ropes, norm = llama.block, llama.ropes, llama.norm
-INPUTS = llama.INPUTS
+MOE = "block_sparse_moe"
+
+
+def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
+    return qwen3_moe.moe_act_shape(c)
+
+
+def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
+    S = c.extra.get("shared_intermediate_size", 0)
+    shared = (("shared_mlp.input_linear",), ("shared_mlp.output_linear",), S) if S else None
+    return qwen3_moe.expert_importances(c, i, sums, tokens, MOE, c.intermediate_size, shared)
+
+
+def stacks(c: ModelConfig, tensors: dict) -> dict:
+    """The experts as quantize writes them: MLX's switch_mlp stacks, from the fused input_linear
+    (gate's rows, then up's) and output_linear, or from float stacks already so named."""
+    from nibble.quant.convert import ExpertStack
+    D, E, F = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size
+    out = {}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}.{MOE}"
+        fused, down = f"{p}.input_linear.weight", f"{p}.output_linear.weight"
+        if fused not in tensors or down not in tensors:
+            out |= qwen3_moe.expert_stacks(c, tensors, p, F)
+            continue
+        halves = lambda t, rows, s=fused: (m[rows] for m in np.asarray(t[s], np.float32))
+        out |= {f"{p}.switch_mlp.gate_proj.weight": ExpertStack((fused,), (E, F, D), lambda t, h=halves: h(t, slice(0, F))),
+                f"{p}.switch_mlp.up_proj.weight": ExpertStack((fused,), (E, F, D), lambda t, h=halves: h(t, slice(F, None))),
+                f"{p}.switch_mlp.down_proj.weight": ExpertStack(
+                    (down,), (E, D, F), lambda t, s=down: iter(np.asarray(t[s], np.float32)))}
+    return out
 
 
 def embed_scale(c: ModelConfig, embed) -> np.float32:
@@ -70,10 +103,36 @@ def _configure(c: ModelConfig) -> None:
     qwen3_moe.check_experts(c)
 
 
+def _granitemoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp's granitemoe: granitemoeshared where the file gives a shared expert's width; each
+    routed expert feed_forward_length wide. A scale the file leaves out (or 0) is llama.cpp's:
+    none, and scores by 1/sqrt(head_dim); logit_scale it needs."""
+    E, k = qwen3_moe.gguf_experts(meta, a)
+    S = meta.get(a + "expert_shared_feed_forward_length", 0)
+    integer().check(f"GGUF metadata {a}expert_shared_feed_forward_length", S)
+    extra = dict(num_local_experts=E, num_experts_per_tok=k, shared_intermediate_size=S)
+    for field, key, default in zip(MULTIPLIERS, ("embedding_scale", "residual_scale", "attention.scale", "logit_scale"),
+                                   (1.0, 1.0, 1 / math.sqrt(head_dim), None)):
+        value = meta.get(a + key, default)
+        if value is None:
+            raise FormatError(f"GGUF metadata has no {a}{key}: llama.cpp's granitemoe divides the logits by it")
+        if value == 0 and default:   # llama.cpp reads 0 as none
+            value = default
+        number(above=0).check(f"GGUF metadata {a}{key}", value)
+        extra[field] = float32_decimal(value)
+    return dict(model_type="granitemoeshared" if S else "granitemoe", extra=extra)
+
+
 FAMILY = Family(
     "granitemoe",
     # GraniteMoeConfig's and GraniteMoeSharedConfig's defaults
     model_types={t: dict(dict.fromkeys(MULTIPLIERS, 1.0), num_local_experts=8, num_experts_per_tok=2)
                  for t in ("granitemoe", "granitemoeshared")},
     windows=lambda c: one_window(c, 0), configure=_configure,   # transformers' granite never slides
+    # the converter's GraniteMoeModel is a LlamaModel: q/k permuted
+    gguf={"granitemoe": GGUFArch(
+        "granitemoe", permuted_qk=True, fields=_granitemoe_gguf,
+        block_names={"ffn_gate_inp": "block_sparse_moe.router.layer", "ffn_down_shexp": "shared_mlp.output_linear",
+                     **{f"ffn_{p}_exps": f"block_sparse_moe.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}},
+        fused={"shared_mlp.input_linear": ("ffn_gate_shexp", "ffn_up_shexp")})},
 )

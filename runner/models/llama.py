@@ -93,6 +93,25 @@ def attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             **norms, p + "self_attn.o_proj.weight": (D, q_dim), p + "post_attention_layernorm.weight": (D,)}
 
 
+def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
+    """The shape of block i's act_sq (the sums of its projections' squared inputs, calibrate.py):
+    a row for each of INPUTS' groups, as wide as the widest input."""
+    return 4, max(c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+
+
+def importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int, inputs=INPUTS) -> dict[str, np.ndarray]:
+    """Block i's entries of the importance matrix: each projection's mean squared input per
+    channel, from the rows of act_sq `sums` over `tokens` tokens that `inputs` names."""
+    widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.hidden_size, c.intermediate_size)
+    return {f"model.layers.{i}.{name}.weight": sums[slot, :widths[slot]] / tokens
+            for slot, names in enumerate(inputs) for name in names}
+
+
+def stacks(c: ModelConfig, tensors: dict) -> dict:
+    """The experts' matrices quantize writes stacked (quant.convert.ExpertStack): none."""
+    return {}
+
+
 def norm(get, name: str, shape: tuple) -> np.ndarray | None:
     """An RMSNorm's weight, as the kernels multiply by it."""
     return get(name, shape)
@@ -161,6 +180,14 @@ def _windows(c: ModelConfig) -> list[int]:
     return one_window(c, 0 if c.model_type == "llama" else window)
 
 
+def _llama_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp writes Mixtral as llama with experts (expert_count above 0): a mixtral."""
+    if not meta.get(a + "expert_count"):
+        return {}
+    from . import mixtral   # mixtral builds on this module: imported once a file needs it
+    return mixtral.gguf_fields(meta, a, layers, width, head_dim)
+
+
 def _smollm3_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
     """Not in the file: llama.cpp has no RoPE in every 4th layer."""
     return dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)])
@@ -174,7 +201,11 @@ FAMILY = Family(
                  "smollm3": dict(rope_theta=2000000.0, num_key_value_heads=4, max_position_embeddings=32768,
                                  tie_word_embeddings=True)},
     windows=_windows, configure=_configure, rope_layers=_rope_layers,
-    # the converter's LlamaModel and its subclasses permute q/k
-    gguf={"llama": GGUFArch("llama", permuted_qk=True), "qwen2": GGUFArch("qwen2"), "qwen3": GGUFArch("qwen3"),
+    # the converter's LlamaModel and its subclasses permute q/k; Mixtral's router and experts in
+    # a llama file with experts
+    gguf={"llama": GGUFArch("llama", permuted_qk=True, fields=_llama_gguf, block_names={
+              "ffn_gate_inp": "block_sparse_moe.gate",
+              **{f"ffn_{p}_exps": f"block_sparse_moe.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}),
+          "qwen2": GGUFArch("qwen2"), "qwen3": GGUFArch("qwen3"),
           "smollm3": GGUFArch("smollm3", permuted_qk=True, fields=_smollm3_gguf)},
 )

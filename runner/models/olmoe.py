@@ -4,11 +4,23 @@ router's logits, the top num_experts_per_tok (8 of 64), not renormalised unless 
 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family
+from nibble.formats.families import Family, GGUFArch
 from . import llama, qwen3_moe
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
-INPUTS = llama.INPUTS
+
+
+def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
+    return qwen3_moe.moe_act_shape(c)
+
+
+def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
+    return qwen3_moe.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
+
+
+def stacks(c: ModelConfig, tensors: dict) -> dict:
+    return {name: s for i in range(c.num_hidden_layers) for name, s in qwen3_moe.expert_stacks(
+        c, tensors, f"model.layers.{i}.mlp", c.intermediate_size).items()}
 
 
 def layer(get, c: ModelConfig, i: int):
@@ -31,9 +43,17 @@ def _configure(c: ModelConfig) -> None:
     qwen3_moe.check_experts(c)
 
 
+def _olmoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp's olmoe: each expert feed_forward_length wide, the k probabilities never
+    renormalised."""
+    E, k = qwen3_moe.gguf_experts(meta, a)
+    return dict(extra=dict(num_experts=E, num_experts_per_tok=k, norm_topk_prob=False))
+
+
 FAMILY = Family(
     "olmoe",
     # OlmoeConfig's defaults
     model_types={"olmoe": dict(num_experts_per_tok=8, norm_topk_prob=False)},
     windows=lambda c: one_window(c, 0), configure=_configure,   # transformers' olmoe never slides
+    gguf={"olmoe": GGUFArch("olmoe", fields=_olmoe_gguf, block_names=qwen3_moe.GGUF_EXPERTS)},
 )

@@ -15,6 +15,11 @@ block = llama.block
 ropes = llama.ropes   # one table for every layer
 norm, embed_scale, logits_scale = llama.norm, llama.embed_scale, llama.logits_scale
 INPUTS = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
+act_shape, stacks = llama.act_shape, llama.stacks
+
+
+def importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
+    return llama.importances(c, i, sums, tokens, INPUTS)
 
 
 def layer(get, c: ModelConfig, i: int):

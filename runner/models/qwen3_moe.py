@@ -16,7 +16,12 @@ from nibble.formats.values import BOOL, COUNT, integer, list_of
 from . import llama
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
-INPUTS = llama.INPUTS
+
+# Fewer calibration rows than this routed to an expert, and the means of its squared inputs are
+# mostly noise: it is quantized with plain weighting instead (quantize says how many were).
+MIN_ROUTED = 16
+# the widths of a mixture's matrices beyond llama's, in the families' config fields
+_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size")
 
 
 def experts(c: ModelConfig) -> int | None:
@@ -67,6 +72,70 @@ def layer(get, c: ModelConfig, i: int):
     moe = routed(get, p, c, "gate", stacked(get, p, c, c.extra["moe_intermediate_size"]),
                  renormalize=c.extra["norm_topk_prob"], shared=shared)
     return MoELayerWeights(**llama.attention(get, c, i), moe=moe)
+
+
+def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
+    return moe_act_shape(c) if sparse(c, i) else llama.act_shape(c, i)
+
+
+def importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
+    if not sparse(c, i):
+        return llama.importances(c, i, sums, tokens)
+    shared = ((("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.shared_expert.down_proj",),
+               c.extra["shared_expert_intermediate_size"]) if c.model_type == "qwen2_moe" else None)
+    return expert_importances(c, i, sums, tokens, "mlp", c.extra["moe_intermediate_size"], shared)
+
+
+def stacks(c: ModelConfig, tensors: dict) -> dict:
+    F = c.extra["moe_intermediate_size"]
+    return {name: s for i in range(c.num_hidden_layers) if sparse(c, i)
+            for name, s in expert_stacks(c, tensors, f"model.layers.{i}.mlp", F).items()}
+
+
+def moe_act_shape(c: ModelConfig) -> tuple[int, int]:
+    """The shape of a sparse block's act_sq: llama's four rows, two for each expert and one of
+    counts (moe.moe_mlp), as wide as the widest input or the number of experts."""
+    E = experts(c)
+    return 5 + 2 * E, max(llama.act_shape(c, 0)[1], E, *(c.extra.get(k) or 0 for k in _SIZES))
+
+
+def expert_importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int, path: str, F: int,
+                       shared: tuple | None = None) -> dict[str, np.ndarray]:
+    """Block i's importance entries when its MLP is the mixture `path` (act_sq's rows as
+    moe.moe_mlp fills them): the attention's as llama's; the stacked experts' [E, K], each
+    expert's row the mean over the rows routed to it (zeros, plain weighting, for one that fewer
+    than MIN_ROUTED reached); shared = (gate/up names, down names, width), the shared expert's,
+    over every token."""
+    D, E = c.hidden_size, experts(c)
+    counts = sums[4 + 2 * E, :E]
+    per_row = np.where(counts >= MIN_ROUTED, 1 / np.maximum(counts, 1), 0)[:, None]
+    inputs, downs = sums[4:4 + 2 * E:2, :D] * per_row, sums[5:5 + 2 * E:2, :F] * per_row
+    p = f"model.layers.{i}.{path}.switch_mlp."
+    entries = llama.importances(c, i, sums, tokens, llama.INPUTS[:2]) | {
+        p + "gate_proj.weight": inputs, p + "up_proj.weight": inputs, p + "down_proj.weight": downs}
+    if shared:
+        gate_up, down, S = shared
+        entries |= {f"model.layers.{i}.{n}.weight": sums[2, :D] / tokens for n in gate_up}
+        entries |= {f"model.layers.{i}.{n}.weight": sums[3, :S] / tokens for n in down}
+    return entries
+
+
+def expert_stacks(c: ModelConfig, tensors: dict, path: str, F: int,
+                  each=("gate_proj", "up_proj", "down_proj")) -> dict:
+    """The experts of the mixture `path` as quantize writes them (quant.convert.ExpertStack):
+    MLX's switch_mlp.{gate,up,down}_proj, from one tensor an expert (`path.experts.N.<each>`),
+    or from a float stack already so named."""
+    from nibble.quant.convert import ExpertStack
+    D, E = c.hidden_size, experts(c)
+    out = {}
+    for name, one, shape in zip(("gate_proj", "up_proj", "down_proj"), each, ((F, D), (F, D), (D, F))):
+        stacked = f"{path}.switch_mlp.{name}.weight"
+        sources = (stacked,) if stacked in tensors else tuple(f"{path}.experts.{e}.{one}.weight" for e in range(E))
+        if all(s in tensors for s in sources):
+            out[stacked] = ExpertStack(sources, (E, *shape), (
+                (lambda t, s=stacked: iter(np.asarray(t[s], np.float32))) if len(sources) == 1 else
+                (lambda t, ss=sources: (np.asarray(t[s], np.float32) for s in ss))))
+    return out
 
 
 def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
@@ -131,19 +200,40 @@ def _windows(c: ModelConfig) -> list[int]:
     return sliding_where_typed(types, window)
 
 
-def _qwen3moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
-    """llama.cpp's qwen3moe: experts in every layer, the k probabilities always renormalised; an
-    expert's width, where the file has none, feed_forward_length / expert_used_count."""
-    # absent, they read as 0, as llama.cpp reads them (and refuses the file)
+def gguf_experts(meta: dict, a: str) -> tuple[int, int]:
+    """A GGUF's expert_count and expert_used_count, checked: absent, they read as 0, as llama.cpp
+    reads them (and refuses the file)."""
     E, k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 0)
     for key, value in (("expert_count", E), ("expert_used_count", k)):
         COUNT.check(f"GGUF metadata {a}{key}", value)
     if k > E:
         raise FormatError(f"GGUF metadata {a}expert_used_count {k} is more than the {E} experts")
+    return E, k
+
+
+def _qwen3moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp's qwen3moe: experts in every layer, the k probabilities always renormalised; an
+    expert's width, where the file has none, feed_forward_length / expert_used_count."""
+    E, k = gguf_experts(meta, a)
     F = meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0) // k)
     COUNT.check(f"GGUF metadata {a}expert_feed_forward_length", F)
     return dict(extra=dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=F,
                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]))
+
+
+def _qwen2moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp's qwen2moe: qwen3moe's, but the k probabilities never renormalised, and a shared
+    expert, feed_forward_length wide where the file gives no width."""
+    fields = _qwen3moe_gguf(meta, a, layers, width, head_dim)
+    S = meta.get(a + "expert_shared_feed_forward_length", meta.get(a + "feed_forward_length"))
+    COUNT.check(f"GGUF metadata {a}expert_shared_feed_forward_length", S)
+    fields["extra"] |= dict(shared_expert_intermediate_size=S, norm_topk_prob=False)
+    return fields
+
+
+# llama.cpp's names of a mixture's router and stacked experts, as Qwen's checkpoints and MLX's
+# switch_mlp name them
+GGUF_EXPERTS = {"ffn_gate_inp": "mlp.gate", **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}
 
 
 FAMILY = Family(
@@ -156,8 +246,8 @@ FAMILY = Family(
                                    moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
                                    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])},
     windows=_windows, configure=_configure,
-    gguf={"qwen3moe": GGUFArch(
-        "qwen3_moe", fields=_qwen3moe_gguf,
-        block_names={"ffn_gate_inp": "mlp.gate",
-                     **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}})},
+    gguf={"qwen3moe": GGUFArch("qwen3_moe", fields=_qwen3moe_gguf, block_names=GGUF_EXPERTS),
+          "qwen2moe": GGUFArch("qwen2_moe", fields=_qwen2moe_gguf, block_names=GGUF_EXPERTS | {
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+              **{f"ffn_{p}_shexp": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}})},
 )
