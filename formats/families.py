@@ -18,14 +18,18 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GGUFArch:
     """How llama.cpp's files of one `general.architecture` hold a model of the family."""
-    model_type: str   # the Hugging Face model_type the file becomes
+    model_type: str   # the Hugging Face model_type the file becomes, unless its fields say
     # block tensor names (GGUF -> Hugging Face, after blk.N.) where they differ from llama's
     block_names: Mapping[str, str] = field(default_factory=dict)
     permuted_qk: bool = False   # convert_hf_to_gguf.py reordered the q/k rows for llama.cpp's RoPE
     norm_shift: float = 0.0     # what the converter added to every *norm.weight, taken off again
     # (meta, "<arch>.", layers, hidden_size / heads, head_dim) -> the config fields beyond llama's,
-    # as llama.cpp's src/models/<arch>.cpp reads them (its own values where the file has none)
+    # as llama.cpp's src/models/<arch>.cpp reads them (its own values where the file has none);
+    # model_type among them where the metadata decides it (an architecture of several model types)
     fields: Callable[[dict, str, int, int, int], dict] = lambda meta, a, layers, width, head_dim: {}
+    # Hugging Face matrices (after model.layers.N.) whose rows the converter split into the GGUF
+    # tensors named (after blk.N.), in order: joined again
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _every_layer(c: ModelConfig) -> list[bool]:

@@ -2,7 +2,7 @@
 
 Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation undone; a mixture
 of experts' experts, stacked in one 3-D tensor [experts, rows, columns], keep that shape, named as
-MLX's switch_mlp holds them. The block types gguf_blocks knows are repacked, exactly, into MLX's
+MLX's switch_mlp holds them; a matrix the converter split into several tensors is one again. The block types gguf_blocks knows are repacked, exactly, into MLX's
 affine layout (`P.weight` packed uint32, `P.scales`, `P.biases`, and `quantization` in the config,
 as an MLX checkpoint holds them; stacked experts with the leading expert axis on each); other
 quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config, tokenizer and
@@ -202,30 +202,24 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     config = _config(meta, arch, layout, tie="output.weight" not in raw, rope=rope)
     _check_against_config(raw, config)
     _check_experts(raw, meta, arch + ".")
-    tensors, types, bits, dequantized = {}, {}, {}, []
+    _check_fused(raw, layout)
+    read = {}   # Hugging Face name -> [(GGUF tensor, as read)]: several where layout.fused joins them
     for i, (name, t) in enumerate(raw.items()):
         progress.update(f"importing {path.name}: {i + 1} of {len(raw)} tensors")
-        hf = hf_names[name]
+        read.setdefault(hf_names[name], []).append((t, _tensor(t, layout, config, repack_blocks)))
+    place = {kind: i for kinds in layout.fused.values() for i, kind in enumerate(kinds)}   # in its matrix
+    tensors, types, bits, dequantized = {}, {}, {}, []
+    for hf, parts in read.items():
+        parts.sort(key=lambda part: place.get(part[0].name.split(".")[-2], 0))
         module = hf.removesuffix(".weight")
-        matrix = len(t.shape) in (2, 3)   # a matrix, or experts' matrices stacked
-        kind = name.split(".")[-2]
-        if layout.norm_shift and kind.endswith("norm"):
-            w = _dequantize(t) - np.float32(layout.norm_shift)   # Hugging Face's w back
-        else:
-            w = _read(t, repack_blocks and matrix)
-        w = _finite(w, name)
-        # llama.cpp reorders llama's q/k rows for its rope kernel; the others are left as in HF.
-        if layout.permuted_qk and kind in ("attn_q", "attn_k"):
-            n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-            w = _each_array(w, lambda a: _unpermute(a, n_head, name))
-        w = _each_array(w, _read_only)
-        types[hf] = t.tensor_type
+        w = parts[0][1] if len(parts) == 1 else _each_array(_joined(parts), _read_only)
+        types[hf] = parts[0][0].tensor_type
         if isinstance(w, Repacked):
             tensors |= {hf: w.weight, f"{module}.scales": w.scales, f"{module}.biases": w.biases}
             bits[module] = w.bits
         else:
             tensors[hf] = w
-            if matrix and t.tensor_type not in FLOAT_TYPES:
+            if len(parts[0][0].shape) in (2, 3) and any(t.tensor_type not in FLOAT_TYPES for t, _ in parts):
                 dequantized.append(module)
     if bits:   # mlx-lm writes the same dict under both keys (the second is what the Hub shows)
         q = _quantization(bits)
@@ -236,6 +230,44 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
     model = ModelDir(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
                      tokenizer_config=tokenizer_config, generation_config=generation_config)
     return GGUFImport(model, types, dequantized)
+
+
+def _tensor(t, layout: families.GGUFArch, config: ModelConfig, repack_blocks: bool):
+    """One GGUF tensor as Hugging Face holds it: a matrix (or experts' matrices stacked) repacked
+    if asked and its type allows, a norm without the converter's shift, q/k rows unpermuted."""
+    kind = t.name.split(".")[-2]
+    if layout.norm_shift and kind.endswith("norm"):
+        w = _dequantize(t) - np.float32(layout.norm_shift)   # Hugging Face's w back
+    else:
+        w = _read(t, repack_blocks and len(t.shape) in (2, 3))
+    w = _finite(w, t.name)
+    # llama.cpp reorders llama's q/k rows for its rope kernel; the others are left as in HF.
+    if layout.permuted_qk and kind in ("attn_q", "attn_k"):
+        n_head = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+        w = _each_array(w, lambda a: _unpermute(a, n_head, t.name))
+    return _each_array(w, _read_only)
+
+
+def _joined(parts: list) -> np.ndarray | HalfTensor | Repacked:
+    """Matrices [N_i, K] as read, [sum N_i, K] in their order: as stored where they are stored
+    alike (one float type, or repacked to one width and kind of scales), else float32."""
+    ws = [w for _, w in parts]
+    if len({_storage(w) for w in ws}) > 1:
+        ws = [_dequantize(t) for t, _ in parts]   # each already found finite
+    first = ws[0]
+    if isinstance(first, Repacked):
+        return first._replace(**{f: np.concatenate([getattr(w, f) for w in ws])
+                                 for f in ("weight", "scales", "biases")})
+    if isinstance(first, HalfTensor):
+        return first._replace(bits=np.concatenate([w.bits for w in ws]))
+    return np.concatenate(ws)
+
+
+def _storage(w) -> tuple:
+    """What a tensor as read is stored as: its kind, and its width, 16-bit type or dtype."""
+    if isinstance(w, Repacked):
+        return Repacked, w.bits, w.scales.dtype
+    return (HalfTensor, w.bf16) if isinstance(w, HalfTensor) else (np.ndarray, w.dtype)
 
 
 def _finite(w, name: str):
@@ -291,6 +323,22 @@ def _check_experts(tensors: dict, meta: dict, a: str) -> None:
             if dims != [sizes[k] for k in _EXPERT_DIMS[kind]]:
                 raise FormatError(f"GGUF tensor {name} is {dims}, not "
                                   f"[{', '.join(f'{k} {sizes[k]}' for k in _EXPERT_DIMS[kind])}]")
+
+
+def _check_fused(tensors: dict, layout: families.GGUFArch) -> None:
+    """The GGUF tensors a Hugging Face matrix is split into (layout.fused): all there in a block
+    that has one, matrices of as many columns."""
+    for hf, kinds in layout.fused.items():
+        blocks = {m[1] for m in map(_BLOCK_NAME.fullmatch, tensors) if m and m[2] in kinds}
+        for i in sorted(blocks, key=int):
+            names = [f"blk.{i}.{kind}.weight" for kind in kinds]
+            if missing := [n for n in names if n not in tensors][:1]:
+                raise FormatError(f"GGUF block {i} has no {missing[0]}: Hugging Face's {hf} is the rows "
+                                  f"of {' and '.join(names)}")
+            dims = [[int(n) for n in tensors[n].shape] for n in names]
+            if any(len(d) != 2 or d[0] != dims[0][0] for d in dims):
+                raise FormatError(f"GGUF tensors {' and '.join(names)} are {' and '.join(map(str, dims))}: "
+                                  f"not the rows of one matrix ({hf})")
 
 
 def _rope_factors(t) -> np.ndarray:
@@ -384,7 +432,7 @@ def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
 def _hf_name(name: str, layout: families.GGUFArch) -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
-    names = _BLOCK_NAMES | dict(layout.block_names)
+    names = _BLOCK_NAMES | dict(layout.block_names) | {k: hf for hf, kinds in layout.fused.items() for k in kinds}
     m = _BLOCK_NAME.fullmatch(name)
     if m is None or m[2] not in names:
         raise FormatError(f"GGUF tensor {name} has no Hugging Face counterpart nibble knows")
@@ -399,11 +447,13 @@ def _config(meta: dict, arch: str, layout: families.GGUFArch, tie: bool, rope: d
     if not head_dim:
         raise FormatError(f"GGUF {a}embedding_length {hidden} is smaller than attention.head_count "
                           f"{n_head}, and the file has no attention.key_length")
+    n_layers = need(meta, a + "block_count")
+    fields = layout.fields(meta, a, n_layers, hidden // n_head, head_dim)
+    model_type = fields.pop("model_type", layout.model_type)
     rope_dim = meta.get(a + "rope.dimension_count", head_dim)
-    if rope_dim != head_dim and not families.of(layout.model_type).partial_rotary:
+    if rope_dim != head_dim and not families.of(model_type).partial_rotary:
         raise FormatError(f"GGUF rope.dimension_count {rope_dim} differs from the head size "
                           f"{head_dim}; nibble's {arch} rotates whole heads")
-    n_layers = need(meta, a + "block_count")
     theta = float32_decimal(meta.get(a + "rope.freq_base", 10000.0))
     if not 0 < theta < math.inf:   # RoPE's base: the tables divide by its powers (as config.json's)
         raise FormatError(f"GGUF {a}rope.freq_base is {theta:g}, not a positive number")
@@ -411,7 +461,7 @@ def _config(meta: dict, arch: str, layout: families.GGUFArch, tie: bool, rope: d
                              "tokenizer.ggml.eom_token_id") if k in meta]
     eos = list(dict.fromkeys(eos))  # unique, in order; one id is written as an int, as HF does
     return ModelConfig(
-        model_type=layout.model_type,
+        model_type=model_type,
         hidden_size=hidden,
         intermediate_size=need(meta, a + "feed_forward_length"),
         num_hidden_layers=n_layers,
@@ -427,7 +477,7 @@ def _config(meta: dict, arch: str, layout: families.GGUFArch, tie: bool, rope: d
         tie_word_embeddings=tie,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
-        **layout.fields(meta, a, n_layers, hidden // n_head, head_dim),
+        **fields,
     )
 
 

@@ -416,10 +416,48 @@ def test_unsupported_tokenizer(tmp_path):
 
 
 def test_unknown_tensor(tmp_path):
-    # a llama file with experts (Mixtral's): llama has no router
-    odd = write_gguf(tmp_path / "odd.gguf", {"blk.0.ffn_gate_inp.weight": np.ones(8, np.float32)})
-    with pytest.raises(FormatError, match="ffn_gate_inp"):
+    # a shared expert's gate (qwen2moe's) in a llama file: llama has none
+    odd = write_gguf(tmp_path / "odd.gguf", {"blk.0.ffn_gate_inp_shexp.weight": np.ones(8, np.float32)})
+    with pytest.raises(FormatError, match="GGUF tensor blk.0.ffn_gate_inp_shexp.weight has no Hugging Face counterpart"):
         import_gguf(odd)
+
+
+def granite_meta(**values) -> dict:
+    """granitemoe's metadata: 3 experts, 2 used, a shared expert 64 wide, logit_scale 2; `values`
+    (after "granitemoe.") laid over it, None to leave one out."""
+    u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    meta = {"expert_count": (3, u32), "expert_used_count": (2, u32),
+            "expert_shared_feed_forward_length": (64, u32), "logit_scale": (2.0, f32)}
+    meta |= {k.replace("__", "."): v for k, v in values.items()}
+    return {f"granitemoe.{k}": v for k, v in meta.items() if v is not None}
+
+
+@pytest.mark.parametrize("gate, up", [(QType.Q8_0, QType.Q8_0), (QType.Q4_K, QType.Q4_K), (QType.Q8_0, QType.Q4_0),
+                                      (QType.Q8_0, QType.F32), (QType.F16, QType.F16)])
+def test_a_matrix_the_converter_split_is_joined(tmp_path, gate, up):
+    """granitemoeshared's shared gate and up, which the converter writes apart, one matrix again,
+    gate's rows first: as stored where both are stored alike (repacked to one width and kind of
+    scales, one float type), else float32, listed as dequantized (quant requantizes it)."""
+    rng = np.random.default_rng(5)
+    tensors, values = {}, {}
+    for kind, qtype in (("up", up), ("gate", gate)):   # the file's order is not the rows'
+        w = rng.standard_normal((64, 256)).astype(np.float16 if qtype == QType.F16 else np.float32)
+        t = w if qtype in fg.FLOAT_TYPES else (random_blocks(rng, 64, 256, qtype), qtype)
+        tensors[f"blk.0.ffn_{kind}_shexp.weight"] = t
+        values[kind] = w.astype(np.float32) if qtype in fg.FLOAT_TYPES else gguf.quants.dequantize(*t)
+    imported = import_gguf(write_gguf(tmp_path / "g.gguf", tensors, "granitemoe", meta=granite_meta()))
+    md, path = imported.model, "model.layers.0.shared_mlp.input_linear"
+    want = np.concatenate([values["gate"], values["up"]])
+    assert md.config.model_type == "granitemoeshared" and imported.types[f"{path}.weight"] == gate
+    if gate == up and gate in gguf_blocks.BLOCK_TYPES:
+        np.testing.assert_array_equal(dequantize(read_linear(md.tensors, md.config.quantization, path)), want)
+        assert imported.dequantized == []
+    else:
+        got = md.tensors[f"{path}.weight"]
+        assert isinstance(got, np.ndarray) and got.dtype == (np.float16 if gate == QType.F16 else np.float32)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+        assert imported.dequantized == ([path] if gate != QType.F16 else [])
+        assert not got.flags.writeable
 
 
 def test_not_a_gguf(tmp_path):

@@ -13,7 +13,7 @@ from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.gguf import import_gguf
 from nibble.quant.gguf_import import import_gguf_model
 from tests import test_gguf
-from tests.test_gguf import F16_FIELDS, _f16, llama_cpp_tensors, random_blocks, write_gguf
+from tests.test_gguf import F16_FIELDS, _f16, granite_meta, llama_cpp_tensors, random_blocks, write_gguf
 from tests.tiny import tiny_config, tiny_tensors
 
 pytestmark = pytest.mark.filterwarnings("error")   # a numpy RuntimeWarning fails the test
@@ -173,6 +173,54 @@ def test_experts_of_the_wrong_shape_or_count(tmp_path, damage, meta, message):
         damage(tensors)
     path = write_gguf(tmp_path / "moe.gguf", tensors, "qwen3moe", MOE, test_gguf.moe_meta(*meta))
     with pytest.raises(FormatError, match=rf"^\S*moe\.gguf: {re.escape(message)}"):
+        import_gguf(path)
+
+
+U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+
+
+def counts(arch: str, experts: int, used: int, **more) -> dict:
+    return {f"{arch}.{k}": (v, U32) for k, v in dict(expert_count=experts, expert_used_count=used, **more).items()}
+
+
+@pytest.mark.parametrize("arch, meta, message", [
+    ("qwen2moe", counts("qwen2moe", 8, 2, expert_shared_feed_forward_length=0),
+     "GGUF metadata qwen2moe.expert_shared_feed_forward_length is 0, not a positive integer"),
+    ("llama", counts("llama", 4, 5), "GGUF metadata llama.expert_used_count 5 is more than the 4 experts"),
+    ("olmoe", {}, "GGUF metadata olmoe.expert_count is 0, not a positive integer"),
+    ("granitemoe", granite_meta(logit_scale=None),
+     "GGUF metadata has no granitemoe.logit_scale: llama.cpp's granitemoe divides the logits by it"),
+    ("granitemoe", granite_meta(logit_scale=(0.0, F32)),
+     "GGUF metadata granitemoe.logit_scale is 0.0, not a finite number above 0"),
+    ("granitemoe", granite_meta(residual_scale=(-0.5, F32)),
+     "GGUF metadata granitemoe.residual_scale is -0.5, not a finite number above 0"),
+    ("granitemoe", granite_meta(attention__scale=("x", gguf.GGUFValueType.STRING)),
+     "GGUF metadata granitemoe.attention.scale is 'x', not a finite number above 0"),
+    ("granitemoe", granite_meta(expert_shared_feed_forward_length=(-1, gguf.GGUFValueType.INT32)),
+     "GGUF metadata granitemoe.expert_shared_feed_forward_length is -1, not a non-negative integer"),
+])
+def test_moe_metadata_of_the_wrong_kind(tmp_path, arch, meta, message):
+    path = write_gguf(tmp_path / "moe.gguf", {}, arch, meta=meta)
+    with pytest.raises(FormatError, match=rf"^\S*moe\.gguf: {re.escape(message)}$"):
+        import_gguf(path)
+
+
+GATE, UP = "blk.0.ffn_gate_shexp.weight", "blk.0.ffn_up_shexp.weight"
+JOINED = f"Hugging Face's shared_mlp.input_linear is the rows of {GATE} and {UP}"
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ({GATE: (64, 64)}, f"GGUF block 0 has no {UP}: {JOINED}"),
+    ({UP: (64, 64)}, f"GGUF block 0 has no {GATE}: {JOINED}"),
+    ({GATE: (64, 64), UP: (64, 32)}, f"GGUF tensors {GATE} and {UP} are [64, 64] and [32, 64]: not the rows of one "
+                                     f"matrix (shared_mlp.input_linear)"),
+    ({GATE: (64, 64), UP: (64,)}, f"GGUF tensors {GATE} and {UP} are [64, 64] and [64]: not the rows of one matrix "
+                                  f"(shared_mlp.input_linear)"),
+])
+def test_the_parts_of_a_split_matrix_missing_or_unlike(tmp_path, shapes, message):
+    tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+    path = write_gguf(tmp_path / "g.gguf", tensors, "granitemoe", meta=granite_meta())
+    with pytest.raises(FormatError, match=rf"^\S*g\.gguf: {re.escape(message)}$"):
         import_gguf(path)
 
 

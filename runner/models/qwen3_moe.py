@@ -233,7 +233,8 @@ def _qwen2moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -
 
 # llama.cpp's names of a mixture's router and stacked experts, as Qwen's checkpoints and MLX's
 # switch_mlp name them
-GGUF_EXPERTS = {"ffn_gate_inp": "mlp.gate", **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}
+GGUF_EXPERTS = {"ffn_gate_inp": "mlp.gate",
+                **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}
 
 
 FAMILY = Family(
