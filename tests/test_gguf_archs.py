@@ -1,6 +1,9 @@
-"""GGUF import of gemma3, phi3, smollm3 and qwen3moe against llama.cpp's own converter: the
-transformers fixtures converted by convert_hf_to_gguf.py (tests/fixtures/make_gguf_fixtures.py), and
-the logits transformers computes for them as llama.cpp reads the file."""
+"""GGUF import of gemma3, phi3, smollm3 and the mixtures of experts (qwen3moe, qwen2moe, Mixtral
+as llama, olmoe, granitemoe) against llama.cpp's own converter: the transformers fixtures
+converted by convert_hf_to_gguf.py (tests/fixtures/make_gguf_fixtures.py), and the logits
+transformers computes for them as llama.cpp reads the file."""
+import math
+import re
 from pathlib import Path
 
 import gguf
@@ -15,10 +18,14 @@ from nibble.formats.safetensors import read_checkpoint
 from nibble.quant.affine import dequantize
 from nibble.quant.convert import read_linear
 from nibble.runner.model import Model
+from nibble.runner.models.granitemoe import MULTIPLIERS
+from tests.test_gguf import permute
 
 DATA = Path(__file__).parent / "data"
-NAMES = ["gemma3-text", "phi3-longrope", "smollm3", "qwen3-moe"]
-QUANTIZED = ["qwen3-moe-q8_0"]   # the same weights as qwen3-moe, Q8_0
+NAMES = ["gemma3-text", "phi3-longrope", "smollm3", "qwen3-moe", "qwen2-moe", "mixtral", "olmoe",
+         "granitemoe", "granitemoeshared"]
+QUANTIZED = ["qwen3-moe-q8_0", "granitemoeshared-q8_0"]   # the same weights, Q8_0
+EACH = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}   # Mixtral's names of an expert's matrices
 
 
 def imported(name: str, repack_blocks: bool = True):
@@ -30,27 +37,34 @@ def test_every_gguf_fixture_is_tested():
 
 
 def as_converted(name: str) -> dict:
-    """The transformers fixture's tensors as the GGUF fixture holds them: qwen3-moe's experts
-    stacked as MLX's switch_mlp, and its dense layer 1 with layer 0's router and experts (llama.cpp
-    has experts in every layer)."""
-    t = read_checkpoint(DATA / "transformers" / name)
-    if name != "qwen3-moe":
-        return t
-    out = {k: v for k, v in t.items() if ".mlp." not in k}
-    for i in range(3):
-        p = f"model.layers.{0 if i == 1 else i}.mlp."
-        out[f"model.layers.{i}.mlp.gate.weight"] = t[p + "gate.weight"]
-        for k in ("gate_proj", "up_proj", "down_proj"):
-            out[f"model.layers.{i}.mlp.switch_mlp.{k}.weight"] = np.stack(
-                [np.asarray(t[f"{p}experts.{e}.{k}.weight"], np.float32) for e in range(8)])
-    return out
+    """The transformers fixture's tensors as the GGUF fixture holds them: experts stacked as MLX's
+    switch_mlp (granite's fused gate and up split); qwen3-moe's dense layer 1 with layer 0's router
+    and experts (llama.cpp has experts in every layer); olmoe's 2 key/value heads repeated for the
+    query heads that share them (llama.cpp's olmoe has as many as query heads)."""
+    t = {k: np.asarray(v, np.float32) for k, v in read_checkpoint(DATA / "transformers" / name).items()}
+    if name == "qwen3-moe":
+        t = {k: v for k, v in t.items() if not k.startswith("model.layers.1.mlp.")}
+        t |= {k.replace("layers.0.", "layers.1.", 1): v for k, v in t.items() if k.startswith("model.layers.0.mlp.")}
+    if name == "olmoe":
+        t |= {k: np.repeat(v.reshape(2, -1, *v.shape[1:]), 2, axis=0).reshape(-1, *v.shape[1:])
+              for k, v in t.items() if k.endswith(("k_proj.weight", "v_proj.weight", "k_norm.weight"))}
+    out, experts = {}, {}
+    for k, v in t.items():
+        if m := re.fullmatch(r"(.+)\.experts\.(\d+)\.(\w+)\.weight", k):
+            experts.setdefault(f"{m[1]}.switch_mlp.{EACH.get(m[3], m[3])}.weight", {})[int(m[2])] = v
+        elif k.endswith("block_sparse_moe.input_linear.weight"):   # gate's rows, then up's
+            p, F = k.removesuffix("input_linear.weight") + "switch_mlp.", v.shape[1] // 2
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = v[:, :F], v[:, F:]
+        else:
+            out[k.replace("block_sparse_moe.output_linear", "block_sparse_moe.switch_mlp.down_proj")] = v
+    return out | {k: np.stack([each[e] for e in sorted(each)]) for k, each in experts.items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tensors_are_the_hugging_face_ones(name):
     """Every tensor back under its Hugging Face name with its values: gemma3's norms without the
-    1 the converter added, phi3's qkv and gate_up still fused, smollm3's q/k unpermuted,
-    qwen3moe's experts stacked."""
+    1 the converter added, phi3's qkv and gate_up still fused, smollm3's, mixtral's and granite's
+    q/k unpermuted, the experts stacked, granitemoeshared's shared gate and up fused again."""
     want = as_converted(name)
     got = imported(name).tensors
     assert sorted(got) == sorted(want)
@@ -110,27 +124,36 @@ def test_qwen3moe_as_llama_cpp_runs_it():
     assert fields(meta, "qwen3moe.", 48, 64, 128)["extra"]["moe_intermediate_size"] == 768
 
 
-def test_quantized_experts_are_the_dequantized_ones():
-    """The Q8_0 file's matrices (the experts stacked) repacked exactly: each, dequantized, is
-    gguf's dequantization, as the float import holds it; and the model runs as that float import
-    (x rounded to int8 blocks, where the CPU multiplies bytes, moves the logits by 3% of their
-    scale on this random model)."""
-    path = DATA / "gguf" / "qwen3-moe-q8_0.gguf"
-    md, floats = imported("qwen3-moe-q8_0"), imported("qwen3-moe-q8_0", repack_blocks=False)
-    raw = {fg._hf_name(t.name, families.gguf_arch("qwen3moe")): t for t in gguf.GGUFReader(path).tensors}
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_experts_are_the_dequantized_ones(name):
+    """The Q8_0 file's matrices (the experts stacked, granitemoeshared's shared gate and up
+    joined) repacked exactly: each, dequantized, is gguf's dequantization, as the float import
+    holds it; and the model runs as that float import (x rounded to int8 blocks, where the CPU
+    multiplies bytes, moves the logits by 3% of their scale on qwen3-moe's random model)."""
+    path = DATA / "gguf" / f"{name}.gguf"
+    md, floats = imported(name), imported(name, repack_blocks=False)
+    layout = families.gguf_arch(gguf.GGUFReader(path).fields["general.architecture"].contents())
+    raw = {}   # Hugging Face name -> the GGUF tensors it is the rows of
+    for t in gguf.GGUFReader(path).tensors:
+        raw.setdefault(fg._hf_name(t.name, layout), []).append(t)
     assert md.config.quantization == {"group_size": 32, "bits": 8, "mode": "affine"}
-    for name, w in floats.tensors.items():
-        path_ = name.removesuffix(".weight")
-        if f"{path_}.scales" not in md.tensors:
-            assert raw[name].tensor_type == gguf.GGMLQuantizationType.F32
-            np.testing.assert_array_equal(md.tensors[name], w, err_msg=name)
+    for hf, w in floats.tensors.items():
+        module = hf.removesuffix(".weight")
+        if f"{module}.scales" not in md.tensors:
+            assert {t.tensor_type for t in raw[hf]} <= set(fg.FLOAT_TYPES)
+            np.testing.assert_array_equal(np.asarray(md.tensors[hf], np.float32), np.asarray(w, np.float32), err_msg=hf)
             continue
-        np.testing.assert_array_equal(w, gguf.quants.dequantize(raw[name].data, raw[name].tensor_type), err_msg=name)
-        qt = read_linear(md.tensors, md.config.quantization, path_)
+        parts = sorted(raw[hf], key=lambda t: "ffn_up_shexp" in t.name)   # a fused matrix: gate's rows first
+        c, as_stored = md.config, w   # q/k rows as the converter permuted them, for llama.cpp's rope
+        if layout.permuted_qk and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            as_stored = permute(w, c.num_attention_heads, c.num_key_value_heads if "k_proj" in hf else None)
+        np.testing.assert_array_equal(
+            as_stored, np.concatenate([gguf.quants.dequantize(t.data, t.tensor_type) for t in parts]), err_msg=hf)
+        qt = read_linear(md.tensors, md.config.quantization, module)
         experts = [qt] if w.ndim == 2 else [qt._replace(weight=qt.weight[e], scales=qt.scales[e],
                                                         biases=qt.biases[e]) for e in range(len(w))]
-        np.testing.assert_array_equal(np.stack([dequantize(x) for x in experts]).reshape(w.shape), w, err_msg=name)
-    tokens = np.load(DATA / "transformers" / "qwen3-moe" / "tokens.npy")
+        np.testing.assert_array_equal(np.stack([dequantize(x) for x in experts]).reshape(w.shape), w, err_msg=hf)
+    tokens = np.load(DATA / "transformers" / name.removesuffix("-q8_0") / "tokens.npy")
     got, want = (Model(m.config, m.tensors) for m in (md, floats))
     got, want = (m.forward(tokens, m.new_cache(), all_logits=True) for m in (got, want))
     assert np.abs(got - want).max() / np.abs(want).max() < 5e-2
@@ -143,3 +166,35 @@ def test_describe_a_mixture_of_experts():
     weights = sum(int(np.prod(t.shape)) for t in gguf.GGUFReader(path).tensors)
     assert describe(path) == Details("gguf", "qwen3moe", weights, "Q8_0")
     assert weights > 3 * 3 * 8 * 32 * 64   # the experts alone
+
+
+def test_moe_families_as_llama_cpp_runs_them():
+    """What llama.cpp's graphs run: Mixtral is a llama file with experts (no sliding window:
+    llama has none); qwen2moe and olmoe never renormalise the top k; qwen2moe's shared expert and
+    q/k/v biases; granitemoe's scales, and its shared variant where the file has a shared width."""
+    qwen2, mixtral, olmoe, granite, shared = (imported(n).config for n in NAMES[4:])
+    assert (mixtral.model_type, mixtral.extra["num_local_experts"], mixtral.extra["num_experts_per_tok"],
+            mixtral.intermediate_size, mixtral.windows) == ("mixtral", 4, 2, 32, [0, 0])
+    assert (qwen2.model_type, qwen2.extra["num_experts"], qwen2.extra["num_experts_per_tok"]) == ("qwen2_moe", 8, 4)
+    assert qwen2.extra["moe_intermediate_size"] == 32 and qwen2.extra["shared_expert_intermediate_size"] == 48
+    assert not qwen2.extra["norm_topk_prob"] and qwen2.attention_bias
+    assert (olmoe.model_type, olmoe.extra["num_experts"], olmoe.num_key_value_heads) == ("olmoe", 8, 4)
+    assert not olmoe.extra["norm_topk_prob"]
+    assert (granite.model_type, shared.model_type) == ("granitemoe", "granitemoeshared")
+    for c in (granite, shared):
+        assert [c.extra[k] for k in MULTIPLIERS] == [6.0, 0.5, 0.1, 2.5] and c.extra["num_local_experts"] == 4
+    assert shared.extra["shared_intermediate_size"] == 48 and granite.extra["shared_intermediate_size"] == 0
+
+
+def test_moe_settings_where_the_file_has_none():
+    """llama.cpp's values: a llama file without experts is llama; granitemoe with no scales but
+    logit_scale (or 0) scores by 1/sqrt(head_dim) and scales nothing else; qwen2moe's shared
+    expert feed_forward_length wide."""
+    assert families.gguf_arch("llama").fields({}, "llama.", 2, 16, 16) == {}
+    meta = {"granitemoe.expert_count": 4, "granitemoe.expert_used_count": 2, "granitemoe.logit_scale": 8.0,
+            "granitemoe.residual_scale": 0.0}
+    extra = families.gguf_arch("granitemoe").fields(meta, "granitemoe.", 2, 16, 64)["extra"]
+    assert [extra[k] for k in MULTIPLIERS] == [1.0, 1.0, 1 / math.sqrt(64), 8.0]
+    meta = {"qwen2moe.expert_count": 60, "qwen2moe.expert_used_count": 4, "qwen2moe.feed_forward_length": 5632}
+    extra = families.gguf_arch("qwen2moe").fields(meta, "qwen2moe.", 24, 128, 128)["extra"]
+    assert (extra["shared_expert_intermediate_size"], extra["moe_intermediate_size"]) == (5632, 1408)
