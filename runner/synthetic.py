@@ -48,6 +48,11 @@ SHAPES = {
                           vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
                           rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
                           moe_intermediate_size=768, norm_topk_prob=True),
+    # 4 of 32 experts a layer: about 3.6B of 21B weights a token
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128),
 }
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

@@ -26,15 +26,24 @@ def gelu_tanh(x):
 
 
 def moe_mlp(h, router, w_gate, w_up, w_down, top_k, renormalize=False, top_k_first=False,
-            router_bias=None, shared=None):
+            router_bias=None, shared=None, biases=None, swiglu=None):
     """A mixture of experts' MLP on h [T, D] (HF's Qwen3MoeSparseMoeBlock and its kin): the
     router's logits (plus router_bias), softmax over them and the k most probable experts
     (renormalised over the k if asked), or if top_k_first the k largest logits and a softmax over
     those (Granite's and gpt-oss's routers); the sum of the experts' SwiGLU MLPs weighted by
     those probabilities. Stacked weights: [E, F, D], [E, D, F]. shared: (w_gate, w_up, w_down,
-    gate [D] or None), an expert that sees every row, its output times sigmoid(h . gate)."""
+    gate [D] or None), an expert that sees every row, its output times sigmoid(h . gate).
+    gpt-oss's experts: biases = (b_gate [E, F], b_up, b_down [E, D]), swiglu = (limit, alpha),
+    its clamped gating (HF's GptOssExperts._apply_gate)."""
     h = h.astype(np.float64)
     mlp = lambda x, g, u, d: (silu(x @ g.T) * (x @ u.T)) @ d.T
+    if swiglu is not None:
+        limit, alpha = swiglu
+
+        def mlp(x, g, u, d, e=None):
+            gate = np.minimum(x @ g.T + biases[0][e], limit)
+            up = np.clip(x @ u.T + biases[1][e], -limit, limit)
+            return ((up + 1) * gate / (1 + np.exp(-alpha * gate))) @ d.T + biases[2][e]
     logits = h @ router.T + (0.0 if router_bias is None else router_bias)
     out = np.zeros_like(h)
     for t in range(len(h)):
@@ -47,7 +56,8 @@ def moe_mlp(h, router, w_gate, w_up, w_down, top_k, renormalize=False, top_k_fir
             p /= p.sum()
             weights = p[chosen] / (p[chosen].sum() if renormalize else 1.0)
         for e, pe in sorted(zip(chosen, weights)):
-            out[t] += pe * mlp(h[t], w_gate[e], w_up[e], w_down[e])
+            out[t] += pe * (mlp(h[t], w_gate[e], w_up[e], w_down[e]) if swiglu is None else
+                            mlp(h[t], w_gate[e], w_up[e], w_down[e], e))
     if shared is not None:
         g, u, d, gate = shared
         y = mlp(h, g, u, d)
@@ -133,9 +143,10 @@ def rotate(x, positions, inv_freq, scale=1.0):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
 
 
-def attention(q, k, v, positions, window=0, scale=None):
+def attention(q, k, v, positions, window=0, scale=None, sinks=None):
     """q [T, H, hd], k/v [S, Hkv, hd] for key positions 0..S-1; causal; scores times `scale`
-    (default: 1 / sqrt(hd))."""
+    (default: 1 / sqrt(hd)); sinks [H]: a logit per head in every row's softmax, with no value
+    (HF's gpt-oss: a column joined to the scores and dropped after the softmax)."""
     H, Hkv = q.shape[1], k.shape[1]
     k = np.repeat(k, H // Hkv, axis=1)
     v = np.repeat(v, H // Hkv, axis=1)
@@ -145,9 +156,11 @@ def attention(q, k, v, positions, window=0, scale=None):
     if window:
         mask |= keys[None, :] <= positions[:, None] - window
     s = np.where(mask[None], -np.inf, s)
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(sinks[:, None, None], (*s.shape[:2], 1))], -1)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    return np.einsum("hts,shd->thd", p, v)
+    return np.einsum("hts,shd->thd", p[..., :k.shape[0]], v)
 
 
 def paged(cache, scales, table, length):
@@ -190,7 +203,8 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
         q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
         if c.rope_layers[i]:   # smollm3's NoPE layers skip it
             q, k = rotate(q, pos, inv_freq, scale), rotate(k, pos, inv_freq, scale)
-        a = attention(q, k, v, pos, c.windows[i], c.extra.get("attention_multiplier")).reshape(T, H * hd)
+        a = attention(q, k, v, pos, c.windows[i], c.extra.get("attention_multiplier"),
+                      W.get(p + "self_attn.sinks")).reshape(T, H * hd)
         x = x + residual * lin(a, "self_attn.o_proj")
         h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         moe = _moe(c, W, p)
@@ -211,6 +225,13 @@ def _moe(c: ModelConfig, W: dict, p: str) -> dict | None:
     """moe_mlp's arguments for block p's mixture of experts, as HF's modeling files name its
     tensors and read its config; None for a dense MLP."""
     k = c.extra.get("num_experts_per_tok")
+    if c.model_type == "gpt_oss":   # interleaved gate/up columns, matrices stored [in, out]
+        m = p + "mlp."
+        gate_up, b = W[m + "experts.gate_up_proj"].transpose(0, 2, 1), W[m + "experts.gate_up_proj_bias"]
+        return dict(router=W[m + "router.weight"], router_bias=W[m + "router.bias"], w_gate=gate_up[:, ::2],
+                    w_up=gate_up[:, 1::2], w_down=W[m + "experts.down_proj"].transpose(0, 2, 1), top_k=k,
+                    top_k_first=True, biases=(b[:, ::2], b[:, 1::2], W[m + "experts.down_proj_bias"]),
+                    swiglu=(c.extra["swiglu_limit"], c.extra.get("swiglu_alpha", 1.702)))
     if c.model_type in ("granitemoe", "granitemoeshared"):   # fused: gate's rows then up's; top k, then softmax
         m = p + "block_sparse_moe."
         gate, up = np.split(W[m + "input_linear.weight"], 2, axis=1)

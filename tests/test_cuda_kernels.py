@@ -254,7 +254,7 @@ def tiny_layer(kind, D, H, Hkv, hd, F):
     norm = lambda: 1 + 0.1 * f32(D)
     none = np.zeros(0, np.float32)   # no q/k norms: the GPU does not run them
     return LayerWeights(norm(), linear(H * hd, D), linear(Hkv * hd, D), linear(Hkv * hd, D),
-                        bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), none, none, linear(D, H * hd),
+                        bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), none, none, linear(D, H * hd), none, none,
                         norm(), np.float32(hd ** -0.5), np.float32(1), linear(F, D), linear(F, D), linear(D, F))
 
 

@@ -118,21 +118,37 @@ def pool(blocks, Hkv, hd):
     return f32(blocks, Hkv, BLOCK, hd), f32(blocks, Hkv, BLOCK, hd), ones, ones
 
 
-def attend(q, kv, rows, window):
+def attend(q, kv, rows, window, sinks=None):
     out = np.empty_like(q)
-    cpu.attention(q, *kv, rows, window, 1 / np.sqrt(q.shape[-1]), out)
+    cpu.attention(q, *kv, rows, window, 1 / np.sqrt(q.shape[-1]),
+                  np.zeros(0, np.float32) if sinks is None else sinks, out)
     return out
 
 
-def want_attention(q, kv, rows, window):
+def want_attention(q, kv, rows, window, sinks=None):
     """Each row against its own sequence's keys and values, read through its table in numpy."""
     k, v, ks, vs = kv
     want = np.empty(q.shape)
     for t, (p, s) in enumerate(zip(rows.positions, rows.seq)):
         table = rows.tables[s]
         want[t] = reference.attention(q[t:t + 1].astype(np.float64), reference.paged(k, ks, table, p + 1),
-                                      reference.paged(v, vs, table, p + 1), np.array([p]), window)[0]
+                                      reference.paged(v, vs, table, p + 1), np.array([p]), window,
+                                      sinks=sinks)[0]
     return want
+
+
+@pytest.mark.parametrize("T,pos0,window", [(1, 9, 0), (6, 0, 0), (9, 40, 19)])
+def test_attention_sinks_join_the_softmax(T, pos0, window):
+    """gpt-oss's sinks: a logit per head in every row's softmax, weighing no value; large ones
+    take most of the weight (the first row's too, which sees one key)."""
+    H, Hkv, hd = 6, 2, 8
+    kv = pool(12, Hkv, hd)
+    rows = Rows.single(pos0, T, rng.permutation(12)[:4])
+    q = f32(T, H, hd)
+    sinks = np.array([-30, -1, 0, 1, 3, 30], np.float32)
+    got = attend(q, kv, rows, window, sinks)
+    np.testing.assert_allclose(got, want_attention(q, kv, rows, window, sinks), rtol=1e-4, atol=1e-5)
+    assert np.abs(got[:, 5]).max() < 1e-6 < np.abs(got[:, 0]).max()
 
 
 @pytest.mark.parametrize("T,pos0,window", [(1, 9, 0), (6, 0, 0), (4, 3, 0), (6, 2, 3), (5, 30, 0), (9, 40, 19)])

@@ -12,6 +12,8 @@ from tests import reference
 
 E, D, F = 8, 64, 32
 NOT_COLLECTING = np.zeros((0, 0))   # act_sq when not calibrating
+# MoEWeights' last fields for experts without biases, gating with plain SwiGLU
+PLAIN = (np.zeros((0, 0), np.float32),) * 3 + (np.float32(0), np.float32(0))
 
 
 def experts(rng):
@@ -30,13 +32,14 @@ def stacked(ws: np.ndarray, bits: int):
             np.stack([dequantize(q) for q in quantized]))
 
 
-# (top_k, top_k_first, renormalize, router bias, shared expert): Qwen3-MoE and Mixtral, OLMoE and
-# Qwen2-MoE (a gated shared expert), Granite's router and its shared variant, gpt-oss's router
-ROUTERS = [(2, False, True, False, None), (3, False, False, False, "gated"), (2, True, False, False, "plain"),
-           (3, True, False, True, None)]
+# (top_k, top_k_first, renormalize, router bias, shared expert, gpt-oss's experts): Qwen3-MoE and
+# Mixtral, OLMoE and Qwen2-MoE (a gated shared expert), Granite's router and its shared variant,
+# gpt-oss's router and experts (biases, the clamped SwiGLU)
+ROUTERS = [(2, False, True, False, None, False), (3, False, False, False, "gated", False),
+           (2, True, False, False, "plain", False), (3, True, False, True, None, True)]
 
 
-def weights(rng, top_k, top_k_first, renormalize, bias, shared):
+def weights(rng, top_k, top_k_first, renormalize, bias, shared, clamped=False):
     """-> (MoEWeights, the twin's keyword arguments) of random float experts."""
     router, gate, up, down = experts(rng)
     router_bias = rng.standard_normal(E).astype(np.float32) if bias else np.zeros(0, np.float32)
@@ -49,7 +52,12 @@ def weights(rng, top_k, top_k_first, renormalize, bias, shared):
         g = w(D) if shared == "gated" else np.zeros(0, np.float32)
         kept = moe.SharedExpert(sg, su, sd, g)
         twin["shared"] = (sg, su, sd, g if shared == "gated" else None)
-    return (moe.MoEWeights(router, router_bias, gate, up, down, top_k, top_k_first, renormalize, kept),
+    kind = PLAIN
+    if clamped:   # limit 1.5: about half the gate and up values get clamped
+        b = lambda *shape: (rng.standard_normal(shape) * 0.5).astype(np.float32)
+        kind = (b(E, F), b(E, F), b(E, D), np.float32(1.5), np.float32(1.702))
+        twin |= dict(biases=kind[:3], swiglu=(1.5, 1.702))
+    return (moe.MoEWeights(router, router_bias, gate, up, down, top_k, top_k_first, renormalize, kept, *kind),
             dict(router=router, w_gate=gate, w_up=up, w_down=down, **twin))
 
 
@@ -97,17 +105,18 @@ def test_equal_logits_pick_the_lower_index():
 
 
 @pytest.mark.parametrize("T", [1, 40])
-def test_quantized_experts_match_the_twin_of_their_values(T):
+@pytest.mark.parametrize("router", [ROUTERS[0], ROUTERS[3]])   # plain experts, gpt-oss's
+def test_quantized_experts_match_the_twin_of_their_values(T, router):
     """Stacked int4 experts: each expert's view runs the dense kernels, which round x to integers
     (int8 where the CPU multiplies bytes): close to the float twin of the same weights."""
     rng = np.random.default_rng(5)
-    router, gate, up, down = experts(rng)
-    (qgate, fgate), (qup, fup), (qdown, fdown) = stacked(gate, 4), stacked(up, 4), stacked(down, 4)
+    w, twin = weights(rng, *router)
+    (qgate, twin["w_gate"]), (qup, twin["w_up"]), (qdown, twin["w_down"]) = (
+        stacked(w.w_gate, 4), stacked(w.w_up, 4), stacked(w.w_down, 4))
     h = rng.standard_normal((T, D)).astype(np.float32)
     out = np.empty_like(h)
-    none = np.zeros(0, np.float32)
-    moe.moe_mlp(h, moe.MoEWeights(router, none, qgate, qup, qdown, 2, False, True, None), out, NOT_COLLECTING)
-    want = reference.moe_mlp(h, router, fgate, fup, fdown, 2, True)
+    moe.moe_mlp(h, w._replace(w_gate=qgate, w_up=qup, w_down=qdown), out, NOT_COLLECTING)
+    want = reference.moe_mlp(h, **twin)
     np.testing.assert_allclose(out, want, rtol=0.05, atol=0.02 * np.abs(want).max())
 
 
@@ -196,12 +205,13 @@ def moe_model_dir(name: str):
     return dataclasses.replace(tiny, config=ModelConfig.from_dict(raw), tensors=tensors)
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe", "granitemoeshared"])
+@pytest.mark.parametrize("name", ["qwen2-moe", "granitemoeshared", "gpt-oss"])
 def test_quantize_writes_stacked_experts_weighted_by_the_rows_routed_to_each(name, tmp_path):
     """nibble quantize of an MoE checkpoint: each expert's matrices quantized with the importances
     of the rows calibration routed to it (plainly where too few were, and the command says how
-    many), written stacked as MLX's switch_mlp (one tensor an expert, or Granite's fused pair);
-    the shared expert quantized as a dense matrix; the result runs close to the float model."""
+    many), written stacked as MLX's switch_mlp (from one tensor an expert, Granite's fused pair or
+    gpt-oss's interleaved [in, out] stacks); a shared expert quantized as a dense matrix; the
+    result runs close to the float model."""
     from nibble.formats.model_dir import read_model_dir, write_model_dir
     from nibble.quant.convert import default_calibration_text
     from nibble.runner.calibrate import collect_imatrix
@@ -217,10 +227,16 @@ def test_quantize_writes_stacked_experts_weighted_by_the_rows_routed_to_each(nam
                "--group-size", 32, "--calib", tmp_path / "calib.txt")
     assert r.exit_code == 0, r.output
     out = read_model_dir(tmp_path / "q").tensors
-    assert not [k for k in out if ".experts." in k or "block_sparse_moe.input_linear" in k
-                or "block_sparse_moe.output_linear" in k]
-    shared = "mlp.shared_expert.gate_proj" if name == "qwen2-moe" else "shared_mlp.input_linear"
-    assert out[f"model.layers.0.{shared}.weight"].dtype == np.uint32
+    # what stays float: the routers (and Qwen2-MoE's shared expert gate), and the matrices whose
+    # rows do not split into groups of 32 (the fixtures' 48-wide shared experts), named on stderr
+    float_matrices = {k for k, t in out.items() if k.endswith(".weight") and t.ndim > 1 and t.dtype != np.uint32}
+    kept = {line.split()[3] for line in r.stderr.splitlines() if line.startswith("kept in float: ")}
+    assert float_matrices == kept | {k for k in out if k.endswith(("router.weight", "mlp.gate.weight",
+                                                                    "router.layer.weight", "shared_expert_gate.weight"))}
+    assert not [k for k in out if ".experts." in k and not k.endswith("_bias")]   # gpt-oss's biases stay
+    if name != "gpt-oss":
+        shared = "mlp.shared_expert.gate_proj" if name == "qwen2-moe" else "shared_mlp.input_linear"
+        assert out[f"model.layers.0.{shared}.weight"].dtype == np.uint32
 
     # the importances as quantize measured them, in windows of the model's 64 positions
     tokens = Tokenizer(md).encode(text, add_bos=False)

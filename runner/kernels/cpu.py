@@ -247,7 +247,7 @@ def rope(x, cos, sin, positions):
 
 
 @njit(parallel=True, **_jit)
-def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, out):
+def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks, out):
     """Causal grouped-query attention of new queries against the cache, read through block tables.
 
     q: [T, H, hd], row t the query of position p = rows.positions[t] of sequence rows.seq[t];
@@ -255,7 +255,8 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, out):
     [blocks, Hkv, BLOCK]), already holding that sequence's positions 0..p in the blocks its table
     rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
     its last `window` positions (Mistral's sliding window). The scores are q . k times `scale`
-    (1/sqrt(hd) but for Gemma's and Granite's). One (row, head) pair per task, with
+    (1/sqrt(hd) but for Gemma's and Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit
+    per head that joins every row's softmax with no value to weigh. One (row, head) pair per task, with
     an online softmax: one pass over the keys and values, keeping a running maximum, sum and
     weighted sum of values, the scores of one block of positions at a time (their dot products
     independent of each other, the sums rescaled once a block); no T x T matrix, no whole row. A row's result
@@ -277,6 +278,8 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, out):
         acc = np.zeros(hd, np.float32)
         scores = np.empty(B, np.float32)
         best, total = np.float32(-np.inf), np.float32(0.0)
+        if sinks.shape[0]:   # the sink's term, exp(sink - best) with best the sink so far
+            best, total = sinks[h], np.float32(1.0)
         for jb in range(start // B, (end + B - 1) // B):   # one table lookup a block
             blk = table[jb]
             j0, j1 = max(start, jb * B) - jb * B, min(end, jb * B + B) - jb * B

@@ -53,7 +53,7 @@ def gemma3_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     if collect:
         cpu.add_squares(h, act_sq[0])
     attn = self_attention(h, w.wq, w.wk, w.wv, no_bias, no_bias, no_bias, w.q_norm, w.k_norm,
-                          kv, rows, cos, sin, eps, window, w.attention_scale)  # [T, H*hd]
+                          kv, rows, cos, sin, eps, window, w.attention_scale, no_bias)  # [T, H*hd]
     if collect:
         cpu.add_squares(attn, act_sq[1])
     linear(attn, w.wo, h, False)                            # h = attn @ wo.T

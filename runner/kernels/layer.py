@@ -28,6 +28,8 @@ class LayerWeights(NamedTuple):
     q_norm: np.ndarray       # [hd] (qwen3: RMSNorm of each query head), [H*hd] (olmoe: of each
     k_norm: np.ndarray       # row's whole width); [hd] or [Hkv*hd] for keys; shape (0,): none
     wo: Weight               # [D, H*hd]
+    bo: np.ndarray           # [D] (gpt-oss; shape (0,) for the others)
+    sinks: np.ndarray        # [H]: each head's attention sink logit (gpt-oss; shape (0,) for the others)
     post_norm: np.ndarray    # [D]
     attention_scale: np.float32   # the scores are q . k times this: 1/sqrt(hd), or Granite's
     residual_scale: np.float32    # the attention's and the MLP's outputs times this, added to x (Granite's)
@@ -53,6 +55,8 @@ class MoELayerWeights(NamedTuple):
     q_norm: np.ndarray
     k_norm: np.ndarray
     wo: Weight
+    bo: np.ndarray
+    sinks: np.ndarray
     post_norm: np.ndarray
     attention_scale: np.float32
     residual_scale: np.float32
@@ -94,15 +98,19 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     if collect:
         cpu.add_squares(h, act_sq[0])
     attn = self_attention(h, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, w.q_norm, w.k_norm,
-                          kv, rows, cos, sin, eps, window, w.attention_scale)  # [T, H*hd]
+                          kv, rows, cos, sin, eps, window, w.attention_scale, w.sinks)  # [T, H*hd]
     if collect:
         cpu.add_squares(attn, act_sq[1])
     scaled = w.residual_scale != 1
-    if scaled:   # x += s * (attn @ wo.T)
+    if scaled:   # x += s * (attn @ wo.T + bo)
         linear(attn, w.wo, h, False)
+        if w.bo.shape[0]:
+            h += w.bo
         x += w.residual_scale * h
     else:
         linear(attn, w.wo, x, True)                         # residual: x += attn @ wo.T
+        if w.bo.shape[0]:
+            x += w.bo
     # feed-forward block
     cpu.rmsnorm(x, w.post_norm, eps, h)
     if collect:
@@ -139,7 +147,7 @@ def _feed_forward_typed(h, w, x, act_sq):
 
 
 @njit(inline="always", **cpu._jit)
-def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps, window, scale):
+def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps, window, scale, sinks):
     """-> [T, H*hd]: causal attention of the normed input h[T, D] (before the output projection),
     the rows' k and v stored first in the layer's cache kv (see decoder_layer), so that the rows
     of one prompt chunk see each other. Biases of shape (0,) are skipped, and so are q/k norms
@@ -169,5 +177,5 @@ def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin
         cpu.store_kv(k_cache, k_scale, k[t], rows, t)
         cpu.store_kv(v_cache, v_scale, v[t], rows, t)
     attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
-    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, attn.reshape(T, H, hd))
+    cpu.attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks, attn.reshape(T, H, hd))
     return attn

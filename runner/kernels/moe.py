@@ -12,7 +12,9 @@ transformers' loop over the experts hit does.
 Routers differ by family: softmax over all E logits and then the k largest (renormalised over
 the k or not: Qwen, Mixtral, OLMoE), or the k largest logits and then a softmax over those
 (Granite, gpt-oss), with a bias on the logits or not. A shared expert (Qwen2-MoE, Granite's
-shared variant) sees every row, its output weighted by a sigmoid gate or not.
+shared variant) sees every row, its output weighted by a sigmoid gate or not. gpt-oss's experts
+have biases and gate with a clamped SwiGLU: (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g
+= min(gate, limit).
 """
 from typing import NamedTuple
 
@@ -47,12 +49,17 @@ class MoEWeights(NamedTuple):
     top_k_first: bool        # the k largest logits, then a softmax over them (else softmax, then k)
     renormalize: bool        # softmax first: the k probabilities divided by their sum
     shared: SharedExpert | None
+    b_gate: np.ndarray       # [E, F] float32, each expert's biases (gpt-oss); shape (0, 0): none
+    b_up: np.ndarray         # [E, F]
+    b_down: np.ndarray       # [E, D]
+    swiglu_limit: np.float32   # gpt-oss's clamped SwiGLU; 0: plain SiLU(gate) * up
+    swiglu_alpha: np.float32
 
     @property
     def nbytes(self) -> int:
         """Bytes a decoded token reads on average: the router, the shared expert and top_k of the
         E experts (the weights held are the router and every expert)."""
-        experts = sum(w.nbytes for w in (self.w_gate, self.w_up, self.w_down))
+        experts = sum(w.nbytes for w in (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down))
         shared = 0 if self.shared is None else self.shared.nbytes
         return (self.router.nbytes + self.router_bias.nbytes + shared
                 + experts * self.top_k // self.router.shape[0])
@@ -143,17 +150,36 @@ def moe_mlp(h, w, out, act_sq):
         for i in range(n):
             x[i] = h[rows[i]]
         mid = np.empty((n, F), np.float32)
-        gated_mlp(x, expert(w.w_gate, e), expert(w.w_up, e), mid, False)
+        if w.swiglu_limit > 0:
+            _clamped_swiglu(x, w, e, mid)
+        else:
+            gated_mlp(x, expert(w.w_gate, e), expert(w.w_up, e), mid, False)
         if act_sq.shape[0] > 0:
             cpu.add_squares(x, act_sq[4 + 2 * e])
             cpu.add_squares(mid, act_sq[5 + 2 * e])
             act_sq[4 + 2 * E, e] += n
         y = np.empty((n, D), np.float32)
         linear(mid, expert(w.w_down, e), y, False)
+        if w.b_down.shape[0]:
+            y += w.b_down[e]
         for i in range(n):
             t = rows[i]
             out[t] += probs[t, slot[t, e]] * y[i]
     add_shared(h, w.shared, out, act_sq)
+
+
+@njit(**cpu._jit)
+def _clamped_swiglu(x, w, e, mid):
+    """mid = gpt-oss's gating of expert e on rows x: gate and up with their biases, clamped."""
+    up = np.empty_like(mid)
+    linear(x, expert(w.w_gate, e), mid, False)
+    linear(x, expert(w.w_up, e), up, False)
+    limit, alpha, one = w.swiglu_limit, w.swiglu_alpha, np.float32(1.0)
+    for i in range(mid.shape[0]):
+        for f in range(mid.shape[1]):
+            g = min(mid[i, f] + w.b_gate[e, f], limit)
+            u = min(max(up[i, f] + w.b_up[e, f], -limit), limit)
+            mid[i, f] = (u + one) * g / (one + np.exp(-alpha * g))
 
 
 def add_shared(h, shared, out, act_sq):

@@ -55,6 +55,7 @@ def attention(get, c: ModelConfig, i: int, qk_norm: str | None = None) -> dict:
         q_norm=get(p + "self_attn.q_norm.weight", norms[0]) if norms else none,
         k_norm=get(p + "self_attn.k_norm.weight", norms[1]) if norms else none,
         wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
+        bo=none, sinks=none,
         post_norm=get(p + "post_attention_layernorm.weight", (D,)),
         attention_scale=np.float32(1 / math.sqrt(hd)),
         residual_scale=np.float32(1),

@@ -30,14 +30,14 @@ def layer(get, c: ModelConfig, i: int):
     wq, wk, wv = split_rows(get.linear(p + "self_attn.qkv_proj", (q_dim + 2 * kv_dim, D)),
                         (q_dim, kv_dim, kv_dim))
     w_gate, w_up = split_rows(get.linear(p + "mlp.gate_up_proj", (2 * F, D)), (F, F))
-    no_norm = np.zeros(0, np.float32)
+    no_norm = np.zeros(0, np.float32)   # no q/k norms, o bias or sinks
     return LayerWeights(
         input_norm=get(p + "input_layernorm.weight", (D,)),
         wq=wq, wk=wk, wv=wv,
         bq=np.zeros(q_dim, np.float32), bk=np.zeros(kv_dim, np.float32),
         bv=np.zeros(kv_dim, np.float32),
         q_norm=no_norm, k_norm=no_norm,
-        wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
+        wo=get.linear(p + "self_attn.o_proj", (D, q_dim)), bo=no_norm, sinks=no_norm,
         post_norm=get(p + "post_attention_layernorm.weight", (D,)),
         attention_scale=np.float32(1 / math.sqrt(hd)), residual_scale=np.float32(1),
         w_gate=w_gate, w_up=w_up,

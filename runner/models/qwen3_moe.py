@@ -50,7 +50,9 @@ def routed(get, path: str, c: ModelConfig, router: str, w: tuple, **routing):
     fields (by default softmax first, not renormalised, no router bias, no shared expert)."""
     from ..kernels.moe import MoEWeights
     D, E = c.hidden_size, experts(c)
-    fields = dict(router_bias=np.zeros(0, np.float32), top_k_first=False, renormalize=False, shared=None)
+    none = np.zeros((0, 0), np.float32)
+    fields = dict(router_bias=np.zeros(0, np.float32), top_k_first=False, renormalize=False, shared=None,
+                  b_gate=none, b_up=none, b_down=none, swiglu_limit=np.float32(0), swiglu_alpha=np.float32(0))
     return MoEWeights(router=get(f"{path}.{router}.weight", (E, D)), w_gate=w[0], w_up=w[1], w_down=w[2],
                       top_k=c.extra["num_experts_per_tok"], **(fields | routing))
 

@@ -1,0 +1,106 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): Llama's attention with biases on q, k, v and o and a
+learned attention sink per head (a logit in every row's softmax with no value to weigh), sliding
+(128) and full layers alternating, YaRN; in every layer a mixture of experts whose router has a
+bias and takes the top k logits, then a softmax over them. Its experts have biases and gate with
+a clamped SwiGLU (moe.py). Its checkpoints store each layer's experts as two 3-D tensors with the
+matrices [in, out]: gate_up_proj [E, D, 2F], gate's and up's columns interleaved, and down_proj
+[E, F, D]; they are turned into [out, in] stacks at load (a copy)."""
+import numpy as np
+
+from nibble.formats.config import ModelConfig, sliding_where_typed
+from nibble.formats.errors import FormatError
+from nibble.formats.families import Family
+from nibble.formats.values import number
+from . import llama, qwen3_moe
+
+block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
+
+
+def layer(get, c: ModelConfig, i: int):
+    from ..kernels.layer import MoELayerWeights
+    D, E, F, H = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size, c.num_attention_heads
+    p = f"model.layers.{i}."
+    m = p + "mlp."
+    b, b_down = get(m + "experts.gate_up_proj_bias", (E, 2 * F)), get(m + "experts.down_proj_bias", (E, D))
+    b_gate, b_up = (None, None) if b is None else (np.ascontiguousarray(b[:, ::2]), np.ascontiguousarray(b[:, 1::2]))
+    if m + "switch_mlp.gate_proj.weight" in get.tensors:   # as quantize writes them (stacks)
+        w = qwen3_moe.stacked(get, m[:-1], c, F)
+    else:
+        gate_up, down = get(m + "experts.gate_up_proj", (E, D, 2 * F)), get(m + "experts.down_proj", (E, F, D))
+        rows = lambda w: None if w is None else np.ascontiguousarray(w.transpose(0, 2, 1))   # [E, out, in]
+        w = (None, None, None) if gate_up is None or down is None else (
+            rows(gate_up[:, :, ::2]), rows(gate_up[:, :, 1::2]), rows(down))
+    moe = qwen3_moe.routed(get, m[:-1], c, "router", w, router_bias=get(m + "router.bias", (E,)),
+                           top_k_first=True, b_gate=b_gate, b_up=b_up, b_down=b_down,
+                           swiglu_limit=np.float32(c.extra["swiglu_limit"]),
+                           swiglu_alpha=np.float32(c.extra["swiglu_alpha"]))
+    attention = llama.attention(get, c, i) | dict(bo=get(p + "self_attn.o_proj.bias", (D,)),
+                                                  sinks=get(p + "self_attn.sinks", (H,)))
+    return MoELayerWeights(**attention, moe=moe)
+
+
+def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
+    return qwen3_moe.moe_act_shape(c)
+
+
+def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
+    return qwen3_moe.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
+
+
+def stacks(c: ModelConfig, tensors: dict) -> dict:
+    """The experts as quantize writes them: MLX's switch_mlp stacks [E, out, in], gate's and up's
+    from gate_up_proj's interleaved columns (or from float stacks already so named); their biases
+    stay as stored."""
+    from nibble.quant.convert import ExpertStack
+    D, E, F = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size
+    out = {}
+    for i in range(c.num_hidden_layers):
+        m = f"model.layers.{i}.mlp."
+        gate_up, down = m + "experts.gate_up_proj", m + "experts.down_proj"
+        if gate_up not in tensors or down not in tensors:   # stacked already
+            out |= qwen3_moe.expert_stacks(c, tensors, m[:-1], F)
+            continue
+        columns = lambda t, cols, s=gate_up: (x[:, cols].T for x in np.asarray(t[s], np.float32))
+        out |= {m + "switch_mlp.gate_proj.weight": ExpertStack((gate_up,), (E, F, D), lambda t, k=columns: k(t, slice(0, None, 2))),
+                m + "switch_mlp.up_proj.weight": ExpertStack((gate_up,), (E, F, D), lambda t, k=columns: k(t, slice(1, None, 2))),
+                m + "switch_mlp.down_proj.weight": ExpertStack(
+                    (down,), (E, D, F), lambda t, s=down: (x.T for x in np.asarray(t[s], np.float32)))}
+    return out
+
+
+def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Block i's tensors by name, its experts stacked as quantize writes them."""
+    D, E, F, H = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size, c.num_attention_heads
+    p = f"model.layers.{i}."
+    m = p + "mlp."
+    q_dim, kv_dim = H * c.head_dim, c.num_key_value_heads * c.head_dim
+    return llama.attention_shapes(c, i) | {
+        p + "self_attn.q_proj.bias": (q_dim,), p + "self_attn.k_proj.bias": (kv_dim,),
+        p + "self_attn.v_proj.bias": (kv_dim,), p + "self_attn.o_proj.bias": (D,), p + "self_attn.sinks": (H,),
+        m + "router.weight": (E, D), m + "router.bias": (E,),
+        m + "switch_mlp.gate_proj.weight": (E, F, D), m + "switch_mlp.up_proj.weight": (E, F, D),
+        m + "switch_mlp.down_proj.weight": (E, D, F),
+        m + "experts.gate_up_proj_bias": (E, 2 * F), m + "experts.down_proj_bias": (E, D)}
+
+
+def _configure(c: ModelConfig) -> None:
+    if not c.attention_bias:
+        raise FormatError("config.json: nibble runs gpt_oss with attention_bias=true (its q, k, v and o biases)")
+    number(above=0).check("config.json: swiglu_limit", c.extra["swiglu_limit"])
+    number(above=0).check("config.json: swiglu_alpha", c.extra["swiglu_alpha"])
+    qwen3_moe.check_experts(c)
+
+
+FAMILY = Family(
+    "gpt_oss",
+    # GptOssConfig's defaults
+    model_types={"gpt_oss": dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
+        num_experts_per_tok=4, sliding_window=128, rope_theta=150000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)},
+    windows=lambda c: sliding_where_typed(c.layer_types or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.num_hidden_layers)],
+        c.sliding_window or 0),
+    configure=_configure,
+)
