@@ -56,12 +56,23 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
         if group_size != 32 or qt.scales.dtype != np.uint8 or qt.biases.dtype != np.uint8:
             raise ValueError(f"scales and biases in two levels must be uint8, in groups of 32; got "
                              f"{qt.scales.dtype} and {qt.biases.dtype} in groups of {group_size}")
-        return kind(weight, *(np.ascontiguousarray(a) for a in (qt.scales, qt.biases)), bits, group_size, False)
+        return kind(*_read_only(weight, *(np.ascontiguousarray(a) for a in (qt.scales, qt.biases))),
+                    bits, group_size, False)
     s, b = _half_bits(qt.scales), _half_bits(qt.biases)
     if s and b and s[1] == b[1]:
-        return kind(weight, s[0], b[0], bits, group_size, s[1])
+        return kind(*_read_only(weight, s[0], b[0]), bits, group_size, s[1])
     as32 = lambda a: np.ascontiguousarray(np.asarray(a), dtype=np.float32)   # a HalfTensor widens
-    return kind(weight, as32(qt.scales), as32(qt.biases), bits, group_size, False)
+    return kind(*_read_only(weight, as32(qt.scales), as32(qt.biases)), bits, group_size, False)
+
+
+def _read_only(*arrays: np.ndarray) -> list[np.ndarray]:
+    """Read-only views: the kernels never write a weight, and numba compiles a kernel once for each
+    array type, writable or not. A memory-mapped file's weights are read-only; as views, weights
+    made in memory (quantized at load, or by a test) run the same compiled code."""
+    views = [a.view() for a in arrays]
+    for v in views:
+        v.flags.writeable = False
+    return views
 
 
 def _half_bits(a: np.ndarray | HalfTensor) -> tuple[np.ndarray, bool] | None:
