@@ -115,12 +115,11 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     cpu.rmsnorm(x, w.post_norm, eps, h)
     if collect:
         cpu.add_squares(h, act_sq[2])
+    # residual: x += mlp(h), or through y for a scale (one call: its code is inlined here)
+    y = np.zeros_like(x) if scaled else x
+    feed_forward(h, w, y, act_sq)
     if scaled:
-        y = np.zeros_like(x)
-        feed_forward(h, w, y, act_sq)
         x += w.residual_scale * y
-    else:
-        feed_forward(h, w, x, act_sq)                       # residual: x += mlp(h)
 
 
 def feed_forward(h, w, x, act_sq):
