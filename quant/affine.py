@@ -48,7 +48,10 @@ class AffineScheme:
 
 class QuantizedTensor(NamedTuple):
     """One quantized matrix W [N, K], laid out as MLX stores it: W[n, k] = scales[n, k//G] *
-    q[n, k] + biases[n, k//G]. The one type of a quantized weight, from the file to the kernels:
+    q[n, k] + biases[n, k//G], or where `values` is given (a table of 16 levels for 4-bit
+    integers) scales[n, k//G] * values[q[n, k]] + biases[n, k//G]: the non-uniform 4-bit
+    formats (MXFP4's E2M1 values, IQ4_NL's), held exactly at their size. The one type of a
+    quantized weight, from the file to the kernels:
     a named tuple of arrays, so numba takes it as it is (runner.kernels: host arrays, scales and
     biases as runner.kernels.linear.prepare keeps them; runner.kernels.cuda: device arrays)."""
     weight: np.ndarray  # uint32 [N, K*bits/32], packed integers (see packing)
@@ -60,6 +63,7 @@ class QuantizedTensor(NamedTuple):
     bits: int           # one of BITS
     group_size: int     # G, one of GROUP_SIZES
     bf16: bool = False  # prepared uint16 scales and biases: bfloat16 bits if True, else float16
+    values: np.ndarray | None = None   # uint8 [16], the level of each 4-bit integer; None: q itself
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,7 +85,7 @@ class QuantizedTensor(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Bytes held (and read by a product with it), as a float matrix's nbytes."""
-        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes + (0 if self.values is None else self.values.nbytes)
 
     @property
     def scheme(self) -> AffineScheme:
@@ -128,7 +132,7 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
     step = max(1, _BLOCK // n)  # in blocks, so the temporaries stay in cache
     for r in range(0, rows, step):
         q = unpack(qt.weight[r:r + step], qt.bits).reshape(-1, n // g, g)  # [step, in/g, g]
-        block = q.astype(np.float32)
+        block = (q if qt.values is None else qt.values[q]).astype(np.float32)
         block *= group_values(qt.scales[r:r + step])[..., None]  # widen first: mixed-dtype
         block += group_values(qt.biases[r:r + step])[..., None]  # broadcasts are slow
         w[r:r + step] = block.reshape(-1, n)

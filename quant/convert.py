@@ -250,7 +250,7 @@ def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict
     n = 0
     for name, t in tensors.items():
         path, kind = name.rsplit(".", 1)
-        affine = kind in ("weight", "scales", "biases")
+        affine = kind in ("weight", "scales", "biases", "values")
         scheme = _scheme_for(quantization, tensors, path) if affine else None
         if scheme is None:
             n += t.size
@@ -278,7 +278,9 @@ def read_linear(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict 
     missing = [name for name in names if name not in tensors]
     if missing:
         raise FormatError(f"quantized module {path} is missing {', '.join(missing)}")
-    qt = QuantizedTensor(*(tensors[name] for name in names), scheme.bits, scheme.group_size)
+    values = tensors.get(f"{path}.values")   # a table of levels (QuantizedTensor.values)
+    qt = QuantizedTensor(*(tensors[name] for name in names), scheme.bits, scheme.group_size,
+                         values=None if values is None else np.asarray(values))
     _check_layout(qt, path)
     return qt
 
@@ -360,6 +362,7 @@ def _float_tensors(model: ModelDir, allow_requantize: bool) -> dict:
             path = name.removesuffix(".scales")
             qt = read_linear(model.tensors, q, path)
             del out[f"{path}.scales"], out[f"{path}.biases"]
+            out.pop(f"{path}.values", None)
             out[f"{path}.weight"] = qt
     return out
 
@@ -406,6 +409,11 @@ def _check_layout(qt: QuantizedTensor, path: str) -> None:
     if w.dtype != np.uint32 or (w.ndim != 2 and not stacked):
         raise FormatError(f"{path}.weight should be a uint32 matrix of packed "
                           f"{qt.bits}-bit values (or experts' matrices stacked), got {w.dtype} of shape {w.shape}")
+    if qt.values is not None and (qt.values.dtype != np.uint8 or qt.values.shape != (16,) or qt.bits != 4
+                                  or qt.group_size != 32):
+        raise FormatError(f"{path}.values should be 16 uint8 levels of 4-bit weights in groups of 32, got "
+                          f"{qt.values.dtype} of shape {qt.values.shape} for {qt.bits}-bit weights in groups of "
+                          f"{qt.group_size}")
     expected = qt.groups_shape
     for name, t in (("scales", qt.scales), ("biases", qt.biases)):
         if t.shape != expected:

@@ -240,6 +240,11 @@ def test_what_the_kernels_cannot_run_is_refused():
         gpu._stacked([wq, wk, wk], np.concatenate)
     with pytest.raises(UnsupportedModel, match="head_dim"):
         gpu.allocate_kv(2, 8, 256)
+    w, s, b = mlx_weight(16, 64, 4, 32)
+    levels = prepare(QuantizedTensor(w, s, b, 4, 32, values=np.arange(16, dtype=np.uint8)[::-1].copy()))
+    for refused in (lambda: gpu.upload(levels), lambda: gpu._stacked([levels, levels], np.concatenate)):
+        with pytest.raises(UnsupportedModel, match="table of levels"):
+            refused()
 
 
 # ---- the whole block ------------------------------------------------------------------------------

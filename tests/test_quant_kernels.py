@@ -213,6 +213,9 @@ def test_dequantize(bits, G):
 
 
 def test_prepare_rejects_what_no_kernel_reads():
+    w, s, b = mlx_weight(4, 64, 4, 64)
+    with pytest.raises(ValueError, match="groups of 32"):
+        prepare(QuantizedTensor(w, s, b, 4, 64, values=LEVELS[0]))
     w, s, b = mlx_weight(4, 64, 8, 32)
     with pytest.raises(ValueError, match="bits must be one of"):
         prepare(QuantizedTensor(w, s, b, 3, 32))
@@ -283,6 +286,43 @@ def test_two_level_scales_run_as_their_float32_values(bits):
     np.testing.assert_array_equal(dequantize(linear.row_block(qw, 3, 9)), dequantize(linear.row_block(flat, 3, 9)))
     ids = np.array([0, 36, 5])
     np.testing.assert_array_equal(dequantize_rows(qw, ids), dequantize_rows(flat, ids))
+
+
+# levels of the 4-bit formats that are not evenly spaced, as nibble holds them (plus an offset that
+# the biases take back): MXFP4's E2M1 values times 2 plus 12, IQ4_NL's kvalues plus 128; and any
+LEVELS = [np.array([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], np.uint8),
+          np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]).astype(np.uint8) + 128,
+          np.random.default_rng(1).integers(0, 256, 16).astype(np.uint8)]
+
+
+@pytest.mark.parametrize("values", LEVELS)
+def test_a_table_of_levels_reads_each_integer_as_its_level(values):
+    """4-bit integers read through a table of levels (QuantizedTensor.values: MXFP4, IQ4_NL): every
+    kernel computes W = scales * values[q] + biases, against the twin of the same integers mapped
+    by the table; K with an odd number of groups, so the last half block's tail reads them too."""
+    N, K = 37, 7 * 32
+    w, s, b = mlx_weight(N, K, 4, 32)
+    qw = prepare(QuantizedTensor(w, s, b, 4, 32, values=values))
+    q = values[twin_integers(w, 4)].astype(np.float64)
+    W = np.asarray(s, np.float64).repeat(32, 1) * q + np.asarray(b, np.float64).repeat(32, 1)
+    for T in (1, 2, 3, 70):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        bound = np.abs(x) @ np.abs(W).T
+        want = reference.int8_product(x, q.astype(np.int64), s.astype(np.float64), b.astype(np.float64), 32) \
+            if linear.int8_activations() else x.astype(np.float64) @ W.T
+        got = np.empty((T, N), np.float32)
+        qmatmul(x, qw, got, False)
+        assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-6) if linear.int8_activations() \
+            else np.all(np.abs(got - want) <= 1e-4 * bound + 1e-6)
+        if T <= SMALL:
+            for kernel in DECODE:
+                kernel(x, qw, got, False)
+                if kernel is matvec_rows16:
+                    check(got, x, W, 0, False)
+                else:
+                    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-6)
+    np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dequantize_rows(qw, np.array([36, 0])), W[[36, 0]], rtol=1e-6, atol=1e-7)
 
 
 def test_two_level_scales_expand_as_ggml_multiplies():

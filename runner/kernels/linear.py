@@ -36,8 +36,8 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     one; the kernels read its uint32 words as little-endian bytes), and so do scales and biases
     stored in 16 bits (float16 or bfloat16: their uint16 bits, `bf16` saying which; half the
     bytes of float32, which decode reads every token), and those in two levels (a GGUF K-quant's,
-    formats.superblocks). Other widths become float32. Refuses what the kernels would read out of
-    bounds.
+    formats.superblocks). Other widths become float32. A table of levels (`values`) is kept as it
+    is. Refuses what the kernels would read out of bounds.
     """
     bits, group_size, weight = qt.bits, qt.group_size, qt.weight
     if bits not in BITS or group_size not in GROUP_SIZES:
@@ -51,18 +51,25 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
         N, K = qt.shape
         raise ValueError(f"scales and biases must be {list(qt.groups_shape)} for a {N}x{K} weight in "
                          f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
+    values = qt.values
+    if values is not None:
+        if bits != 4 or group_size != 32 or values.dtype != np.uint8 or values.shape != (16,):
+            raise ValueError(f"a table of levels must be 16 uint8 values for 4-bit weights in groups of 32 "
+                             f"(as MXFP4's and IQ4_NL's), got {values.dtype} {values.shape} for {bits}-bit "
+                             f"weights in groups of {group_size}")
+        values, = _read_only(np.ascontiguousarray(values))
     kind = quant_decode.KINDS[bits, group_size]
     if superblocks.is_two_level(qt.scales):
         if group_size != 32 or qt.scales.dtype != np.uint8 or qt.biases.dtype != np.uint8:
             raise ValueError(f"scales and biases in two levels must be uint8, in groups of 32; got "
                              f"{qt.scales.dtype} and {qt.biases.dtype} in groups of {group_size}")
         return kind(*_read_only(weight, *(np.ascontiguousarray(a) for a in (qt.scales, qt.biases))),
-                    bits, group_size, False)
+                    bits, group_size, False, values)
     s, b = _half_bits(qt.scales), _half_bits(qt.biases)
     if s and b and s[1] == b[1]:
-        return kind(*_read_only(weight, s[0], b[0]), bits, group_size, s[1])
+        return kind(*_read_only(weight, s[0], b[0]), bits, group_size, s[1], values)
     as32 = lambda a: np.ascontiguousarray(np.asarray(a), dtype=np.float32)   # a HalfTensor widens
-    return kind(*_read_only(weight, as32(qt.scales), as32(qt.biases)), bits, group_size, False)
+    return kind(*_read_only(weight, as32(qt.scales), as32(qt.biases)), bits, group_size, False, values)
 
 
 def _read_only(*arrays: np.ndarray) -> list[np.ndarray]:

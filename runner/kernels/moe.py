@@ -74,7 +74,7 @@ def _expert_typed(w, e):
     if isinstance(w, types.Array):
         return lambda w, e: w[e]
     kind = w.instance_class   # a QuantizedTensor kind (quant_decode.KINDS): the same kind of 2-D views
-    return lambda w, e: kind(w.weight[e], w.scales[e], w.biases[e], w.bits, w.group_size, w.bf16)
+    return lambda w, e: kind(w.weight[e], w.scales[e], w.biases[e], w.bits, w.group_size, w.bf16, w.values)
 
 
 @njit(**cpu._jit)

@@ -13,7 +13,7 @@ from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
 from . import half
 from .cpu import _jit
-from .simd import fma, group_scale_bias, hsum, load_f32x8, zero_f32
+from .simd import fma, group_scale_bias, hsum, level, load_f32x8, zero_f32
 
 f32 = np.float32
 
@@ -52,7 +52,7 @@ def _dims(w):
 
 @njit(**_jit)
 def _dequantize_row(qw, n, w):
-    """w[K] = scales * q + biases for row n of qw, its words q viewed as bytes (slices keep
+    """w[K] = scales * q + biases (q's level, where qw has a table) for row n of qw, its words q viewed as bytes (slices keep
     every index provably >= 0, which lets LLVM vectorize)."""
     q = qw.weight.view(np.uint8)                           # [N, K*bits/8]
     G = qw.group_size
@@ -66,8 +66,8 @@ def _dequantize_row(qw, n, w):
         else:
             qg = q[n, g * G // 2:(g + 1) * G // 2]
             for j in range(G // 2):
-                wg[2 * j] = s * f32(qg[j] & 15) + b
-                wg[2 * j + 1] = s * f32(qg[j] >> 4) + b
+                wg[2 * j] = s * f32(level(qw.values, qg[j] & 15)) + b
+                wg[2 * j + 1] = s * f32(level(qw.values, qg[j] >> 4)) + b
 
 
 @njit(inline="always", **_jit)

@@ -31,7 +31,7 @@ from numba.extending import intrinsic, overload
 from nibble.quant.affine import QuantizedTensor
 from . import prefill
 from .cpu import _jit
-from .simd import F32, I32, Vec, _ll, _load, fma, group_scale_bias, hsum, load_f32x8, zero_f32, zero_i32
+from .simd import F32, I32, Vec, _ll, _load, fma, group_scale_bias, hsum, load_f32x8, table_ops, zero_f32, zero_i32
 
 f32 = np.float32
 U8 = Vec(types.uint8, 32)
@@ -130,6 +130,39 @@ def nibbles(typingctx, v, high):
             return builder.lshr(args[0], ir.Constant(_ll(U8), [4] * 32))
         return builder.and_(args[0], ir.Constant(_ll(U8), [15] * 32))
     return U8(v, high), codegen
+
+
+@intrinsic
+def _load_levels(typingctx, values):
+    """A table's 16 levels (uint8 values[16]) in both 128-bit halves of 32 bytes, as vpshufb
+    looks them up (each half from its own 16 bytes)."""
+    def codegen(context, builder, sig, args):
+        u8x16 = ir.VectorType(ir.IntType(8), 16)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        v = builder.load(builder.bitcast(data, u8x16.as_pointer()), align=1)
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(16)) * 2))
+    return U8(values), codegen
+
+
+@intrinsic
+def _lookup(typingctx, table, v):
+    """table[v[i]] for each byte i (0..15): AVX2's vpshufb, as llama.cpp reads IQ4_NL and MXFP4."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.x86.avx2.pshuf.b", _ll(U8), args[0], args[1])
+    return U8(table, v), codegen
+
+
+levels, lookup = table_ops(_load_levels, _lookup)   # bytes
+
+
+def nibble_sized(values):
+    """Whether the levels of a 4-bit weight are at most 15 (udot's `small`): its own integers are."""
+
+
+@overload(nibble_sized, inline="always")
+def _nibble_sized_typed(values):
+    small = isinstance(values, types.NoneType)
+    return lambda values: small
 
 
 @intrinsic
@@ -272,11 +305,27 @@ def _unpack(qw, n, units, lane_group, wq, sw, bw):
         for i in range(64 * full, units.shape[0]):
             u = units[i]
             out[i] = (q[u >> 1] >> (4 * (u & 1))) & 0x0F0F0F0F if u >= 0 else 0
+        to_levels(qw.values, wq)
     for v in range(lane_group.shape[0]):
         if lane_group[v] < 0:
             sw[v] = bw[v] = 0
         else:
             sw[v], bw[v] = group_scale_bias(qw, n, lane_group[v])
+
+
+def to_levels(values, wq):
+    """wq's 4-bit integers as their levels, in place (njit code only; None: they are their own)."""
+
+
+@overload(to_levels, inline="always")
+def _to_levels_typed(values, wq):
+    if isinstance(values, types.NoneType):
+        return lambda values, wq: None
+
+    def impl(values, wq):
+        for i in range(wq.shape[0]):
+            wq[i] = values[wq[i]]
+    return impl
 
 
 # ---- the kernel ------------------------------------------------------------------------------
@@ -308,7 +357,7 @@ def matmul_rounded(rounded, qw, out, accumulate):
 def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
     T, Kp = xq.shape
     N, lanes = qw.weight.shape[0], lane_group.shape[0]
-    small = qw.bits == 4
+    small = qw.bits == 4 and nibble_sized(qw.values)
     for tile in prange((N + TILE - 1) // TILE):
         n0 = tile * TILE
         rows = min(N, n0 + TILE) - n0

@@ -26,9 +26,10 @@ from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
 
 from . import prefill_int8
 from .cpu import _jit
-from .prefill_int8 import load_u8x32, nibbles, udot
-from .simd import (chunk_scales, fma, group_value, hsum, load_16x16, load_first_f32x8, load_u8x16, madd, next_scales,
-                   nibble, prefetch, row_dot, scale_add, splat_f32, spread, vadd, zero_f32, zero_i32)
+from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, udot
+from .simd import (chunk_scales, fma, group_value, hsum, level, levels16, load_16x16, load_first_f32x8, load_u8x16,
+                   lookup16, madd, next_scales, nibble, prefetch, row_dot, scale_add, splat_f32, spread, vadd, zero_f32,
+                   zero_i32)
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -94,7 +95,7 @@ def _rows_of_kind_typed(xq, dx, xs, x, qw, accumulate, out):
     G32 = G == 32
     return lambda xq, dx, xs, x, qw, accumulate, out: _rows(
         xq, dx, xs, x, bits, G32, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
-        qw.bf16, out)
+        qw.bf16, qw.values, out)
 
 
 INT8 = prefill_int8.DOT is not None   # decode on int8 activations (set where prefill_int8's is)
@@ -135,7 +136,7 @@ def _round8(x, G, bits):
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, bits, G32, G, accumulate, q, s, b, bf16, out):
+def _rows(xq, dx, xs, x, bits, G32, G, accumulate, q, s, b, bf16, lut, out):
     """Every weight row's dot products with the rows of x, two weight rows (i, i + H) a task: two
     rows far apart are two sequential streams, a range of tasks two ranges of rows. The loop gets
     plain arrays and calls nothing that is not inlined: a view made or an array passed to a call
@@ -151,7 +152,7 @@ def _rows(xq, dx, xs, x, bits, G32, G, accumulate, q, s, b, bf16, out):
             # kernel's compile); the simd intrinsics neither regroup nor fuse sums, so a row sums
             # alike whichever copy of the loop LLVM makes for one row and for two
             two = r + 1 < B
-            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, G32, G, bf16)
+            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, G32, G, bf16, lut)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
             _put(out, r, i, m, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r), accumulate)
@@ -167,29 +168,30 @@ def _put(out, r, n, m, v0, v1, accumulate):
         out[r, m] = out[r, m] + v1 if accumulate else v1
 
 
-def _pair(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16):
-    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G32 (groups of 32): on
+def _pair(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut):
+    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G32 (groups of 32), 4-bit
+    integers read as their levels in lut where it is a table (QuantizedTensor.values): on
     int16 x _pair8, _pair4 or _pair4_32, on int8 x _pair32_x8 or _pair_x8, the one chosen from the
     types of xq and the constants (the overload below), inlined alone."""
 
 
 @overload(_pair, inline="always", jit_options=_jit)
-def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16):
+def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut):
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(G32, types.BooleanLiteral):
         return None
     if xq.dtype == types.int8:
         if bits.literal_value == 4 and G32.literal_value:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2)
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut)
         if G32.literal_value:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1)
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut)
         if bits.literal_value == 4:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, G)
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, G)
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, G, lut)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, G, lut)
     if bits.literal_value == 8:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
     if G32.literal_value:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16)
-    return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16: _pair4(xq, dx, q, s, n, m, r, two, bf16, G)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut)
+    return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut)
 
 
 @njit(**_jit)
@@ -295,22 +297,24 @@ def _ahead(q, i0, i1, k):
 
 
 @njit(inline="always", **_jit)
-def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two):
+def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two, table):
     """Add block c (64 weights) of the 4-bit rows starting at bytes i0, i1 of q, times the x rows
-    starting at j0 (and j1) of xq: 32 bytes = 16 lanes of 4 nibbles; xq is in the matching order."""
+    starting at j0 (and j1) of xq: 32 bytes = 16 lanes of 4 nibbles, as their levels in `table`
+    (simd.levels16's); xq is in the matching order."""
     _ahead(q, i0, i1, 32 * c)
     v0, v1 = load_16x16(q, i0 + 32 * c), load_16x16(q, i1 + 32 * c)
     k = 64 * c
-    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, nibble(v0, 0), nibble(v1, 0), xq, j0 + k, j1 + k, two)
-    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, nibble(v0, 1), nibble(v1, 1), xq, j0 + k + 16, j1 + k + 16, two)
-    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, nibble(v0, 2), nibble(v1, 2), xq, j0 + k + 32, j1 + k + 32, two)
-    return _madd4(a0, a1, a2, a3, nibble(v0, 3), nibble(v1, 3), xq, j0 + k + 48, j1 + k + 48, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 0)), lookup16(table, nibble(v1, 0)), xq, j0 + k, j1 + k, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 1)), lookup16(table, nibble(v1, 1)), xq, j0 + k + 16, j1 + k + 16, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 2)), lookup16(table, nibble(v1, 2)), xq, j0 + k + 32, j1 + k + 32, two)
+    return _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 3)), lookup16(table, nibble(v1, 3)), xq, j0 + k + 48, j1 + k + 48, two)
 
 
 @njit(inline="always", **_jit)
-def _pair4(xq, dx, q, s, n, m, r, two, bf16, G):
+def _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut):
     """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of G >= 64 (whole blocks of 64)."""
     Kb = q.shape[1]
+    table = levels16(lut)
     j0, j1 = r * 2 * Kb, (r + 1) * 2 * Kb
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
@@ -319,43 +323,44 @@ def _pair4(xq, dx, q, s, n, m, r, two, bf16, G):
             s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for c in range(g * (G // 64), (g + 1) * (G // 64)):
-            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two)
+            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two, table)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 1)
     return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
 
 
 @njit(inline="always", **_jit)
-def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16):
+def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut):
     """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of 32: a block of 64 holds two, int32
     lanes 0-3 summing its first 32 weights, lanes 4-7 the next 32."""
     Kb = q.shape[1]
     K = 2 * Kb
     j0, j1 = r * K, (r + 1) * K
+    table = levels16(lut)
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for c in range(K // 64):
         if c % 4 == 0:
             s0, s1, s2, s3 = _chunk(s, n, m, 2 * c, dx, r, bf16, two)
-        a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two)
+        a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two, table)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 2)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     if K % 64:   # an odd number of groups: the last one's weights in float
         g = K // 32 - 1
-        t0 = _tail4(x, q, s, bf16, n, r, g, K)
-        t1 = _tail4(x, q, s, bf16, m, r, g, K)
+        t0 = _tail4(x, q, s, bf16, lut, n, r, g, K)
+        t1 = _tail4(x, q, s, bf16, lut, m, r, g, K)
         if two:
-            t2 = _tail4(x, q, s, bf16, n, r + 1, g, K)
-            t3 = _tail4(x, q, s, bf16, m, r + 1, g, K)
+            t2 = _tail4(x, q, s, bf16, lut, n, r + 1, g, K)
+            t3 = _tail4(x, q, s, bf16, lut, m, r + 1, g, K)
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
 @njit(inline="always", **_jit)
-def _tail4(x, q, s, bf16, n, r, g, K):
+def _tail4(x, q, s, bf16, lut, n, r, g, K):
     """Group g, the last half block of a 4-bit row n, dotted with x row r in float (its scale's
     part: the bias is _with_biases')."""
     e = f32(0.0)
     for k in range(32 * g, K):
-        e += x[r, k] * f32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
+        e += x[r, k] * f32(level(lut, (q[n, k >> 1] >> (4 * (k & 1))) & 15))
     return group_value(s, n, g, bf16) * e
 
 
@@ -405,19 +410,22 @@ def round_int8(x, G, bits, xq, dx, xs):
 
 
 @njit(inline="always", **_jit)
-def _udots(v0, v1, xq, j0, j1, two, bits):
+def _udots(v0, v1, xq, j0, j1, two, bits, table):
     """Integer sums of 32 weight bytes of rows n (v0) and m (v1) with x rows r (xq at j0) and, if
-    `two`, r + 1 (at j1): 8 int32 lanes each; 4 bits: both nibbles of each byte (64 weights)."""
+    `two`, r + 1 (at j1): 8 int32 lanes each; 4 bits: both nibbles of each byte (64 weights), as
+    their levels in `table` (prefill_int8.levels')."""
     if bits == 4:
-        lo0, hi0, lo1, hi1 = nibbles(v0, False), nibbles(v0, True), nibbles(v1, False), nibbles(v1, True)
+        lo0, hi0 = lookup(table, nibbles(v0, False)), lookup(table, nibbles(v0, True))
+        lo1, hi1 = lookup(table, nibbles(v1, False)), lookup(table, nibbles(v1, True))
+        small = nibble_sized(table)
         x, y = load_u8x32(xq, j0), load_u8x32(xq, j0 + 32)
-        a0 = udot(udot(zero_i32(), lo0, x, True), hi0, y, True)
-        a1 = udot(udot(zero_i32(), lo1, x, True), hi1, y, True)
+        a0 = udot(udot(zero_i32(), lo0, x, small), hi0, y, small)
+        a1 = udot(udot(zero_i32(), lo1, x, small), hi1, y, small)
         a2, a3 = a0, a1
         if two:
             x, y = load_u8x32(xq, j1), load_u8x32(xq, j1 + 32)
-            a2 = udot(udot(zero_i32(), lo0, x, True), hi0, y, True)
-            a3 = udot(udot(zero_i32(), lo1, x, True), hi1, y, True)
+            a2 = udot(udot(zero_i32(), lo0, x, small), hi0, y, small)
+            a3 = udot(udot(zero_i32(), lo1, x, small), hi1, y, small)
         return a0, a1, a2, a3
     x = load_u8x32(xq, j0)
     a0, a1 = udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
@@ -429,7 +437,7 @@ def _udots(v0, v1, xq, j0, j1, two, bits):
 
 
 @njit(inline="always", **_jit)
-def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, G):
+def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, G, lut):
     """(rows n, m) . (x rows r, r + 1) on int8 x, for 8 bits or 4 bits in groups of G >= 64: a unit
     of 32 weight bytes (32 or 64 weights) at a time, its int32 lanes times x's block scales summed
     in float over a group, then times the group's scale; per: x blocks a unit (2 or 1)."""
@@ -440,6 +448,7 @@ def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, G):
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     d0, d1 = zero_f32(), zero_f32()
     nb = K // 32
+    table = levels(lut)
     for g in range(K // G):
         h0, h1, h2, h3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
         for u in range(g * units, g * units + units):
@@ -448,7 +457,7 @@ def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, G):
                 d1 = load_first_f32x8(dx, (r + 1) * nb + u * per, nb - u * per) if two else d0
             _ahead(q, n * Kb, m * Kb, 32 * u)
             a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
-                                    j0 + 32 * per * u, j1 + 32 * per * u, two, bits)
+                                    j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table)
             e0 = spread(d0, per)
             h0, h1 = scale_add(h0, a0, e0), scale_add(h1, a1, e0)
             if two:
@@ -463,7 +472,7 @@ def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, G):
 
 
 @njit(inline="always", **_jit)
-def _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per):
+def _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut):
     """(rows n, m) . (x rows r, r + 1) on int8 x for groups of 32: a unit of 32 weight bytes holds
     `per` groups (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), scaled by chunk_scales'
     products of W's and x's scales."""
@@ -472,26 +481,28 @@ def _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per):
     j0, j1 = r * K, (r + 1) * K
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    table = levels(lut)
     for u in range(K // (32 * per)):
         if (u * per) % 8 == 0:
             s0, s1, s2, s3 = _chunk(s, n, m, per * u, dx, r, bf16, two)
         _ahead(q, n * Kb, m * Kb, 32 * u)
         a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
-                                j0 + 32 * per * u, j1 + 32 * per * u, two, bits)
+                                j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     if K % (32 * per):   # 4 bits, an odd number of groups: the last one in scalars
         g = K // 32 - 1
-        t0, t1 = _tail4_x8(xq, dx, q, s, bf16, n, r, g, K), _tail4_x8(xq, dx, q, s, bf16, m, r, g, K)
+        t0, t1 = _tail4_x8(xq, dx, q, s, bf16, lut, n, r, g, K), _tail4_x8(xq, dx, q, s, bf16, lut, m, r, g, K)
         if two:
-            t2, t3 = _tail4_x8(xq, dx, q, s, bf16, n, r + 1, g, K), _tail4_x8(xq, dx, q, s, bf16, m, r + 1, g, K)
+            t2 = _tail4_x8(xq, dx, q, s, bf16, lut, n, r + 1, g, K)
+            t3 = _tail4_x8(xq, dx, q, s, bf16, lut, m, r + 1, g, K)
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
 @njit(inline="always", **_jit)
-def _tail4_x8(xq, dx, q, s, bf16, n, r, g, K):
+def _tail4_x8(xq, dx, q, s, bf16, lut, n, r, g, K):
     """Group g, the last half block of a 4-bit row n, times int8 x row r (in order there)."""
     e = 0
     for k in range(32 * g, K):
-        e += np.int32(xq[r, k]) * np.int32((q[n, k >> 1] >> (4 * (k & 1))) & 15)
+        e += np.int32(xq[r, k]) * np.int32(level(lut, (q[n, k >> 1] >> (4 * (k & 1))) & 15))
     return group_value(s, n, g, bf16) * dx[r, g] * f32(e)

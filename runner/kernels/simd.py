@@ -144,6 +144,68 @@ def nibble(typingctx, v, t):
 
 
 @intrinsic
+def _load_levels16(typingctx, values):
+    """A table's 16 levels (uint8 values[16]) as 16 int16 lanes."""
+    def codegen(context, builder, sig, args):
+        u8x16 = ir.VectorType(ir.IntType(8), 16)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.zext(builder.load(builder.bitcast(data, u8x16.as_pointer()), align=1), _ll(I16))
+    return I16(values), codegen
+
+
+@intrinsic
+def _lookup16(typingctx, table, v):
+    """table[v[i]] in each 16-bit lane i (v's lanes 0..15): a lane at a time, portable LLVM (the
+    int16 decode serves CPUs without byte dot products, where speed matters less than that it runs)."""
+    def codegen(context, builder, sig, args):
+        table, v = args
+        out = ir.Constant(_ll(I16), None)
+        for i in range(16):
+            out = builder.insert_element(out, builder.extract_element(table, builder.extract_element(v, _i32(i))), _i32(i))
+        return out
+    return I16(table, v), codegen
+
+
+def table_ops(load, look):
+    """(levels, lookup) for one kind of vector, from its intrinsics load(values) and look(table, v):
+    levels(values) is a table of levels (QuantizedTensor.values) as lookup takes it, None where
+    there is none; lookup(table, v) each lane's 4-bit integer as its level, or as it is where the
+    table is None (both njit code only)."""
+    def levels(values):
+        pass
+
+    @overload(levels, inline="always")
+    def _levels_typed(values):
+        if isinstance(values, types.NoneType):
+            return lambda values: None
+        return lambda values: load(values)
+
+    def lookup(table, v):
+        pass
+
+    @overload(lookup, inline="always")
+    def _lookup_typed(table, v):
+        if isinstance(table, types.NoneType):
+            return lambda table, v: v
+        return lambda table, v: look(table, v)
+    return levels, lookup
+
+
+levels16, lookup16 = table_ops(_load_levels16, _lookup16)   # int16 lanes
+
+
+def level(values, q):
+    """The level of 4-bit integer q: values[q], or q itself where values is None (njit code only)."""
+
+
+@overload(level, inline="always")
+def _level_typed(values, q):
+    if isinstance(values, types.NoneType):
+        return lambda values, q: q
+    return lambda values, q: values[q]
+
+
+@intrinsic
 def madd(typingctx, a, b):
     """int32 lanes a[2i]*b[2i] + a[2i+1]*b[2i+1]: LLVM emits vpmaddwd on x86."""
     def codegen(context, builder, sig, args):
