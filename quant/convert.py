@@ -61,8 +61,15 @@ class QuantizeReport:
 
 
 def is_quantized(config: ModelConfig) -> bool:
-    """True when config.json says the weights are quantized (mlx-lm's `quantization` key)."""
-    return bool(config.quantization)
+    """True when config.json says the weights are quantized: mlx-lm's `quantization` key, or a
+    checkpoint whose experts are MXFP4 (OpenAI's gpt-oss, run as stored)."""
+    return bool(config.quantization) or is_mxfp4(config)
+
+
+def is_mxfp4(config: ModelConfig) -> bool:
+    """Whether config.json's quantization_config says MXFP4 (transformers' spelling)."""
+    q = config.extra.get("quantization_config")
+    return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
 
 
 def quantize_model(model: ModelDir, bits: int, group_size: int,

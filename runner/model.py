@@ -266,14 +266,21 @@ class _TensorGetter:
         return type(first)(*(np.stack([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")),
                            first.bits, first.group_size, first.bf16, first.values)
 
-    def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
-        """A float32 tensor: norm weights and biases, which are small (1-D), widened if stored
-        in 16 bits (a copy)."""
+    def stored(self, name: str, shape: tuple):
+        """A tensor as stored (no copy), its shape checked."""
         t = self.tensors.get(name)
         if t is None:
             self.missing.append(name)
             return None
         self._check_shape(name, t, shape)
+        return t
+
+    def __call__(self, name: str, shape: tuple) -> np.ndarray | None:
+        """A float32 tensor: norm weights and biases, which are small (1-D), widened if stored
+        in 16 bits (a copy)."""
+        t = self.stored(name, shape)
+        if t is None:
+            return None
         if isinstance(t, HalfTensor):
             return t.widen()
         if t.dtype != np.float32:

@@ -13,7 +13,7 @@ from nibble.formats.errors import NibbleError
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.paths import quantized_dir
 from nibble.formats.safetensors import TensorStream
-from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_quantized
+from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_mxfp4, is_quantized
 from .calibrate import collect_imatrix
 from .loader import open_model
 from .model import Model
@@ -43,6 +43,9 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
     if is_quantized(model_dir.config) and not allow_requantize:
         raise NibbleError(f"{ref} is already quantized: requantizing loses quality; "
                           "pass --allow-requantize to do it anyway")
+    if is_mxfp4(model_dir.config):
+        raise NibbleError(f"{ref} holds MXFP4 experts, which nibble runs as stored (4.25 bits a weight): "
+                          "it does not requantize them")
     return _write_quantized(model_dir, out, bits, group_size, embed_bits, calib_text, CALIBRATION_TOKENS,
                             force, allow_requantize, progress)
 

@@ -221,15 +221,28 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
     return x @ head.T / c.extra.get("logits_scaling", 1.0)
 
 
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's MXFP4 experts [E, out, in/32, 16] codes and [E, out, in/32] exponents -> [E, out, in]:
+    byte j of a block holds inputs 2j (low nibble) and 2j + 1 (high), each E2M1[code] * 2^(e - 127)."""
+    codes = blocks.astype(np.uint8)
+    values = E2M1[np.stack([codes & 15, codes >> 4], -1)].reshape(*codes.shape[:-1], 32)
+    return (values * np.exp2(np.asarray(scales, np.float64) - 127)[..., None]).reshape(*codes.shape[:-2], -1)
+
+
 def _moe(c: ModelConfig, W: dict, p: str) -> dict | None:
     """moe_mlp's arguments for block p's mixture of experts, as HF's modeling files name its
     tensors and read its config; None for a dense MLP."""
     k = c.extra.get("num_experts_per_tok")
     if c.model_type == "gpt_oss":   # interleaved gate/up columns, matrices stored [in, out]
         m = p + "mlp."
-        gate_up, b = W[m + "experts.gate_up_proj"].transpose(0, 2, 1), W[m + "experts.gate_up_proj_bias"]
+        rows = lambda name: (mxfp4(W[name + "_blocks"], W[name + "_scales"]) if name + "_blocks" in W
+                             else W[name].transpose(0, 2, 1))   # [E, out, in]
+        gate_up, b = rows(m + "experts.gate_up_proj"), W[m + "experts.gate_up_proj_bias"]
         return dict(router=W[m + "router.weight"], router_bias=W[m + "router.bias"], w_gate=gate_up[:, ::2],
-                    w_up=gate_up[:, 1::2], w_down=W[m + "experts.down_proj"].transpose(0, 2, 1), top_k=k,
+                    w_up=gate_up[:, 1::2], w_down=rows(m + "experts.down_proj"), top_k=k,
                     top_k_first=True, biases=(b[:, ::2], b[:, 1::2], W[m + "experts.down_proj_bias"]),
                     swiglu=(c.extra["swiglu_limit"], c.extra.get("swiglu_alpha", 1.702)))
     if c.model_type in ("granitemoe", "granitemoeshared"):   # fused: gate's rows then up's; top k, then softmax

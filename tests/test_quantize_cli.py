@@ -1,11 +1,13 @@
 """`nibble quantize` on the tiny model: what it writes, and one clean line for bad input."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from nibble.formats.model_dir import read_model_dir, write_model_dir
 from tests.test_cli import GREEDY, assert_one_line_error, invoke
-from tests.tiny import tiny_model_dir
+from tests.tiny import tiny_model_dir, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,16 @@ def test_refuses_existing_output_and_requantizing(tiny_dir, int4_dir, tmp_path):
     assert_one_line_error(invoke("quantize", tiny_dir, "-o", int4_dir, "--bits", 8), match="already exists")
     assert_one_line_error(invoke("quantize", int4_dir, "-o", tmp_path / "x", "--bits", 8),
                           match="already quantized")
+    assert not (tmp_path / "x").exists()
+
+
+def test_mxfp4_experts_are_run_as_stored_not_requantized(tmp_path):
+    model = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(Path(__file__).parent / "data" / "transformers" / "gpt-oss-mxfp4", model)
+    tiny_tokenizer().save(str(model / "tokenizer.json"))
+    assert_one_line_error(invoke("quantize", model, "-o", tmp_path / "x", "--bits", 4), match="already quantized")
+    assert_one_line_error(invoke("quantize", model, "-o", tmp_path / "x", "--bits", 4, "--allow-requantize"),
+                          match="MXFP4 experts, which nibble runs as stored")
     assert not (tmp_path / "x").exists()
 
 

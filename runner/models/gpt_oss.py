@@ -2,15 +2,18 @@
 learned attention sink per head (a logit in every row's softmax with no value to weigh), sliding
 (128) and full layers alternating, YaRN; in every layer a mixture of experts whose router has a
 bias and takes the top k logits, then a softmax over them. Its experts have biases and gate with
-a clamped SwiGLU (moe.py). Its checkpoints store each layer's experts as two 3-D tensors with the
+a clamped SwiGLU (moe.py). transformers saves each layer's experts as two 3-D tensors with the
 matrices [in, out]: gate_up_proj [E, D, 2F], gate's and up's columns interleaved, and down_proj
-[E, F, D]; they are turned into [out, in] stacks at load (a copy)."""
+[E, F, D]; they are turned into [out, in] stacks at load (a copy). OpenAI's checkpoints store them
+in MXFP4 (formats.mxfp4), [out, in] already, which run as stored, through a table of levels."""
 import numpy as np
 
+from nibble.formats import mxfp4
 from nibble.formats.config import ModelConfig, sliding_where_typed
 from nibble.formats.errors import FormatError
 from nibble.formats.families import Family
 from nibble.formats.values import number
+from nibble.quant.affine import QuantizedTensor
 from . import llama, qwen3_moe
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
@@ -25,6 +28,10 @@ def layer(get, c: ModelConfig, i: int):
     b_gate, b_up = (None, None) if b is None else (np.ascontiguousarray(b[:, ::2]), np.ascontiguousarray(b[:, 1::2]))
     if m + "switch_mlp.gate_proj.weight" in get.tensors:   # as quantize writes them (stacks)
         w = qwen3_moe.stacked(get, m[:-1], c, F)
+    elif m + "experts.gate_up_proj_blocks" in get.tensors:   # OpenAI's checkpoints: MXFP4
+        w = (_mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(0, None, 2)),
+             _mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(1, None, 2)),
+             _mxfp4(get, m + "experts.down_proj", (E, D, F)))
     else:
         gate_up, down = get(m + "experts.gate_up_proj", (E, D, 2 * F)), get(m + "experts.down_proj", (E, F, D))
         rows = lambda w: None if w is None else np.ascontiguousarray(w.transpose(0, 2, 1))   # [E, out, in]
@@ -37,6 +44,22 @@ def layer(get, c: ModelConfig, i: int):
     attention = llama.attention(get, c, i) | dict(bo=get(p + "self_attn.o_proj.bias", (D,)),
                                                   sinks=get(p + "self_attn.sinks", (H,)))
     return MoELayerWeights(**attention, moe=moe)
+
+
+def _mxfp4(get, name: str, shape: tuple[int, int, int], rows=slice(None)):
+    """Experts' matrices [E, out, in] stored in MXFP4 (`name`_blocks and _scales, rows [out, in]
+    already), those `rows` of each, as stacked 4-bit weights through MXFP4's table of levels. Gate's
+    and up's rows alternate in gate_up_proj: each is copied apart (down stays in the file's map)."""
+    from ..kernels.linear import prepare
+    E, N, K = shape
+    blocks = get.stored(name + "_blocks", (E, N, K // 32, 16))
+    e = get.stored(name + "_scales", (E, N, K // 32))
+    if blocks is None or e is None:
+        return None
+    if blocks.dtype != np.uint8:
+        raise FormatError(f"{name}_blocks should hold MXFP4's codes as uint8, got {blocks.dtype}")
+    scales, biases = mxfp4.scales_biases(e[:, rows], name + "_scales")
+    return prepare(QuantizedTensor(mxfp4.words(blocks[:, rows]), scales, biases, 4, 32, values=mxfp4.LEVELS))
 
 
 def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
