@@ -44,7 +44,7 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
         raise NibbleError(f"{ref} is already quantized: requantizing loses quality; "
                           "pass --allow-requantize to do it anyway")
     if is_mxfp4(model_dir.config):
-        raise NibbleError(f"{ref} holds MXFP4 experts, which nibble runs as stored (4.25 bits a weight): "
+        raise NibbleError(f"{ref} holds MXFP4 experts, which nibble runs as stored: "
                           "it does not requantize them")
     return _write_quantized(model_dir, out, bits, group_size, embed_bits, calib_text, CALIBRATION_TOKENS,
                             force, allow_requantize, progress)
