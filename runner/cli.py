@@ -491,8 +491,9 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @gpu_options
 @click.option("--shapes", metavar="NAME",
               help="Instead of a model: random weights with the shapes of NAME (llama-3.2-1b, "
-                   "llama-3.2-3b, llama-2-7b, llama-3-8b, qwen3-8b, qwen3-30b-a3b), quantized as "
-                   "--quant says [default: int4]. Speed only.")
+                   "llama-3.2-3b, llama-2-7b, llama-3-8b, qwen3-8b, qwen3-30b-a3b, gpt-oss-20b), quantized "
+                   "as --quant says [default: int4]; gpt-oss-20b's experts in MXFP4, as OpenAI stores "
+                   "them. Speed only.")
 @click.option("--write-checkpoint", metavar="DIR", type=click.Path(file_okay=False),
               help="With --shapes: instead of measuring, write a model directory of those shapes with "
                    "random bf16 weights, for nibble quantize and run at that size.")

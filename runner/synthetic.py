@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from nibble.formats import mxfp4
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import NibbleError
 from nibble.formats.half import HalfTensor
@@ -54,6 +55,8 @@ SHAPES = {
                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
                         num_local_experts=32, num_experts_per_tok=4, sliding_window=128),
 }
+# shapes whose checkpoints store their experts in MXFP4 (OpenAI's): benched so, as they run
+MXFP4_EXPERTS = {"gpt-oss-20b"}
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 INIT_STD = 0.02   # of a fresh model's weights (transformers' initializer_range), so quantizing means something
@@ -62,11 +65,11 @@ INIT_STD = 0.02   # of a fresh model's weights (transformers' initializer_range)
 def random_model(shapes: str | dict, bits: int, group_size: int = 64, seed: int = 0) -> Model:
     """A model of SHAPES[shapes] (or of the config fields given) with random `bits`-bit weights
     in MLX's layout, every matrix its own: nothing is shared that a cache could keep. The
-    projections (`*_proj`, an MoE's stacked experts among them) are quantized; a router stays
-    float32, as `nibble quantize` leaves it."""
+    projections (`*_proj`, an MoE's stacked experts among them) are quantized, the experts in MXFP4
+    for shapes in MXFP4_EXPERTS; a router stays float32, as `nibble quantize` leaves it."""
     c = _config(shapes, quantization={"bits": bits, "group_size": group_size})
     rng = np.random.default_rng(seed)
-    tensors = {}
+    tensors, mxfp4_paths = {}, {}
     for name, shape in weight_shapes(c).items():
         if len(shape) == 1:
             tensors[name] = np.ones(shape, np.float32)
@@ -79,11 +82,24 @@ def random_model(shapes: str | dict, bits: int, group_size: int = 64, seed: int 
         if not path.endswith("_proj") and path != "model.embed_tokens" and path != "lm_head":
             tensors[name] = rng.uniform(-half_range, half_range, shape).astype(np.float32)
             continue
+        if shapes in MXFP4_EXPERTS and ".switch_mlp." in path:
+            tensors |= _mxfp4_stack(rng, path, lead, k, half_range)
+            mxfp4_paths[path] = {"bits": 4, "group_size": 32}
+            continue
         scale = np.float16(2 * half_range / (2 ** bits - 1))
         tensors[name] = rng.integers(0, 2 ** 32, (*lead, k * bits // 32), dtype=np.uint32)
         tensors[f"{path}.scales"] = np.full((*lead, k // group_size), scale, np.float16)
         tensors[f"{path}.biases"] = np.full((*lead, k // group_size), -half_range, np.float16)
-    return Model(c, tensors)
+    return Model(dataclasses.replace(c, quantization={**c.quantization, **mxfp4_paths}), tensors)
+
+
+def _mxfp4_stack(rng: np.random.Generator, path: str, lead: list[int], k: int, half_range: float) -> dict:
+    """Random MXFP4 codes (formats.mxfp4) for matrices [*lead, k], their largest values about
+    half_range, with the tensors read_linear takes for them."""
+    e = np.full((*lead, k // 32), 127 + int(np.floor(np.log2(half_range / 6))), np.uint8)
+    scales, biases = mxfp4.scales_biases(e, path)
+    return {f"{path}.weight": rng.integers(0, 2 ** 32, (*lead, k // 8), dtype=np.uint32),
+            f"{path}.scales": scales, f"{path}.biases": biases, f"{path}.values": mxfp4.LEVELS}
 
 
 def write_random_checkpoint(shapes: str | dict, out: str | os.PathLike, seed: int = 0) -> Path:
