@@ -4,7 +4,8 @@ Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation 
 of experts' experts, stacked in one 3-D tensor [experts, rows, columns], keep that shape, named as
 MLX's switch_mlp holds them; a matrix the converter split into several tensors is one again. The block types gguf_blocks knows are repacked, exactly, into MLX's
 affine layout (`P.weight` packed uint32, `P.scales`, `P.biases`, and `quantization` in the config,
-as an MLX checkpoint holds them; stacked experts with the leading expert axis on each); other
+as an MLX checkpoint holds them; `P.values`, IQ4_NL's and MXFP4's table of levels; stacked experts
+with the leading expert axis on each but the table); other
 quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config, tokenizer and
 chat template are rebuilt from the metadata (the tokenizer by gguf_tokenizer, with llama.cpp's
 ids).
@@ -216,6 +217,8 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
         types[hf] = parts[0][0].tensor_type
         if isinstance(w, Repacked):
             tensors |= {hf: w.weight, f"{module}.scales": w.scales, f"{module}.biases": w.biases}
+            if w.values is not None:
+                tensors[f"{module}.values"] = w.values
             bits[module] = w.bits
         else:
             tensors[hf] = w
@@ -250,13 +253,19 @@ def _tensor(t, layout: families.GGUFArch, config: ModelConfig, repack_blocks: bo
 
 def _joined(parts: list) -> np.ndarray | HalfTensor | Repacked:
     """Matrices [N_i, K] as read, [sum N_i, K] in their order: as stored where they are stored
-    alike (one float type, or repacked to one width and kind of scales), else float32."""
+    alike (one float type, or repacked to one width, kind of scales and table of levels), else
+    float32."""
     ws = [w for _, w in parts]
     if len({_storage(w) for w in ws}) > 1:
         ws = [_dequantize(t) for t, _ in parts]   # each already found finite
+    return _concatenated(ws)
+
+
+def _concatenated(ws: list):
+    """Tensors stored alike, one after the other along their first axis."""
     first = ws[0]
-    if isinstance(first, Repacked):
-        return first._replace(**{f: np.concatenate([getattr(w, f) for w in ws])
+    if isinstance(first, Repacked):   # one table of levels, if any, for all
+        return first._replace(**{f: _concatenated([getattr(w, f) for w in ws])
                                  for f in ("weight", "scales", "biases")})
     if isinstance(first, HalfTensor):
         return first._replace(bits=np.concatenate([w.bits for w in ws]))
@@ -264,27 +273,31 @@ def _joined(parts: list) -> np.ndarray | HalfTensor | Repacked:
 
 
 def _storage(w) -> tuple:
-    """What a tensor as read is stored as: its kind, and its width, 16-bit type or dtype."""
+    """What a tensor as read is stored as: its kind, and its width, 16-bit type or dtype (a
+    repacked one's: its scales' and its table of levels)."""
     if isinstance(w, Repacked):
-        return Repacked, w.bits, w.scales.dtype
+        return Repacked, w.bits, _storage(w.scales), None if w.values is None else w.values.tobytes()
     return (HalfTensor, w.bf16) if isinstance(w, HalfTensor) else (np.ndarray, w.dtype)
 
 
 def _finite(w, name: str):
     """w, or FormatError naming the tensor if a value (or a repacked block's scale or bias) is NaN
     or infinite: a damaged file, whose NaNs would otherwise reach the disk and the logits."""
-    if isinstance(w, Repacked):
-        values = [superblocks.supers(a.reshape(-1, *a.shape[-2:])) if superblocks.is_two_level(a) else a
-                  for a in (w.scales, w.biases)]
-        bad = not all(np.isfinite(a).all() for a in values)
-    elif isinstance(w, HalfTensor):   # all exponent bits set: an infinity or a NaN
-        exponent = np.uint16(0x7F80 if w.bf16 else 0x7C00)
-        bad = ((w.bits & exponent) == exponent).any()
-    else:
-        bad = not np.isfinite(w).all()
-    if bad:
+    if _nonfinite(w):
         raise FormatError(f"GGUF tensor {name} holds NaN or infinite values; the file is damaged")
     return w
+
+
+def _nonfinite(w) -> bool:
+    """Whether a tensor as read holds a NaN or an infinity (a repacked one: in a scale or bias)."""
+    if isinstance(w, Repacked):
+        two_level = superblocks.is_two_level(w.scales)
+        return any(_nonfinite(superblocks.supers(a.reshape(-1, *a.shape[-2:])) if two_level else a)
+                   for a in (w.scales, w.biases))
+    if isinstance(w, HalfTensor):   # all exponent bits set: an infinity or a NaN
+        exponent = np.uint16(0x7F80 if w.bf16 else 0x7C00)
+        return bool(((w.bits & exponent) == exponent).any())
+    return not np.isfinite(w).all()
 
 
 def _check_against_config(tensors: dict, c: ModelConfig) -> None:
@@ -360,11 +373,12 @@ def _check_types(tensors) -> None:
 
 def _read(t, repack_blocks: bool) -> np.ndarray | HalfTensor | Repacked:
     """A tensor in numpy order (GGUF lists ne[0], the fastest-varying dim, first): repacked if
-    asked and its type allows, F32 and F16 as the file's memory map, BF16 as a HalfTensor of it,
-    anything else dequantized to float32."""
+    asked and its type allows (a table of levels: and its scales, see gguf_blocks.repack), F32
+    and F16 as the file's memory map, BF16 as a HalfTensor of it, anything else dequantized to
+    float32."""
     shape = tuple(int(n) for n in reversed(t.shape))
-    if repack_blocks and t.tensor_type in BLOCK_TYPES:
-        return repack(t.data, t.tensor_type)
+    if repack_blocks and t.tensor_type in BLOCK_TYPES and (w := repack(t.data, t.tensor_type)) is not None:
+        return w
     if t.tensor_type in (QType.F32, QType.F16):
         return t.data.reshape(shape)
     if t.tensor_type == QType.BF16:
@@ -394,9 +408,10 @@ def _dequantize_float32(t) -> np.ndarray:
 
 
 def _each_array(w, f):
-    """f applied to every array a tensor is held in: their rows move together."""
+    """f applied to every array a tensor's rows are held in: they move together (a table of
+    levels is no row's)."""
     if isinstance(w, Repacked):
-        return w._replace(weight=f(w.weight), scales=f(w.scales), biases=f(w.biases))
+        return w._replace(weight=f(w.weight), scales=_each_array(w.scales, f), biases=_each_array(w.biases, f))
     if isinstance(w, HalfTensor):
         return w._replace(bits=f(w.bits))
     return f(w)

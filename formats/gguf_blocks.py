@@ -8,7 +8,11 @@ packing), scales and biases beside them. So the repacked tensor, dequantized, gi
 float32 numbers ggml's dequantization gives: the products and sums are the same float32
 operations on the same operands (q*d and 8*d are exact in float32). 5-bit integers take 8 bits,
 as MLX packs only 2, 4 and 8. A K-quant's scales and biases stay in its two levels (superblocks):
-a float16 a super-block and a 6-bit integer a sub-block.
+a float16 a super-block and a 6-bit integer a sub-block. IQ4_NL and MXFP4 index 16 values that are
+not evenly spaced: their 4-bit integers go through a table of levels (Repacked.values), the
+signed values plus an offset that the biases take back (-offset * scale); a level times the
+scale is exact in float32 (at most 8 bits times an f16's 11, or a power of two), and so is the
+sum, the file's weight.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from . import superblocks
+from . import mxfp4, superblocks
+from .half import HalfTensor
 from .packing import pack
 
 GROUP_SIZE = 32   # weights sharing a scale and bias: a ggml block, or a K-quant sub-block
@@ -28,13 +33,16 @@ _STEP = 1 << 22   # weights repacked at a time: bounds the temporaries
 
 class Repacked(NamedTuple):
     """One matrix [N, K] in MLX's affine layout:
-    W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32]; or experts' matrices stacked
-    [E, N, K], as MLX's switch_mlp holds them: each array with the leading expert axis."""
+    W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32], with values[q[n, k]] for q where
+    there is a table of levels; or experts' matrices stacked [E, N, K], as MLX's switch_mlp holds
+    them: each array but values with the leading expert axis."""
     weight: np.ndarray   # uint32 [(E,) N, K*bits/32], packed integers
-    scales: np.ndarray   # [(E,) N, K/32] float16 where that holds every value exactly, else float32;
-                         # a K-quant's in two levels (superblocks), uint8 [(E,) N, K/256, 10]
-    biases: np.ndarray   # [(E,) N, K/32] the same dtype as scales; a K-quant's as its scales
+    scales: np.ndarray | HalfTensor   # [(E,) N, K/32] float16 where that holds every value exactly,
+                         # else bfloat16 (a HalfTensor) where that does, else float32; a K-quant's
+                         # in two levels (superblocks), uint8 [(E,) N, K/256, 10]
+    biases: np.ndarray | HalfTensor   # [(E,) N, K/32] stored as scales are
     bits: int
+    values: np.ndarray | None = None   # uint8 [16], the level of each 4-bit integer; None: q itself
 
 
 class _BlockType(NamedTuple):
@@ -43,6 +51,7 @@ class _BlockType(NamedTuple):
     # float32, or a K-quant's [n, 10] uint8 in two levels (superblocks)
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
     two_level: bool = False
+    values: np.ndarray | None = None   # uint8 [16]: the level of each integer (Repacked.values)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -105,23 +114,41 @@ def _q5_k(b):   # as Q4_K, with 32 bytes of fifth bits before the nibbles: bit s
     return _nibbles(b[:, 48:], 32) | high, *_k_scales(b)
 
 
+# ggml-common.h's kvalues_iq4nl plus 128: unsigned levels, whose 128 the biases take back
+_IQ4_NL_LEVELS = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+                  + 128).astype(np.uint8)
+
+
+def _iq4_nl(b):   # d f16, 16 bytes of nibbles; w = d * kvalues_iq4nl[q]
+    d = _f16(b[:, 0:2])
+    return _nibbles(b[:, 2:], 16), d, -128 * d
+
+
+def _mxfp4(b):   # an E8M0 exponent e, 16 bytes of nibbles; w = 2^(e-128) * kvalues_mxfp4[q], E2M1's
+    # values doubled: mxfp4.LEVELS less its offset 12
+    d = gguf.quants.MXFP4.e8m0_to_fp32_half(b[:, 0:1])   # ggml's own power of two, subnormals too
+    return _nibbles(b[:, 1:], 16), d, -mxfp4.OFFSET * d
+
+
 BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1),
                QType.Q4_K: _BlockType(4, _q4_k, True), QType.Q5_0: _BlockType(8, _q5_0),
                QType.Q5_1: _BlockType(8, _q5_1), QType.Q5_K: _BlockType(8, _q5_k, True),
-               QType.Q8_0: _BlockType(8, _q8_0)}
+               QType.Q8_0: _BlockType(8, _q8_0),
+               QType.IQ4_NL: _BlockType(4, _iq4_nl, values=_IQ4_NL_LEVELS),
+               QType.MXFP4: _BlockType(4, _mxfp4, values=mxfp4.LEVELS)}
 
 
-def repack(data: np.ndarray, qtype: QType) -> Repacked:
+def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
     """A GGUF matrix of one of BLOCK_TYPES (its bytes, [N, bytes per row]), or experts' matrices
-    stacked ([E, N, bytes per row]), in MLX's layout."""
+    stacked ([E, N, bytes per row]), in MLX's layout. None where a table's top level times a
+    scale is no finite float32, so that the levels would not give the file's weights (an MXFP4
+    exponent above 251: weights of 2^124 and more; a damaged IQ4_NL scale): the caller
+    dequantizes such a matrix instead."""
     *stacked, n, row_bytes = data.shape
-    if stacked:   # every row is repacked alone: the experts' rows as one matrix's
-        flat = repack(data.reshape(-1, row_bytes), qtype)
-        return Repacked(*(a.reshape(*stacked, n, *a.shape[1:]) for a in flat[:3]), flat.bits)
     kind = BLOCK_TYPES[qtype]
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rows = data.shape[0]
-    cols = data.shape[1] // type_size * block_size                # K
+    data = data.reshape(-1, row_bytes)   # every row is repacked alone: the experts' rows as one matrix's
+    rows, cols = len(data), row_bytes // type_size * block_size   # N (all experts'), K
     weight = np.empty((rows, cols * kind.bits // 32), np.uint32)  # [N, K*bits/32]
     scales = (np.empty(superblocks.shape(rows, cols, GROUP_SIZE), np.uint8) if kind.two_level
               else np.empty((rows, cols // GROUP_SIZE), np.float32))   # [N, K/32]
@@ -129,18 +156,28 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked:
     step = max(1, _STEP // cols)
     for r in range(0, rows, step):
         part = data[r:r + step]
-        n = len(part)
+        m = len(part)
         with np.errstate(invalid="ignore", over="ignore"):   # a damaged f16 scale: the caller
             q, s, b = kind.decode(part.reshape(-1, type_size))   # checks scales and biases
-        weight[r:r + n] = pack(q.reshape(n, cols), kind.bits)
-        scales[r:r + n], biases[r:r + n] = s.reshape(scales[r:r + n].shape), b.reshape(scales[r:r + n].shape)
-    return Repacked(weight, *((scales, biases) if kind.two_level else _narrowed(scales, biases)), kind.bits)
+            if kind.values is not None and not np.isfinite(s * kind.values.max()).all():
+                return None
+        weight[r:r + m] = pack(q.reshape(m, cols), kind.bits)
+        scales[r:r + m], biases[r:r + m] = s.reshape(scales[r:r + m].shape), b.reshape(scales[r:r + m].shape)
+    weight, scales, biases = (a.reshape(*stacked, n, *a.shape[1:]) for a in (weight, scales, biases))
+    if not kind.two_level:
+        scales, biases = _narrowed(scales, biases)
+    return Repacked(weight, scales, biases, kind.bits, kind.values)
 
 
-def _narrowed(scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Both as float16 when that keeps every value (half the bytes), else both float32."""
+def _narrowed(scales: np.ndarray, biases: np.ndarray) -> tuple:
+    """float32 scales and biases as float16 where that keeps every value (half the bytes), else as
+    bfloat16 HalfTensors where that does (MXFP4's powers of two, past float16's range), else as
+    they are."""
     with np.errstate(over="ignore"):   # a value too large for float16 is caught below
         half = scales.astype(np.float16), biases.astype(np.float16)
     if all(np.array_equal(h.astype(np.float32), x) for h, x in zip(half, (scales, biases))):
         return half
+    bits = [x.view(np.uint32) for x in (scales, biases)]   # a bfloat16 is a float32's top half
+    if not any((b & np.uint32(0xFFFF)).any() for b in bits):
+        return tuple(HalfTensor((b >> 16).astype(np.uint16), bf16=True) for b in bits)
     return scales, biases

@@ -1,7 +1,8 @@
 """A GGUF file made ready to run: the exact repacks of formats/gguf.py, the rest quantized here.
 
 formats/ repacks the block types MLX's layout holds as they are (a K-quant's scales in their two
-levels); a matrix in any other quantized type (Q6_K, Q2_K, Q3_K, IQ*, ...) arrives dequantized to
+levels, IQ4_NL's and MXFP4's values through a table of levels); a matrix in any other quantized
+type (Q6_K, Q2_K, Q3_K, IQ4_XS and the other IQ types, ...) arrives dequantized to
 float32 and is quantized again to 8 bits in groups of 32 by rounding to nearest: at least as many
 bits as any of those types had, so the error it adds is small next to theirs (a mixture of
 experts' stacked experts too, each expert's matrix alike). F32, F16 and BF16 tensors stay as the
@@ -31,8 +32,8 @@ REQUANTIZE = AffineScheme(8, 32)
 class TypeOutcome:
     """What the tensors of one GGUF type became."""
     gguf_type: str   # "Q4_1"
-    became: str      # "int4 g32 (exact)", "int8 g32 (requantized)", "float16",
-                     # "float32 (dequantized)"
+    became: str      # "int4 g32 (exact)", "int4 g32 levels (exact)" (through a table of
+                     # levels), "int8 g32 (requantized)", "float16", "float32 (dequantized)"
     tensors: int
     bits_before: float   # bits per weight in the file
     bits_after: float    # and as imported: integers, scales and biases
@@ -119,7 +120,8 @@ def _became(model: ModelDir, name: str, qtype: QType, requantized: set[str]) -> 
     if f"{path}.scales" in model.tensors:
         qt = read_linear(model.tensors, model.config.quantization, path)
         how = "requantized" if path in requantized else "exact"
-        return f"int{qt.bits} g{qt.group_size} ({how})"
+        levels = "" if qt.values is None else " levels"
+        return f"int{qt.bits} g{qt.group_size}{levels} ({how})"
     t = model.tensors[name]
     dtype = ("bfloat16" if t.bf16 else "float16") if isinstance(t, HalfTensor) else str(t.dtype)
     return dtype if qtype in FLOAT_TYPES else f"{dtype} (dequantized)"

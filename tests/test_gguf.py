@@ -244,7 +244,9 @@ def numpy_dequantize(raw: np.ndarray, qtype) -> np.ndarray:
 
 # Byte offsets of each block type's float16 fields (d, and m or dmin), from ggml-common.h.
 F16_FIELDS = {QType.Q4_0: [0], QType.Q4_1: [0, 2], QType.Q5_0: [0], QType.Q5_1: [0, 2],
-              QType.Q8_0: [0], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2], QType.Q6_K: [208]}
+              QType.Q8_0: [0], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2], QType.Q6_K: [208], QType.IQ4_NL: [0]}
+# The block types repacked as integers, not through a table of levels (tests/test_gguf_levels.py)
+UNIFORM = [t for t, kind in gguf_blocks.BLOCK_TYPES.items() if kind.values is None]
 
 
 def random_blocks(rng, rows, cols, qtype, exponents=(-3, -1.3)) -> np.ndarray:
@@ -259,7 +261,7 @@ def random_blocks(rng, rows, cols, qtype, exponents=(-3, -1.3)) -> np.ndarray:
     return raw.reshape(rows, nb * type_size)
 
 
-@pytest.mark.parametrize("qtype", [QType.IQ2_XXS, QType.IQ3_S, QType.IQ4_NL])
+@pytest.mark.parametrize("qtype", [QType.IQ2_XXS, QType.IQ3_S, QType.IQ4_XS])
 def test_grid_types_are_dequantized(tmp_path, qtype):
     # the IQ types decode through lookup tables that gguf builds on first use
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -295,7 +297,7 @@ def test_k_quants_match_the_gguf_package(tmp_path, monkeypatch, qtype):
     assert imported.dequantized == ["model.layers.0.mlp.down_proj"]
 
 
-@pytest.mark.parametrize("qtype", list(gguf_blocks.BLOCK_TYPES))
+@pytest.mark.parametrize("qtype", UNIFORM)
 @pytest.mark.parametrize("exponents", [(-3, -1.3), (-7, 4.5)], ids=["usual", "wide"])
 def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
     """The repacked matrix, dequantized by nibble, is gguf's dequantization bit for bit. "wide"
@@ -316,7 +318,7 @@ def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
     assert imported.types == {"model.layers.0.mlp.up_proj.weight": qtype} and not imported.dequantized
 
 
-@pytest.mark.parametrize("qtype", [*gguf_blocks.BLOCK_TYPES, QType.Q6_K])
+@pytest.mark.parametrize("qtype", [*UNIFORM, QType.Q6_K])
 def test_stacked_experts_are_exact(tmp_path, monkeypatch, qtype):
     """A mixture of experts' stacks [E, N, K] repacked with the leading expert axis on weight,
     scales and biases (a K-quant's two levels too), each expert's matrix gguf's dequantization bit
