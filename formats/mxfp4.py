@@ -29,7 +29,7 @@ def scales_biases(e: np.ndarray, name: str) -> tuple[HalfTensor, HalfTensor]:
     e = np.asarray(e)
     if e.dtype != np.uint8:
         raise FormatError(f"{name} should hold MXFP4's scales as uint8, got {e.dtype}")
-    if e.size and e.max() > 250:   # 255 is E8M0's NaN; from 251 a level times its scale overflows float32
+    if e.size and e.max() > 251:   # 255 is E8M0's NaN; from 252 a level times its scale overflows float32
         raise FormatError(f"{name} holds an MXFP4 scale of 2^{int(e.max()) - 127}, beyond what nibble reads")
     scale = np.ldexp(np.float32(1), e.astype(np.int32) - 128).astype(np.float32)
     bf16 = lambda a: HalfTensor((a.view(np.uint32) >> 16).astype(np.uint16), True)   # exact: the low bits are 0

@@ -15,6 +15,7 @@ import numpy as np
 
 from nibble.formats import superblocks
 from nibble.formats.errors import NibbleError
+from nibble.formats.half import HalfTensor
 from nibble.formats.packing import pack, unpack
 
 from .search import search_affine
@@ -133,10 +134,15 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
     for r in range(0, rows, step):
         q = unpack(qt.weight[r:r + step], qt.bits).reshape(-1, n // g, g)  # [step, in/g, g]
         block = (q if qt.values is None else qt.values[q]).astype(np.float32)
-        block *= group_values(qt.scales[r:r + step])[..., None]  # widen first: mixed-dtype
-        block += group_values(qt.biases[r:r + step])[..., None]  # broadcasts are slow
+        block *= group_values(_rows(qt.scales, r, r + step))[..., None]  # widen first: mixed-dtype
+        block += group_values(_rows(qt.biases, r, r + step))[..., None]  # broadcasts are slow
         w[r:r + step] = block.reshape(-1, n)
     return w
+
+
+def _rows(a: np.ndarray | HalfTensor, start: int, stop: int) -> np.ndarray | HalfTensor:
+    """Rows start:stop of scales or biases as stored (a bfloat16 HalfTensor's by its bits)."""
+    return a._replace(bits=a.bits[start:stop]) if isinstance(a, HalfTensor) else a[start:stop]
 
 
 def group_values(a: np.ndarray) -> np.ndarray:
@@ -153,8 +159,8 @@ def reconstruction_error(w: np.ndarray, qt: QuantizedTensor,
     ref = np.zeros(n, dtype=np.float64)                              # [in] squared weight
     step = max(1, _BLOCK // n)
     for r in range(0, w.shape[0], step):
-        part = qt._replace(weight=qt.weight[r:r + step], scales=qt.scales[r:r + step],
-                           biases=qt.biases[r:r + step])
+        part = qt._replace(weight=qt.weight[r:r + step], scales=_rows(qt.scales, r, r + step),
+                           biases=_rows(qt.biases, r, r + step))
         x = np.asarray(w[r:r + step], dtype=np.float32)
         d = x - dequantize(part)
         err += np.einsum("ij,ij->j", d, d)

@@ -1,5 +1,5 @@
 """GGUF import of gemma3, phi3, smollm3 and the mixtures of experts (qwen3moe, qwen2moe, Mixtral
-as llama, olmoe, granitemoe) against llama.cpp's own converter: the transformers fixtures
+as llama, olmoe, granitemoe, gpt-oss with its MXFP4 experts) against llama.cpp's own converter: the transformers fixtures
 converted by convert_hf_to_gguf.py (tests/fixtures/make_gguf_fixtures.py), and the logits
 transformers computes for them as llama.cpp reads the file."""
 import math
@@ -19,12 +19,14 @@ from nibble.quant.affine import dequantize
 from nibble.quant.convert import read_linear
 from nibble.runner.model import Model
 from nibble.runner.models.granitemoe import MULTIPLIERS
+from tests import reference
 from tests.test_gguf import permute
 
 DATA = Path(__file__).parent / "data"
 NAMES = ["gemma3-text", "phi3-longrope", "smollm3", "qwen3-moe", "qwen2-moe", "mixtral", "olmoe",
          "granitemoe", "granitemoeshared"]
 QUANTIZED = ["qwen3-moe-q8_0", "granitemoeshared-q8_0"]   # the same weights, Q8_0
+STORED_QUANTIZED = ["gpt-oss-mxfp4"]   # converted from a checkpoint whose experts are MXFP4
 EACH = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}   # Mixtral's names of an expert's matrices
 
 
@@ -33,7 +35,8 @@ def imported(name: str, repack_blocks: bool = True):
 
 
 def test_every_gguf_fixture_is_tested():
-    assert sorted(p.name.removesuffix(".gguf") for p in (DATA / "gguf").glob("*.gguf")) == sorted(NAMES + QUANTIZED)
+    assert sorted(p.name.removesuffix(".gguf") for p in (DATA / "gguf").glob("*.gguf")) == sorted(
+        NAMES + QUANTIZED + STORED_QUANTIZED)
 
 
 def as_converted(name: str) -> dict:
@@ -165,6 +168,38 @@ def test_a_quantized_mixture_runs_as_its_float_import():
     got, want = (m.forward(tokens, m.new_cache(), all_logits=True) for m in (got, want))
     assert np.abs(got - want).max() / np.abs(want).max() < 5e-2
     assert (got.argmax(1) == want.argmax(1)).all()
+
+
+def test_gpt_oss_as_llama_cpp_runs_it():
+    """gpt-oss as llama.cpp's converter writes it from OpenAI's checkpoint: the MXFP4 experts kept,
+    every weight the checkpoint's; sinks, router and expert biases under the names the family
+    reads; llama.cpp's SwiGLU limit of 7 whatever the checkpoint said. Its logits are transformers'
+    under llama.cpp's reading, within what the int8 activations of quantized weights move these
+    tiny random mixtures (about 1%), and every argmax."""
+    model = imported("gpt-oss-mxfp4")
+    c, t = model.config, model.tensors
+    assert (c.model_type, c.windows, c.extra["swiglu_limit"], c.extra["num_local_experts"], c.attention_bias) == (
+        "gpt_oss", [4, 0], 7.0, 4, True)
+    ckpt = read_checkpoint(DATA / "transformers" / "gpt-oss-mxfp4")
+    m = "model.layers.1.mlp."
+    stored = lambda name: reference.mxfp4(ckpt[f"{m}experts.{name}_blocks"], ckpt[f"{m}experts.{name}_scales"])
+    gate_up = stored("gate_up_proj")
+    for name, want in (("gate_proj", gate_up[:, ::2]), ("up_proj", gate_up[:, 1::2]), ("down_proj", stored("down_proj"))):
+        qt = read_linear(t, c.quantization, f"{m}switch_mlp.{name}")
+        assert qt.values is not None
+        for e in range(len(want)):
+            expert = qt._replace(**{f: np.asarray(getattr(qt, f))[e] for f in ("weight", "scales", "biases")})
+            np.testing.assert_array_equal(dequantize(expert), want[e])
+    bias = np.asarray(ckpt[m + "experts.gate_up_proj_bias"], np.float32)
+    np.testing.assert_array_equal(t[m + "switch_mlp.up_proj.bias"], bias[:, 1::2])
+    np.testing.assert_array_equal(t["model.layers.1.self_attn.sinks.weight"],
+                                  np.asarray(ckpt["model.layers.1.self_attn.sinks"], np.float32))
+    tokens = np.load(DATA / "transformers" / "gpt-oss-mxfp4" / "tokens.npy")
+    want = np.load(DATA / "gguf" / "gpt-oss-mxfp4.logits.npy")
+    run = Model(c, t)
+    got = run.forward(tokens, run.new_cache(), all_logits=True)
+    assert np.abs(got - want).max() / np.abs(want).max() < 3e-2
+    assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 def test_describe_a_mixture_of_experts():

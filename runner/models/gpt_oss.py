@@ -11,8 +11,8 @@ import numpy as np
 from nibble.formats import mxfp4
 from nibble.formats.config import ModelConfig, sliding_where_typed
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family
-from nibble.formats.values import number
+from nibble.formats.families import Family, GGUFArch
+from nibble.formats.values import COUNT, number
 from nibble.quant.affine import QuantizedTensor
 from . import llama, qwen3_moe
 
@@ -24,9 +24,12 @@ def layer(get, c: ModelConfig, i: int):
     D, E, F, H = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size, c.num_attention_heads
     p = f"model.layers.{i}."
     m = p + "mlp."
-    b, b_down = get(m + "experts.gate_up_proj_bias", (E, 2 * F)), get(m + "experts.down_proj_bias", (E, D))
-    b_gate, b_up = (None, None) if b is None else (np.ascontiguousarray(b[:, ::2]), np.ascontiguousarray(b[:, 1::2]))
-    if m + "switch_mlp.gate_proj.weight" in get.tensors:   # as quantize writes them (stacks)
+    if m + "switch_mlp.gate_proj.bias" in get.tensors:   # a GGUF's: one stack of biases a matrix
+        b_gate, b_up, b_down = (get(m + f"switch_mlp.{n}_proj.bias", (E, k)) for n, k in (("gate", F), ("up", F), ("down", D)))
+    else:
+        b, b_down = get(m + "experts.gate_up_proj_bias", (E, 2 * F)), get(m + "experts.down_proj_bias", (E, D))
+        b_gate, b_up = (None, None) if b is None else (np.ascontiguousarray(b[:, ::2]), np.ascontiguousarray(b[:, 1::2]))
+    if m + "switch_mlp.gate_proj.weight" in get.tensors:   # as quantize writes them, or a GGUF holds them
         w = qwen3_moe.stacked(get, m[:-1], c, F)
     elif m + "experts.gate_up_proj_blocks" in get.tensors:   # OpenAI's checkpoints: MXFP4
         w = (_mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(0, None, 2)),
@@ -41,8 +44,9 @@ def layer(get, c: ModelConfig, i: int):
                            top_k_first=True, b_gate=b_gate, b_up=b_up, b_down=b_down,
                            swiglu_limit=np.float32(c.extra["swiglu_limit"]),
                            swiglu_alpha=np.float32(c.extra["swiglu_alpha"]))
-    attention = llama.attention(get, c, i) | dict(bo=get(p + "self_attn.o_proj.bias", (D,)),
-                                                  sinks=get(p + "self_attn.sinks", (H,)))
+    sinks = p + "self_attn.sinks"   # a GGUF's: self_attn.sinks.weight
+    attention = llama.attention(get, c, i) | dict(bo=get(p + "self_attn.o_proj.bias", (D,)), sinks=get(
+        sinks if sinks in get.tensors or sinks + ".weight" not in get.tensors else sinks + ".weight", (H,)))
     return MoELayerWeights(**attention, moe=moe)
 
 
@@ -106,6 +110,20 @@ def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         m + "experts.gate_up_proj_bias": (E, 2 * F), m + "experts.down_proj_bias": (E, D)}
 
 
+def _gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp's gpt-oss: attention biases, a window of attention.sliding_window in every other
+    layer from the first, experts as wide as feed_forward_length (the converter writes it
+    for expert_feed_forward_length); its SwiGLU's limit and alpha are llama.cpp's constants, 7 and 1.702."""
+    E, k = qwen3_moe.gguf_experts(meta, a)
+    F, window = meta.get(a + "expert_feed_forward_length"), meta.get(a + "attention.sliding_window")
+    if F != meta.get(a + "feed_forward_length"):
+        raise FormatError(f"GGUF metadata {a}expert_feed_forward_length {F} differs from feed_forward_length "
+                          f"{meta.get(a + 'feed_forward_length')}: nibble's gpt-oss takes one width for its experts")
+    COUNT.check(f"GGUF metadata {a}attention.sliding_window", window)
+    return dict(attention_bias=True, sliding_window=window,
+                extra=dict(num_local_experts=E, num_experts_per_tok=k, swiglu_limit=7.0, swiglu_alpha=1.702))
+
+
 def _configure(c: ModelConfig) -> None:
     if not c.attention_bias:
         raise FormatError("config.json: nibble runs gpt_oss with attention_bias=true (its q, k, v and o biases)")
@@ -126,4 +144,7 @@ FAMILY = Family(
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.num_hidden_layers)],
         c.sliding_window or 0),
     configure=_configure,
+    gguf={"gpt-oss": GGUFArch("gpt_oss", fields=_gguf, block_names={
+        "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+        **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}})},
 )
