@@ -87,14 +87,14 @@ def _rows_of_kind(xq, dx, xs, x, qw, accumulate, out):
 
 @overload(_rows_of_kind, inline="always", jit_options=_jit)
 def _rows_of_kind_typed(xq, dx, xs, x, qw, accumulate, out):
-    # bits and G == 32 as constants: numba compiles a function once for each constant argument's
-    # value, so each kernel is its own function, none inlined into another (numba copies a
-    # callee's IR to inline it, at a cost that grows with its size squared). G itself is a value:
-    # it only sets loop bounds, and each constant would compile the kernel once more
+    # bits and rep = G // 32 as constants: numba compiles a function once for each constant
+    # argument's value, so each kernel is its own function, none inlined into another (numba copies
+    # a callee's IR to inline it, at a cost that grows with its size squared). G itself is a value
+    # too, for the int16 kernels' loop bounds
     bits, G = qw.instance_class.KIND
-    G32 = G == 32
+    rep = G // 32
     return lambda xq, dx, xs, x, qw, accumulate, out: _rows(
-        xq, dx, xs, x, bits, G32, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
+        xq, dx, xs, x, bits, rep, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
         qw.bf16, qw.values, out)
 
 
@@ -136,7 +136,7 @@ def _round8(x, G, bits):
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, bits, G32, G, accumulate, q, s, b, bf16, lut, out):
+def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, out):
     """Every weight row's dot products with the rows of x, two weight rows (i, i + H) a task: two
     rows far apart are two sequential streams, a range of tasks two ranges of rows. The loop gets
     plain arrays and calls nothing that is not inlined: a view made or an array passed to a call
@@ -152,7 +152,7 @@ def _rows(xq, dx, xs, x, bits, G32, G, accumulate, q, s, b, bf16, lut, out):
             # kernel's compile); the simd intrinsics neither regroup nor fuse sums, so a row sums
             # alike whichever copy of the loop LLVM makes for one row and for two
             two = r + 1 < B
-            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, G32, G, bf16, lut)
+            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, rep, G, bf16, lut)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
             _put(out, r, i, m, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r), accumulate)
@@ -168,30 +168,26 @@ def _put(out, r, n, m, v0, v1, accumulate):
         out[r, m] = out[r, m] + v1 if accumulate else v1
 
 
-def _pair(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut):
-    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and G32 (groups of 32), 4-bit
+def _pair(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut):
+    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and rep (G // 32), 4-bit
     integers read as their levels in lut where it is a table (QuantizedTensor.values): on
-    int16 x _pair8, _pair4 or _pair4_32, on int8 x _pair32_x8 or _pair_x8, the one chosen from the
+    int16 x _pair8, _pair4 or _pair4_32, on int8 x _pair_x8, the one chosen from the
     types of xq and the constants (the overload below), inlined alone."""
 
 
 @overload(_pair, inline="always", jit_options=_jit)
-def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut):
-    if not isinstance(bits, types.IntegerLiteral) or not isinstance(G32, types.BooleanLiteral):
+def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut):
+    if not isinstance(bits, types.IntegerLiteral) or not isinstance(rep, types.IntegerLiteral):
         return None
     if xq.dtype == types.int8:
-        if bits.literal_value == 4 and G32.literal_value:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut)
-        if G32.literal_value:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut)
         if bits.literal_value == 4:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, G, lut)
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, G, lut)
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut, rep)
     if bits.literal_value == 8:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
-    if G32.literal_value:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut)
-    return lambda xq, dx, x, q, s, n, m, r, two, bits, G32, G, bf16, lut: _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
+    if rep.literal_value == 1:
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut)
+    return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut)
 
 
 @njit(**_jit)
@@ -249,7 +245,7 @@ def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for g in range(Kb // G):
         if g % 8 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
+            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two, 1)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         k = g * G
         while True:   # G a multiple of 32: two steps of 16 a pass (a while loop: no trip count to work out)
@@ -266,12 +262,13 @@ def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
 
 
 @njit(inline="always", **_jit)
-def _chunk(s, n, m, g, dx, r, bf16, two):
-    """The scales (weight's times x's) of groups g..g+7 of rows n, m with x rows r and r + 1
-    (if `two`): one vector each, a unit's taken from its front (_scale)."""
-    s0, s1 = chunk_scales(s, n, g, dx, r, bf16), chunk_scales(s, m, g, dx, r, bf16)
+def _chunk(s, n, m, g, dx, r, bf16, two, rep):
+    """The scales (weight's times x's) of x's groups (or blocks: rep, chunk_scales') g..g+7 of
+    rows n, m with x rows r and r + 1 (if `two`): one vector each, a unit's taken from its front
+    (_scale)."""
+    s0, s1 = chunk_scales(s, n, g, dx, r, bf16, rep), chunk_scales(s, m, g, dx, r, bf16, rep)
     if two:
-        return s0, s1, chunk_scales(s, n, g, dx, r + 1, bf16), chunk_scales(s, m, g, dx, r + 1, bf16)
+        return s0, s1, chunk_scales(s, n, g, dx, r + 1, bf16, rep), chunk_scales(s, m, g, dx, r + 1, bf16, rep)
     return s0, s1, s0, s1
 
 
@@ -320,7 +317,7 @@ def _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut):
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for g in range(2 * Kb // G):
         if g % 8 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
+            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two, 1)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for c in range(g * (G // 64), (g + 1) * (G // 64)):
             a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two, table)
@@ -340,7 +337,7 @@ def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut):
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for c in range(K // 64):
         if c % 4 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, 2 * c, dx, r, bf16, two)
+            s0, s1, s2, s3 = _chunk(s, n, m, 2 * c, dx, r, bf16, two, 1)
         a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two, table)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 2)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
@@ -437,45 +434,11 @@ def _udots(v0, v1, xq, j0, j1, two, bits, table):
 
 
 @njit(inline="always", **_jit)
-def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, G, lut):
-    """(rows n, m) . (x rows r, r + 1) on int8 x, for 8 bits or 4 bits in groups of G >= 64: a unit
-    of 32 weight bytes (32 or 64 weights) at a time, its int32 lanes times x's block scales summed
-    in float over a group, then times the group's scale; per: x blocks a unit (2 or 1)."""
-    Kb = q.shape[1]
-    K = Kb * 8 // bits
-    units = G * bits // 256               # units a group
-    j0, j1 = r * K, (r + 1) * K
-    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
-    d0, d1 = zero_f32(), zero_f32()
-    nb = K // 32
-    table = levels(lut)
-    for g in range(K // G):
-        h0, h1, h2, h3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
-        for u in range(g * units, g * units + units):
-            if (u * per) % 8 == 0:
-                d0 = load_first_f32x8(dx, r * nb + u * per, nb - u * per)
-                d1 = load_first_f32x8(dx, (r + 1) * nb + u * per, nb - u * per) if two else d0
-            _ahead(q, n * Kb, m * Kb, 32 * u)
-            a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
-                                    j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table)
-            e0 = spread(d0, per)
-            h0, h1 = scale_add(h0, a0, e0), scale_add(h1, a1, e0)
-            if two:
-                e1 = spread(d1, per)
-                h2, h3 = scale_add(h2, a2, e1), scale_add(h3, a3, e1)
-            d0, d1 = next_scales(d0, per), next_scales(d1, per)
-        sn, sm = splat_f32(group_value(s, n, g, bf16)), splat_f32(group_value(s, m, g, bf16))
-        f0, f1 = fma(h0, sn, f0), fma(h1, sm, f1)
-        if two:
-            f2, f3 = fma(h2, sn, f2), fma(h3, sm, f3)
-    return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
-
-
-@njit(inline="always", **_jit)
-def _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut):
-    """(rows n, m) . (x rows r, r + 1) on int8 x for groups of 32: a unit of 32 weight bytes holds
-    `per` groups (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), scaled by chunk_scales'
-    products of W's and x's scales."""
+def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep):
+    """(rows n, m) . (x rows r, r + 1) on int8 x: a unit of 32 weight bytes holds `per` blocks of
+    32 weights (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), each scaled by
+    chunk_scales' product of its x block's scale and its group's (groups of 32 * rep: a scale
+    spread over rep blocks' lanes, one product a block as in groups of 32, no sum a group)."""
     Kb = q.shape[1]
     K = Kb * 8 // bits
     j0, j1 = r * K, (r + 1) * K
@@ -484,13 +447,13 @@ def _pair32_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut):
     table = levels(lut)
     for u in range(K // (32 * per)):
         if (u * per) % 8 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, per * u, dx, r, bf16, two)
+            s0, s1, s2, s3 = _chunk(s, n, m, per * u, dx, r, bf16, two, rep)
         _ahead(q, n * Kb, m * Kb, 32 * u)
         a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
                                 j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-    if K % (32 * per):   # 4 bits, an odd number of groups: the last one in scalars
+    if K % (32 * per):   # 4 bits, an odd number of groups of 32 (rep 1): the last one in scalars
         g = K // 32 - 1
         t0, t1 = _tail4_x8(xq, dx, q, s, bf16, lut, n, r, g, K), _tail4_x8(xq, dx, q, s, bf16, lut, m, r, g, K)
         if two:

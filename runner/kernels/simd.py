@@ -275,23 +275,28 @@ def _splat(builder, value, n):
     return _shuffle(builder, v, v, [0] * n)
 
 
-@intrinsic
-def _scales8(typingctx, s, si, dx, di, bf16, count):
-    """s.flat[si:si+8] * dx.flat[di:di+8] as float32, lanes past the first `count` zero (and not
-    read): s weight scales as group_value reads them (float32, or 16-bit bits widened together,
-    bf16 saying which), dx float32."""
-    if s.dtype not in (types.float32, types.uint16) or not isinstance(count, types.Integer):
+@intrinsic(prefer_literal=True)
+def _scales8(typingctx, s, si, dx, di, bf16, count_s, count, rep):
+    """Lanes k = 0..7: s.flat[si + k // rep] * dx.flat[di + k] as float32, lanes past the first
+    `count` zero (and no scale read past the first count_s): s weight scales as group_value reads
+    them (float32, or 16-bit bits widened together, bf16 saying which), dx float32; rep (a literal
+    1, 2 or 4) lanes share a scale."""
+    if (s.dtype not in (types.float32, types.uint16) or not isinstance(count, types.Integer)
+            or not isinstance(rep, types.IntegerLiteral)):
         return None
+    k = rep.literal_value
 
     def codegen(context, builder, sig, args):
-        count = context.cast(builder, args[5], sig.args[5], types.int64)
+        count_s, count = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (5, 6))
         if s.dtype == types.uint16:
-            v = _load_first(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8), 2, count)
+            v = _load_first(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8 // k), 2, count_s)
             v = _widen_half(builder, v, args[4])
         else:
-            v = _load_first(context, builder, sig, args, _ll(F32), 4, count)
+            v = _load_first(context, builder, sig, args, ir.VectorType(ir.FloatType(), 8 // k), 4, count_s)
+        if k > 1:
+            v = _shuffle(builder, v, v, [i // k for i in range(8)])
         return builder.fmul(v, _load_first(context, builder, sig, args, _ll(F32), 4, count, at=2), flags=_FAST)
-    return F32(s, si, dx, di, bf16, count), codegen
+    return F32(s, si, dx, di, bf16, count_s, count, rep), codegen
 
 
 @intrinsic
@@ -335,23 +340,27 @@ def load_first_f32x8(typingctx, arr, i, count):
     return F32(arr, i, count), codegen
 
 
-def chunk_scales(s, n, g, dx, r, bf16):
-    """Lanes k = 0..7: s[n, g + k] * dx[r, g + k] (zero past the last group), s a prepared
-    weight's scales as group_value reads them, dx float32 [rows, groups]; scales in two levels
-    from the first group of a super-block, g a multiple of 8 (njit code only)."""
+def chunk_scales(s, n, g, dx, r, bf16, rep):
+    """Lanes k = 0..7: s[n, (g + k) // rep] * dx[r, g + k] (zero past the last of dx's), s a
+    prepared weight's scales as group_value reads them, dx float32 [rows, groups * rep]: x's
+    scales by group (rep 1), or by block of 32 in groups of 32 * rep (rep a literal 1, 2 or 4,
+    g a multiple of 8); scales in two levels from the first group of a super-block, rep 1 (njit
+    code only)."""
 
 
 @overload(chunk_scales, inline="always")
-def _chunk_scales_typed(s, n, g, dx, r, bf16):
+def _chunk_scales_typed(s, n, g, dx, r, bf16, rep):
     if s.ndim == 3:
-        def two_level(s, n, g, dx, r, bf16):
+        def two_level(s, n, g, dx, r, bf16, rep):
             groups = s.shape[1] * 8
             return vmul(super_values8(s, n, g // 8), load_f32x8(dx, r * groups + g))
         return two_level
 
-    def one_level(s, n, g, dx, r, bf16):
+    def one_level(s, n, g, dx, r, bf16, rep):
         groups = s.shape[1]
-        return _scales8(s, n * groups + g, dx, r * groups + g, bf16, min(groups - g, 8))
+        blocks = groups * rep
+        return _scales8(s, n * groups + g // rep, dx, r * blocks + g, bf16, min(groups - g // rep, 8 // rep),
+                        min(blocks - g, 8), rep)
     return one_level
 
 
