@@ -6,7 +6,7 @@ import numpy as np
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
-from nibble.quant.affine import QuantizedTensor
+from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import read_linear
 from .cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
 from .kernels import compiling, prefill
@@ -234,6 +234,17 @@ class _TensorGetter:
             raise FormatError(f"quantized tensor {path}.weight holds a {qt.shape[0]}x{qt.shape[1]} "
                               f"matrix, the config needs {shape[0]}x{shape[1]}")
         return prepare(qt)
+
+    def dense(self, path: str, shape: tuple) -> np.ndarray | None:
+        """The weight of module `path` as float32, a quantized one dequantized (a copy): small
+        matrices the kernels take in float, such as a router, which mlx-lm quantizes to 8 bits."""
+        if f"{path}.scales" not in self.tensors:
+            return self(f"{path}.weight", shape)
+        qt = read_linear(self.tensors, self.quantization, path)
+        if qt.shape != shape:
+            raise FormatError(f"quantized tensor {path}.weight holds a {qt.shape[0]}x{qt.shape[1]} "
+                              f"matrix, the config needs {shape[0]}x{shape[1]}")
+        return dequantize(qt)
 
     def experts(self, path: str, name: str, count: int, shape: tuple, each: str | None = None) -> Weight | None:
         """The `count` experts' matrices `name` [N, K] of the MoE module `path` (a layer's mlp) as

@@ -53,7 +53,7 @@ def routed(get, path: str, c: ModelConfig, router: str, w: tuple, **routing):
     none = np.zeros((0, 0), np.float32)
     fields = dict(router_bias=np.zeros(0, np.float32), top_k_first=False, renormalize=False, shared=None,
                   b_gate=none, b_up=none, b_down=none, swiglu_limit=np.float32(0), swiglu_alpha=np.float32(0))
-    return MoEWeights(router=get(f"{path}.{router}.weight", (E, D)), w_gate=w[0], w_up=w[1], w_down=w[2],
+    return MoEWeights(router=get.dense(f"{path}.{router}", (E, D)), w_gate=w[0], w_up=w[1], w_down=w[2],
                       top_k=c.extra["num_experts_per_tok"], **(fields | routing))
 
 
@@ -66,7 +66,7 @@ def layer(get, c: ModelConfig, i: int):
     shared = None
     if c.model_type == "qwen2_moe":
         D, S = c.hidden_size, c.extra["shared_expert_intermediate_size"]
-        gate = get(p + ".shared_expert_gate.weight", (1, D))
+        gate = get.dense(p + ".shared_expert_gate", (1, D))
         shared = SharedExpert(get.linear(p + ".shared_expert.gate_proj", (S, D)),
                               get.linear(p + ".shared_expert.up_proj", (S, D)),
                               get.linear(p + ".shared_expert.down_proj", (D, S)),
