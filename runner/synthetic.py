@@ -82,7 +82,7 @@ def random_model(shapes: str | dict, bits: int, group_size: int = 64, seed: int 
         if not path.endswith("_proj") and path != "model.embed_tokens" and path != "lm_head":
             tensors[name] = rng.uniform(-half_range, half_range, shape).astype(np.float32)
             continue
-        if shapes in MXFP4_EXPERTS and ".switch_mlp." in path:
+        if isinstance(shapes, str) and shapes in MXFP4_EXPERTS and ".switch_mlp." in path:
             tensors |= _mxfp4_stack(rng, path, lead, k, half_range)
             mxfp4_paths[path] = {"bits": 4, "group_size": 32}
             continue

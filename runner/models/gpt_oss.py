@@ -13,7 +13,6 @@ from nibble.formats.config import ModelConfig, sliding_where_typed
 from nibble.formats.errors import FormatError
 from nibble.formats.families import Family, GGUFArch
 from nibble.formats.values import COUNT, number
-from nibble.quant.affine import QuantizedTensor
 from . import llama, qwen3_moe
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
@@ -54,6 +53,7 @@ def _mxfp4(get, name: str, shape: tuple[int, int, int], rows=slice(None)):
     """Experts' matrices [E, out, in] stored in MXFP4 (`name`_blocks and _scales, rows [out, in]
     already), those `rows` of each, as stacked 4-bit weights through MXFP4's table of levels. Gate's
     and up's rows alternate in gate_up_proj: each is copied apart (down stays in the file's map)."""
+    from nibble.quant.affine import QuantizedTensor   # here: the CLI's help imports the families, not numba
     from ..kernels.linear import prepare
     E, N, K = shape
     blocks = get.stored(name + "_blocks", (E, N, K // 32, 16))
