@@ -52,6 +52,9 @@ class _BlockType(NamedTuple):
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
     two_level: bool = False
     values: np.ndarray | None = None   # uint8 [16]: the level of each integer (Repacked.values)
+    # scales and biases in bfloat16 whatever their values (MXFP4's powers of two, as a checkpoint's
+    # MXFP4 is held: one set of compiled kernels for both)
+    bf16: bool = False
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -135,7 +138,7 @@ BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1
                QType.Q5_1: _BlockType(8, _q5_1), QType.Q5_K: _BlockType(8, _q5_k, True),
                QType.Q8_0: _BlockType(8, _q8_0),
                QType.IQ4_NL: _BlockType(4, _iq4_nl, values=_IQ4_NL_LEVELS),
-               QType.MXFP4: _BlockType(4, _mxfp4, values=mxfp4.LEVELS)}
+               QType.MXFP4: _BlockType(4, _mxfp4, values=mxfp4.LEVELS, bf16=True)}
 
 
 def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
@@ -165,17 +168,17 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
         scales[r:r + m], biases[r:r + m] = s.reshape(scales[r:r + m].shape), b.reshape(scales[r:r + m].shape)
     weight, scales, biases = (a.reshape(*stacked, n, *a.shape[1:]) for a in (weight, scales, biases))
     if not kind.two_level:
-        scales, biases = _narrowed(scales, biases)
+        scales, biases = _narrowed(scales, biases, kind.bf16)
     return Repacked(weight, scales, biases, kind.bits, kind.values)
 
 
-def _narrowed(scales: np.ndarray, biases: np.ndarray) -> tuple:
-    """float32 scales and biases as float16 where that keeps every value (half the bytes), else as
-    bfloat16 HalfTensors where that does (MXFP4's powers of two, past float16's range), else as
-    they are."""
+def _narrowed(scales: np.ndarray, biases: np.ndarray, bf16: bool) -> tuple:
+    """float32 scales and biases as float16 where that keeps every value (half the bytes) and bf16
+    is not asked for, else as bfloat16 HalfTensors where that does (MXFP4's powers of two, past
+    float16's range too), else as they are."""
     with np.errstate(over="ignore"):   # a value too large for float16 is caught below
         half = scales.astype(np.float16), biases.astype(np.float16)
-    if all(np.array_equal(h.astype(np.float32), x) for h, x in zip(half, (scales, biases))):
+    if not bf16 and all(np.array_equal(h.astype(np.float32), x) for h, x in zip(half, (scales, biases))):
         return half
     bits = [x.view(np.uint32) for x in (scales, biases)]   # a bfloat16 is a float32's top half
     if not any((b & np.uint32(0xFFFF)).any() for b in bits):

@@ -37,11 +37,11 @@ def mxfp4_blocks(rng, rows, cols, exponents) -> np.ndarray:
 
 
 # (type, random blocks [rows, cols], how scales and biases are stored): float16 where it holds
-# them, bfloat16 where that does, else float32
+# them, bfloat16 where that does, else float32; MXFP4's always bfloat16, as a checkpoint's
 SCALES = {"iq4_nl-usual": (QType.IQ4_NL, lambda rng, r, c: random_blocks(rng, r, c, QType.IQ4_NL), "float16"),
           # d past 512: -128 d overflows float16, and d's 11 bits are no bfloat16
           "iq4_nl-wide": (QType.IQ4_NL, lambda rng, r, c: random_blocks(rng, r, c, QType.IQ4_NL, (-7, 4.5)), "float32"),
-          "mxfp4-usual": (QType.MXFP4, lambda rng, r, c: mxfp4_blocks(rng, r, c, range(118, 131)), "float16"),
+          "mxfp4-usual": (QType.MXFP4, lambda rng, r, c: mxfp4_blocks(rng, r, c, range(118, 131)), "bfloat16"),
           "mxfp4-sane": (QType.MXFP4, lambda rng, r, c: mxfp4_blocks(rng, r, c, range(100, 141)), "bfloat16"),
           # float32's subnormal scales, and the largest whose top level (24 times) is finite
           "mxfp4-extremes": (QType.MXFP4, lambda rng, r, c: mxfp4_blocks(rng, r, c, [0, 1, 2, 127, 250, 251]),
@@ -116,7 +116,7 @@ def test_mxfp4_past_float32_with_its_levels_is_dequantized(tmp_path):
 
 @pytest.mark.parametrize("gate, up, joined", [("iq4_nl-usual", "iq4_nl-usual", True),
                                               ("mxfp4-sane", "mxfp4-extremes", True),
-                                              ("mxfp4-usual", "mxfp4-sane", False),   # float16, bfloat16
+                                              ("iq4_nl-usual", "iq4_nl-wide", False),   # float16, float32
                                               ("iq4_nl-usual", "q4_0", False)])       # a table, none
 def test_a_split_matrix_with_levels_is_joined(tmp_path, gate, up, joined):
     """granitemoeshared's shared gate and up one matrix again: repacked where both have one table
@@ -157,7 +157,7 @@ def iq4_nl_quantize(w: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def levels_gguf(tmp_path_factory):
     """A tiny llama of IQ4_NL attention and embedding (tied: the output head too) and an MXFP4
-    MLP, one MXFP4 matrix with a row so small that its scales are bfloat16; F32 norms."""
+    MLP (bfloat16 scales), one MXFP4 matrix with a row of scales below float16's least; F32 norms."""
     tensors = {}
     for name, w in llama_cpp_tensors(tiny_tensors(CONFIG), CONFIG).items():
         if w.ndim == 1:
@@ -195,7 +195,7 @@ def test_a_model_with_levels_runs_as_its_float_import(levels_gguf):
                                                    pytest.approx(5 + 16 * 8 * tensors / n))
     down = read_linear(md.tensors, md.config.quantization, "model.layers.1.mlp.down_proj")
     assert stored_as(down.scales) == "bfloat16"
-    assert stored_as(read_linear(md.tensors, md.config.quantization, "model.layers.0.mlp.down_proj").scales) == "float16"
+    assert stored_as(read_linear(md.tensors, md.config.quantization, "model.layers.0.self_attn.q_proj").scales) == "float16"
     for name in md.tensors:
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and f"{module}.scales" in md.tensors:

@@ -87,12 +87,12 @@ def _rows_of_kind(xq, dx, xs, x, qw, accumulate, out):
 
 @overload(_rows_of_kind, inline="always", jit_options=_jit)
 def _rows_of_kind_typed(xq, dx, xs, x, qw, accumulate, out):
-    # bits and rep = G // 32 as constants: numba compiles a function once for each constant
+    # bits and rep (G // 32 on int8 x) as constants: numba compiles a function once for each constant
     # argument's value, so each kernel is its own function, none inlined into another (numba copies
     # a callee's IR to inline it, at a cost that grows with its size squared). G itself is a value
     # too, for the int16 kernels' loop bounds
     bits, G = qw.instance_class.KIND
-    rep = G // 32
+    rep = G // 32 if xq.dtype == types.int8 else int(G == 32)   # the int16 kernels tell groups of 32 apart only
     return lambda xq, dx, xs, x, qw, accumulate, out: _rows(
         xq, dx, xs, x, bits, rep, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
         qw.bf16, qw.values, out)
