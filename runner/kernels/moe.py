@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from . import cpu
+from . import cpu, quant_decode
 from .linear import Weight, gated_mlp, linear, out_features
 
 
@@ -123,11 +123,20 @@ def moe_mlp(h, w, out, act_sq):
     the MLP input's (layer.decoder_layer): 3, the shared expert's down input; 4 + 2e and 5 + 2e,
     expert e's gate/up input and down input over the rows routed to it; 4 + 2E, the number of
     rows routed to each expert."""
-    T, D = h.shape
     experts, probs = route(h, w.router, w.router_bias, w.top_k, w.top_k_first, w.renormalize)
+    out[:] = 0
+    if not (h.shape[0] == 1 and act_sq.shape[0] == 0 and decode_routed(h, w, experts[0], probs[0], out)):
+        _by_expert(h, w, experts, probs, out, act_sq)
+    add_shared(h, w.shared, out, act_sq)
+
+
+@njit(**cpu._jit)
+def _by_expert(h, w, experts, probs, out, act_sq):
+    """out += each row's experts' outputs, the rows grouped by expert: each expert routed to
+    read once for all its rows."""
+    T, D = h.shape
     E = w.router.shape[0]
     F = out_features(expert(w.w_gate, 0))
-    out[:] = 0
     # slot[t, e]: where expert e is in row t's list (-1: not routed), so that each row adds its
     # experts' outputs in the order of their indices
     slot = np.full((T, E), -1, np.int64)
@@ -165,7 +174,6 @@ def moe_mlp(h, w, out, act_sq):
         for i in range(n):
             t = rows[i]
             out[t] += probs[t, slot[t, e]] * y[i]
-    add_shared(h, w.shared, out, act_sq)
 
 
 @njit(**cpu._jit)
@@ -174,12 +182,61 @@ def _clamped_swiglu(x, w, e, mid):
     up = np.empty_like(mid)
     linear(x, expert(w.w_gate, e), mid, False)
     linear(x, expert(w.w_up, e), up, False)
+    _clamp(mid, up, w, np.full(mid.shape[0], e, np.int64))
+
+
+@njit(**cpu._jit)
+def _clamp(g, up, w, experts):
+    """g = gpt-oss's clamped SwiGLU of gate g and up, row i of expert experts[i] (its biases)."""
     limit, alpha, one = w.swiglu_limit, w.swiglu_alpha, np.float32(1.0)
-    for i in range(mid.shape[0]):
-        for f in range(mid.shape[1]):
-            g = min(mid[i, f] + w.b_gate[e, f], limit)
+    for i in range(g.shape[0]):
+        e = experts[i]
+        for f in range(g.shape[1]):
+            a = min(g[i, f] + w.b_gate[e, f], limit)
             u = min(max(up[i, f] + w.b_up[e, f], -limit), limit)
-            mid[i, f] = (u + one) * g / (one + np.exp(-alpha * g))
+            g[i, f] = (u + one) * a / (one + np.exp(-alpha * a))
+
+
+def decode_routed(h, w, experts, probs, out):
+    """out[0] = moe_mlp's sum over one row's experts, h [1, D], each of gate, up and down for all
+    k experts in one parallel loop (quant_decode.expert_products), and True; False (nothing done)
+    for experts not stored quantized (njit code only)."""
+
+
+@overload(decode_routed, inline="always", jit_options=cpu._jit)
+def _decode_routed_typed(h, w, experts, probs, out):
+    kinds, field = tuple(quant_decode.KINDS.values()), dict(zip(w.fields, w.types))
+    if not all(isinstance(field[m], types.BaseNamedTuple) and issubclass(field[m].instance_class, kinds)
+               for m in ("w_gate", "w_up", "w_down")):
+        return lambda h, w, experts, probs, out: False
+
+    def decode(h, w, experts, probs, out):
+        _decode_experts(h, w, experts, probs, out)
+        return True
+    return decode
+
+
+@njit(**cpu._jit)
+def _decode_experts(h, w, experts, probs, out):
+    k, D = experts.shape[0], h.shape[1]
+    F = out_features(expert(w.w_gate, 0))
+    g, up, y = np.empty((k, F), np.float32), np.empty((k, F), np.float32), np.empty((k, D), np.float32)
+    _expert_products(h, w.w_gate, experts, bool(False), g)
+    _expert_products(h, w.w_up, experts, bool(False), up)
+    if w.swiglu_limit > 0:
+        _clamp(g, up, w, experts)
+    else:
+        cpu.silu_mul(g, up)
+    _expert_products(g, w.w_down, experts, bool(True), y)
+    for j in np.argsort(experts):   # in the order of the experts' indices, as moe_mlp sums them
+        if w.b_down.shape[0]:
+            y[j] += w.b_down[experts[j]]
+        out[0] += probs[j] * y[j]
+
+
+@njit(inline="always", **cpu._jit)
+def _expert_products(x, w, experts, own_x, out):
+    quant_decode.expert_products(quant_decode.round_rows(x, w.group_size, w.bits), x, w, experts, own_x, out)
 
 
 def add_shared(h, shared, out, act_sq):

@@ -78,24 +78,61 @@ def products(rounded, x, qw, out, accumulate):
     """matvec_rows on x as round_rows(x, qw.group_size, qw.bits) gave it: several weights of the
     same bits and groups may share it."""
     xq, dx, xs = rounded
-    _rows_of_kind(xq, dx, xs, x, qw, accumulate, out)
+    # bool(): a plain bool, as expert_products passes it; a literal would compile _rows again
+    _rows_of_kind(xq, dx, xs, x, qw, np.zeros(1, np.int64), bool(False), accumulate, out)
 
 
-def _rows_of_kind(xq, dx, xs, x, qw, accumulate, out):
+@njit(**_jit)
+def expert_products(rounded, x, qw, experts, own_x, out):
+    """out[j] = (x row j if own_x, else every x row, at out[j * B + r]) @ W_e.T for the experts
+    e = experts[j] of a stacked weight qw [E, N, K], as round_rows(x, ...) gave x: all k experts'
+    rows in one parallel loop (a loop for each expert's few rows spent more time starting and
+    ending than reading), on the kernel a plain weight of its kind runs."""
+    xq, dx, xs = rounded
+    _rows_of_kind(xq, dx, xs, x, _merged(qw), experts, own_x, bool(False), out)
+
+
+def _merged(qw):
+    """A stacked weight [E, N, K] as the plain one of its E * N rows, a view (njit code only)."""
+
+
+@overload(_merged, inline="always", jit_options=_jit)
+def _merged_typed(qw):
+    kind = qw.instance_class
+
+    def merged(qw):
+        E, N = qw.weight.shape[0], qw.weight.shape[1]
+        return kind(qw.weight.reshape((E * N, qw.weight.shape[2])), _rows_merged(qw.scales, E * N),
+                    _rows_merged(qw.biases, E * N), qw.bits, qw.group_size, qw.bf16, qw.values)
+    return merged
+
+
+def _rows_merged(a, rows):
+    """Scales or biases [E, N, ...] as [rows = E * N, ...] (njit code only)."""
+
+
+@overload(_rows_merged, inline="always", jit_options=_jit)
+def _rows_merged_typed(a, rows):
+    if a.ndim == 4:   # in two levels (formats.superblocks)
+        return lambda a, rows: a.reshape((rows, a.shape[2], a.shape[3]))
+    return lambda a, rows: a.reshape((rows, a.shape[2]))
+
+
+def _rows_of_kind(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
     """_rows for qw's kind (njit code only)."""
 
 
 @overload(_rows_of_kind, inline="always", jit_options=_jit)
-def _rows_of_kind_typed(xq, dx, xs, x, qw, accumulate, out):
+def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
     # bits and rep (G // 32 on int8 x) as constants: numba compiles a function once for each constant
     # argument's value, so each kernel is its own function, none inlined into another (numba copies
     # a callee's IR to inline it, at a cost that grows with its size squared). G itself is a value
     # too, for the int16 kernels' loop bounds
     bits, G = qw.instance_class.KIND
     rep = G // 32 if xq.dtype == types.int8 else int(G == 32)   # the int16 kernels tell groups of 32 apart only
-    return lambda xq, dx, xs, x, qw, accumulate, out: _rows(
+    return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: _rows(
         xq, dx, xs, x, bits, rep, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
-        qw.bf16, qw.values, out)
+        qw.bf16, qw.values, experts, own_x, out)
 
 
 INT8 = prefill_int8.DOT is not None   # decode on int8 activations (set where prefill_int8's is)
@@ -136,36 +173,42 @@ def _round8(x, G, bits):
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, out):
-    """Every weight row's dot products with the rows of x, two weight rows (i, i + H) a task: two
-    rows far apart are two sequential streams, a range of tasks two ranges of rows. The loop gets
-    plain arrays and calls nothing that is not inlined: a view made or an array passed to a call
-    in it takes and drops a reference to its memory, an atomic write to one cache line that the
-    threads then fight over (2 threads ran slower than 1)."""
-    N, B = q.shape[0], x.shape[0]
+def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, experts, own_x, out):
+    """Every weight row's dot products with the rows of x, two weight rows (h, h + H) a task: two
+    rows far apart are two sequential streams, a range of tasks two ranges of rows. Of stacked
+    experts' rows (expert_products), the N = out.shape[1] rows from experts[j] * N, into out[j]
+    on x row j (own_x) or out[j * B + r] on each x row r; a plain weight is expert 0 of itself.
+    The loop gets plain arrays and calls nothing that is not inlined: a view made or an array
+    passed to a call in it takes and drops a reference to its memory, an atomic write to one
+    cache line that the threads then fight over (2 threads ran slower than 1)."""
+    N, B = out.shape[1], x.shape[0]
     H = (N + 1) // 2
-    for j in prange(H):        # each thread: a range of rows and the same range + H
-        i = np.int64(j)        # prange's index is unsigned: i + H would type as float
-        m = i + H if i + H < N else i
-        for r in range(0, B, 2):
+    for t in prange(experts.shape[0] * H):   # each thread: a range of rows and the same range + H
+        j, h = divmod(np.int64(t), H)        # prange's index is unsigned: h + H would type as float
+        i = experts[j] * N + h
+        pair = h + H < N
+        m = i + H if pair else i
+        first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
+        for r in range(first, stop, 2):
             # `two` a value, not a constant: the pair inlined once, not once for each (half this
             # kernel's compile); the simd intrinsics neither regroup nor fuse sums, so a row sums
             # alike whichever copy of the loop LLVM makes for one row and for two
-            two = r + 1 < B
+            two = r + 1 < stop
             v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, rep, G, bf16, lut)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
-            _put(out, r, i, m, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r), accumulate)
+            _put(out, o + r, h, H, pair, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r),
+                 accumulate)
             if two:
-                _put(out, r + 1, i, m, v2 + row_dot(b, bf16, i, xs, r + 1), v3 + row_dot(b, bf16, m, xs, r + 1),
-                     accumulate)
+                _put(out, o + r + 1, h, H, pair, v2 + row_dot(b, bf16, i, xs, r + 1),
+                     v3 + row_dot(b, bf16, m, xs, r + 1), accumulate)
 
 
 @njit(inline="always", **_jit)
-def _put(out, r, n, m, v0, v1, accumulate):
-    out[r, n] = out[r, n] + v0 if accumulate else v0
-    if m != n:
-        out[r, m] = out[r, m] + v1 if accumulate else v1
+def _put(out, r, h, H, pair, v0, v1, accumulate):
+    out[r, h] = out[r, h] + v0 if accumulate else v0
+    if pair:
+        out[r, h + H] = out[r, h + H] + v1 if accumulate else v1
 
 
 def _pair(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut):
