@@ -260,16 +260,14 @@ def test_quantize_writes_stacked_experts_weighted_by_the_rows_routed_to_each(nam
     assert layer.moe.w_down.bits == 8 and layer.moe.w_down.weight.shape[0] == qwen3_moe.experts(md.config)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("router", [ROUTERS[0], ROUTERS[1], ROUTERS[3]])   # plain, a shared expert, gpt-oss's
-def test_one_row_reads_its_experts_in_one_loop_as_a_batch_reads_each(bits, router):
+@pytest.mark.parametrize("router", [ROUTERS[1], ROUTERS[3]])   # a shared expert; gpt-oss's experts
+def test_one_row_reads_its_experts_in_one_loop_as_a_batch_reads_each(router):
     """A decoded token's k experts run in one parallel loop a matrix (their rows side by side);
     a batch groups its rows by expert and runs each expert on its own: each row alone gives what
     it gives among the batch, bit for bit (the same integer dot products, summed alike)."""
-    rng = np.random.default_rng(bits)
+    rng = np.random.default_rng(2)
     w, _ = weights(rng, *router)
-    w = w._replace(w_gate=stacked(w.w_gate, bits)[0], w_up=stacked(w.w_up, bits)[0],
-                   w_down=stacked(w.w_down, bits)[0])
+    w = w._replace(w_gate=stacked(w.w_gate, 4)[0], w_up=stacked(w.w_up, 4)[0], w_down=stacked(w.w_down, 4)[0])
     h = rng.standard_normal((6, D)).astype(np.float32)
     batch, alone = np.empty_like(h), np.empty_like(h)
     moe.moe_mlp(h, w, batch, NOT_COLLECTING)

@@ -57,7 +57,7 @@ def test_greedy_tokens_and_logits_match_the_cpu(narrow, gpu_layers, head):
     (cpu_model, cpu_cache), (gpu_model, gpu_cache) = pair(narrow, gpu_layers)
     assert (gpu_model.gpu_stage.head is not None) == head and gpu_model.gpu_stage.first == (1 if not head else 0)
     tokens, step = [], PROMPT
-    for _ in range(4):   # prefill, then 3 decode steps
+    for _ in range(3):   # prefill, then 2 decode steps
         want, got = cpu_model.forward(step, cpu_cache), gpu_model.forward(step, gpu_cache)
         assert_close(got, want)
         step = [int(np.argmax(got[-1]))]
@@ -79,7 +79,8 @@ class FrozenLaunches:
             kernel[grid, block](*args)
 
 
-def decode_and_compare(cpu_pair, gpu_pair, steps=3):
+def decode_and_compare(cpu_pair, gpu_pair, steps=2):
+    """Prefill, then `steps` tokens decoded (the simulator takes about 2 s a step): logits alike."""
     (cpu_model, cpu_cache), (gpu_model, gpu_cache) = cpu_pair, gpu_pair
     step = PROMPT
     for _ in range(steps + 1):
@@ -124,7 +125,7 @@ def test_16_bit_weights_run_widened_on_the_gpu(narrow):
     """The GPU kernels take float32 or quantized weights: bf16 ones are uploaded widened."""
     cpu_pair, gpu_pair = pair(as_bf16(narrow), -1)
     assert isinstance(gpu_pair[0].lm_head, HalfTensor)
-    decode_and_compare(cpu_pair, gpu_pair)
+    decode_and_compare(cpu_pair, gpu_pair, steps=1)
 
 
 def test_truncate_reuses_the_device_kv(narrow):
@@ -191,7 +192,7 @@ def test_phi3_with_whole_heads_rotated_runs_on_the_gpu():
     md = tiny_model_dir("phi3")
     config = tiny_config("phi3", vocab_size=64, partial_rotary_factor=None, rope_scaling=None, **NARROW)
     md = dataclasses.replace(md, config=config, tensors=tiny_tensors(config))
-    decode_and_compare(*pair(md, -1))
+    decode_and_compare(*pair(md, -1), steps=1)
 
 
 def no_gpu():
