@@ -244,15 +244,14 @@ def test_quantize_at_load_once(tiny_dir, tmp_path, monkeypatch):
     writes = []
     write = quantize._write_quantized
     monkeypatch.setattr(quantize, "_write_quantized", lambda *a: writes.append(a[1]) or write(*a))
-    for quant, bits in (("int8", 8), ("int4", 4), ("int4", 4)):
-        r = invoke("run", "-m", tiny_dir, *GREEDY, "--quant", quant, "--json", "Hello")
+    for _ in range(2):   # int4 only: int8 would compile every kernel of its kind for this test alone
+        r = invoke("run", "-m", tiny_dir, *GREEDY, "--quant", "int4", "--json", "Hello")
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["prompt_tokens"] > 0
-    assert [p.name for p in writes] == [f"llama-{catalog.identity(tiny_dir)}-int{b}" for b in (8, 4)]
-    for out, bits in zip(writes, (8, 4)):
-        assert out.parent == tmp_path / "quantized"
-        q = json.loads((out / "config.json").read_text())["quantization"]
-        assert (q["bits"], q["group_size"]) == (bits, 64)
+    [out] = writes
+    assert out.name == f"llama-{catalog.identity(tiny_dir)}-int4" and out.parent == tmp_path / "quantized"
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert (q["bits"], q["group_size"]) == (4, 64)
 
 
 def test_a_float_model_past_the_threshold_runs_int4_unless_float(tiny_dir, tmp_path, monkeypatch, capsys):
