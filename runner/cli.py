@@ -392,22 +392,30 @@ class KeepAlive(click.ParamType):
               help="Models kept loaded at once; loading one more unloads the least recently used idle one.")
 @click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION", type=KeepAlive(),
               help="Unload a model idle this long: 30s, 5m, 1h, 0 (once its replies end) or -1 (never).")
+@click.option("--allowed-hosts", metavar="A,B,...",
+              help="Host names served beside localhost's while listening on loopback (a name this "
+                   "machine is reached by); other Host headers get 403, as a page rebinding its DNS "
+                   "name to 127.0.0.1 sends.")
+@click.option("--cors-origins", envvar="NIBBLE_ORIGINS", metavar="A,B,...",
+              help="Web origins whose pages may call the server (http://host:port; * for any), "
+                   "beside pages on localhost; other origins get 403.")
 @gpu_options
 @click.pass_context
 def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
-          only, max_models, keep_alive, gpu_layers, require_gpu):
+          only, max_models, keep_alive, allowed_hosts, cors_origins, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models): MODEL
     loaded at start, the others when a request names them."""
     if gpu_layers or require_gpu:
         raise click.UsageError("nibble serve runs on the CPU for now (the GPU has no paged KV cache yet): "
                                "drop -ngl and --require-gpu")
-    names = None if only is None else [n.strip() for n in only.split(",")]
-    if names is not None and not all(names):
-        raise click.BadParameter("name models separated by commas, none empty", param_hint="--models")
+    names = _comma_list(only, "--models", "models")
     if names and ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT:
         model = names[0]   # the first of --models, not the default model, is loaded at start
+    from .serve.guard import Callers
     from .serve.models import EngineOptions, Models, servable
     from .serve.server import listen, serve as run_server
+    callers = Callers.of(host, _comma_list(allowed_hosts, "--allowed-hosts", "host names") or (),
+                         _comma_list(cors_origins, "--cors-origins", "origins") or ())
     refs, default = servable(model, names)   # a name --models gives that is not there, and
     sock = listen(host, port)                 # a port in use, are said before the model loads
     threads = _threads(threads)
@@ -419,7 +427,16 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     models.add(default, llm, tokenizer)
     if len(refs) > 1:
         log(f"{len(refs) - 1} more model{'s' * (len(refs) > 2)} loaded on request (GET /v1/models lists them)")
-    run_server(models, sock, api_key=api_key, say=lambda line: click.echo(line) or sys.stdout.flush())
+    run_server(models, sock, api_key=api_key, say=lambda line: click.echo(line) or sys.stdout.flush(), warn=log,
+               callers=callers)
+
+
+def _comma_list(text: str | None, option: str, what: str) -> list[str] | None:
+    """An option's comma-separated names, or None when it is not given."""
+    names = None if text is None else [n.strip() for n in text.split(",")]
+    if names is not None and not all(names):
+        raise click.BadParameter(f"name {what} separated by commas, none empty", param_hint=option)
+    return names
 
 
 @main.command("import")

@@ -41,12 +41,13 @@ class Running:
         self.port, self.engine = port, engine
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
 
-    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    def post(self, path: str, body: bytes | dict | None, headers: dict | None = None,
+             method: str = "POST") -> tuple[int, dict, bytes]:
         """A raw request: (status, headers, body)."""
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         data = json.dumps(body).encode() if isinstance(body, dict) else body
-        c.request("POST", path, data, {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
-                                      **(headers or {})})
+        c.request(method, path, data, {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+                                       **(headers or {})})
         r = c.getresponse()
         out = (r.status, dict(r.getheaders()), r.read())
         c.close()
@@ -172,6 +173,51 @@ def test_bad_json_is_400_and_the_server_serves_on(server):
         chat(server, "hi", temperature=-1)
     assert e.value.body["param"] == "temperature"
     assert chat(server, "hi", max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_web_page_elsewhere_is_refused_before_any_route_runs(server):
+    """What a page on another site can send without a preflight (text/plain), and what one whose
+    DNS name was rebound to 127.0.0.1 sends (its own name as Host): 403 in the API's shape, before
+    the body is read (a body that is not JSON would be a 400)."""
+    page = {"Content-Type": "text/plain", "Origin": "http://evil.example"}
+    rebound = {"Host": "evil.example:8132", "Origin": "http://evil.example:8132"}
+    for headers, named in ((page, "'http://evil.example'"), (rebound, "'evil.example'"),
+                           ({"Host": "evil.example"}, "'evil.example'"), ({"Origin": "null"}, "'null'")):
+        for body in (b"not json", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()):
+            status, _, raw = server.post("/v1/chat/completions", body, headers)
+            error = json.loads(raw)["error"]
+            assert status == 403 and error["code"] == "forbidden" and named in error["message"], raw
+    assert chat(server, "hi", max_tokens=2).choices[0].finish_reason in ("stop", "length")   # serves on
+
+
+def test_a_page_on_localhost_gets_cors_answers(server):
+    """A browser front end the user runs on this machine: its preflight is answered, and so is the
+    request after it, with the headers that let the page read the reply."""
+    origin = "http://localhost:3000"
+    status, headers, _ = server.post("/v1/chat/completions", None, {
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"}, method="OPTIONS")
+    assert status == 200 and headers["access-control-allow-origin"] == origin
+    assert "POST" in headers["access-control-allow-methods"]
+    assert "authorization" in headers["access-control-allow-headers"].lower()
+    status, headers, raw = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                 "max_tokens": 2}, {"Origin": origin})
+    assert status == 200 and headers["access-control-allow-origin"] == origin, raw
+    status, _, _ = server.post("/v1/chat/completions", None, {
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, method="OPTIONS")
+    assert status == 403
+
+
+def test_deep_nesting_and_half_a_surrogate_pair_are_400(server):
+    """Two bodies under the 1 MB limit that once got 500: arrays nested 100,000 deep (Python's
+    recursion limit) and a lone surrogate, which JSON may escape but no text holds."""
+    status, _, raw = server.post("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "nests" in json.loads(raw)["error"]["message"]
+    status, _, raw = server.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    assert status == 400 and "surrogate ('\\ud800')" in json.loads(raw)["error"]["message"], raw
+    status, _, raw = server.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": '
+                                 b'"a\\ud83d\\ude00b"}], "max_tokens": 2}')   # a whole pair: text, served
+    assert status == 200, raw
 
 
 def test_an_unknown_model_or_path_is_404(server):

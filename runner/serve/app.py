@@ -18,6 +18,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -26,15 +27,17 @@ from nibble.formats.errors import NibbleError
 from ..engine import Busy, Event
 from . import api
 from .api import ApiError, Stamp
+from .guard import Callers, Guard
 from .models import Lease, Models
 from .replies import ChatDeltas, Turn, chat_turn, completion_turn
 
 MAX_BODY = 1 << 20   # bytes: a 32k-token conversation is ~130 KB of JSON
 
 
-def make_app(models: Models, api_key: str | None = None) -> Starlette:
-    """The OpenAI API over `models`, and ollama's /api/ps; with `api_key`, every route but /health
-    asks for it."""
+def make_app(models: Models, api_key: str | None = None, callers: Callers = Callers()) -> Starlette:
+    """The OpenAI API over `models`, and ollama's /api/ps, for the callers `callers` allows (by
+    default: requests to localhost, from no web page but loopback's); with `api_key`, every route
+    but /health asks for it."""
     def route(path, handler, methods=("GET",), open=False):
         async def endpoint(request: Request) -> Response:
             try:
@@ -53,7 +56,12 @@ def make_app(models: Models, api_key: str | None = None) -> Starlette:
                              route("/v1/models", list_models),
                              route("/api/ps", running),
                              route("/health", health, open=True)],
+                     middleware=[Middleware(Guard, callers=callers, refuse=_forbidden)],
                      exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+
+def _forbidden(scope, why: str) -> Response:
+    return error_response(ApiError(403, why, code="forbidden"))
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -253,7 +261,8 @@ async def until_disconnected(request: Request, reply) -> Response:
 
 
 async def read_json(request: Request):
-    """The body as JSON, at most MAX_BODY bytes: 413 past it (read no further), 400 if not JSON."""
+    """The body as JSON, at most MAX_BODY bytes: 413 past it (read no further), 400 if not JSON,
+    nested past Python's recursion limit, or holding text that is not Unicode."""
     too_large = ApiError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
     try:
         if int(request.headers.get("content-length") or 0) > MAX_BODY:
@@ -266,9 +275,19 @@ async def read_json(request: Request):
         if len(body) > MAX_BODY:
             raise too_large
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except ValueError as e:
         raise ApiError(400, f"the request body is not JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
+    try:   # JSON may escape half a UTF-16 pair ("\ud800"), which is no Unicode text a tokenizer takes
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the request body holds a lone UTF-16 surrogate ({e.object[e.start]!a}): "
+                            f"text must be valid Unicode") from None
+    except RecursionError:   # nested just short of json.loads' limit, past dumps'
+        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
+    return value
 
 
 def _authorized(request: Request, api_key: str) -> bool:

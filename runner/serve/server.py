@@ -9,6 +9,7 @@ import uvicorn
 
 from nibble.formats.errors import NibbleError
 from .app import make_app
+from .guard import Callers, is_loopback
 from .models import Models
 
 # uvicorn waits this long for open replies to end after Ctrl-C before cancelling them.
@@ -20,8 +21,9 @@ class Server(uvicorn.Server):
     at its next step ("stop") and refuses new ones, so each open stream sends its last chunk and
     `[DONE]` and closes; uvicorn then finds no connection left to wait for."""
 
-    def __init__(self, models: Models, api_key: str | None = None, on_ready: Callable[[], None] = lambda: None):
-        super().__init__(uvicorn.Config(make_app(models, api_key), lifespan="off", log_level="warning",
+    def __init__(self, models: Models, api_key: str | None = None, on_ready: Callable[[], None] = lambda: None,
+                 callers: Callers = Callers()):
+        super().__init__(uvicorn.Config(make_app(models, api_key, callers), lifespan="off", log_level="warning",
                                         access_log=False, timeout_graceful_shutdown=DRAIN_SECONDS))
         self.models, self.on_ready = models, on_ready
 
@@ -48,13 +50,25 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(models: Models, sock: socket.socket, *, api_key: str | None, say: Callable[[str], None]):
-    """Serve the OpenAI API over `models` (the default one loaded) on `sock` until Ctrl-C; `say`
-    gets the ready line once the port listens."""
+def exposed(host: str, api_key: str | None) -> str | None:
+    """The line that says a server bound to `host` without an API key is open to its network."""
+    if is_loopback(host) or api_key is not None:
+        return None
+    return (f"nibble serve: listening on {host} without --api-key: anyone on the network can use it "
+            f"(--host 127.0.0.1 keeps it to this machine)")
+
+
+def serve(models: Models, sock: socket.socket, *, api_key: str | None, say: Callable[[str], None],
+          warn: Callable[[str], None], callers: Callers):
+    """Serve the OpenAI API over `models` (the default one loaded) on `sock` until Ctrl-C, to
+    `callers`; `say` gets the ready line once the port listens, `warn` the line that says the
+    network can use it."""
     try:
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-        server = Server(models, api_key, on_ready=lambda: say(
+        if (line := exposed(host, api_key)) is not None:
+            warn(line)
+        server = Server(models, api_key, callers=callers, on_ready=lambda: say(
             f"nibble serve: {url} ({models.default}, {models.options.parallel} parallel)"))
         models.start_sweeping()
         try:
