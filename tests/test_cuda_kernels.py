@@ -20,7 +20,8 @@ from nibble.runner.kernels.linear import prepare
 from tests import reference
 from tests.test_quant_kernels import mlx_weight, twin_dequantize, two_level
 
-pytestmark = pytest.mark.skipif(not cuda.is_available(), reason="no CUDA GPU (NUMBA_ENABLE_CUDASIM=1 simulates one)")
+pytestmark = [pytest.mark.skipif(not cuda.is_available(), reason="no CUDA GPU (NUMBA_ENABLE_CUDASIM=1 simulates one)"),
+              pytest.mark.usefixtures("simulated_gpu")]
 
 rng = np.random.default_rng(0)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)

@@ -133,7 +133,7 @@ def test_run_perplexity_and_bench_end_in_one_line(nan_dir, tmp_path):
 @pytest.mark.skipif(not cuda.is_available(), reason="no CUDA GPU (NUMBA_ENABLE_CUDASIM=1 simulates one)")
 @pytest.mark.filterwarnings("ignore:Simulator timings are bogus", "ignore:invalid value encountered")
 @pytest.mark.parametrize("gpu_layers", [1, -1])   # the head on the CPU, then on the GPU
-def test_the_gpu_stage_names_the_layer(gpu_layers):
+def test_the_gpu_stage_names_the_layer(gpu_layers, simulated_gpu):
     md = narrow_model_dir(vocab_size=64)
     md.tensors["model.layers.1.mlp.down_proj.weight"][...] = np.inf
     model, _ = from_model_dir(md)

@@ -19,7 +19,7 @@ from tests.test_cli import assert_one_line_error, invoke
 from tests.tiny import tiny_config, tiny_model_dir, tiny_tensors
 
 pytestmark = [pytest.mark.skipif(not cuda.is_available(), reason="no CUDA GPU (NUMBA_ENABLE_CUDASIM=1 simulates one)"),
-              pytest.mark.filterwarnings("ignore:Simulator timings are bogus")]
+              pytest.mark.filterwarnings("ignore:Simulator timings are bogus"), pytest.mark.usefixtures("simulated_gpu")]
 
 NARROW = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
 PROMPT = [5, 17, 40]
