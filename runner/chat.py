@@ -62,18 +62,20 @@ class ChatTemplate:
         return cls(source, tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, options: dict | None = None) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
 
         With `add_generation_prompt` the text ends with the header that opens the assistant's turn.
         `tools` are OpenAI's function definitions, passed as transformers passes them (see
         runner/tools.py: prepare_messages makes a conversation with calls ready for this).
+        `options`: more variables the template reads (enable_thinking, say: runner/reasoning.py).
         """
         # documents is None, and tools without any, as transformers passes them.
-        context = dict(messages=messages, tools=tools, documents=None,
+        context = dict(options or {}, messages=messages, tools=tools, documents=None,
                        add_generation_prompt=add_generation_prompt, **self.special_tokens)
         input_chars = sum(len(str(m.get("content", ""))) + len(str(m.get("tool_calls") or ""))
-                          for m in messages) + len(str(tools or ""))
+                          + len(str(m.get("reasoning_content") or "")) for m in messages) \
+            + len(str(tools or "")) + len(str(options or ""))
         try:
             return render(self._template, self.limits, input_chars, context)
         except ChatTemplateError:

@@ -157,6 +157,15 @@ def draft_options(f):
                              "checked in the same pass (the reply is the same, often sooner).")(command)
 
 
+def thinking_options(f):
+    """--think/--no-think and --reasoning-budget (`run`, `chat`, `serve`), for models that think
+    before they answer (runner/reasoning.py)."""
+    f = click.option("--reasoning-budget", type=click.IntRange(min=-1), metavar="N",
+                     help="Think at most N tokens, then answer (0: do not think; -1: no bound) [default: -1].")(f)
+    return click.option("--think/--no-think", default=None,
+                        help="Let a model that can think before it answers do so, or not [default: as the model does].")(f)
+
+
 def gpu_options(f):
     """-ngl/--gpu-layers and --require-gpu (`run`, `chat`, `bench`)."""
     f = click.option("--require-gpu", is_flag=True,
@@ -376,7 +385,7 @@ class KeepAlive(click.ParamType):
 @click.option("--queue", default=16, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait for a free slot; past them the server answers 503.")
 @click.option("--api-key", envvar="NIBBLE_API_KEY",
-              help="Ask clients for this key (Authorization: Bearer KEY); /health stays open.")
+              help="Ask clients for this key (Authorization: Bearer KEY, or x-api-key: KEY); /health stays open.")
 @threads_option
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1),
               help=f"Each reply's context in tokens, at most the model's [default: {DEFAULT_CTX}, or the "
@@ -399,10 +408,11 @@ class KeepAlive(click.ParamType):
 @click.option("--cors-origins", envvar="NIBBLE_ORIGINS", metavar="A,B,...",
               help="Web origins whose pages may call the server (http://host:port; * for any), "
                    "beside pages on localhost; other origins get 403.")
+@thinking_options
 @gpu_options
 @click.pass_context
 def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
-          only, max_models, keep_alive, allowed_hosts, cors_origins, gpu_layers, require_gpu):
+          only, max_models, keep_alive, allowed_hosts, cors_origins, think, reasoning_budget, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models): MODEL
     loaded at start, the others when a request names them."""
     if gpu_layers or require_gpu:
@@ -411,6 +421,7 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     names = _comma_list(only, "--models", "models")
     if names and ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT:
         model = names[0]   # the first of --models, not the default model, is loaded at start
+    from .serve.api import ThinkingOptions
     from .serve.guard import Callers
     from .serve.models import EngineOptions, Models, servable
     from .serve.server import listen, serve as run_server
@@ -422,7 +433,8 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
     _context("-c", ctx_size, llm)   # says so if -c is past this model's context (each engine keeps to its model's)
     log = functools.partial(click.echo, err=True)
-    options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, threads, cache_tokens, quant)
+    options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, threads, cache_tokens, quant,
+                            ThinkingOptions(think, reasoning_budget))
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
     models.add(default, llm, tokenizer)
     if len(refs) > 1:

@@ -25,6 +25,7 @@ from .blocks import BlockPool, SeqBlocks
 from .cache import BLOCK, Rows, blocks_for
 from .generate import PREFILL_CHUNK, Reply
 from .model import ContextFull, Model
+from .reasoning import ReasoningSplit
 from .sample import Sampler, make_sampler
 from .settings import SamplerSettings
 from .tokenizer import Tokenizer
@@ -43,7 +44,8 @@ class Request:
     stop: tuple[str, ...] = ()
     constraint: Constraint | None = None     # a grammar's: masks what may not come next
     logprobs: int | None = None              # top-n alternatives per token (0..20); None: off
-    skip_special: bool = True                # False when tools are on (markers may be special tokens)
+    skip_special: bool = True                # False when tools or thinking are on (markers may be special tokens)
+    reasoning: ReasoningSplit | None = None  # the reply's thinking kept apart (and its budget)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class Event:
-    text: str                                # new text (may be "")
+    text: str                                # new answer text (may be "")
     logprobs: tuple[TokenLogprob, ...]       # for the tokens behind this event (empty if off)
     finish_reason: str | None                # None while running; "stop", "length" or "error" last
     usage: Usage | None                      # on the last event only
@@ -72,6 +74,7 @@ class Event:
     # out: a server remembers prompt text + reply text -> prompt ids + these (runner/prompt_ids.py)
     # when they decode to the reply's text (a stop string cuts the text, not the ids).
     tokens: tuple[int, ...] = ()
+    thinking: str = ""                       # new thinking text (with a Request's reasoning), before `text`
 
 
 class Busy(NibbleError):
@@ -249,7 +252,7 @@ class Engine:
         blocks = self.pool.sequence(r.prompt_ids)
         # the context bounds the reply too: its last token is sampled, never run
         max_tokens = min(r.max_tokens, self.ctx - len(r.prompt_ids) + 1)
-        return _Sequence(handle, blocks, Reply(self.tokenizer, max_tokens, r.stop, r.skip_special),
+        return _Sequence(handle, blocks, Reply(self.tokenizer, max_tokens, r.stop, r.skip_special, r.reasoning),
                          make_sampler(r.settings, self.tokenizer), list(r.prompt_ids), len(r.prompt_ids),
                          blocks.cached)
 
@@ -296,9 +299,11 @@ class Engine:
         r = s.handle.request
         if r.logprobs is not None:   # of the model's own distribution: before mask and penalties
             token_logprobs = _log_softmax(logits)
-        if r.constraint is not None:
-            r.constraint.mask(logits)
-        token = s.sampler(logits, s.ids)
+        token = s.reply.forced()
+        if token is None:
+            if r.constraint is not None:
+                r.constraint.mask(logits)
+            token = s.sampler(logits, s.ids)
         if r.constraint is not None:
             r.constraint.advance(token)
         s.ids.append(token)
@@ -311,8 +316,9 @@ class Engine:
             text += s.reply.close("stop")   # nothing may follow: the reply is complete
         if s.reply.finish_reason is not None:
             self._finish(s, text)
-        elif text or s.logprobs:
-            self._emit(s.handle, Event(text, tuple(s.logprobs), None, None, tokens=tuple(s.unsent)))
+        elif text or s.logprobs or s.reply.thinking:
+            self._emit(s.handle, Event(text, tuple(s.logprobs), None, None, tokens=tuple(s.unsent),
+                                       thinking=s.reply.take_thinking()))
             s.logprobs.clear()
             s.unsent.clear()
 
@@ -324,7 +330,8 @@ class Engine:
                             tuple((int(t), text([t]), float(logprobs[t])) for t in top))
 
     def _finish(self, s: _Sequence, text: str):
-        self._end(s, Event(text, tuple(s.logprobs), s.reply.finish_reason, self._usage(s), tokens=tuple(s.unsent)))
+        self._end(s, Event(text, tuple(s.logprobs), s.reply.finish_reason, self._usage(s), tokens=tuple(s.unsent),
+                           thinking=s.reply.take_thinking()))
 
     def _end(self, s: _Sequence, last: Event):
         with self._lock:

@@ -12,6 +12,7 @@ from .cache import BLOCK, KVCache
 from .draft import PromptLookup
 from .kernels.cpu import SMALL
 from .model import ContextFull, Model
+from .reasoning import ReasoningSplit, Thinking
 from .sample import Sampler, make_sampler
 from .settings import DEFAULT_DRAFT, MAX_TOKENS
 from .tokenizer import Tokenizer
@@ -152,36 +153,56 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
 
 
 class Reply:
-    """The text side of one reply, token by token: streaming detokenization, stop strings held
-    back and cut at, and why the reply ended. `stream_generate` and the serving engine share it.
+    """The text side of one reply, token by token: streaming detokenization, thinking kept apart
+    from the answer (runner/reasoning.py), stop strings held back and cut at, and why the reply
+    ended. `stream_generate` and the serving engine share it.
 
         reply = Reply(tokenizer, max_tokens=64, stop=["END"])
         for token in tokens:
-            emit(reply.add(token))
+            emit(reply.take_thinking(), reply.add(token))
             if reply.finish_reason:
                 break
         else:
-            emit(reply.close("context"))   # ended from outside: flush what was held back
+            emit(reply.take_thinking(), reply.close("context"))   # ended from outside: flush what was held back
+
+    With a `reasoning` split, its budget may force the ids that end thinking: sample only when
+    `forced()` is None. Stop strings cut the answer, not the thinking.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (),
-                 skip_special: bool = True):
+                 skip_special: bool = True, reasoning: ReasoningSplit | None = None):
         self.eos_ids = tokenizer.eos_ids
         self.max_tokens = max_tokens
         self.decoder = tokenizer.decoder(skip_special)
         self.stops = StopStrings(stop)
+        self.reasoning = reasoning
+        self.thinking: list[str] = []            # thinking text not yet taken
         self.tokens = 0                          # tokens added, an eos among them
         self.finish_reason: str | None = None    # None while running; "stop" or "length"
 
+    def forced(self) -> int | None:
+        """The id to add next in place of a sampled one, or None."""
+        return self.reasoning.forced() if self.reasoning is not None else None
+
+    def take_thinking(self) -> str:
+        """The thinking text added since the last call."""
+        text, self.thinking = "".join(self.thinking), []
+        return text
+
     def add(self, token: int) -> str:
-        """Add a sampled token; return the text now safe to emit. When the reply ends (eos, a stop
-        string, max_tokens), finish_reason is set and the text returned is all there is to emit."""
+        """Add a sampled token; return the answer text now safe to emit (its thinking goes to
+        take_thinking). When the reply ends (eos, a stop string, max_tokens), finish_reason is
+        set and the text returned is all there is to emit."""
         if self.finish_reason is not None:
             raise ValueError(f"the reply has ended ({self.finish_reason})")
         self.tokens += 1
         if token in self.eos_ids:   # the eos token's own text is never shown
             return self.close("stop")
-        text, stopped = self.stops.feed(self.decoder.add(token))
+        text = self.decoder.add(token)
+        if self.reasoning is not None:
+            self.reasoning.count(token)
+            text = self._answer(self.reasoning.feed(text))
+        text, stopped = self.stops.feed(text)
         if stopped:   # what follows the stop string is dropped
             self.finish_reason = "stop"
             self.decoder.flush()
@@ -195,8 +216,15 @@ class Reply:
         return the text held back, and set finish_reason to `reason` if it is still None."""
         if self.finish_reason is None:
             self.finish_reason = reason
-        text, _ = self.stops.feed(self.decoder.flush())   # a stop string inside it cuts it there
+        text = self.decoder.flush()
+        if self.reasoning is not None:
+            text = self._answer(self.reasoning.feed(text) + self.reasoning.finish())
+        text, _ = self.stops.feed(text)   # a stop string inside it cuts it there
         return text + self.stops.flush()
+
+    def _answer(self, parts: list[Thinking | str]) -> str:
+        self.thinking += [p.text for p in parts if isinstance(p, Thinking)]
+        return "".join(p for p in parts if isinstance(p, str))
 
 
 class StopStrings:

@@ -10,7 +10,7 @@ import math
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from nibble.formats.catalog import Details, parameter_size
@@ -21,6 +21,7 @@ MAX_STOPS = 4              # OpenAI's limit on `stop` strings
 MAX_TOP_LOGPROBS = 20      # chat's `top_logprobs`
 MAX_TEXT_LOGPROBS = 5      # completions' `logprobs`
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 # The body's sampling fields -> SamplerSettings' names. top_k, min_p, repeat_penalty and the dry_
 # fields (llama.cpp's server's names) are not OpenAI's: clients send them in `extra_body`
@@ -67,6 +68,15 @@ class Options:
 
 
 @dataclass(frozen=True)
+class ThinkingOptions:
+    """What a request asks of a model's thinking: every API's knobs in one form."""
+    think: bool | None = None          # on, off, or (None) as the server and the model say
+    budget: int | None = None          # the most tokens it may think (None: the server's)
+    effort: str | None = None          # gpt-oss's reasoning_effort: "low", "medium" or "high"
+    template: dict = field(default_factory=dict)   # chat_template_kwargs, passed to the template
+
+
+@dataclass(frozen=True)
 class ChatBody:
     messages: list[dict]           # roles and content checked; developer -> system, text parts joined
     options: Options
@@ -76,6 +86,7 @@ class ChatBody:
     parallel_tool_calls: bool      # a forced call may be several (OpenAI's field; off unless true, as in llama.cpp)
     response_format: str           # "text" | "json_object" | "json_schema"
     schema: dict | None            # json_schema's schema
+    thinking: ThinkingOptions = ThinkingOptions()   # how the model may think
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,22 @@ def parse_chat(body) -> ChatBody:
     if not messages:
         raise bad("messages", "must be a non-empty list of messages")
     return ChatBody([_message(m, i) for i, m in enumerate(messages)], options, tools, tool_choice, tool_name,
-                    parallel_tool_calls, response_format, schema)
+                    parallel_tool_calls, response_format, schema, _thinking(body))
+
+
+def _thinking(body: dict) -> ThinkingOptions:
+    """OpenAI's reasoning_effort ("none" or "minimal": off), llama-server's chat_template_kwargs
+    (its enable_thinking) and reasoning_budget, and ollama's think."""
+    kwargs = _object(body.get("chat_template_kwargs") or {}, "chat_template_kwargs")
+    think = _value(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
+    effort = _value(body, "reasoning_effort", str)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}")
+    if effort in ("none", "minimal"):
+        think, effort = False, None
+    given = _value(body, "think", bool)
+    think = given if given is not None else think
+    return ThinkingOptions(think, _integer(body, "reasoning_budget", -1), effort, kwargs)
 
 
 def parse_completion(body) -> CompletionBody:
@@ -181,6 +207,11 @@ def _message(m, i: int) -> dict:
     if content is None and not (role == "assistant" and m.get("tool_calls")):
         raise bad(f"{where}.content", "is missing")
     out = {**m, "role": "system" if role == "developer" else role, "content": content}
+    thought = m.get("reasoning_content", m.get("reasoning"))   # an earlier reply's thinking (LM Studio's name too)
+    if thought is not None:
+        if not isinstance(thought, str):
+            raise bad(f"{where}.reasoning_content", "must be a string")
+        out["reasoning_content"] = thought
     if "tool_calls" in m:
         calls = m["tool_calls"]
         if not isinstance(calls, list) or not all(
@@ -298,8 +329,10 @@ def usage(u) -> dict:
 
 
 def chat_completion(stamp: Stamp, content: str | None, tool_calls: list[dict], finish_reason: str,
-                    logprobs: Sequence, u) -> dict:
+                    logprobs: Sequence, u, thinking: str | None = None) -> dict:
     message = {"role": "assistant", "content": content}
+    if thinking:   # llama-server's name, and LM Studio's and mlx-lm's
+        message["reasoning_content"] = message["reasoning"] = thinking
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"id": stamp.id, "object": "chat.completion", "created": stamp.created, "model": stamp.model,

@@ -28,7 +28,7 @@ from nibble.formats.errors import NibbleError
 from ..engine import Engine
 from ..model import Model
 from ..tokenizer import Tokenizer
-from .api import ApiError
+from .api import ApiError, ThinkingOptions
 from .memory import available_memory, model_bytes, positions_for
 from .replies import Served
 
@@ -47,6 +47,7 @@ class EngineOptions:
     threads: int | None = None
     cache_tokens: int | None = None
     quant: str | None = None      # as loader.load takes it
+    thinking: ThinkingOptions = ThinkingOptions()   # --think, --reasoning-budget: each request may say otherwise
 
 
 def parse_keep_alive(text: str) -> float | None:
@@ -222,7 +223,7 @@ class Models:
         with self._lock:
             closed = self._closed
             if not closed:
-                self._loaded[name] = _Loaded(Served(engine, tokenizer, name, self.created, details), nbytes,
+                self._loaded[name] = _Loaded(Served(engine, tokenizer, name, self.created, details, o.thinking), nbytes,
                                              self._clock())
         if closed:   # Ctrl-C came during the load
             engine.close()

@@ -1,7 +1,8 @@
-"""Between the wire and the engine: a parsed body becomes the engine's Request (the prompt through
-the chat template with its tools, the sampling over the model's defaults, a grammar for
-response_format or a forced tool call), and the engine's events become OpenAI's deltas (tool calls
-parsed out of the text)."""
+"""Between the wire and the engine, for every API: a parsed body (each API's reads into api's
+ChatBody) becomes the engine's Request (the prompt through the chat template with its tools and
+thinking, the sampling over the model's defaults, a grammar for a response format or a forced tool
+call), and the engine's events become the reply's parts (Thinking, Content, whole Calls), which
+each API writes in its own shape."""
 from __future__ import annotations
 
 import re
@@ -14,8 +15,9 @@ from ..engine import Engine, Event, Request
 from ..grammar import Grammar, GrammarError
 from ..prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
-from ..tools import Call, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
-from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
+from ..reasoning import HARMONY_END, THINK_END, ReasoningSplit, Thinking, prompt_state, reasoning_family, template_options
+from ..tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
+from .api import ApiError, ChatBody, CompletionBody, Options, ThinkingOptions, tool_call
 
 
 @dataclass
@@ -26,12 +28,14 @@ class Served:
     name: str                  # the model's name in requests and /v1/models (from -m)
     created: int               # when the server started: /v1/models' "created"
     details: Details | None = None   # what the model is, for /api/ps
+    thinking: ThinkingOptions = ThinkingOptions()  # the server's thinking defaults (--think, --reasoning-budget)
 
     def __post_init__(self):
         try:
             self.family = tool_family(self.tokenizer.tool_template.source)
+            self.reasoning = reasoning_family(self.tokenizer.chat_template.source)
         except ChatTemplateError:   # no chat template: /v1/completions still works
-            self.family = "generic"
+            self.family, self.reasoning = "generic", None
         self.memo, self._memo_lock = PromptMemo(self.tokenizer), threading.Lock()
         self.size = weights_nbytes(self.engine.model)   # for /api/ps
 
@@ -70,14 +74,18 @@ class Turn:
 def chat_turn(served: Served, body: ChatBody) -> Turn:
     """The engine request for a chat body: ApiError (400) for what the model cannot take."""
     tools = body.tools if body.tool_choice != "none" else []
+    forced = bool(tools and body.tool_choice == "required") or body.response_format != "text"
+    think, budget = _thinking(served, body.thinking, forced)
+    options = {**template_options(served.reasoning, think, body.thinking.effort), **body.thinking.template}
     try:   # a generic template gets the tools in a system message, and no `tools`
         messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
         template = served.tokenizer.tool_template if tools else served.tokenizer.chat_template
-        text = template.render(messages, tools=template_tools)
+        text = template.render(messages, tools=template_tools, options=options)
     except MessageError as e:
         raise ApiError(400, str(e), "messages") from None
     except ChatTemplateError as e:
         raise ApiError(400, _server_words(str(e)), "messages") from None
+    text, inside = prompt_state(served.reasoning, text, think)
     if tools and body.tool_choice == "required":
         grammar = _grammar(lambda: forced_call_grammar(served.family, tools, body.tool_name,
                                                                body.parallel_tool_calls), "tools")
@@ -88,9 +96,24 @@ def chat_turn(served: Served, body: ChatBody) -> Turn:
     else:
         grammar = None
     request = _request(served, served.encode(text), body.options, "messages", grammar)
-    if tools:   # the family's markers may be special tokens, which plain decoding drops
+    if served.reasoning:
+        end = THINK_END if served.reasoning == "think" else HARMONY_END
+        split = ReasoningSplit(served.reasoning, inside, budget, served.tokenizer.encode(end, add_bos=False))
+        request = replace(request, reasoning=split)
+    if tools or served.reasoning:   # the markers may be special tokens, which plain decoding drops
         request = replace(request, skip_special=False)
     return Turn(request, text, tuple(t["function"]["name"] for t in tools))
+
+
+def _thinking(served: Served, asked: ThinkingOptions, forced: bool) -> tuple[bool | None, int | None]:
+    """-> (think on, off or as the model prefers; the most tokens it may think, None: no bound):
+    the request's over the server's. A budget of 0 is thinking off, -1 no bound; a reply a
+    grammar forces (a format, a call) does not think, which the grammar would not allow."""
+    think = asked.think if asked.think is not None else served.thinking.think
+    budget = asked.budget if asked.budget is not None else served.thinking.budget
+    if budget == 0 or forced:
+        think = False
+    return think, (None if budget is None or budget < 0 else budget)
 
 
 def completion_turn(served: Served, body: CompletionBody) -> Turn:
@@ -124,27 +147,33 @@ def _server_words(message: str) -> str:
     return f"{message}; /v1/completions takes a prompt as it is, without the template"
 
 
-class ChatDeltas:
-    """Engine events -> chat deltas; with tools, calls parsed out of the text as they complete."""
+class ReplyParts:
+    """Engine events -> the reply's parts: Thinking, then Content, and with tools whole Calls
+    parsed out of the text as they complete."""
 
     def __init__(self, tool_names: tuple[str, ...], family: str):
         self.parser = ToolCallParser(family, tool_names) if tool_names else None
 
-    def feed(self, event: Event) -> list[dict]:
-        """The deltas of one event; the last event's include what the parser still held."""
+    def feed(self, event: Event) -> list[Thinking | Content | Call]:
+        """The parts of one event; the last event's include what the parser still held."""
+        out = [Thinking(event.thinking)] if event.thinking else []
         if self.parser is None:
-            return [{"content": event.text}] if event.text else []
+            return out + ([Content(event.text)] if event.text else [])
         items = self.parser.feed(event.text) if event.text else []
         if event.finish_reason:
             items += self.parser.finish()
-        return [self._delta(item) for item in items if isinstance(item, Call) or item.text]
-
-    @staticmethod
-    def _delta(item) -> dict:
-        if isinstance(item, Call):
-            return {"tool_calls": [tool_call(item.index, item.id, item.name, item.arguments)]}
-        return {"content": item.text}
+        return out + [item for item in items if isinstance(item, Call) or item.text]
 
     def finish_reason(self, reason: str) -> str:
         """"tool_calls" when a call parsed and the reply ended on its own."""
         return "tool_calls" if self.parser and self.parser.calls and reason == "stop" else reason
+
+
+def chat_delta(part: Thinking | Content | Call) -> dict:
+    """A part as OpenAI chat's delta: thinking as llama-server's `reasoning_content` and as LM
+    Studio's and mlx-lm's `reasoning`."""
+    if isinstance(part, Call):
+        return {"tool_calls": [tool_call(part.index, part.id, part.name, part.arguments)]}
+    if isinstance(part, Thinking):
+        return {"reasoning_content": part.text, "reasoning": part.text}
+    return {"content": part.text}
