@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,15 +14,11 @@ import openai
 import pytest
 
 from nibble.formats.model_dir import write_model_dir
-from nibble.runner.engine import Engine
-from nibble.runner.loader import load
-from nibble.runner.serve.models import EngineOptions, Models
-from nibble.runner.serve.server import Server, listen
+from nibble.runner.serve.server import listen
+from tests.serving import CTX, KEY, Running, serving
 from tests.test_cli import interruptible
 from tests.tiny import tiny_model_dir
 
-KEY = "sk-test"
-CTX = 4096
 GREEDY = {"temperature": 0}
 LONG = "Tell me everything about the sky and the sea, " * 4
 
@@ -36,45 +31,10 @@ def long_dir(tmp_path_factory):
     return write_model_dir(model, tmp_path_factory.mktemp("tiny") / "long")
 
 
-class Running:
-    def __init__(self, port: int, engine: Engine):
-        self.port, self.engine = port, engine
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-
-    def post(self, path: str, body: bytes | dict | None, headers: dict | None = None,
-             method: str = "POST") -> tuple[int, dict, bytes]:
-        """A raw request: (status, headers, body)."""
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        c.request(method, path, data, {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
-                                       **(headers or {})})
-        r = c.getresponse()
-        out = (r.status, dict(r.getheaders()), r.read())
-        c.close()
-        return out
-
-    def events(self, path: str, body: dict) -> list[str]:
-        """The data lines of a streamed reply, `[DONE]` included."""
-        status, _, raw = self.post(path, body | {"stream": True})
-        assert status == 200, raw
-        return [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
-
-
 @pytest.fixture(scope="module")
 def server(long_dir):
-    models = Models({"tiny": str(long_dir)}, "tiny", EngineOptions(parallel=4, queue=16, ctx=CTX))
-    models.add("tiny", *load(str(long_dir)))
-    [engine] = models.engines()
-    sock = listen("127.0.0.1", 0)
-    uvicorn = Server(models, KEY)
-    thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not uvicorn.started:
-        time.sleep(0.01)
-    yield Running(sock.getsockname()[1], engine)
-    uvicorn.should_exit = True
-    thread.join()
-    models.close()
+    with serving(long_dir) as running:
+        yield running
 
 
 def chat(server: Running, content: str, **kwargs):

@@ -1,5 +1,7 @@
 """A tiny seeded random model of each supported type, built at test time."""
 
+from pathlib import Path
+
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -88,3 +90,16 @@ def tiny_model_dir(model_type="llama", seed=0) -> ModelDir:
 
 # Sampling defaults as a publisher writes them in generation_config.json (the sampled_dir fixture).
 SAMPLING = {"do_sample": True, "temperature": 0.3, "top_k": 5, "top_p": 0.7}
+
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+
+
+def tiny_with_template(template: str, model_type="llama", seed=0) -> ModelDir:
+    """The tiny model with a published chat template (a file in tests/data/templates): a thinking
+    model's, say. DeepSeek-R1's opens the reply's <think> block in the prompt, so that every
+    token the random model samples is thinking until a budget ends it."""
+    model = tiny_model_dir(model_type, seed)
+    model.tokenizer_config = {**model.tokenizer_config, "chat_template": (TEMPLATES / template).read_text(),
+                              "bos_token": "<|im_start|>"}
+    return model
