@@ -97,45 +97,45 @@ class CompletionBody:
 
 def parse_chat(body) -> ChatBody:
     """A /v1/chat/completions body -> ChatBody, or ApiError naming the first bad field."""
-    body = _object(body, "the request body")
-    logprobs = _value(body, "logprobs", bool) or False
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    body = json_object(body, "the request body")
+    logprobs = typed(body, "logprobs", bool) or False
+    top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise bad("top_logprobs", "needs logprobs set to true")
-    max_tokens = _integer(body, "max_tokens", 1)
-    newer = _integer(body, "max_completion_tokens", 1)   # OpenAI's newer name for it
+    max_tokens = integer(body, "max_tokens", 1)
+    newer = integer(body, "max_completion_tokens", 1)   # OpenAI's newer name for it
     options = _options(body, newer if newer is not None else max_tokens, (top or 0) if logprobs else None)
-    tools = _tools(body)
+    tools = function_tools(body)
     tool_choice, tool_name = _tool_choice(body, tools)
-    parallel_tool_calls = _value(body, "parallel_tool_calls", bool) or False
-    response_format, schema = _response_format(body)
+    parallel_tool_calls = typed(body, "parallel_tool_calls", bool) or False
+    response_format, schema = response_format_of(body)
     if response_format != "text" and tool_choice != "none":
         raise bad("response_format", "cannot be combined with tools: send one or the other")
-    messages = _value(body, "messages", list)
+    messages = typed(body, "messages", list)
     if not messages:
         raise bad("messages", "must be a non-empty list of messages")
-    return ChatBody([_message(m, i) for i, m in enumerate(messages)], options, tools, tool_choice, tool_name,
-                    parallel_tool_calls, response_format, schema, _thinking(body))
+    return ChatBody([chat_message(m, i) for i, m in enumerate(messages)], options, tools, tool_choice, tool_name,
+                    parallel_tool_calls, response_format, schema, thinking_options(body))
 
 
-def _thinking(body: dict) -> ThinkingOptions:
+def thinking_options(body: dict) -> ThinkingOptions:
     """OpenAI's reasoning_effort ("none" or "minimal": off), llama-server's chat_template_kwargs
     (its enable_thinking) and reasoning_budget, and ollama's think."""
-    kwargs = _object(body.get("chat_template_kwargs") or {}, "chat_template_kwargs")
-    think = _value(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
-    effort = _value(body, "reasoning_effort", str)
+    kwargs = json_object(body.get("chat_template_kwargs") or {}, "chat_template_kwargs")
+    think = typed(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
+    effort = typed(body, "reasoning_effort", str)
     if effort is not None and effort not in REASONING_EFFORTS:
         raise bad("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}")
     if effort in ("none", "minimal"):
         think, effort = False, None
-    given = _value(body, "think", bool)
+    given = typed(body, "think", bool)
     think = given if given is not None else think
-    return ThinkingOptions(think, _integer(body, "reasoning_budget", -1), effort, kwargs)
+    return ThinkingOptions(think, integer(body, "reasoning_budget", -1), effort, kwargs)
 
 
 def parse_completion(body) -> CompletionBody:
     """A /v1/completions body -> CompletionBody, or ApiError naming the first bad field."""
-    body = _object(body, "the request body")
+    body = json_object(body, "the request body")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -145,30 +145,30 @@ def parse_completion(body) -> CompletionBody:
         raise bad("suffix", "is not supported")
     if body.get("echo"):
         raise bad("echo", "is not supported")
-    if _integer(body, "best_of", 1) not in (None, 1):
+    if integer(body, "best_of", 1) not in (None, 1):
         raise bad("best_of", "is not supported: leave it out or set 1")
-    logprobs = _integer(body, "logprobs", 0, MAX_TEXT_LOGPROBS)
-    return CompletionBody(prompt, _options(body, _integer(body, "max_tokens", 1), logprobs))
+    logprobs = integer(body, "logprobs", 0, MAX_TEXT_LOGPROBS)
+    return CompletionBody(prompt, _options(body, integer(body, "max_tokens", 1), logprobs))
 
 
 def _options(body: dict, max_tokens: int | None, logprobs: int | None) -> Options:
-    if _integer(body, "n", 1) not in (None, 1):
+    if integer(body, "n", 1) not in (None, 1):
         raise bad("n", "must be 1: nibble gives one choice per request")
-    model = _value(body, "model", str)
-    stream = _value(body, "stream", bool) or False
+    model = typed(body, "model", str)
+    stream = typed(body, "stream", bool) or False
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
         raise bad("stream_options", "is only allowed when stream is true")
-    include_usage = bool(_value(_object(stream_options or {}, "stream_options"), "include_usage", bool,
+    include_usage = bool(typed(json_object(stream_options or {}, "stream_options"), "include_usage", bool,
                                 "stream_options.include_usage"))
-    return Options(model, stream, include_usage, max_tokens, _sampling(body), _stop(body), logprobs)
+    return Options(model, stream, include_usage, max_tokens, sampling_fields(body), stop_strings(body), logprobs)
 
 
-def _sampling(body: dict) -> dict:
+def sampling_fields(body: dict) -> dict:
     """The sampling fields the body sets, each checked by SamplerSettings' own rules."""
     given = {}
     for param, name in SAMPLING_FIELDS.items():
-        value = _integer(body, param) if name in INTEGER_FIELDS else _number(body, param)
+        value = integer(body, param) if name in INTEGER_FIELDS else number(body, param)
         if value is None:
             continue
         try:
@@ -179,7 +179,7 @@ def _sampling(body: dict) -> dict:
     return given
 
 
-def _stop(body: dict) -> tuple[str, ...]:
+def stop_strings(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -189,10 +189,10 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _message(m, i: int) -> dict:
+def chat_message(m, i: int) -> dict:
     """One message, checked: a known role, content as text (OpenAI's text parts joined) or null."""
     where = f"messages[{i}]"
-    m = _object(m, where)
+    m = json_object(m, where)
     role = m.get("role")
     if role not in ROLES:
         raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)}")
@@ -221,8 +221,8 @@ def _message(m, i: int) -> dict:
     return out
 
 
-def _tools(body: dict) -> list[dict]:
-    tools = _value(body, "tools", list) or []
+def function_tools(body: dict) -> list[dict]:
+    tools = typed(body, "tools", list) or []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if (not isinstance(function, dict) or tool.get("type", "function") != "function"
@@ -250,16 +250,16 @@ def _tool_choice(body: dict, tools: list[dict]) -> tuple[str, str | None]:
     return "required", name
 
 
-def _response_format(body: dict) -> tuple[str, dict | None]:
+def response_format_of(body: dict) -> tuple[str, dict | None]:
     rf = body.get("response_format")
     if rf is None:
         return "text", None
-    kind = _object(rf, "response_format").get("type")
+    kind = json_object(rf, "response_format").get("type")
     if kind in ("text", "json_object"):
         return kind, None
     if kind != "json_schema":
         raise bad("response_format.type", 'must be "text", "json_object" or "json_schema"')
-    spec = _object(rf.get("json_schema"), "response_format.json_schema")
+    spec = json_object(rf.get("json_schema"), "response_format.json_schema")
     schema = spec.get("schema")
     if schema is None:
         return "json_object", None
@@ -268,13 +268,13 @@ def _response_format(body: dict) -> tuple[str, dict | None]:
     return "json_schema", schema
 
 
-def _object(value, name: str) -> dict:
+def json_object(value, name: str) -> dict:
     if not isinstance(value, dict):
         raise bad(name, "must be a JSON object")
     return value
 
 
-def _value(body: dict, name: str, kind: type, param: str | None = None):
+def typed(body: dict, name: str, kind: type, param: str | None = None):
     value = body.get(name)
     if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
         raise bad(param or name, f"must be {_KIND_WORDS[kind]}")
@@ -284,7 +284,7 @@ def _value(body: dict, name: str, kind: type, param: str | None = None):
 _KIND_WORDS = {bool: "true or false", str: "a string", list: "a list", dict: "an object"}
 
 
-def _number(body: dict, name: str) -> float | None:
+def number(body: dict, name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
@@ -293,7 +293,7 @@ def _number(body: dict, name: str) -> float | None:
     return float(value)
 
 
-def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
