@@ -75,6 +75,7 @@ class Event:
     # when they decode to the reply's text (a stop string cuts the text, not the ids).
     tokens: tuple[int, ...] = ()
     thinking: str = ""                       # new thinking text (with a Request's reasoning), before `text`
+    stop_string: str | None = None           # on the last event: the stop string that ended the reply, if one did
 
 
 class Busy(NibbleError):
@@ -331,7 +332,7 @@ class Engine:
 
     def _finish(self, s: _Sequence, text: str):
         self._end(s, Event(text, tuple(s.logprobs), s.reply.finish_reason, self._usage(s), tokens=tuple(s.unsent),
-                           thinking=s.reply.take_thinking()))
+                           thinking=s.reply.take_thinking(), stop_string=s.reply.stop_string))
 
     def _end(self, s: _Sequence, last: Event):
         with self._lock:

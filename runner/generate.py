@@ -179,6 +179,7 @@ class Reply:
         self.thinking: list[str] = []            # thinking text not yet taken
         self.tokens = 0                          # tokens added, an eos among them
         self.finish_reason: str | None = None    # None while running; "stop" or "length"
+        self.stop_string: str | None = None      # the stop string that ended it, if one did
 
     def forced(self) -> int | None:
         """The id to add next in place of a sampled one, or None."""
@@ -202,8 +203,8 @@ class Reply:
         if self.reasoning is not None:
             self.reasoning.count(token)
             text = self._answer(self.reasoning.feed(text))
-        text, stopped = self.stops.feed(text)
-        if stopped:   # what follows the stop string is dropped
+        text, self.stop_string = self.stops.feed(text)
+        if self.stop_string:   # what follows the stop string is dropped
             self.finish_reason = "stop"
             self.decoder.flush()
             return text
@@ -219,7 +220,8 @@ class Reply:
         text = self.decoder.flush()
         if self.reasoning is not None:
             text = self._answer(self.reasoning.feed(text) + self.reasoning.finish())
-        text, _ = self.stops.feed(text)   # a stop string inside it cuts it there
+        text, stop = self.stops.feed(text)   # a stop string inside it cuts it there
+        self.stop_string = self.stop_string or stop
         return text + self.stops.flush()
 
     def _answer(self, parts: list[Thinking | str]) -> str:
@@ -234,18 +236,19 @@ class StopStrings:
         self.stops = [s for s in stops if s]
         self.pending = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """-> (text safe to emit, whether a stop string was reached)"""
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """-> (text safe to emit, the stop string reached or None)"""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
+            i, stop = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:i], ""
+            return out, stop
         keep = max((k for s in self.stops for k in range(1, len(s))
                     if self.pending.endswith(s[:k])), default=0)
         out = self.pending[:len(self.pending) - keep]
         self.pending = self.pending[len(out):]
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
