@@ -159,11 +159,17 @@ def draft_options(f):
 
 def thinking_options(f):
     """--think/--no-think and --reasoning-budget (`run`, `chat`, `serve`), for models that think
-    before they answer (runner/reasoning.py)."""
-    f = click.option("--reasoning-budget", type=click.IntRange(min=-1), metavar="N",
-                     help="Think at most N tokens, then answer (0: do not think; -1: no bound) [default: -1].")(f)
+    before they answer, handed to the command as one `thinking` (reasoning.ThinkingOptions)."""
+    @functools.wraps(f)
+    def command(think, reasoning_budget, **kwargs):
+        from .reasoning import ThinkingOptions
+        return f(thinking=ThinkingOptions(think, reasoning_budget), **kwargs)
+    command = click.option("--reasoning-budget", type=click.IntRange(min=-1), metavar="N",
+                           help="Think at most N tokens, then answer (0: do not think; -1: no bound) "
+                                "[default: -1].")(command)
     return click.option("--think/--no-think", default=None,
-                        help="Let a model that can think before it answers do so, or not [default: as the model does].")(f)
+                        help="Let a model that can think before it answers do so, or not "
+                             "[default: as the model does].")(command)
 
 
 def gpu_options(f):
@@ -249,43 +255,73 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--json-schema", type=click.Path(dir_okay=False),
               help="Reply with JSON that validates against the JSON schema in this file.")
 @click.option("--json-object", is_flag=True, help="Reply with a JSON object (say in the prompt what it should hold).")
+@thinking_options
+@click.option("--hide-thinking", is_flag=True, help="Do not print what a model that thinks thinks (it still thinks).")
 def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, draft,
-        gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object):
-    """Answer PROMPT (or -p, or stdin) and stream the reply to stdout."""
+        gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object, thinking, hide_thinking):
+    """Answer PROMPT (or -p, or stdin) and stream the reply to stdout (a model's thinking, dimmed,
+    to stderr)."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
     system = _text(system, "the system prompt") if system is not None else None
     grammar = _grammar(json_schema, json_object)   # a bad schema is refused before the model loads
     threads = _threads(threads)
+    from .chat import build_messages
     from .generate import stream_generate
+    from .reasoning import chat_prompt
     from .sample import make_sampler
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
     llm.threads.pin(threads)
     ctx_size = _context("-c", ctx_size, llm)
     _say(tokenizer.sampling_note)
     sampling = replace(tokenizer.sampling, **sampling)   # the flags given, over the model's defaults
-    ids = tokenizer.prompt(text, system=system, raw=raw)
+    if raw:
+        ids, split = tokenizer.encode(text), None
+    else:
+        prompt_text, split = chat_prompt(tokenizer, build_messages(text, system), thinking, forced=grammar is not None)
+        ids = tokenizer.encode(prompt_text)
     cache = llm.new_cache(ctx_size, kv_cache)
     constraint = grammar.constraint(tokenizer) if grammar else None
-    pieces, last = [], None
+    shown = Shown(as_json, hide_thinking)
+    last = None
     try:
         for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling, tokenizer),
                                     max_tokens=max_tokens, stop=stop, cache=cache, constraint=constraint,
-                                    draft=draft):
-            pieces.append(last.text)
-            if not as_json:
-                click.echo(last.text, nl=False)
-                sys.stdout.flush()
+                                    draft=draft, reasoning=split):
+            shown.add(last.thinking, last.text)
     except KeyboardInterrupt:
         # Ctrl-C: keep what was printed, report, and exit as interrupted programs do.
-        if not as_json:
-            click.echo()
-        _report(last, "".join(pieces), as_json, interrupted=True)
+        shown.end()
+        _report(last, shown, as_json, interrupted=True)
         sys.exit(130)
-    if not as_json:
-        click.echo()
+    shown.end()
     if grammar and last and last.finish_reason != "stop":
         _say(f"the reply ended ({last.finish_reason}) before its JSON was complete: raise -n or -c")
-    _report(last, "".join(pieces), as_json)
+    _report(last, shown, as_json)
+
+
+class Shown:
+    """A reply as `run` prints it: the answer to stdout as it streams, the thinking before it
+    dimmed to stderr (apart from what a pipe reads), or all kept for --json."""
+
+    def __init__(self, as_json: bool, hide_thinking: bool):
+        self.as_json, self.hide_thinking = as_json, hide_thinking
+        self.thinking, self.text = [], []
+
+    def add(self, thinking: str, text: str):
+        if thinking and not self.as_json and not self.hide_thinking:
+            click.secho(thinking, dim=True, nl=False, err=True)
+            sys.stderr.flush()
+        if text and self.thinking and not self.text and not self.as_json and not self.hide_thinking:
+            click.echo(err=True)   # the thinking's last line ends before the answer starts
+        self.thinking.append(thinking)
+        self.text.append(text)
+        if text and not self.as_json:
+            click.echo(text, nl=False)
+            sys.stdout.flush()
+
+    def end(self):
+        if not self.as_json:
+            click.echo()
 
 
 def _grammar(json_schema: str | None, json_object: bool):
@@ -309,14 +345,16 @@ def _grammar(json_schema: str | None, json_object: bool):
         raise GrammarError(f"{json_schema}: {e}") from None
 
 
-def _report(r, text: str, as_json: bool, interrupted: bool = False):
+def _report(r, shown: Shown, as_json: bool, interrupted: bool = False):
     finish = "interrupted" if interrupted else (r.finish_reason if r else None)
     stats = dict(prompt_tokens=r.prompt_tokens if r else 0, prompt_tps=r.prompt_tps if r else 0.0,
                  generation_tokens=r.generation_tokens if r else 0,
                  generation_tps=r.generation_tps if r else 0.0,
                  ttft=r.ttft if r and r.generation_tokens else None)   # None: stopped in the prefill
     if as_json:
-        click.echo(json.dumps({"text": text, "finish_reason": finish, **stats}, ensure_ascii=False))
+        thinking = {"thinking": "".join(shown.thinking)} if any(shown.thinking) else {}
+        click.echo(json.dumps({"text": "".join(shown.text), **thinking, "finish_reason": finish, **stats},
+                              ensure_ascii=False))
         return
     sys.stdout.flush()   # the reply's last newline before the stats line
     ttft = f"{stats['ttft']:.2f} s" if stats["ttft"] is not None else "-"
@@ -412,7 +450,7 @@ class KeepAlive(click.ParamType):
 @gpu_options
 @click.pass_context
 def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
-          only, max_models, keep_alive, allowed_hosts, cors_origins, think, reasoning_budget, gpu_layers, require_gpu):
+          only, max_models, keep_alive, allowed_hosts, cors_origins, thinking, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models): MODEL
     loaded at start, the others when a request names them."""
     if gpu_layers or require_gpu:
@@ -421,7 +459,6 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     names = _comma_list(only, "--models", "models")
     if names and ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT:
         model = names[0]   # the first of --models, not the default model, is loaded at start
-    from .serve.api import ThinkingOptions
     from .serve.guard import Callers
     from .serve.models import EngineOptions, Models, servable
     from .serve.server import listen, serve as run_server
@@ -434,7 +471,7 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     _context("-c", ctx_size, llm)   # says so if -c is past this model's context (each engine keeps to its model's)
     log = functools.partial(click.echo, err=True)
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, threads, cache_tokens, quant,
-                            ThinkingOptions(think, reasoning_budget))
+                            thinking)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
     models.add(default, llm, tokenizer)
     if len(refs) > 1:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,13 +36,16 @@ class GenerationResponse:
     generation_tps: float       # decode tokens/s (after the first token)
     ttft: float                 # seconds from the call to the first token (0 until then)
     finish_reason: str | None   # None while running; "stop" (eos or stop string), "length", "context"
+    thinking: str = ""          # new thinking text (a model that thinks, with a reasoning split), before `text`
 
 
 def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler,
                   prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
-                  draft: int = DEFAULT_DRAFT) -> Iterator[int | None]:
+                  draft: int = DEFAULT_DRAFT, forced: Callable[[], int | None] | None = None
+                  ) -> Iterator[int | None]:
     """Prefill the prompt in chunks of at most `prefill_chunk` tokens, then yield sampled ids;
-    with a `constraint`, only ids its grammar allows.
+    with a `constraint`, only ids its grammar allows; where `forced()` gives an id, that one
+    (Reply.forced: the end of thinking past its budget).
 
     Each pass runs the last token and a draft of up to `draft` tokens looked up in the sequence
     (runner/draft.py), and yields the draft's tokens the sampler accepts, then one of the model's
@@ -64,10 +67,11 @@ def generate_step(model: Model, prompt_ids: Sequence[int], cache: KVCache, sampl
     # A draft is checked in one pass of up to SMALL rows, which the kernels compute each as they
     # would alone (on the CPU): its logits are those of one pass a token, bit for bit.
     drafter = (PromptLookup(min(draft, SMALL - 1))
-               if draft > 0 and constraint is None and model.gpu_stage is None else None)
+               if draft > 0 and constraint is None and forced is None and model.gpu_stage is None else None)
     proposed: list[int] = []
     while True:
-        tokens = _verify(logits, proposed, cache, sampler, constraint)
+        token = forced() if forced is not None else None
+        tokens = [token] if token is not None else _verify(logits, proposed, cache, sampler, constraint)
         if drafter and proposed:
             drafter.update(len(proposed), len(tokens) - 1)
         # At each yield the cache holds what one pass a token would: the ids yielded but the
@@ -106,15 +110,17 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
                     sampler: Sampler | None = None, max_tokens: int = MAX_TOKENS,
                     stop: Sequence[str] = (), cache: KVCache | None = None,
                     prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
-                    draft: int = DEFAULT_DRAFT) -> Iterator[GenerationResponse]:
+                    draft: int = DEFAULT_DRAFT, reasoning: ReasoningSplit | None = None
+                    ) -> Iterator[GenerationResponse]:
     """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None).
 
     The consumer cancels by stopping the iteration, between two tokens or two prefill chunks: the
     cache keeps what ran. The timings are measured here, from the call. Without a `sampler`, the
     model's sampling defaults apply (tokenizer.sampling). With a `constraint` (a grammar's,
     runner/grammar.py), the reply follows the grammar and ends "stop" where the grammar is complete.
-    `draft`: the most tokens a pass guesses ahead (generate_step); 0 for one pass a token. The
-    decode tokens/s count the tokens emitted.
+    `draft`: the most tokens a pass guesses ahead (generate_step); 0 for one pass a token. With a
+    `reasoning` split (runner/reasoning.py: a model that thinks), its thinking comes apart in each
+    response's `thinking`, and its budget holds. The decode tokens/s count the tokens emitted.
     """
     cache = cache if cache is not None else model.new_cache()
     room = cache.size - cache.pos
@@ -124,7 +130,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
     if not prompt_ids:
         raise ContextFull("the prompt is empty")
     sampler = sampler or make_sampler(tokenizer.sampling, tokenizer)
-    reply = Reply(tokenizer, max_tokens, stop)
+    reply = Reply(tokenizer, max_tokens, stop, reasoning is None, reasoning)
     start = time.perf_counter()
     n, first, prompt_tps = 0, 0.0, 0.0
 
@@ -132,9 +138,10 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
         now = time.perf_counter()
         decode_tps = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         return GenerationResponse(text, token, len(prompt_ids), prompt_tps, n, decode_tps,
-                                  first - start if n else 0.0, reply.finish_reason)
+                                  first - start if n else 0.0, reply.finish_reason, reply.take_thinking())
 
-    for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk, constraint, draft):
+    budget = reply.forced if reasoning is not None and reasoning.budget is not None else None
+    for token in generate_step(model, prompt_ids, cache, sampler, prefill_chunk, constraint, draft, budget):
         if token is None:   # a prefill chunk ran: a point to stop at
             yield response("", None)
             continue
@@ -145,7 +152,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
         text = reply.add(token)
         if constraint is not None and constraint.done and not reply.finish_reason:
             text += reply.close("stop")
-        if text or reply.finish_reason:
+        if text or reply.finish_reason or reply.thinking:
             yield response(text, token)
         if reply.finish_reason:
             return

@@ -20,7 +20,11 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 FAMILIES = ("think", "harmony")
 EFFORTS = ("low", "medium", "high")
@@ -31,6 +35,22 @@ THINK_END = "\n</think>\n\n"
 HARMONY_END = "<|end|><|start|>assistant<|channel|>final<|message|>"
 HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|call|>", "<|return|>",
                    "<|constrain|>")
+
+
+@dataclass(frozen=True)
+class ThinkingOptions:
+    """What is asked of a model's thinking, from the command line or a request (every API's knobs
+    in one form); a request's laid over the server's (`over`)."""
+    think: bool | None = None          # on, off, or (None) as the model does
+    budget: int | None = None          # the most tokens it may think: 0 is off, -1 no bound (None: unsaid)
+    effort: str | None = None          # gpt-oss's reasoning_effort: "low", "medium" or "high"
+    template: dict = field(default_factory=dict)   # chat_template_kwargs, passed to the template
+
+    def over(self, defaults: ThinkingOptions) -> ThinkingOptions:
+        """These options, `defaults` where these leave one unsaid."""
+        return ThinkingOptions(self.think if self.think is not None else defaults.think,
+                               self.budget if self.budget is not None else defaults.budget,
+                               self.effort or defaults.effort, {**defaults.template, **self.template})
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,27 @@ def reasoning_family(template_source: str) -> str | None:
     if CLOSE in template_source:
         return "think"
     return None
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict], asked: ThinkingOptions = ThinkingOptions(),
+                tools: list[dict] | None = None, forced: bool = False) -> tuple[str, ReasoningSplit | None]:
+    """A conversation's prompt through the model's chat template (the tool template with `tools`),
+    its thinking as `asked`, and the split of its reply (None: the template's model does not
+    think). A budget of 0 is thinking off; a `forced` reply (a grammar's: a format, a call) does
+    not think, which its grammar would not allow."""
+    family = reasoning_family(tokenizer.chat_template.source)
+    think = False if asked.budget == 0 or forced else asked.think
+    budget = asked.budget if asked.budget is not None and asked.budget > 0 else None
+    if family == "harmony":   # gpt-oss's template reads an earlier turn's thinking under this name
+        messages = [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in messages]
+    template = tokenizer.tool_template if tools else tokenizer.chat_template
+    text = template.render(messages, tools=tools,
+                           options={**template_options(family, think, asked.effort), **asked.template})
+    text, inside = prompt_state(family, text, think)
+    if family is None:
+        return text, None
+    end = tokenizer.encode(THINK_END if family == "think" else HARMONY_END, add_bos=False)
+    return text, ReasoningSplit(family, inside, budget, end)
 
 
 def template_options(family: str | None, think: bool | None, effort: str | None) -> dict:

@@ -10,6 +10,8 @@ what the template's source holds, as llama.cpp does:
              {"name": n, "parameters": {…}}
     mistral  `[TOOL_CALLS]` (Mistral), the calls in one list:
              [TOOL_CALLS][{"name": n, "arguments": {…}}, …]
+    harmony  gpt-oss's commentary channel, `to=functions.n` (runner/reasoning.py reads the
+             channels and hands each call on in hermes' form)
     generic  any other template (it ignores tools): nibble lists the tools in a system message
              and asks for hermes' form
 """
@@ -25,7 +27,7 @@ from nibble.formats.errors import NibbleError
 
 from .grammar import COMPACT, Grammar
 
-FAMILIES = ("hermes", "llama3", "mistral", "generic")
+FAMILIES = ("hermes", "llama3", "mistral", "harmony", "generic")
 
 # What nibble tells a model whose template ignores tools (Qwen 2.5's words, hermes' syntax).
 GENERIC_PROMPT = (
@@ -72,11 +74,14 @@ SYNTAX = {
     "generic": Syntax("<tool_call>", "</tool_call>", "arguments", listed=False, bare=False),
     "llama3": Syntax("<|python_tag|>", None, "parameters", listed=False, bare=True),
     "mistral": Syntax("[TOOL_CALLS]", None, "arguments", listed=True, bare=False),
+    "harmony": Syntax("<tool_call>", "</tool_call>", "arguments", listed=False, bare=False),
 }
 
 
 def tool_family(template_source: str) -> str:
     """The family of tool-call syntax a chat template asks for (see the module's docstring)."""
+    if "<|channel|>" in template_source:
+        return "harmony"
     if "<tool_call>" in template_source:
         return "hermes"
     if "<|start_header_id|>ipython<|end_header_id|>" in template_source:
@@ -92,7 +97,7 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None,
 
     Content None becomes "" and text parts are joined (templates expect a string); a call's
     `arguments`, a JSON string in OpenAI's API, becomes the object it holds (templates write it
-    with tojson, which would encode it twice), as does a tool's JSON result for Llama 3's template;
+    with tojson, which would encode it twice), as does a tool's JSON result for Llama 3's and gpt-oss's templates;
     Mistral's call ids become 9 alphanumerics. A generic template gets the tools in a system
     message and the calls and results as text. The caller's messages are left as they are.
     """
@@ -103,8 +108,8 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None,
             m["tool_calls"] = [_call_for_template(c, family) for c in m["tool_calls"]]
         if family == "mistral" and "tool_call_id" in m:
             m["tool_call_id"] = _mistral_id(m["tool_call_id"])
-        if family == "llama3" and m.get("role") == "tool":
-            m["content"] = _json_or_text(m["content"])   # its template writes a string with tojson
+        if family in ("llama3", "harmony") and m.get("role") == "tool":
+            m["content"] = _json_or_text(m["content"])   # their templates write a string with tojson
         out.append(m)
     if family != "generic":
         return out, tools or None
@@ -190,6 +195,8 @@ def forced_call_grammar(family: str, tools: list[dict], name: str | None = None,
     one named `name`): OpenAI's tool_choice "required" (or a named function). One call unless
     `parallel` (OpenAI's parallel_tool_calls; off by default, as in llama.cpp): a small model
     allowed more keeps writing calls until max_tokens rather than ending after the first."""
+    if family == "harmony":   # its calls are special tokens around the JSON, which no grammar here writes
+        raise MessageError("this model (gpt-oss) cannot be made to call a tool: send tool_choice \"auto\"")
     functions = [t.get("function") or {} for t in tools]
     if name is not None:
         functions = [f for f in functions if f.get("name") == name]

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 import nibble.runner  # noqa: F401  (its model families fill formats' table)
 from nibble.formats.model_dir import write_model_dir
 from tests.locks import shared
-from tests.tiny import SAMPLING, tiny_model_dir
+from tests.tiny import SAMPLING, tiny_model_dir, tiny_with_template
 
 # The fuzz suite (tests/test_fuzz_*.py): a short run in every test run, the long one by
 # `python -m pytest -m fuzz --hypothesis-profile=long --hypothesis-show-statistics`.
@@ -44,6 +44,14 @@ def simulated_gpu():
 def tiny_dir(tmp_path_factory):
     """A tiny seeded llama model written as an HF directory."""
     return write_model_dir(tiny_model_dir(), tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def r1_dir(tmp_path_factory):
+    """The tiny model under DeepSeek-R1's template, whose prompt opens the reply's <think> block:
+    it thinks until a budget ends its thinking."""
+    return write_model_dir(tiny_with_template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"),
+                           tmp_path_factory.mktemp("tiny") / "r1")
 
 
 @pytest.fixture(scope="session")

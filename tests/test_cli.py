@@ -54,6 +54,18 @@ def test_json_output(tiny_dir):
     assert out["text"] == invoke("run", "-m", tiny_dir, *GREEDY, "Hello").stdout.rstrip("\n")
 
 
+def test_run_prints_the_thinking_dimmed_on_stderr_and_the_answer_on_stdout(r1_dir):
+    think = ["run", "-m", r1_dir, "--temp", 0, "-n", 16, "--reasoning-budget", 4, "Why is the sky blue?"]
+    whole = json.loads(invoke(*think, "--json").stdout)
+    assert whole["thinking"].strip() and whole["text"] and whole["finish_reason"] == "length"
+    shown = invoke(*think)
+    assert shown.stdout.rstrip("\n") == whole["text"] and whole["thinking"] in shown.stderr
+    hidden = invoke(*think, "--hide-thinking")
+    assert hidden.stdout == shown.stdout and whole["thinking"] not in hidden.stderr
+    off = json.loads(invoke(*think[:-1], "--no-think", "--json", think[-1]).stdout)
+    assert "thinking" not in off and off["text"]
+
+
 def test_raw_prompt_skips_the_template(tiny_dir):
     raw = json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "--raw", "Hello").stdout)
     chat = json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "Hello").stdout)

@@ -19,6 +19,10 @@ FAMILY = {
     "meta-llama-Llama-3.1-8B-Instruct": "llama3",
     "meta-llama-Llama-3.2-3B-Instruct": "llama3",
     "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
+    "Qwen-Qwen3-0.6B": "hermes",
+    "HuggingFaceTB-SmolLM3-3B": "generic",   # its tools go in the system prompt, as nibble's generic does
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "generic",
+    "openai-gpt-oss-120b": "harmony",
 }
 # SmolLM2's kind of template: it ignores tools
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

@@ -10,11 +10,12 @@ import math
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from nibble.formats.catalog import Details, parameter_size
 from nibble.formats.errors import NibbleError
+from ..reasoning import ThinkingOptions
 from ..settings import SamplerSettings
 
 MAX_STOPS = 4              # OpenAI's limit on `stop` strings
@@ -65,15 +66,6 @@ class Options:
     sampling: dict                 # the SamplerSettings fields the body sets, to lay over the model's
     stop: tuple[str, ...]
     logprobs: int | None           # top alternatives per token (0..20); None: no logprobs
-
-
-@dataclass(frozen=True)
-class ThinkingOptions:
-    """What a request asks of a model's thinking: every API's knobs in one form."""
-    think: bool | None = None          # on, off, or (None) as the server and the model say
-    budget: int | None = None          # the most tokens it may think (None: the server's)
-    effort: str | None = None          # gpt-oss's reasoning_effort: "low", "medium" or "high"
-    template: dict = field(default_factory=dict)   # chat_template_kwargs, passed to the template
 
 
 @dataclass(frozen=True)

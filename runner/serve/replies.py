@@ -15,9 +15,9 @@ from ..engine import Engine, Event, Request
 from ..grammar import Grammar, GrammarError
 from ..prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
-from ..reasoning import HARMONY_END, THINK_END, ReasoningSplit, Thinking, prompt_state, reasoning_family, template_options
+from ..reasoning import Thinking, ThinkingOptions, chat_prompt, reasoning_family
 from ..tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
-from .api import ApiError, ChatBody, CompletionBody, Options, ThinkingOptions, tool_call
+from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
 
 
 @dataclass
@@ -75,17 +75,14 @@ def chat_turn(served: Served, body: ChatBody) -> Turn:
     """The engine request for a chat body: ApiError (400) for what the model cannot take."""
     tools = body.tools if body.tool_choice != "none" else []
     forced = bool(tools and body.tool_choice == "required") or body.response_format != "text"
-    think, budget = _thinking(served, body.thinking, forced)
-    options = {**template_options(served.reasoning, think, body.thinking.effort), **body.thinking.template}
     try:   # a generic template gets the tools in a system message, and no `tools`
         messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
-        template = served.tokenizer.tool_template if tools else served.tokenizer.chat_template
-        text = template.render(messages, tools=template_tools, options=options)
+        text, split = chat_prompt(served.tokenizer, messages, body.thinking.over(served.thinking),
+                                  template_tools, forced)
     except MessageError as e:
         raise ApiError(400, str(e), "messages") from None
     except ChatTemplateError as e:
         raise ApiError(400, _server_words(str(e)), "messages") from None
-    text, inside = prompt_state(served.reasoning, text, think)
     if tools and body.tool_choice == "required":
         grammar = _grammar(lambda: forced_call_grammar(served.family, tools, body.tool_name,
                                                                body.parallel_tool_calls), "tools")
@@ -95,25 +92,10 @@ def chat_turn(served: Served, body: ChatBody) -> Turn:
         grammar = Grammar.json_object()
     else:
         grammar = None
-    request = _request(served, served.encode(text), body.options, "messages", grammar)
-    if served.reasoning:
-        end = THINK_END if served.reasoning == "think" else HARMONY_END
-        split = ReasoningSplit(served.reasoning, inside, budget, served.tokenizer.encode(end, add_bos=False))
-        request = replace(request, reasoning=split)
-    if tools or served.reasoning:   # the markers may be special tokens, which plain decoding drops
+    request = replace(_request(served, served.encode(text), body.options, "messages", grammar), reasoning=split)
+    if tools or split:   # the markers may be special tokens, which plain decoding drops
         request = replace(request, skip_special=False)
     return Turn(request, text, tuple(t["function"]["name"] for t in tools))
-
-
-def _thinking(served: Served, asked: ThinkingOptions, forced: bool) -> tuple[bool | None, int | None]:
-    """-> (think on, off or as the model prefers; the most tokens it may think, None: no bound):
-    the request's over the server's. A budget of 0 is thinking off, -1 no bound; a reply a
-    grammar forces (a format, a call) does not think, which the grammar would not allow."""
-    think = asked.think if asked.think is not None else served.thinking.think
-    budget = asked.budget if asked.budget is not None else served.thinking.budget
-    if budget == 0 or forced:
-        think = False
-    return think, (None if budget is None or budget < 0 else budget)
 
 
 def completion_turn(served: Served, body: CompletionBody) -> Turn:
