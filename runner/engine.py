@@ -23,7 +23,9 @@ import numpy as np
 from nibble.formats.errors import NibbleError
 from .blocks import BlockPool, SeqBlocks
 from .cache import BLOCK, Rows, blocks_for
+from .draft import PromptLookup
 from .generate import PREFILL_CHUNK, Reply
+from .kernels.cpu import SMALL
 from .model import ContextFull, Model
 from .reasoning import ReasoningSplit
 from .sample import Sampler, make_sampler
@@ -46,6 +48,7 @@ class Request:
     logprobs: int | None = None              # top-n alternatives per token (0..20); None: off
     skip_special: bool = True                # False when tools or thinking are on (markers may be special tokens)
     reasoning: ReasoningSplit | None = None  # the reply's thinking kept apart (and its budget)
+    draft: int = 0                           # the most tokens a pass guesses ahead while it decodes alone
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class _Sequence:
     pos: int                   # positions whose keys and values are in the pool
     unsent: list[int] = field(default_factory=list)   # sampled ids not yet emitted (end tokens left out)
     logprobs: list = field(default_factory=list)      # of the tokens not yet emitted
+    drafter: PromptLookup | None = None               # guesses of the next ids (Request.draft)
 
     @property
     def prefilling(self) -> bool:
@@ -253,29 +257,36 @@ class Engine:
         blocks = self.pool.sequence(r.prompt_ids)
         # the context bounds the reply too: its last token is sampled, never run
         max_tokens = min(r.max_tokens, self.ctx - len(r.prompt_ids) + 1)
+        # A draft's tokens are sampled as the rejection rule accepts them: not under a grammar's
+        # mask, a budget's forced ids or logprobs, each of which asks for one token at a time.
+        drafts = (r.draft > 0 and r.constraint is None and r.logprobs is None
+                  and (r.reasoning is None or r.reasoning.budget is None))
         return _Sequence(handle, blocks, Reply(self.tokenizer, max_tokens, r.stop, r.skip_special, r.reasoning),
                          make_sampler(r.settings, self.tokenizer), list(r.prompt_ids), len(r.prompt_ids),
-                         blocks.cached)
+                         blocks.cached, drafter=PromptLookup(min(r.draft, SMALL - 1)) if drafts else None)
 
     def _step(self, running: list[_Sequence]):
         """One forward pass: every decoding sequence's last token, and the next chunk of the
-        oldest prompt still prefilling."""
+        oldest prompt still prefilling. A sequence that decodes alone runs a draft beside its
+        last token (runner/draft.py), checked in the same pass."""
         batch = [s for s in running if not s.prefilling]
         prompt = next((s for s in running if s.prefilling), None)
         chunk = 0
         if prompt is not None:
             chunk = min(self.prefill_chunk, prompt.prompt_len - prompt.pos)
             batch.append(prompt)
+        drafts = {id(s): self._draft(s) for s in batch if s.drafter is not None and len(batch) == 1}
         tokens, positions, seq, logit_rows, sampled = [], [], [], [], []
         for i, s in enumerate(batch):
-            n = chunk if s is prompt else 1
-            self.pool.reserve(s.blocks, s.pos + n)
-            tokens += s.ids[s.pos:s.pos + n]
-            positions += range(s.pos, s.pos + n)
-            seq += [i] * n
-            if s.pos + n == len(s.ids):   # its last id: its logits choose the next token
-                logit_rows.append(len(tokens) - 1)
-                sampled.append(s)
+            run = s.ids[s.pos:s.pos + chunk] if s is prompt else s.ids[s.pos:] + drafts.get(id(s), [])
+            self.pool.reserve(s.blocks, s.pos + len(run))
+            tokens += run
+            positions += range(s.pos, s.pos + len(run))
+            seq += [i] * len(run)
+            if s.pos + len(run) >= len(s.ids):   # its last id, and a draft: their logits choose what comes next
+                rows = len(run) - (len(s.ids) - 1 - s.pos)
+                logit_rows += range(len(tokens) - rows, len(tokens))
+                sampled.append((s, rows))
         width = max(len(s.blocks.blocks) for s in batch)
         tables = np.zeros((len(batch), width), np.int32)
         for i, s in enumerate(batch):
@@ -287,14 +298,40 @@ class Engine:
                 self._end(s, Event("", (), "error", self._usage(s), _message(e)))
             return
         for s in batch:
-            s.pos += chunk if s is prompt else 1
-            if s.pos // BLOCK > len(s.blocks.hashes):   # a block filled: others may share it
-                self.pool.commit(s.blocks, s.ids[:s.pos])
-        for s, row in zip(sampled, logits):
+            if s is prompt:
+                s.pos += chunk
+        first = 0
+        for s, rows in sampled:
             try:
-                self._next_token(s, row)
+                if s is not prompt:
+                    s.pos += 1   # its last id ran
+                self._next_tokens(s, logits[first:first + rows], drafts.get(id(s), []))
             except Exception as e:   # a grammar that cannot go on, say: this reply ends
                 self._end(s, Event("", (), "error", self._usage(s), _message(e)))
+            first += rows
+        for s in batch:
+            if s.pos // BLOCK > len(s.blocks.hashes) and s in self._running:   # a block filled: others may share it
+                self.pool.commit(s.blocks, s.ids[:s.pos])
+
+    def _draft(self, s: _Sequence) -> list[int]:
+        """Up to the ids that fit before the context's and the reply's ends."""
+        room = min(self.ctx - len(s.ids), s.reply.max_tokens - s.reply.tokens) - 1
+        return s.drafter.draft(s.ids, room) if room > 0 else []
+
+    def _next_tokens(self, s: _Sequence, logits: np.ndarray, draft: list[int]):
+        """The ids after a pass whose rows ran the sequence's last id and `draft`: the draft's
+        ids the sampler accepts (each ran, so its keys and values stay), then one it draws."""
+        accepted = 0
+        for guess in draft:
+            token = s.sampler.accept(logits[accepted], s.ids, guess)
+            if not self._add(s, token) or token != guess:
+                break
+            s.pos += 1
+            accepted += 1
+        else:
+            self._next_token(s, logits[accepted])
+        if draft:
+            s.drafter.update(len(draft), accepted)
 
     def _next_token(self, s: _Sequence, logits: np.ndarray):
         r = s.handle.request
@@ -307,21 +344,28 @@ class Engine:
             token = s.sampler(logits, s.ids)
         if r.constraint is not None:
             r.constraint.advance(token)
+        if r.logprobs is not None:
+            s.logprobs.append(self._token_logprob(token, token_logprobs, r.logprobs))
+        self._add(s, token)
+
+    def _add(self, s: _Sequence, token: int) -> bool:
+        """The reply's next id: its text emitted, or the reply ended. -> whether it goes on."""
+        r = s.handle.request
         s.ids.append(token)
         if token not in self.tokenizer.eos_ids:
             s.unsent.append(token)
         text = s.reply.add(token)
-        if r.logprobs is not None:
-            s.logprobs.append(self._token_logprob(token, token_logprobs, r.logprobs))
         if s.reply.finish_reason is None and r.constraint is not None and r.constraint.done:
             text += s.reply.close("stop")   # nothing may follow: the reply is complete
         if s.reply.finish_reason is not None:
             self._finish(s, text)
-        elif text or s.logprobs or s.reply.thinking:
+            return False
+        if text or s.logprobs or s.reply.thinking:
             self._emit(s.handle, Event(text, tuple(s.logprobs), None, None, tokens=tuple(s.unsent),
                                        thinking=s.reply.take_thinking()))
             s.logprobs.clear()
             s.unsent.clear()
+        return True
 
     def _token_logprob(self, token: int, logprobs: np.ndarray, n: int) -> TokenLogprob:
         top = np.argpartition(-logprobs, n)[:n] if n else np.empty(0, np.int64)

@@ -229,3 +229,36 @@ def test_a_grammar_per_sequence(tiny, engine):
     assert shaped.text() == expected and isinstance(json.loads(expected)["n"], int)
     assert shaped.last().finish_reason == "stop"
     assert free.text() == alone(tiny, ids[1], max_tokens=30)
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SamplerSettings(temperature=0.8, seed=3)])
+def test_a_reply_decoding_alone_checks_drafts_and_says_the_same(tiny, engine, settings, monkeypatch):
+    """As generate_step does: greedy, the same ids as one pass a token, in fewer passes; sampled
+    (the rejection rule draws as often as it judges a guess, so the ids differ), a whole reply."""
+    model, tok = tiny
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
+    plain = submit(engine, ids, 60, settings=settings).all()
+    passes = []
+    real = model.forward_batch
+    monkeypatch.setattr(model, "forward_batch", lambda *a: passes.append(len(a[0])) or real(*a))
+    drafted = submit(engine, ids, 60, settings=settings, draft=8).all()
+    tokens = lambda events: [t for e in events for t in e.tokens]
+    assert len(tokens(drafted)) == 60 and drafted[-1].finish_reason == "length"
+    if settings is GREEDY:
+        assert tokens(drafted) == tokens(plain) and "".join(e.text for e in drafted) == "".join(e.text for e in plain)
+        prefill = -(-len(ids) // 8)   # its chunks' passes: the last gives the first token
+        assert len(passes) < prefill + 59   # drafts were checked and accepted
+
+
+def test_drafts_stay_inside_the_context_and_the_cache_holds_what_ran(tiny):
+    model, tok = tiny
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
+    e = Engine(model, tok, parallel=1, ctx=len(ids) + 21, prefill_chunk=8)
+    e.start()
+    try:
+        out = submit(e, ids, 100, draft=8).all()
+        assert sum(len(ev.tokens) for ev in out) == 22 and out[-1].finish_reason == "length"
+        again = ids + [t for ev in out for t in ev.tokens][:-2]   # the reply's own ids: in the pool
+        assert submit(e, again, 1).all()[-1].usage.cached_tokens == (len(again) - 1) // 16 * 16
+    finally:
+        e.close()

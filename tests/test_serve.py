@@ -353,3 +353,31 @@ def test_gpu_layers_and_a_port_in_use_are_one_line(tiny_dir):
         taken.listen()
         port = taken.getsockname()[1]
         assert_one_line_error(invoke("serve", "-m", tiny_dir, "--port", port), match=f"cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def r1_server(r1_dir):
+    with serving(r1_dir, "r1") as running:
+        yield running
+
+
+def test_thinking_comes_as_reasoning_content_before_the_answer(r1_server):
+    """On the tiny model under DeepSeek-R1's template, which thinks until its budget ends it."""
+    asked = dict(model="r1", messages=[{"role": "user", "content": "Why is the sky blue?"}], max_tokens=16,
+                 temperature=0, extra_body={"reasoning_budget": 4})
+    whole = r1_server.client.chat.completions.create(**asked).choices[0].message
+    thinking = whole.model_extra["reasoning_content"]
+    assert thinking.strip() and whole.model_extra["reasoning"] == thinking and whole.content
+    chunks = list(r1_server.client.chat.completions.create(**asked, stream=True))
+    deltas = [c.choices[0].delta.model_extra or {} for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == thinking
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.content
+    last_thought = max(i for i, d in enumerate(deltas) if d.get("reasoning_content"))
+    assert all(not c.choices[0].delta.content for c in chunks[:last_thought + 1])   # thinking first
+    off = r1_server.client.chat.completions.create(**asked | {"extra_body": {
+        "chat_template_kwargs": {"enable_thinking": False}}}).choices[0].message
+    assert "reasoning_content" not in (off.model_extra or {}) and off.content
+    # a follow-up turn may send the thinking back: the template decides what the model sees
+    follow = asked["messages"] + [{"role": "assistant", "content": whole.content, "reasoning_content": thinking},
+                                  {"role": "user", "content": "And at sunset?"}]
+    assert r1_server.client.chat.completions.create(**asked | {"messages": follow}).choices[0].message.content
