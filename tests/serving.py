@@ -41,6 +41,12 @@ class Running:
         return [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
 
 
+def with_context(model, positions: int = CTX):
+    """A tiny model (its own context: 256) with room for the server's context."""
+    model.config = type(model.config).from_dict(model.config.to_dict() | {"max_position_embeddings": positions})
+    return model
+
+
 @contextlib.contextmanager
 def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOptions(parallel=4, queue=16, ctx=CTX)):
     """The model at `model_dir` served as `name`, asking for the key KEY."""

@@ -15,7 +15,7 @@ import pytest
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.serve.server import listen
-from tests.serving import CTX, KEY, Running, serving
+from tests.serving import CTX, KEY, Running, serving, with_context
 from tests.test_cli import interruptible
 from tests.tiny import tiny_model_dir
 
@@ -26,9 +26,7 @@ LONG = "Tell me everything about the sky and the sea, " * 4
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory):
     """The tiny model with a long context: a reply to its end takes far longer than any test waits."""
-    model = tiny_model_dir()
-    model.config = type(model.config).from_dict(model.config.to_dict() | {"max_position_embeddings": 32768})
-    return write_model_dir(model, tmp_path_factory.mktemp("tiny") / "long")
+    return write_model_dir(with_context(tiny_model_dir(), 32768), tmp_path_factory.mktemp("tiny") / "long")
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
-from nibble.formats.catalog import Details, parameter_size
 from nibble.formats.errors import NibbleError
 from ..reasoning import ThinkingOptions
 from ..settings import SamplerSettings
@@ -388,25 +386,3 @@ def models(names: list[str], created: int) -> dict:
     """/v1/models: every model the server can serve, loaded or not."""
     return {"object": "list",
             "data": [{"id": name, "object": "model", "created": created, "owned_by": "nibble"} for name in names]}
-
-
-# A model kept until the server stops (--keep-alive -1): an expiry no clock reaches, which ollama's
-# clients show as "Forever".
-NEVER = "9999-12-31T23:59:59Z"
-
-
-def running_model(name: str, details: Details | None, size: int, ctx: int, until: float | None) -> dict:
-    """One loaded model as ollama's `GET /api/ps` lists it, on the CPU (no VRAM); `until`: when
-    the keep-alive unloads it (time.time(); None: never)."""
-    about = {"parent_model": "", "format": details.format, "family": details.family, "families": [details.family],
-             "parameter_size": parameter_size(details.parameters), "quantization_level": details.quantization} \
-        if details else {}
-    expires = NEVER if until is None else \
-        datetime.fromtimestamp(until, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return {"name": name, "model": name, "size": size, "digest": "", "details": about,
-            "expires_at": expires, "size_vram": 0, "context_length": ctx}
-
-
-def running_models(models: list[dict]) -> dict:
-    """ollama's `GET /api/ps` (its `nibble ps`): the models loaded."""
-    return {"models": models}

@@ -21,10 +21,10 @@ from starlette.routing import Route
 
 from nibble.formats.errors import NibbleError
 from ..engine import Event
-from . import api
-from .api import ApiError, Stamp, tool_call
 from ..reasoning import Thinking
 from ..tools import Call
+from . import anthropic, api, ollama, responses
+from .api import ApiError, Stamp, tool_call
 from .guard import Callers, Guard
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
@@ -32,9 +32,9 @@ from .replies import ReplyParts, chat_delta, chat_turn, completion_turn
 
 
 def make_app(models: Models, api_key: str | None = None, callers: Callers = Callers()) -> Starlette:
-    """The OpenAI API over `models`, and ollama's /api/ps, for the callers `callers` allows (by
-    default: requests to localhost, from no web page but loopback's); with `api_key`, every route
-    but /health asks for it."""
+    """OpenAI's chat, completions and Responses APIs, Anthropic's Messages API and ollama's API over
+    `models`, for the callers `callers` allows (by default: requests to localhost, from no web page
+    but loopback's); with `api_key`, every route but /health and / asks for it."""
     def route(path, handler, methods=("GET",), open=False):
         async def endpoint(request: Request) -> Response:
             try:
@@ -50,8 +50,17 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
 
     return Starlette(routes=[route("/v1/chat/completions", chat, ["POST"]),
                              route("/v1/completions", completions, ["POST"]),
+                             route("/v1/responses", responses.create, ["POST"]),
+                             route("/v1/messages", anthropic.messages, ["POST"]),
+                             route("/v1/messages/count_tokens", anthropic.count_tokens, ["POST"]),
                              route("/v1/models", list_models),
-                             route("/api/ps", running),
+                             route("/api/chat", ollama.chat, ["POST"]),
+                             route("/api/generate", ollama.generate, ["POST"]),
+                             route("/api/tags", ollama.tags),
+                             route("/api/show", ollama.show, ["POST"]),
+                             route("/api/ps", ollama.running),
+                             route("/api/version", ollama.version),
+                             route("/", ollama.heartbeat, open=True),
                              route("/health", health, open=True)],
                      middleware=[Middleware(Guard, callers=callers, refuse=_forbidden)],
                      exception_handlers={HTTPException: _http_error, Exception: _server_error})
@@ -59,7 +68,8 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
 
 # Each API answers errors in its own shape, picked by the request's path (the first prefix that
 # matches); the rest in OpenAI's.
-ERROR_SHAPES: list[tuple[str, Callable[[ApiError], dict]]] = []
+ERROR_SHAPES: list[tuple[str, Callable[[ApiError], dict]]] = [("/v1/messages", anthropic.error_body),
+                                                              ("/api/", ollama.error_body)]
 
 
 def error_response(e: ApiError, path: str = "") -> JSONResponse:
@@ -95,11 +105,6 @@ async def completions(models: Models, request: Request) -> Response:
 
 async def list_models(models: Models, request: Request) -> Response:
     return JSONResponse(api.models(list(models.refs), models.created))
-
-
-async def running(models: Models, request: Request) -> Response:
-    return JSONResponse(api.running_models(
-        [api.running_model(s.name, s.details, s.size, s.engine.ctx, until) for s, until in models.loaded()]))
 
 
 async def health(models: Models, request: Request) -> Response:
