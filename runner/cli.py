@@ -367,20 +367,23 @@ def _report(r, shown: Shown, as_json: bool, interrupted: bool = False):
 @model_option
 @click.option("-s", "--system", default="", help="System prompt of new chats (editable per chat).")
 @generation_options
+@thinking_options
 @gpu_options
-def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, draft, gpu_layers, require_gpu):
+def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, draft, thinking, gpu_layers,
+         require_gpu):
     """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
     threads = _threads(threads)
     _fetch_if_needed(model)
     from nibble.tui.app import ChatApp
-    # The seed is the app's, for every chat; the other flags lie over each model's defaults in new chats.
+    # The seed is the app's, for every chat; the other flags lie over each model's defaults in new chats;
+    # the thinking flags hold in every chat whose settings leave thinking at its default.
     # -c above a model's context: each session is as long as its model's (runner.session).
     seed = sampling.pop("seed", None)
     ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, threads=threads, seed=seed,
             system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
-            require_gpu=require_gpu, draft=draft).run()
+            require_gpu=require_gpu, draft=draft, thinking=thinking).run()
 
 
 def _in_terminal() -> bool:

@@ -11,6 +11,11 @@ until the pool needs the room: switching back to another chat prefills only its 
 
 A sampled reply is not always the tokenization its text would get again: the prompt memo
 (runner/prompt_ids.py) gives the ids the cache holds for the texts of earlier turns.
+
+A model that thinks (runner/reasoning.py) streams its thinking apart from its answer. An earlier
+reply's thinking comes back as its message's "reasoning_content", which the template keeps or
+drops as the model's own does; most drop it, so a reply that thought is not reused from the
+cache past its prompt.
 """
 from __future__ import annotations
 
@@ -20,10 +25,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .blocks import BlockPool, SeqBlocks
-from .cache import KVCache, blocks_for
+from .cache import KVCache
 from .generate import PREFILL_CHUNK, stream_generate
 from .model import ContextFull, Model
 from .prompt_ids import PromptMemo
+from .reasoning import ReasoningSplit, ThinkingOptions, chat_prompt
 from .sample import make_sampler
 from .settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 from .tokenizer import Tokenizer
@@ -49,8 +55,18 @@ class TurnStats:
 
 @dataclass(frozen=True)
 class ChatChunk:
-    text: str          # the new reply text since the previous chunk
+    text: str                 # the new answer text since the previous chunk
     stats: TurnStats
+    thinking: str = ""        # the new thinking text (a model that thinks), which comes before the answer
+    thinking_tokens: int = 0  # of the reply's tokens so far, those that were thinking (its budget's count)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A conversation rendered for one turn."""
+    text: str                      # through the chat template (the memo's key)
+    ids: list[int]
+    split: ReasoningSplit | None   # how its reply's thinking comes apart (None: the model does not think)
 
 
 class ChatSession:
@@ -61,13 +77,15 @@ class ChatSession:
             print(chunk.text, end="")
 
     With a `pool` (BlockPool of model.new_pool(), CPU only), the cache is a sequence of that
-    pool's blocks; without, a cache of its own. Not thread-safe: run one reply at a time (in any
-    one thread).
+    pool's blocks; without, a cache of its own. `thinking`: what is asked of a model that thinks
+    (the command line's --think and --reasoning-budget), unless a turn says otherwise. Not
+    thread-safe: run one reply at a time (in any one thread).
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx: int | None = None,
                  kv_type: str = "f32", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 pool: BlockPool | None = None, draft: int = DEFAULT_DRAFT):
+                 pool: BlockPool | None = None, draft: int = DEFAULT_DRAFT,
+                 thinking: ThinkingOptions = ThinkingOptions()):
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -81,6 +99,7 @@ class ChatSession:
         model.threads.pin(threads)
         self.prefill_chunk = prefill_chunk   # prompt tokens per forward pass of a long prefill
         self.draft = draft                   # tokens a decode pass guesses ahead (0: none)
+        self.thinking = thinking             # a turn's own options are laid over these
         self.memo = PromptMemo(tokenizer)
         self.last_prompt_ids: list[int] = []                # the ids of the last turn's prompt
 
@@ -96,22 +115,33 @@ class ChatSession:
         self.model.forward([0, 0], scratch)   # the prefill kernels
         self.model.forward([0], scratch)      # the decode kernels
 
-    def count(self, messages: list[dict]) -> int:
+    def count(self, messages: list[dict], thinking: ThinkingOptions | None = None) -> int:
         """Tokens of `messages` through the chat template, ready for the reply."""
-        return len(self.tokenizer.chat(messages)) if messages else 0
+        if not messages:
+            return 0
+        # not the memo's ids: a count may be asked for while a reply runs in another thread
+        return len(self.tokenizer.encode(self._render(messages, self._asked(thinking))[0]))
 
-    def fit(self, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
+    def fit(self, messages: list[dict], max_tokens: int,
+            thinking: ThinkingOptions | None = None) -> tuple[list[int], int]:
         """-> (prompt ids, how many of the oldest messages were left out)."""
-        _, ids, dropped = self._fit(messages, max_tokens)
-        return ids, dropped
+        prompt, dropped = self._fit(messages, max_tokens, self._asked(thinking))
+        return prompt.ids, dropped
 
-    def _encode(self, messages: list[dict]) -> tuple[str, list[int]]:
-        """The conversation's prompt text and ids, reusing the ids of what the cache holds."""
-        text = self.tokenizer.chat_template.render(messages)
-        return text, self.memo.encode(text)
+    def _asked(self, thinking: ThinkingOptions | None) -> ThinkingOptions:
+        """A turn's thinking options over the session's."""
+        return thinking.over(self.thinking) if thinking is not None else self.thinking
 
-    def _fit(self, messages: list[dict], max_tokens: int) -> tuple[str, list[int], int]:
-        """-> (prompt text, prompt ids, how many of the oldest messages were left out).
+    def _render(self, messages: list[dict], asked: ThinkingOptions) -> tuple[str, ReasoningSplit | None]:
+        return chat_prompt(self.tokenizer, messages, asked)
+
+    def _encode(self, messages: list[dict], asked: ThinkingOptions) -> Prompt:
+        """The conversation's prompt, its ids reusing those of what the cache holds."""
+        text, split = self._render(messages, asked)
+        return Prompt(text, self.memo.encode(text), split)
+
+    def _fit(self, messages: list[dict], max_tokens: int, asked: ThinkingOptions) -> tuple[Prompt, int]:
+        """-> (the prompt, how many of the oldest messages were left out).
 
         Drops whole turns (a user message and the replies after it), oldest first, never the
         system message nor the last user turn, until prompt + max_tokens fits the context. Raises
@@ -121,8 +151,8 @@ class ChatSession:
         turns = messages[len(system):]
         dropped = 0
         while True:
-            text, ids = self._encode(system + turns)
-            if len(ids) + max_tokens <= self.cache.size:
+            prompt = self._encode(system + turns, asked)
+            if len(prompt.ids) + max_tokens <= self.cache.size:
                 break
             n = 1   # the oldest turn: its user message and what follows up to the next user message
             while n < len(turns) and turns[n]["role"] != "user":
@@ -130,16 +160,17 @@ class ChatSession:
             if n >= len(turns):
                 break   # only the last turn is left: answer in whatever room remains
             turns, dropped = turns[n:], dropped + n
-        if len(ids) >= self.cache.size:
+        if len(prompt.ids) >= self.cache.size:
             what = "the message and the system prompt take" if system else "the message takes"
-            raise ContextFull(f"{what} {len(ids)} tokens and the context holds {self.cache.size}: "
+            raise ContextFull(f"{what} {len(prompt.ids)} tokens and the context holds {self.cache.size}: "
                               "shorten it, or start nibble chat with a larger --ctx-size")
-        return text, ids, dropped
+        return prompt, dropped
 
     def reply(self, messages: list[dict], settings: SamplerSettings | None = None,
-              max_tokens: int = MAX_TOKENS) -> Iterator[ChatChunk]:
-        """Stream the assistant's reply to `messages` ([{"role", "content"}, ...]), sampled as
-        `settings` say (None: the model's defaults, tokenizer.sampling).
+              max_tokens: int = MAX_TOKENS, thinking: ThinkingOptions | None = None) -> Iterator[ChatChunk]:
+        """Stream the assistant's reply to `messages` ([{"role", "content"}, ...]; an earlier
+        reply's thinking as its "reasoning_content"), sampled as `settings` say (None: the model's
+        defaults, tokenizer.sampling), its thinking as `thinking` asks over the session's.
 
         The first chunk (empty text) comes before the prefill and says what will be prefilled
         and dropped; a long prefill then yields an empty chunk after each of its chunks; the last
@@ -147,7 +178,8 @@ class ChatSession:
         this generator) between two chunks: the cache and the session keep what ran, and the last
         chunk's stats with finish_reason "stopped" describe the turn.
         """
-        text, ids, dropped = self._fit(messages, max_tokens)
+        prompt, dropped = self._fit(messages, max_tokens, self._asked(thinking))
+        ids = prompt.ids
         self.last_prompt_ids = ids
         cache = self.cache
         # Keep what the cache shares with the new prompt; the last prompt token always runs,
@@ -162,18 +194,19 @@ class ChatSession:
         yield ChatChunk("", stats)
 
         sampler = make_sampler(settings or self.tokenizer.sampling, self.tokenizer)
-        reply = []
+        answer = []
         try:
             for r in stream_generate(self.model, self.tokenizer, ids[reused:], sampler=sampler,
                                      max_tokens=max_tokens, cache=cache, prefill_chunk=self.prefill_chunk,
-                                     draft=self.draft):
+                                     draft=self.draft, reasoning=prompt.split):
                 stats = replace(stats, generation_tokens=r.generation_tokens, prompt_tps=r.prompt_tps,
                                 generation_tps=r.generation_tps, ttft=r.ttft, ctx_used=cache.pos,
                                 finish_reason=r.finish_reason)
-                reply.append(r.text)
-                yield ChatChunk(r.text, stats)
+                answer.append(r.text)
+                yield ChatChunk(r.text, stats, r.thinking, prompt.split.thinking_tokens if prompt.split else 0)
         finally:   # also when the consumer stops the turn: note what the cache now holds
-            self._remember(text, ids, "".join(reply))
+            thought = prompt.split is not None and prompt.split.thinking_tokens > 0
+            self._remember(prompt, None if thought else "".join(answer))
 
     def _place(self, ids: list[int], reused: int, positions: int) -> int:
         """Put the cache where the pool holds most of `ids`: on its own blocks, cut to the
@@ -194,16 +227,20 @@ class ChatSession:
         cache.table = np.array(self.blocks.blocks, np.int32)
         return reused
 
-    def _remember(self, prompt_text: str, prompt_ids: list[int], reply: str):
+    def _remember(self, prompt: Prompt, answer: str | None):
         """Note the ids behind the cache's text: the prompt, then the reply as far as its tokens
-        ran (the last sampled token never does)."""
+        ran (the last sampled token never does). The reply is noted only where its tokens spell
+        `answer`, the text the next turn's template is given: not where the model thought (None),
+        since its tokens spell the thinking too, which the template renders its own way, if at all."""
         tokens = self.cache.tokens
-        if tokens[:len(prompt_ids)] != prompt_ids:
+        if tokens[:len(prompt.ids)] != prompt.ids:
             return   # the prefill was stopped halfway
-        self.memo.remember(prompt_text, prompt_ids)
-        said = self.tokenizer.decode(tokens[len(prompt_ids):])
-        if said and reply.startswith(said):
-            self.memo.remember(prompt_text + said, tokens)
+        self.memo.remember(prompt.text, prompt.ids)
+        if answer is None:
+            return
+        said = self.tokenizer.decode(tokens[len(prompt.ids):])
+        if said and answer.startswith(said):
+            self.memo.remember(prompt.text + said, tokens)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,6 +1,9 @@
 """Multi-turn chat on one KV cache, on the tiny model: reuse, equality with a fresh cache, stopping,
 and dropping the oldest turns when the context would overflow; each on a cache of the session's
-own and on a shared pool of blocks, where switching chats reuses the other chat's blocks."""
+own and on a shared pool of blocks, where switching chats reuses the other chat's blocks. Then a
+model that thinks: the tiny model under DeepSeek-R1's template, which opens the reply's <think>
+block, so that it thinks until a budget ends its thinking."""
+import copy
 from dataclasses import replace
 
 import pytest
@@ -10,7 +13,9 @@ from nibble.runner.blocks import BlockPool
 from nibble.runner.cache import blocks_for
 from nibble.runner.generate import stream_generate
 from nibble.runner.loader import load
+from nibble.runner.chat import ChatTemplate
 from nibble.runner.model import ContextFull
+from nibble.runner.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.sample import make_sampler
 from nibble.runner.session import ChatSession
@@ -232,3 +237,102 @@ def test_truncating_into_a_shared_block_keeps_the_other_chats_blocks(tiny):
     again, back, _ = run(s, a)
     assert back.reused == one.prompt_tokens + 7
     assert again == alone(tiny, s.last_prompt_ids)
+
+
+@pytest.fixture(scope="module")
+def r1(r1_dir):
+    model, tok = load(str(r1_dir))
+    tok.eos_ids = frozenset()
+    return model, tok
+
+
+# The forced end of thinking ("\n</think>\n\n") takes the tiny tokenizer 10 tokens: a reply of 20
+# thinks 4, ends its thinking and answers.
+BUDGET, REPLY = ThinkingOptions(budget=4), 20
+
+
+def thought_and_said(chunks) -> tuple[str, str]:
+    return "".join(c.thinking for c in chunks), "".join(c.text for c in chunks)
+
+
+def test_a_model_that_thinks_streams_its_thinking_apart_from_its_answer(r1):
+    s = ChatSession(*r1, ctx=256, thinking=BUDGET)
+    _, last, chunks = run(s, [user("Hello there")], max_tokens=REPLY)
+    thinking, answer = thought_and_said(chunks)
+    assert thinking and answer and thinking not in answer
+    first_answer = next(i for i, c in enumerate(chunks) if c.text)
+    assert not any(c.thinking for c in chunks[first_answer:])   # the thinking comes first
+    assert last.generation_tokens == REPLY and last.finish_reason == "length"   # thinking counted as before
+    assert chunks[-1].thinking_tokens == 4   # the budget's count
+    held = s.tokenizer.decode(s.cache.tokens[last.prompt_tokens:])
+    assert "</think>" in held   # the cache holds the reply as the model wrote it
+
+
+def test_thinking_off_for_the_session_or_for_one_turn(r1):
+    s = ChatSession(*r1, ctx=256, thinking=ThinkingOptions(think=False))
+    _, _, chunks = run(s, [user("Hello there")], max_tokens=REPLY)
+    thinking, answer = thought_and_said(chunks)
+    assert thinking == "" and answer
+    assert s.tokenizer.decode(s.last_prompt_ids).endswith("<think>\n</think>")   # closed in the prompt
+    s = ChatSession(*r1, ctx=256, thinking=BUDGET)
+    _, _, chunks = run(s, [user("Hello there")], max_tokens=REPLY, thinking=ThinkingOptions(think=False))
+    assert thought_and_said(chunks)[0] == ""
+    # A turn's options lie over the session's: unsaid, the session's budget holds.
+    _, _, chunks = run(s, [user("Hello there")], max_tokens=REPLY, thinking=ThinkingOptions())
+    assert thought_and_said(chunks)[0]
+
+
+def test_a_follow_up_reuses_the_prompt_and_sends_the_answer_not_the_thinking(r1):
+    s = ChatSession(*r1, ctx=256, thinking=BUDGET)
+    conv = [user("The quick brown fox")]
+    _, one, chunks = run(s, conv, max_tokens=REPLY)
+    thinking, answer = thought_and_said(chunks)
+    first_prompt = s.tokenizer.decode(s.last_prompt_ids)
+    conv += [{"role": "assistant", "content": answer, "reasoning_content": thinking}, user("jumps")]
+    again, two, _ = run(s, conv, max_tokens=REPLY)
+    prompt = s.tokenizer.decode(s.last_prompt_ids)
+    assert answer in prompt and thinking not in prompt   # DeepSeek-R1's template drops earlier thinking
+    # The prompt text is the same up to the reply, whose thinking the cache holds and the prompt
+    # does not: reused up to there, "<think>\n" excepted.
+    opening = len(s.tokenizer.encode("<think>\n", add_bos=False))
+    assert first_prompt.endswith("<think>\n") and two.reused == one.prompt_tokens - opening
+    assert again == alone_thinking(r1, s.last_prompt_ids)
+
+
+def test_a_reply_that_thought_is_not_remembered_as_its_answer(r1):
+    """Its tokens spell the thinking and the answer: remembered as the answer's, they would put the
+    thinking back into a prompt whose template dropped it."""
+    s = ChatSession(*r1, ctx=256, thinking=BUDGET)
+    run(s, [user("Hello there")], max_tokens=REPLY)
+    prompt = s.tokenizer.decode(s.last_prompt_ids)
+    assert [t for t in s.memo.texts if t.startswith(prompt) and t != prompt] == []
+
+
+def test_earlier_thinking_reaches_the_template_as_reasoning_content(r1):
+    """A template that keeps it (here every turn's) renders it in its own block, not in the content."""
+    model, tok = r1
+    keeps = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>\n"
+             "{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    tok = replace_template(tok, keeps)
+    s = ChatSession(model, tok, ctx=256, thinking=BUDGET)
+    conv = [user("Hi"), {"role": "assistant", "content": "Hello.", "reasoning_content": "A greeting."},
+            user("Bye")]
+    run(s, conv, max_tokens=2)
+    prompt = s.tokenizer.decode(s.last_prompt_ids)   # without the special tokens
+    assert "assistant\n<think>\nA greeting.\n</think>\n\nHello.\nuser\nBye" in prompt
+
+
+def replace_template(tok, source: str):
+    tok = copy.copy(tok)   # the module's tokenizer keeps its own
+    tok.chat_template = ChatTemplate(source, tok.chat_template.special_tokens)
+    return tok
+
+
+def alone_thinking(r1, prompt_ids):
+    """The greedy reply to `prompt_ids` (which open a <think> block) on a fresh cache, its answer."""
+    from nibble.runner.reasoning import THINK_END, ReasoningSplit
+    model, tok = r1
+    split = ReasoningSplit("think", inside=True, budget=4, end_ids=tok.encode(THINK_END, add_bos=False))
+    return "".join(r.text for r in stream_generate(model, tok, prompt_ids, sampler=make_sampler(GREEDY),
+                                                    max_tokens=REPLY, reasoning=split))

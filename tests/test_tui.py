@@ -9,6 +9,7 @@ from nibble.formats import catalog
 from nibble.formats.errors import NibbleError
 from nibble.runner import session as session_module
 from nibble.runner.loader import load
+from nibble.runner.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
 from nibble.tui.screens.keys import KeysScreen
 from nibble.tui.screens.models import ModelPicker
@@ -578,6 +579,7 @@ def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, ti
     assert r.exit_code == 0, r.output
     assert started[0].defaults == ChatSettings() and started[0].seed is None   # the same defaults
     assert started[0].sampling == {}   # no flags: each model's own sampling defaults apply
+    assert started[0].thinking == ThinkingOptions()   # as each model thinks
     r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir), "--temp", "0.3", "-s", "Be brief.",
                                   "-n", "64", "-c", "128", "--kv-cache", "int8", "--seed", "7", "-ngl", "0"])
     assert r.exit_code == 0, r.output
@@ -586,6 +588,9 @@ def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, ti
     assert (app.gpu_layers, app.require_gpu) == (0, False)
     assert app.defaults == ChatSettings(system="Be brief.", sampling=SamplerSettings(temperature=0.3), max_tokens=64)
     assert app.sampling == {"temperature": 0.3}   # laid over the model's defaults once it is loaded
+    r = CliRunner().invoke(main, ["chat", "-m", str(tiny_dir), "--no-think", "--reasoning-budget", "64"])
+    assert r.exit_code == 0, r.output
+    assert started[2].thinking == ThinkingOptions(think=False, budget=64)
 
 
 def test_nibble_help_does_not_import_the_app():
@@ -648,3 +653,150 @@ async def test_a_chat_template_that_fails_is_named_and_the_chat_goes_on(home, ti
                    for n in notes(app))
         await send(pilot, "hi")
         assert [m.role for m in app.chat_screen.history][-2:] == ["user", "assistant"]
+
+
+# A model that thinks: the tiny model under DeepSeek-R1's template, whose prompt opens the reply's
+# <think> block. A budget of 4 ends its thinking; the forced end ("\n</think>\n\n") takes the tiny
+# tokenizer 10 tokens, and the answer follows in a reply of 20.
+THINKS = dict(thinking=ThinkingOptions(budget=4), max_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def r1(r1_dir):
+    model, tok = load(str(r1_dir))
+    tok.eos_ids = frozenset()
+    return model, tok
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Generation that waits, after its first thinking, until the gate is set."""
+    real, gate = session_module.stream_generate, threading.Event()
+
+    def waiting(*args, **kwargs):
+        for r in real(*args, **kwargs):
+            yield r
+            if r.thinking:
+                gate.wait(60)
+    monkeypatch.setattr(session_module, "stream_generate", waiting)
+    yield gate
+    gate.set()
+
+
+def title(view) -> str:
+    return str(view.thinking.query_one("CollapsibleTitle").render())
+
+
+async def test_thinking_streams_open_then_folds_above_the_answer_and_is_stored_apart(home, r1, gated):
+    app = make_app(r1, **THINKS)
+    replies = lambda: db_rows(home, "SELECT content, thinking, writer FROM messages WHERE role = 'assistant'")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hello there", wait=False)
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.turn is not None and screen.turn.view.thinking is not None,
+                       what="the thinking")
+        view = screen.turn.view
+        await wait_for(pilot, lambda: replies() and replies()[0][1], what="the thinking on disk")
+        assert not view.thinking.collapsed and title(view).endswith("Thinking…") and view.source == ""
+        assert replies() == [("", screen.turn.thinking, app.store.writer)]   # a kill would keep it
+        gated.set()
+        await idle(pilot)
+        reply = screen.history[-1]
+        assert reply.thinking and reply.content and reply.thinking not in reply.content
+        assert reply.stats["thinking_tokens"] == 4 and reply.stats["generation_tokens"] == 20
+        assert view.thinking.collapsed and title(view).endswith("Thought for 4 tokens")
+        assert view.source == reply.content and view.thinking.body.source == reply.thinking
+        parts = [w for w in view.children if w in (view.thinking, view.body)]
+        assert parts == [view.thinking, view.body]   # the thinking above the answer
+    assert replies() == [(reply.content, reply.thinking, None)]
+
+
+async def test_stored_thinking_reloads_folded_opens_by_click_or_key_and_goes_back_as_reasoning_content(
+        home, r1):
+    app = make_app(r1, **THINKS)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hello there")
+        first = app.chat_screen.history[-1]
+    app = make_app(r1, **THINKS)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await screen.open_chat(1)
+        await pilot.pause()   # laid out: the title is where a click lands
+        view = views(app)[-1]
+        assert view.thinking.collapsed and title(view).endswith("Thought for 4 tokens")
+        assert view.thinking.body.source == first.thinking and view.source == first.content
+        assert await pilot.click(view.thinking.query_one("CollapsibleTitle"))
+        await pilot.pause()
+        assert not view.thinking.collapsed and screen.prompt.has_focus   # still typing there
+        await pilot.press("f3")   # the last reply's, from the message box
+        assert view.thinking.collapsed
+        view.thinking.query_one("CollapsibleTitle").focus()   # as Tab reaches it
+        await pilot.press("enter")
+        assert not view.thinking.collapsed
+        screen.prompt.focus()
+        sent = []
+        reply = app.session.reply
+        app.session.reply = lambda messages, *args: (sent.append(messages), reply(messages, *args))[1]
+        await send(pilot, "And then?")
+        assert sent[0][:2] == [
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": first.content, "reasoning_content": first.thinking}]
+        prompt = app.session.tokenizer.decode(app.session.last_prompt_ids)
+        assert first.content in prompt and first.thinking not in prompt   # R1's template drops it
+        assert views(app)[-1].thinking is not None
+
+
+async def test_no_thinking_with_no_think_or_the_chats_setting(home, r1):
+    app = make_app(r1, max_tokens=20, thinking=ThinkingOptions(think=False))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hello there")
+        reply = app.chat_screen.history[-1]
+        assert reply.content and reply.thinking == "" and views(app)[-1].thinking is None
+        assert "thinking_tokens" not in reply.stats
+    app = make_app(r1, **THINKS)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        dialog.query_one("#think").value = "off"
+        await pilot.press("ctrl+s")
+        assert app.screen is app.chat_screen
+        assert app.chat_screen.settings.thinking == ThinkingOptions(think=False)
+        await send(pilot, "Hello there")
+        assert app.chat_screen.history[-1].thinking == "" and views(app)[-1].thinking is None
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        dialog.query_one("#think").value = "default"
+        dialog.query_one("#reasoning_budget").value = "-5"
+        await pilot.press("ctrl+s")
+        assert app.screen is dialog and "Thinking budget: '-5'" in str(dialog.query_one("#error").render())
+        dialog.query_one("#reasoning_budget").value = "2"
+        await pilot.press("ctrl+s")
+        await pilot.press("ctrl+r")
+        await idle(pilot)
+        reply = app.chat_screen.history[-1]
+        assert reply.thinking and reply.stats["thinking_tokens"] == 2   # the chat's budget over the app's
+    stored = Store.open()[0].chats()[0].settings.thinking
+    assert stored == ThinkingOptions(None, 2)
+
+
+async def test_a_reply_stopped_while_it_thinks_keeps_its_thinking(home, r1, gated):
+    app = make_app(r1, **THINKS)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hello there", wait=False)
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.turn is not None and screen.turn.thinking, what="the thinking")
+        view = screen.turn.view
+        await pilot.press("escape")
+        gated.set()
+        await idle(pilot)
+        reply = screen.history[-1]
+        assert reply.finish == "stopped" and reply.thinking and reply.content == ""
+        assert not view.thinking.collapsed and "Thought for" in title(view)   # all there is: left open
+    assert db_rows(home, "SELECT thinking, finish FROM messages WHERE role = 'assistant'") == [
+        (reply.thinking, "stopped")]

@@ -77,6 +77,30 @@ def test_interrupted_reply(snap_compare, tiny):
     assert snap_compare(make_app(tiny), terminal_size=SIZE, run_before=open_story)
 
 
+def test_thinking_folded_above_the_answer(snap_compare, tiny):
+    store, _ = Store.open()
+    chat = store.create_chat("Boiling point", "qwen3", ChatSettings())
+    store.add_message(chat.id, Message(None, "user", "At what temperature does water boil on Everest?"))
+    store.add_message(chat.id, Message(
+        None, "assistant", "About **70 °C**: the air pressure at the summit is about a third of sea level's.",
+        "stop", {"generation_tokens": 96, "generation_tps": 35.1, "prefilled": 21, "thinking_tokens": 74},
+        thinking="The user asks about the boiling point at altitude. Lower pressure, lower boiling point..."))
+    store.add_message(chat.id, Message(None, "user", "And on Mont Blanc?"))
+    store.add_message(chat.id, Message(
+        None, "assistant", "About **85 °C**.", "stop",
+        {"generation_tokens": 40, "generation_tps": 36.0, "prefilled": 12, "reused": 80, "thinking_tokens": 31},
+        thinking="Mont Blanc is 4,808 m high.\n\nThe pressure there is a little over half of sea level's."))
+    store.close()
+
+    async def open_and_unfold_the_last(pilot):
+        await ready(pilot)
+        await pilot.app.chat_screen.open_chat(chat.id)
+        pilot.app.chat_screen.prompt.cursor_blink = False
+        await pilot.press("f3")
+        await pilot.pause()
+    assert snap_compare(make_app(tiny), terminal_size=SIZE, run_before=open_and_unfold_the_last)
+
+
 def test_new_chat_while_the_model_loads(snap_compare, tiny):
     release = threading.Event()
 

@@ -5,6 +5,7 @@ import sqlite3
 
 import pytest
 
+from nibble.runner.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
 from nibble.tui import store as store_module
 from nibble.tui.store import ChatSettings, Message, Store
@@ -75,7 +76,20 @@ def test_settings_round_trip_under_flat_names(tmp_path):
     assert stored == {"system": "Be brief.", "temperature": 0.3, "top_k": 7, "top_p": 0.5, "min_p": 0.1,
                       "repetition_penalty": 1.2, "repeat_last_n": 32, "presence_penalty": 0.0,
                       "frequency_penalty": 0.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
-                      "dry_penalty_last_n": -1, "max_tokens": 99}
+                      "dry_penalty_last_n": -1, "max_tokens": 99, "think": None, "reasoning_budget": None}
+
+
+def test_a_chats_thinking_settings_round_trip_and_bad_ones_are_refused(tmp_path):
+    store, _ = Store.open(tmp_path / "h.db")
+    settings = ChatSettings(thinking=ThinkingOptions(think=False, budget=64))
+    chat = store.create_chat("c", "m", settings)
+    assert store.chat(chat.id).settings == settings
+    stored = json.loads(store.db.execute("SELECT settings FROM chats").fetchone()[0])
+    assert (stored["think"], stored["reasoning_budget"]) == (False, 64)
+    # unsaid in a record of an older nibble: the app's and the model's way
+    assert ChatSettings.from_json('{"temperature": 0.1}').thinking == ThinkingOptions()
+    for bad in ('{"think": "yes"}', '{"think": 1}', '{"reasoning_budget": -2}', '{"reasoning_budget": 1.5}'):
+        assert ChatSettings.from_json(bad) == ChatSettings()
 
 
 @pytest.mark.parametrize("content", [b"garbage " * 200, b"SQLite format 3\x00" + b"\xff" * 4000])
@@ -116,7 +130,7 @@ def test_an_unwritable_data_dir_keeps_chats_in_memory(tmp_path):
     assert store.path is None and "in memory" in warning
 
 
-# The schema nibble 0.1 created (user_version 1): no writer column.
+# The schema nibble 0.1 created (user_version 1): no writer column, nor thinking.
 SCHEMA_1 = """
 CREATE TABLE chats (id INTEGER PRIMARY KEY, title TEXT NOT NULL, model TEXT NOT NULL DEFAULT '',
     settings TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL, updated REAL NOT NULL);
@@ -143,10 +157,13 @@ def test_a_version_1_history_is_migrated_and_kept(tmp_path):
     store, warning = Store.open(path)
     assert warning is None
     assert store.db.execute("PRAGMA user_version").fetchone() == (store_module.VERSION,)
-    assert [(m.role, m.content, m.finish, m.writer) for m in store.messages(1)] == [
-        ("user", "Hi", None, None), ("assistant", "Hello!", "stop", None)]
+    assert [(m.role, m.content, m.finish, m.writer, m.thinking) for m in store.messages(1)] == [
+        ("user", "Hi", None, None, ""), ("assistant", "Hello!", "stop", None, "")]
     reply = start_reply(store, 1)
-    assert store.messages(1)[-1].writer == store.writer   # the new column works
+    assert store.messages(1)[-1].writer == store.writer   # the new columns work
+    reply.content, reply.thinking, reply.finish = "Bye.", "They are leaving.", "stop"
+    store.end_reply(reply)
+    assert store.messages(1)[-1].thinking == "They are leaving."
     store.close()
     again, _ = Store.open(path)   # opened again: migrated once only
     assert [m.id for m in again.messages(1)] == [1, 2, reply.id]
@@ -197,3 +214,50 @@ def test_a_writer_tag_names_one_process_not_its_pid():
 def db_count(path, sql) -> int:
     with sqlite3.connect(path) as db:
         return db.execute(sql).fetchone()[0]
+
+
+# The schema of user_version 2: a writer, no thinking.
+SCHEMA_2 = """
+CREATE TABLE chats (id INTEGER PRIMARY KEY, title TEXT NOT NULL, model TEXT NOT NULL DEFAULT '',
+    settings TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (id INTEGER PRIMARY KEY, chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+    role TEXT NOT NULL, content TEXT NOT NULL, finish TEXT, stats TEXT, created REAL NOT NULL, writer TEXT);
+CREATE INDEX messages_by_chat ON messages(chat_id, id);
+CREATE INDEX messages_being_written ON messages(writer) WHERE writer IS NOT NULL;
+INSERT INTO chats VALUES (1, 'old chat', 'smollm2', '{"temperature": 0.2}', 1.0, 2.0);
+INSERT INTO messages VALUES (1, 1, 'user', 'Hi', NULL, NULL, 1.0, NULL), (2, 1, 'assistant', 'Hello!', 'stop', NULL, 2.0, NULL);
+PRAGMA user_version = 2;
+"""
+
+
+def test_a_version_2_history_gets_a_column_for_thinking(tmp_path):
+    path = tmp_path / "history.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(SCHEMA_2)
+    store, warning = Store.open(path)
+    assert warning is None and store.db.execute("PRAGMA user_version").fetchone() == (store_module.VERSION,)
+    assert [(m.content, m.thinking) for m in store.messages(1)] == [("Hi", ""), ("Hello!", "")]
+    assert store.chat(1).settings.sampling.temperature == 0.2   # the settings are kept too
+    store.add_message(1, Message(None, "assistant", "Bye.", "stop", thinking="They are leaving."))
+    store.close()
+    again, _ = Store.open(path)
+    assert [m.thinking for m in again.messages(1)] == ["", "", "They are leaving."]
+
+
+def test_a_replys_thinking_is_stored_as_it_grows_and_kept_if_its_writer_dies(tmp_path):
+    path = tmp_path / "h.db"
+    store, _ = Store.open(path)
+    chat = store.create_chat("c", "m", ChatSettings())
+    reply = start_reply(store, chat.id)
+    stream = store.reply_stream(reply.id)
+    stream.write("", {"generation_tokens": 3}, thinking="The user says hi")   # thinking, no answer yet
+    stream.close()
+    other, _ = Store.open(path)
+    assert [(m.content, m.thinking, m.writer) for m in other.messages(chat.id)] == [
+        ("", "The user says hi", store.writer)]
+    # Its writer killed while it thought: kept, interrupted, as a reply cut off mid-answer is.
+    store.db.execute("UPDATE messages SET writer = ? WHERE id = ?", (dead_writer(), reply.id))
+    store.db.commit()
+    other, _ = Store.open(path)
+    assert [(m.content, m.thinking, m.finish) for m in other.messages(chat.id)] == [
+        ("", "The user says hi", "interrupted")]

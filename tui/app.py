@@ -16,6 +16,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.message import Message
 
+from nibble.runner.reasoning import ThinkingOptions
 from nibble.runner.settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
 from .screens.chat import ChatScreen
@@ -78,11 +79,14 @@ class ChatApp(App):
                  kv_cache: str = "f32", threads: int | None = None, seed: int | None = None,
                  system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
                  store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,
-                 require_gpu: bool = False, draft: int = DEFAULT_DRAFT):
+                 require_gpu: bool = False, draft: int = DEFAULT_DRAFT,
+                 thinking: ThinkingOptions = ThinkingOptions()):
         """`model` is loaded at start (None: none until one is picked with ctrl+o).
         New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
         `sampling` ({SamplerSettings field: value}, the command line's flags) laid over them.
         `draft`: the most tokens a decode pass guesses ahead (0: none; runner/draft.py).
+        `thinking`: what is asked of a model that thinks (--think, --reasoning-budget), in every
+        chat whose settings do not say otherwise.
         `load(ref, quant) -> (model, tokenizer)` replaces runner.loader.load (tests share one
         loaded model this way)."""
         super().__init__()
@@ -91,6 +95,7 @@ class ChatApp(App):
         self.threads, self.seed = threads, seed
         self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
         self.draft = draft
+        self.thinking = thinking
         self.system, self.sampling, self.max_tokens = system, dict(sampling or {}), max_tokens
         self.defaults = self.new_chat_settings(SamplerSettings())   # until a model is loaded
         self.store_path = store_path
@@ -167,7 +172,8 @@ class ChatApp(App):
                 step = 2
                 self._post(LoadProgress(ref, step, "preparing the kernels"))
                 session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
-                                      threads=self.threads, pool=self._pool(model), draft=self.draft)
+                                      threads=self.threads, pool=self._pool(model), draft=self.draft,
+                                      thinking=self.thinking)
                 session.warm_up()
         except Exception as e:   # any failure becomes a notification; the app stays usable
             from nibble.formats.errors import NibbleError

@@ -19,12 +19,13 @@ from pathlib import Path
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.paths import data_home
+from nibble.runner.reasoning import ThinkingOptions
 from nibble.runner.settings import MAX_TOKENS, SamplerSettings
 
 # Seconds to wait for another nibble chat's write before calling the file locked.
 BUSY_TIMEOUT = 2.0
 
-VERSION = 2
+VERSION = 3
 WRITING_INDEX = "CREATE INDEX messages_being_written ON messages(writer) WHERE writer IS NOT NULL"
 SCHEMA = ["""
 CREATE TABLE chats (
@@ -39,7 +40,8 @@ CREATE TABLE messages (
     id      INTEGER PRIMARY KEY,
     chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
     role    TEXT NOT NULL,                  -- system, user or assistant
-    content TEXT NOT NULL,
+    content TEXT NOT NULL,                  -- a reply's answer
+    thinking TEXT NOT NULL DEFAULT '',      -- a reply's thinking (a model that thinks), before its answer
     finish  TEXT,                           -- a reply's end: stop, length, context, stopped
                                             -- (Esc, quit), error or interrupted (its writer died)
     stats   TEXT,                           -- a reply's TurnStats as JSON
@@ -47,21 +49,25 @@ CREATE TABLE messages (
     writer  TEXT                            -- a reply being written: its process (process_tag)
 )""", "CREATE INDEX messages_by_chat ON messages(chat_id, id)", WRITING_INDEX]
 # Each version's way to the next.
-MIGRATIONS = {1: ["ALTER TABLE messages ADD COLUMN writer TEXT", WRITING_INDEX]}
+MIGRATIONS = {1: ["ALTER TABLE messages ADD COLUMN writer TEXT", WRITING_INDEX],
+              2: ["ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''"]}
 
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """A chat's system prompt, sampling settings and reply length, stored with the chat."""
+    """A chat's system prompt, sampling settings, reply length and thinking, stored with the chat."""
     system: str = ""                                # "": the chat template's own
     sampling: SamplerSettings = SamplerSettings()   # its seed is unused: the app's (--seed) applies
     max_tokens: int = MAX_TOKENS
+    # think and budget only; unsaid, the app's (--think, --reasoning-budget) or the model's way
+    thinking: ThinkingOptions = ThinkingOptions()
 
     def flat(self) -> dict:
-        """The settings under one level of names (SamplerSettings' own, but the seed, plus system and
-        max_tokens): as stored, and as the settings screen shows them."""
+        """The settings under one level of names (SamplerSettings' own, but the seed, plus system,
+        max_tokens, think and reasoning_budget): as stored, and as the settings screen shows them."""
         sampling = {k: v for k, v in asdict(self.sampling).items() if k != "seed"}
-        return {"system": self.system, **sampling, "max_tokens": self.max_tokens}
+        return {"system": self.system, **sampling, "max_tokens": self.max_tokens,
+                "think": self.thinking.think, "reasoning_budget": self.thinking.budget}
 
     @classmethod
     def from_flat(cls, values: dict) -> ChatSettings:
@@ -69,7 +75,8 @@ class ChatSettings:
         (a bad sampling value) or TypeError (a value of the wrong type)."""
         names = {f.name for f in fields(SamplerSettings)} - {"seed"}
         sampling = SamplerSettings(**{k: v for k, v in values.items() if k in names})
-        return cls(values.get("system", ""), sampling, values.get("max_tokens", MAX_TOKENS))
+        return cls(values.get("system", ""), sampling, values.get("max_tokens", MAX_TOKENS),
+                   _thinking(values.get("think"), values.get("reasoning_budget")))
 
     @classmethod
     def from_json(cls, text: str | None, default: ChatSettings | None = None) -> ChatSettings:
@@ -92,6 +99,15 @@ class ChatSettings:
         return json.dumps(self.flat())
 
 
+def _thinking(think, budget) -> ThinkingOptions:
+    """A chat's thinking options, checked as the command line's flags are."""
+    if think is not None and type(think) is not bool:
+        raise TypeError(f"think must be true, false or null, not {think!r}")
+    if budget is not None and (type(budget) is not int or budget < -1):
+        raise TypeError(f"reasoning_budget must be a whole number from -1, not {budget!r}")
+    return ThinkingOptions(think, budget)
+
+
 @dataclass
 class Chat:
     id: int
@@ -110,6 +126,7 @@ class Message:
     finish: str | None = None
     stats: dict = field(default_factory=dict)
     writer: str | None = None   # a reply being written: by this process or another nibble chat
+    thinking: str = ""          # a reply's thinking, kept apart from its answer (content)
 
 
 class Store:
@@ -190,19 +207,19 @@ class Store:
 
     def messages(self, chat_id: int) -> list[Message]:
         _settle(self.db, chat_id)
-        rows = self.db.execute("SELECT id, role, content, finish, stats, writer FROM messages "
+        rows = self.db.execute("SELECT id, role, content, finish, stats, writer, thinking FROM messages "
                                "WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
-        return [Message(i, role, content, finish, json.loads(stats) if stats else {}, writer)
-                for i, role, content, finish, stats, writer in rows]
+        return [Message(i, role, content, finish, json.loads(stats) if stats else {}, writer, thinking)
+                for i, role, content, finish, stats, writer, thinking in rows]
 
     def add_message(self, chat_id: int, message: Message) -> int:
         """Store `message` at the end of the chat; sets and returns its id."""
         now = time.time()
         with self.db:
             cur = self.db.execute(
-                "INSERT INTO messages (chat_id, role, content, finish, stats, created, writer) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (chat_id, message.role, message.content, message.finish,
+                "INSERT INTO messages (chat_id, role, content, thinking, finish, stats, created, writer) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, message.role, message.content, message.thinking, message.finish,
                  json.dumps(message.stats) if message.stats else None, now, message.writer))
             self.db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
         message.id = cur.lastrowid
@@ -214,11 +231,11 @@ class Store:
         return ReplyStream(self.path, message_id, self.writer) if self.path else None
 
     def end_reply(self, message: Message):
-        """Store the reply's final text, stats and finish; it is nobody's to write any more."""
+        """Store the reply's final text, thinking, stats and finish; it is nobody's to write any more."""
         message.writer = None
         with self.db:
-            self.db.execute("UPDATE messages SET content = ?, finish = ?, stats = ?, writer = NULL "
-                            "WHERE id = ?", (message.content, message.finish,
+            self.db.execute("UPDATE messages SET content = ?, thinking = ?, finish = ?, stats = ?, writer = NULL "
+                            "WHERE id = ?", (message.content, message.thinking, message.finish,
                                              json.dumps(message.stats) if message.stats else None,
                                              message.id))
             self.db.execute("UPDATE chats SET updated = ? WHERE id = (SELECT chat_id FROM messages "
@@ -236,22 +253,23 @@ class Store:
 
 
 class ReplyStream:
-    """A reply's text and stats written as they grow, each time in one transaction, from the
+    """A reply's text, thinking and stats written as they grow, each time in one transaction, from the
     generation thread on a connection of its own: the UI thread never waits for the disk."""
 
     def __init__(self, path: Path, message_id: int, writer: str):
         self.path, self.message_id, self.writer = path, message_id, writer
         self.db: sqlite3.Connection | None = None   # opened by the thread that writes
 
-    def write(self, text: str, stats: dict):
+    def write(self, text: str, stats: dict, thinking: str = ""):
         try:
             if self.db is None:
                 self.db = _open(self.path)
             with self.db:
                 # Only while the reply is still this process's: the app may have ended it (quit)
                 # or deleted its chat meanwhile.
-                self.db.execute("UPDATE messages SET content = ?, stats = ? WHERE id = ? AND writer = ?",
-                                (text, json.dumps(stats), self.message_id, self.writer))
+                self.db.execute("UPDATE messages SET content = ?, thinking = ?, stats = ? "
+                                "WHERE id = ? AND writer = ?",
+                                (text, thinking, json.dumps(stats), self.message_id, self.writer))
         except sqlite3.Error:
             pass   # a busy or full disk: the next write, or the app's at the reply's end, tries again
 
@@ -309,7 +327,8 @@ def _connect(path: Path | str) -> sqlite3.Connection:
         if db.execute("PRAGMA user_version").fetchone()[0] < VERSION:
             _migrate(db)
         db.execute("SELECT id, title, model, settings, created, updated FROM chats LIMIT 1").fetchall()
-        db.execute("SELECT id, chat_id, role, content, finish, stats, writer FROM messages LIMIT 1").fetchall()
+        db.execute("SELECT id, chat_id, role, content, thinking, finish, stats, writer FROM messages "
+                   "LIMIT 1").fetchall()
         _settle(db)
     except BaseException:
         db.close()
@@ -338,17 +357,17 @@ def _migrate(db: sqlite3.Connection):
 
 def _settle(db: sqlite3.Connection, chat_id: int | None = None):
     """Mark the replies (of one chat, or all) whose writer died as interrupted, as far as
-    they were written; one that had no text yet is dropped, as a reply stopped before its
-    first word is. A live writer's (another nibble chat's) are left to it."""
+    they were written; one that had no text yet (nor thinking) is dropped, as a reply stopped
+    before its first word is. A live writer's (another nibble chat's) are left to it."""
     one_chat = (" AND chat_id = ?", (chat_id,)) if chat_id is not None else ("", ())
-    rows = db.execute("SELECT id, content, writer FROM messages WHERE writer IS NOT NULL" + one_chat[0],
-                      one_chat[1]).fetchall()
-    dead = [(i, content) for i, content, writer in rows if not is_alive(writer)]
+    rows = db.execute("SELECT id, content != '' OR thinking != '', writer FROM messages "
+                      "WHERE writer IS NOT NULL" + one_chat[0], one_chat[1]).fetchall()
+    dead = [(i, written) for i, written, writer in rows if not is_alive(writer)]
     if dead:
         with db:
             db.executemany("UPDATE messages SET finish = 'interrupted', writer = NULL WHERE id = ?",
-                           [(i,) for i, content in dead if content])
-            db.executemany("DELETE FROM messages WHERE id = ?", [(i,) for i, content in dead if not content])
+                           [(i,) for i, written in dead if written])
+            db.executemany("DELETE FROM messages WHERE id = ?", [(i,) for i, written in dead if not written])
 
 
 def _is_locked(e: sqlite3.OperationalError) -> bool:

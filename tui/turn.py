@@ -2,9 +2,9 @@
 
 The loop runs in a thread worker. It posts what it has at most every `frame` seconds, not every
 token, and adapts that frame to what drawing costs the UI thread (see UIClock). Every SAVE seconds
-it also stores the reply so far (store.ReplyStream): a killed app loses that much text at most.
-Cancelling the worker stops the reply: the loop stops iterating after the current token (or
-prefill chunk).
+it also stores the reply so far, thinking and answer (store.ReplyStream): a killed app loses that
+much text at most. Cancelling the worker stops the reply: the loop stops iterating after the
+current token (or prefill chunk).
 """
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ class Turn:
     chat_id: int
     view: MessageView
     worker: Worker | None = None   # the thread worker generating it
-    text: str = ""                 # what the UI has received so far
-    stats: dict = field(default_factory=dict)
+    text: str = ""                 # the answer the UI has received so far
+    thinking: str = ""             # the thinking the UI has received so far (a model that thinks)
+    stats: dict = field(default_factory=dict)   # TurnStats, and thinking_tokens where it thought
     saved: bool = False            # stored already (on quit), or not to be stored (chat deleted)
     noticed: bool = False          # the "oldest messages left out" notice is shown
 
@@ -81,8 +82,15 @@ class Turn:
 @dataclass
 class TurnUpdate(TextualMessage):
     turn: Turn
-    text: str
-    stats: object   # runner.session.TurnStats
+    text: str                 # the new answer text
+    stats: object             # runner.session.TurnStats
+    thinking: str = ""        # the new thinking text, which comes before the answer
+    thinking_tokens: int = 0  # of the reply's tokens so far, those that were thinking
+
+
+def stored_stats(stats, thinking_tokens: int) -> dict:
+    """A reply's stats as stored with it: the TurnStats, and how long it thought if it did."""
+    return asdict(stats) | ({"thinking_tokens": thinking_tokens} if thinking_tokens else {})
 
 
 @dataclass
@@ -92,28 +100,31 @@ class TurnFailed(TextualMessage):
 
 
 def run_turn(post: Callable[[TextualMessage], object], turn: Turn, session, messages: list[dict],
-             sampling, max_tokens: int, stream: ReplyStream | None = None):
-    """Generate the reply to `messages` with `session` (a runner.session.ChatSession) and
-    `sampling` (a SamplerSettings), posting TurnUpdates (the last one with a finish_reason,
-    "stopped" once the turn is stopping) or a TurnFailed, and writing the text so far to `stream`
-    every SAVE seconds. Runs in the turn's worker thread."""
-    text, posted, frame, ui = "", 0, FRAME, UIClock()
+             sampling, max_tokens: int, stream: ReplyStream | None = None, thinking=None):
+    """Generate the reply to `messages` with `session` (a runner.session.ChatSession),
+    `sampling` (a SamplerSettings) and `thinking` (the chat's reasoning.ThinkingOptions, None:
+    the session's), posting TurnUpdates (the last one with a finish_reason, "stopped" once the
+    turn is stopping) or a TurnFailed, and writing the text so far to `stream` every SAVE
+    seconds. Runs in the turn's worker thread."""
+    text, thought, posted, posted_thought, frame, ui = "", "", 0, 0, FRAME, UIClock()
     last = saved = time.monotonic()
-    chunks = session.reply(messages, sampling, max_tokens)
+    chunks = session.reply(messages, sampling, max_tokens, thinking)
     try:
         for chunk in chunks:
             text += chunk.text
-            now, s = time.monotonic(), chunk.stats
+            thought += chunk.thinking
+            now, s, thinking_tokens = time.monotonic(), chunk.stats, chunk.thinking_tokens
             if turn.stopping and not s.finish_reason:
                 # Stop before the final update: once it is handled, the next reply may start.
                 chunks.close()
                 s = replace(s, finish_reason="stopped")
             if stream is not None and (s.finish_reason or s.generation_tokens <= 1 or now - saved >= SAVE):
-                stream.write(text, asdict(s))   # before the UI has it: the app ends the reply
+                # before the UI has it: the app ends the reply
+                stream.write(text, stored_stats(s, thinking_tokens), thought)
                 saved = now
             if s.finish_reason or s.generation_tokens <= 1 or now - last >= frame:
-                post(TurnUpdate(turn, text[posted:], s))
-                posted, last = len(text), now
+                post(TurnUpdate(turn, text[posted:], s, thought[posted_thought:], thinking_tokens))
+                posted, posted_thought, last = len(text), len(thought), now
                 frame = ui.next_frame(frame)
     except Exception as e:   # shown as a notification; the app goes on
         post(TurnFailed(turn, e))

@@ -400,8 +400,10 @@ def _within_context(make_turn):
 
 
 async def _lines(model: str, reply: AsyncIterator[Piece], shape) -> AsyncIterator[str]:
-    """A streamed reply: one JSON object a line; a failure as ollama's error object, which its
+    """A streamed reply: one JSON object a line, the first (empty) at once, before the prompt's
+    prefill, as the other APIs' first events; a failure as ollama's error object, which its
     clients raise."""
+    yield _line(shape(model, Piece()))
     try:
         async for piece in reply:
             yield _line(shape(model, piece))

@@ -3,11 +3,13 @@
 A reply is generated in one thread worker at a time (tui/turn.py), and stored as it grows; Esc
 cancels the worker, which stops iterating over the reply after the current token, and what was
 written is kept, marked "stopped" (as on quitting; "interrupted" is for a reply whose app died).
+A model's thinking is shown and stored apart from its answer, and sent back with it as the
+message's "reasoning_content" (the chat template keeps or drops it, as the model's does).
 """
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from textual import work
 from textual.app import ComposeResult
@@ -17,7 +19,7 @@ from textual.screen import Screen
 from textual.widgets import Label
 
 from ..store import Chat, ChatSettings, Message
-from ..turn import Turn, TurnFailed, TurnUpdate, run_turn
+from ..turn import Turn, TurnFailed, TurnUpdate, run_turn, stored_stats
 from ..widgets.messages import ChatView, MessageView
 from ..widgets.prompt import PromptInput
 from ..widgets.sidebar import ChatList
@@ -28,9 +30,18 @@ from .settings import SettingsScreen
 TITLE_LENGTH = 40
 
 
-def kept(text: str, finish: str) -> bool:
-    """Whether a reply is kept: one stopped or failed before its first word is not."""
-    return bool(text) or finish not in ("stopped", "error")
+def kept(text: str, finish: str, thinking: str = "") -> bool:
+    """Whether a reply is kept: one stopped or failed before its first word (of thinking or
+    answer) is not."""
+    return bool(text or thinking) or finish not in ("stopped", "error")
+
+
+def sent(message: Message) -> dict:
+    """A stored message as the model is given it: a reply's thinking apart from its answer."""
+    out = {"role": message.role, "content": message.content}
+    if message.thinking:
+        out["reasoning_content"] = message.thinking
+    return out
 
 
 class ChatScreen(Screen):
@@ -40,10 +51,12 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_chat", "New", tooltip="Start a new chat"),
         Binding("ctrl+r", "regenerate", "Regenerate", tooltip="Write the last reply again"),
         Binding("ctrl+l", "edit_last", "Edit", tooltip="Edit your last message and send it again"),
-        Binding("ctrl+s", "settings", "Settings", tooltip="This chat's system prompt and sampling settings"),
+        Binding("ctrl+s", "settings", "Settings", tooltip="This chat's system prompt, sampling and thinking"),
         Binding("ctrl+t", "copy_reply", "Copy reply", show=False, tooltip="Copy the last reply"),
         Binding("ctrl+f", "copy_code", "Copy code", show=False,
                 tooltip="Copy the last code block of the last reply"),
+        Binding("f3", "toggle_thinking", "Thinking", show=False,
+                tooltip="Show or hide the last reply's thinking"),
         Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
         Binding("f8", "delete_chat", "Delete", show=False, tooltip="Delete this chat"),
     ]
@@ -95,7 +108,7 @@ class ChatScreen(Screen):
     def conversation(self) -> list[dict]:
         """The messages to send: the chat's system prompt, then the turns."""
         system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        return system + [{"role": m.role, "content": m.content} for m in self.history]
+        return system + [sent(m) for m in self.history]
 
     def _save(self, write, what: str) -> bool:
         try:
@@ -171,15 +184,19 @@ class ChatScreen(Screen):
         self.status.set_state("generating")
         sampling = replace(self.settings.sampling, seed=self.app.seed)
         self.turn.worker = self._generate(self.turn, session, self.conversation(), sampling,
-                                          self.settings.max_tokens, stream)
+                                          self.settings.max_tokens, stream, self.settings.thinking)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
-    def _generate(self, turn: Turn, session, messages, sampling, max_tokens: int, stream):
-        run_turn(self.post_message, turn, session, messages, sampling, max_tokens, stream)
+    def _generate(self, turn: Turn, session, messages, sampling, max_tokens: int, stream, thinking):
+        run_turn(self.post_message, turn, session, messages, sampling, max_tokens, stream, thinking)
 
     async def on_turn_update(self, m: TurnUpdate):
         turn, stats = m.turn, m.stats
-        turn.stats = asdict(stats)
+        turn.stats = stored_stats(stats, m.thinking_tokens)
+        if m.thinking:
+            turn.thinking += m.thinking
+            if turn.view.is_attached:
+                await turn.view.think(m.thinking, m.thinking_tokens)
         if m.text:
             turn.text += m.text
             if turn.view.is_attached:
@@ -212,7 +229,7 @@ class ChatScreen(Screen):
             turn.saved = True
             self._store_reply(turn, finish)
         if turn.view.is_attached:
-            if not kept(turn.text, finish):
+            if not kept(turn.text, finish, turn.thinking):
                 await turn.view.remove()
             else:
                 await turn.view.finish(turn.stats, finish)
@@ -227,11 +244,12 @@ class ChatScreen(Screen):
     def _store_reply(self, turn: Turn, finish: str):
         """Keep a finished or stopped reply: in the database, and in the history if shown."""
         message, chat_id = turn.view.message, turn.chat_id
-        if not kept(turn.text, finish):
+        if not kept(turn.text, finish, turn.thinking):
             if message.id is not None:
                 self._save(lambda: self.store.delete_messages_from(chat_id, message.id), "the reply")
             return
-        message.content, message.finish, message.stats = turn.text, finish, turn.stats
+        message.content, message.thinking = turn.text, turn.thinking
+        message.finish, message.stats = finish, turn.stats
         if message.id is None:   # could not be stored when it started
             message.writer = None
             self._save(lambda: self.store.add_message(chat_id, message), "the reply")
@@ -309,6 +327,11 @@ class ChatScreen(Screen):
                       if isinstance(w, MessageView) and w.message is message), len(children))
         for widget in children[first:]:
             await widget.remove()
+
+    def action_toggle_thinking(self):
+        view = self._last_reply()
+        if view is None or not view.toggle_thinking():
+            self.notify("The last reply has no thinking.", timeout=3)
 
     # Copying
 
@@ -403,7 +426,7 @@ class ChatScreen(Screen):
         session = self.app.session
         if session is not None:
             try:
-                used = session.count(self.conversation())
+                used = session.count(self.conversation(), self.settings.thinking)
             except Exception:   # a template that refuses this conversation: say so when sending
                 used = 0
             self.status.set_context(used, session.ctx_size)

@@ -15,6 +15,7 @@ WIDGET_KEYS = [
     ("tab, shift+tab", "Move between the chat list and the message box"),
     ("enter (chat list)", "Resume the chat"),
     ("delete (chat list)", "Delete the chat"),
+    ("enter (thinking)", "Show or hide a reply's thinking (a click does too)"),
 ]
 
 

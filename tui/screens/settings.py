@@ -1,10 +1,10 @@
-"""Per-chat settings: the system prompt and the sampling settings, stored with the chat."""
+"""Per-chat settings: the system prompt, the sampling settings and thinking, stored with the chat."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, TextArea
+from textual.widgets import Button, Input, Label, Select, TextArea
 
 from nibble.formats.errors import NibbleError
 
@@ -19,6 +19,8 @@ FIELDS = {
     "max_tokens": ("Max tokens", "integer", "per reply"),
     "repetition_penalty": ("Repeat penalty", "number", "1 is off"),
 }
+# A model that thinks: whether it does (unsaid: as nibble chat was started, else as the model does)
+THINK = {"default": None, "on": True, "off": False}
 
 
 class SettingsScreen(ModalScreen[ChatSettings | None]):
@@ -42,6 +44,15 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                     yield Label(label)
                     yield Input(str(values[name]), type=kind, id=name, compact=True)
                     yield Label(hint, classes="hint")
+                yield Label("Thinking")
+                yield Select([(k, k) for k in THINK], value=_think_choice(self.settings.thinking.think),
+                             allow_blank=False, compact=True, id="think")
+                yield Label("models that think", classes="hint")
+                yield Label("Thinking budget")
+                budget = self.settings.thinking.budget
+                yield Input("" if budget is None else str(budget), type="integer", id="reasoning_budget",
+                            placeholder="default", compact=True)
+                yield Label("tokens (0: off, -1: no bound)", classes="hint")
             yield Label("", id="error", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -75,4 +86,23 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 raise ValueError(f"{label}: {text!r} is not a {'whole ' if kind == 'integer' else ''}number") from None
         if values["max_tokens"] < 1:
             raise ValueError("Max tokens: give at least 1")
+        values["think"] = THINK[self.query_one("#think", Select).value]
+        values["reasoning_budget"] = self._budget()
         return ChatSettings.from_flat(values)   # raises NibbleError naming a bad sampling value
+
+    def _budget(self) -> int | None:
+        text = self.query_one("#reasoning_budget", Input).value.strip()
+        if not text:
+            return None
+        try:
+            budget = int(text)
+        except ValueError:
+            budget = None
+        if budget is None or budget < -1:
+            raise ValueError(f"Thinking budget: {text!r} is not a number of tokens "
+                             "(0: no thinking, -1: no bound, empty: the default)")
+        return budget
+
+
+def _think_choice(think: bool | None) -> str:
+    return next(k for k, v in THINK.items() if v is think)

@@ -4,6 +4,9 @@ Textual lays the whole screen out again whenever a widget changes size, at a cos
 the number of widgets; its Markdown widget makes several per paragraph or list item. So a message
 here is a few Statics holding Rich Markdown, and a streaming reply re-renders only its last,
 unfinished block: finished blocks are frozen into Statics of their own as they complete.
+
+A reply's thinking (a model that thinks) goes above its answer, dimmed, in a Collapsible: open
+while the model thinks, folded once the answer starts; its title toggles it (a click, or Enter).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from markdown_it import MarkdownIt
 from rich.markdown import Markdown as RichMarkdown
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Label, Static
+from textual.widgets import Collapsible, Label, Static
 
 from ..store import Message
 
@@ -103,37 +106,100 @@ class MarkdownBody(Vertical):
         self.query_one(".tail", Static).update(self._markdown(self.source))
 
 
+def thinking_title(tokens: int, thinking: bool = False) -> str:
+    if thinking:
+        return "Thinking…"
+    return f"Thought for {tokens} token{'s' if tokens != 1 else ''}" if tokens else "Thought"
+
+
+class ThinkingView(Collapsible):
+    """A reply's thinking, dimmed: open while it streams, folded once the answer starts."""
+
+    def __init__(self, source: str, tokens: int = 0, streaming: bool = False, collapsed: bool = True):
+        body = MarkdownBody(source, streaming)
+        super().__init__(body, title=thinking_title(tokens, streaming), collapsed=collapsed and not streaming)
+        self.body, self.tokens = body, tokens
+
+    def on_mount(self):
+        # A click folds or unfolds it and leaves the focus where the user types; Tab reaches the
+        # title for Enter.
+        self.query_one("CollapsibleTitle").FOCUS_ON_CLICK = False
+
+    @property
+    def streaming(self) -> bool:
+        return self.body.streaming
+
+    async def append(self, text: str, tokens: int):
+        self.tokens = tokens
+        await self.body.append(text)
+
+    async def finish(self, fold: bool):
+        """The thinking is over: the answer starts (`fold`), or the reply ended without one."""
+        if self.body.streaming:
+            await self.body.finish()
+        self.title = thinking_title(self.tokens)
+        if fold:
+            self.collapsed = True
+
+
 class MessageView(Vertical):
-    """A message: who, the text (Markdown for replies), and a line of stats under replies."""
+    """A message: who, the text (Markdown for replies, after their thinking if any), and a line
+    of stats under replies."""
 
     def __init__(self, message: Message):
         super().__init__(classes=f"message {message.role}")
         self.set_class(message.finish == "interrupted", "interrupted")
         self.message = message
+        self.body: MarkdownBody | None = None        # a reply's answer
+        self.thinking: ThinkingView | None = None    # a reply's thinking, once there is some
 
     def compose(self) -> ComposeResult:
         m = self.message
         yield Label(ROLES.get(m.role, m.role), classes="role")
         if m.role == "assistant":
-            yield MarkdownBody(m.content)
+            if m.thinking:   # folded, but where no answer followed
+                self.thinking = ThinkingView(m.thinking, m.stats.get("thinking_tokens", 0),
+                                             collapsed=bool(m.content))
+                yield self.thinking
+            self.body = MarkdownBody(m.content)
+            yield self.body
         else:
             yield Static(m.content, markup=False, classes="body")
         yield Static(describe(m.stats, m.finish), classes="meta", markup=False)
 
+    async def think(self, text: str, tokens: int):
+        """More of the reply's thinking, `tokens` into the reply."""
+        if self.thinking is None:
+            self.thinking = ThinkingView("", streaming=True)
+            await self.mount(self.thinking, before=self.body)
+        await self.thinking.append(text, tokens)
+
     async def append(self, text: str):
-        await self.query_one(MarkdownBody).append(text)
+        """More of the reply's answer: its first folds the thinking."""
+        if self.thinking is not None and self.thinking.streaming:
+            await self.thinking.finish(fold=True)
+        await self.body.append(text)
 
     async def finish(self, stats: dict, finish: str | None):
-        await self.query_one(MarkdownBody).finish()
+        if self.thinking is not None and self.thinking.streaming:
+            await self.thinking.finish(fold=False)   # stopped while thinking: the thinking is all there is
+        await self.body.finish()
         self.set_meta(describe(stats, finish))
+
+    def toggle_thinking(self) -> bool:
+        """Fold or unfold the thinking; False if there is none."""
+        if self.thinking is None:
+            return False
+        self.thinking.collapsed = not self.thinking.collapsed
+        return True
 
     def set_meta(self, text: str):
         self.query_one(".meta", Static).update(text, layout=False)   # one line, always
 
     @property
     def source(self) -> str:
-        body = self.query(MarkdownBody)
-        return body.first().source if body else self.message.content
+        """The answer's Markdown (a user's message: its text)."""
+        return self.body.source if self.body is not None else self.message.content
 
     def code_blocks(self) -> list[str]:
         return code_blocks(self.source)
