@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from nibble.runner.engine import Engine, Request
 from nibble.runner.generate import Reply
 from nibble.runner.loader import load
-from nibble.runner.reasoning import (THINK_END, ReasoningSplit, Thinking, ThinkingOptions, chat_prompt,
+from nibble.runner.reasoning import (HARMONY_END, THINK_END, ReasoningSplit, Thinking, ThinkingOptions, chat_prompt,
                                      reasoning_family)
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.tokenizer import Tokenizer
@@ -186,3 +186,25 @@ def test_without_a_budget_the_reply_thinks_to_its_end(r1_engine):
     events = reply(r1_engine, None, max_tokens=12)
     assert "".join(e.text for e in events) == "" and "".join(e.thinking for e in events)
     assert events[-1].finish_reason == "length"
+
+
+def test_a_harmony_budget_switches_to_the_final_channel():
+    """gpt-oss thinks on its analysis channel: past the budget, Reply forces the end of that
+    message and the final channel's header, and what follows is the answer."""
+    tok = Tokenizer(tiny_model_dir())
+    end = tok.encode(HARMONY_END, add_bos=False)
+    reply = Reply(tok, 200, skip_special=False, reasoning=ReasoningSplit("harmony", budget=3, end_ids=end))
+    answer = "".join(reply.add(i) for i in tok.encode("<|channel|>analysis<|message|>"))
+    assert reply.forced() is None   # the header is not thinking
+    thought = tok.encode(" the sky is blue because")
+    for i in thought[:3]:
+        assert reply.forced() is None
+        answer += reply.add(i)
+    forced = []
+    while (token := reply.forced()) is not None:
+        forced.append(token)
+        answer += reply.add(token)
+    assert forced == end and reply.take_thinking() == tok.decode(thought[:3])
+    for i in tok.encode("Rayleigh scattering."):
+        answer += reply.add(i)
+    assert answer + reply.close("stop") == "Rayleigh scattering." and reply.take_thinking() == ""
