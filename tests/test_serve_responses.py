@@ -114,8 +114,8 @@ def test_a_streamed_response_is_the_whole_one_in_events(server):
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert joined(events, "response.output_text.delta") == whole.output_text
-    last = events[-1]   # a reply cut off ends in response.incomplete, as OpenAI's does
-    assert last.type == "response.incomplete" and last.response.status == whole.status == "incomplete"
+    last = events[-1]   # a reply cut off ends in response.completed, its status incomplete
+    assert last.type == "response.completed" and last.response.status == whole.status == "incomplete"
     assert shape(last.response.output) == shape(whole.output)
     assert last.response.usage.output_tokens == whole.usage.output_tokens
     assert {e.response.id for e in events if hasattr(e, "response")} == {last.response.id}
@@ -323,7 +323,7 @@ def test_any_body_gets_a_response_or_a_4xx_in_openais_shape(server, body):
         if data.startswith(b"event: "):
             frames = [json.loads(frame.split("\ndata: ", 1)[1]) for frame in data.decode().split("\n\n") if frame]
             assert [f["sequence_number"] for f in frames] == list(range(len(frames)))
-            assert frames[-1]["type"] in ("response.completed", "response.incomplete")
+            assert frames[-1]["type"] == "response.completed"
         else:
             reply = json.loads(data)
             assert reply["object"] == "response" and reply["status"] in ("completed", "incomplete")
@@ -333,3 +333,14 @@ def test_any_body_gets_a_response_or_a_4xx_in_openais_shape(server, body):
     assert 400 <= status < 500, error
     assert isinstance(error["message"], str) and isinstance(error["type"], str) and set(error) == {
         "message", "type", "param", "code"}
+
+
+def test_responses_stream_gives_the_final_response_of_a_reply_cut_short(server):
+    """The client's stream helper waits for response.completed: a reply cut by max_output_tokens
+    ends in one too, its status incomplete."""
+    with server.client.responses.stream(model="tiny", input="Tell me a story.", max_output_tokens=6,
+                                        temperature=0) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.output_text == text and final.usage.output_tokens == 6

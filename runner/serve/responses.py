@@ -381,8 +381,11 @@ def usage(u, reasoning_tokens: int) -> dict:
 
 async def response_events(stamp: Stamp, echo: dict, pending: Pending) -> AsyncIterator[dict]:
     """The reply as the Responses API's stream events (no sequence numbers yet), the last one
-    response.completed, response.incomplete or response.failed with the whole response. The
-    first goes out at once: the client sees the response start before its first token."""
+    response.completed or response.failed with the whole response. The first goes out at once:
+    the client sees the response start before its first token. A reply cut by max_output_tokens
+    ends in response.completed too, its response's status "incomplete": OpenAI's server sends
+    response.incomplete, which the openai client's responses.stream() then fails on
+    (get_final_response raises)."""
     settings = pending.turn.request.settings
     parts, output = ReplyParts(pending.turn.tool_names, pending.served.family), OutputItems()
     yield {"type": "response.created", "response": response(stamp, echo, settings, "in_progress", [])}
@@ -405,7 +408,7 @@ async def response_events(stamp: Stamp, echo: dict, pending: Pending) -> AsyncIt
     for e in output.close(status):
         yield e
     split = pending.turn.request.reasoning   # counted the thinking tokens as the engine ran
-    yield {"type": f"response.{status}", "response": response(
+    yield {"type": "response.completed", "response": response(
         stamp, echo, settings, status, output.items, usage(event.usage, split.thinking_tokens if split else 0))}
 
 
