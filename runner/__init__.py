@@ -10,8 +10,7 @@ import importlib
 
 from . import models   # the families: the file readers in formats/ know them by their table
 
-_EXPORTS = {"load": ".loader", "stream_generate": ".generate", "generate_step": ".generate",
-            "GenerationResponse": ".generate"}
+_EXPORTS = {"load": ".loader", "stream_generate": ".generate", "GenerationResponse": ".generate"}
 __all__ = list(_EXPORTS)
 
 

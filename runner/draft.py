@@ -3,7 +3,7 @@ what followed the same n-gram earlier in the sequence (the prompt and the reply 
 
 A reply that quotes its prompt (code to edit, a text to fix, a summary's names) repeats long runs
 of it: the tokens after the last n-gram's earlier occurrence are then the reply's next ones, and
-the model checks several of them in one pass (runner/generate.py). Free text rarely repeats: a
+the model checks several of them in one pass (runner/decoding.py). Free text rarely repeats: a
 lookup finds nothing there, or guesses that miss, and `PromptLookup` then drafts less and
 rests, so that a reply that does not quote loses (almost) nothing. llama.cpp's lookup decoding
 and transformers' prompt_lookup_num_tokens do the same.

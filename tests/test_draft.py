@@ -1,7 +1,6 @@
 """Speculative decoding by prompt lookup: the n-gram search against a plain one, greedy output
 identical with and without drafts, the rejection rule against plain sampling."""
 from collections import Counter
-from itertools import islice
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.convert import quantize_model
 from nibble.runner.draft import NGRAM_MAX, NGRAM_MIN, NgramIndex, PromptLookup
-from nibble.runner.generate import generate_step, stream_generate
+from nibble.runner.generate import stream_generate
 from nibble.runner.loader import from_model_dir
 from nibble.runner.sample import make_sampler, probabilities
 from nibble.runner.session import ChatSession
@@ -81,10 +80,12 @@ class Passes:
         return self.forward(tokens, cache, **kw)
 
 
-def greedy_ids(model, prompt, draft, n=80):
-    cache = model.new_cache(len(prompt) + n)
-    steps = generate_step(model, prompt, cache, make_sampler(GREEDY), draft=draft)
-    return list(islice(steps, n))
+def greedy_ids(model, tok, prompt, draft, n=80, cache=None):
+    """The reply's ids, one by one; the reply ends after n (or at the cache's end)."""
+    cache = cache or model.new_cache(len(prompt) + n + 1)
+    for r in stream_generate(model, tok, prompt, sampler=make_sampler(GREEDY), max_tokens=n, cache=cache,
+                             draft=draft):
+        yield from r.tokens
 
 
 @pytest.mark.parametrize("prompt", ["The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -92,31 +93,34 @@ def greedy_ids(model, prompt, draft, n=80):
 def test_greedy_output_is_the_same_with_drafts(tiny, prompt, monkeypatch):
     model, tok = tiny
     ids = tok.encode(prompt)
-    plain = greedy_ids(model, ids, draft=0)
+    plain = list(greedy_ids(model, tok, ids, draft=0))
     passes = Passes(model)
     monkeypatch.setattr(model, "forward", passes)
-    assert greedy_ids(model, ids, draft=8) == plain
+    assert list(greedy_ids(model, tok, ids, draft=8)) == plain
     assert passes.count < len(plain)   # drafts were accepted: fewer passes than tokens
 
 
 def test_a_stopped_reply_leaves_the_cache_as_without_drafts(tiny):
-    """Stopped after any token, the cache holds the prompt and the reply but its last token."""
+    """At each response (where the consumer may stop), the cache holds the prompt and the reply
+    but its last id: a draft's accepted ids come back as one pass a token would give them."""
     model, tok = tiny
     ids = tok.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
-    for stop in range(1, 30):
-        cache = model.new_cache(256)
-        steps = generate_step(model, ids, cache, make_sampler(GREEDY), draft=8)
-        reply = list(islice(steps, stop))
-        steps.close()
-        assert cache.tokens == ids + reply[:-1] and cache.pos == len(cache.tokens)
+    cache, seen = model.new_cache(256), []
+    steps = stream_generate(model, tok, ids, sampler=make_sampler(GREEDY), max_tokens=60, cache=cache, draft=8)
+    for r in steps:
+        seen += r.tokens
+        assert cache.tokens == ids + seen[:-1] and cache.pos == len(cache.tokens)
+        if len(seen) > 30:
+            steps.close()
+    assert len(seen) > 30 and cache.tokens == ids + seen[:-1]
 
 
 def test_drafts_stay_inside_the_context(tiny):
     model, tok = tiny
     ids = tok.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
     cache = model.new_cache(len(ids) + 20)
-    tokens = list(generate_step(model, ids, cache, make_sampler(GREEDY), draft=8))
-    assert tokens == greedy_ids(model, ids, draft=0, n=21) and cache.pos == cache.size
+    tokens = list(greedy_ids(model, tok, ids, draft=8, n=100, cache=cache))
+    assert tokens == list(greedy_ids(model, tok, ids, draft=0, n=21)) and cache.pos == cache.size
 
 
 @pytest.mark.parametrize("pool", [False, True])
@@ -219,9 +223,9 @@ def test_smollm2_greedy_output_is_the_same_with_drafts(smollm2_dir, prompt, monk
     from nibble.runner.loader import load
     model, tok = load(str(smollm2_dir))
     ids = tok.prompt(prompt)
-    plain = greedy_ids(model, ids, draft=0, n=160)
+    plain = list(greedy_ids(model, tok, ids, draft=0, n=160))
     passes = Passes(model)
     monkeypatch.setattr(model, "forward", passes)
-    assert greedy_ids(model, ids, draft=8, n=160) == plain
+    assert list(greedy_ids(model, tok, ids, draft=8, n=160)) == plain
     if prompt.startswith("Repeat"):
         assert passes.count < len(plain) / 2   # most of the quote came in drafts

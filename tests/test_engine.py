@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from nibble.runner.engine import Busy, Engine, Request
+from nibble.runner.decoding import Request
+from nibble.runner.engine import Busy, Engine
 from nibble.runner.generate import stream_generate
 from nibble.runner.loader import load
 from nibble.runner.model import ContextFull

@@ -1,7 +1,7 @@
 """The generation stack on the tiny model: the README's two calls, finish reasons, stop strings."""
 import pytest
 
-from nibble.runner.generate import Reply, StopStrings
+from nibble.runner.decoding import Reply, StopStrings
 from nibble.runner.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.tokenizer import Tokenizer

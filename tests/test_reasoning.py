@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nibble.runner.engine import Engine, Request
-from nibble.runner.generate import Reply
+from nibble.runner.decoding import Request
+from nibble.runner.engine import Engine
+from nibble.runner.decoding import Reply
 from nibble.runner.loader import load
 from nibble.runner.reasoning import (HARMONY_END, THINK_END, ReasoningSplit, Thinking, ThinkingOptions, chat_prompt,
                                      reasoning_family)

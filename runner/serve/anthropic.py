@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..engine import Event
+from ..decoding import Event
 from ..reasoning import Thinking
 from ..tools import Call, Content
 from .api import ApiError, ChatBody, Options, ThinkingOptions, bad, integer, json_object, sampling_fields, typed

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nibble.formats.errors import NibbleError
-from ..engine import Event
+from ..decoding import Event
 from ..reasoning import Thinking
 from ..tools import Call
 from . import anthropic, api, ollama, responses

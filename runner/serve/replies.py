@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 from nibble.formats.catalog import Details
 from ..chat import ChatTemplateError
-from ..engine import Engine, Event, Request
+from ..decoding import Event, Request
+from ..engine import Engine
 from ..grammar import Grammar, GrammarError
 from ..prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
