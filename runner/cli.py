@@ -450,10 +450,11 @@ class KeepAlive(click.ParamType):
               help="Web origins whose pages may call the server (http://host:port; * for any), "
                    "beside pages on localhost; other origins get 403.")
 @thinking_options
+@draft_options
 @gpu_options
 @click.pass_context
 def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
-          only, max_models, keep_alive, allowed_hosts, cors_origins, thinking, gpu_layers, require_gpu):
+          only, max_models, keep_alive, allowed_hosts, cors_origins, thinking, draft, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models): MODEL
     loaded at start, the others when a request names them."""
     if gpu_layers or require_gpu:
@@ -474,7 +475,7 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     _context("-c", ctx_size, llm)   # says so if -c is past this model's context (each engine keeps to its model's)
     log = functools.partial(click.echo, err=True)
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, threads, cache_tokens, quant,
-                            thinking)
+                            thinking, draft)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
     models.add(default, llm, tokenizer)
     if len(refs) > 1:

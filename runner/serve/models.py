@@ -27,6 +27,7 @@ from nibble.formats import catalog, hub
 from nibble.formats.errors import NibbleError
 from ..engine import Engine
 from ..model import Model
+from ..settings import DEFAULT_DRAFT
 from ..tokenizer import Tokenizer
 from .api import ApiError, ThinkingOptions
 from .memory import available_memory, model_bytes, positions_for
@@ -48,6 +49,7 @@ class EngineOptions:
     cache_tokens: int | None = None
     quant: str | None = None      # as loader.load takes it
     thinking: ThinkingOptions = ThinkingOptions()   # --think, --reasoning-budget: each request may say otherwise
+    draft: int = DEFAULT_DRAFT    # --draft: the most tokens a pass guesses ahead, for a reply decoding alone
 
 
 def parse_keep_alive(text: str) -> float | None:
@@ -223,7 +225,7 @@ class Models:
         with self._lock:
             closed = self._closed
             if not closed:
-                self._loaded[name] = _Loaded(Served(engine, tokenizer, name, self.created, details, o.thinking), nbytes,
+                self._loaded[name] = _Loaded(Served(engine, tokenizer, name, self.created, details, o.thinking, o.draft), nbytes,
                                              self._clock())
         if closed:   # Ctrl-C came during the load
             engine.close()

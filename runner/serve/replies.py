@@ -30,6 +30,7 @@ class Served:
     created: int               # when the server started: /v1/models' "created"
     details: Details | None = None   # what the model is, for /api/ps
     thinking: ThinkingOptions = ThinkingOptions()  # the server's thinking defaults (--think, --reasoning-budget)
+    draft: int = 0             # --draft: the most tokens a pass guesses ahead while a reply decodes alone
 
     def __post_init__(self):
         try:
@@ -113,7 +114,7 @@ def _request(served: Served, ids: list[int], options: Options, what: str, gramma
     settings = replace(served.tokenizer.sampling, **options.sampling)
     constraint = grammar.constraint(served.tokenizer) if grammar else None
     return Request(ids, settings, asked if asked is not None else ctx - len(ids), options.stop,
-                   constraint=constraint, logprobs=options.logprobs)
+                   constraint=constraint, logprobs=options.logprobs, draft=served.draft)
 
 
 def _grammar(compile, param: str) -> Grammar:
