@@ -385,3 +385,26 @@ def test_a_lone_surrogate_is_400(server):
     status, _, raw = server.post("/v1/messages", b'{"model": "tiny", "max_tokens": 2, '
                                                  b'"messages": [{"role": "user", "content": "\\ud800"}]}')
     assert status == 400 and "surrogate" in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.fuzz
+@given(st.data())
+def test_fuzz_count_tokens_bodies(server, data):
+    """count_tokens reads the same body (max_tokens aside): a count, or a 4xx in Anthropic's shape."""
+    path = data.draw(st.sampled_from(list(paths(VALID))))
+    body = mutated(VALID, path, data.draw(JSON)) if path and data.draw(st.booleans()) else data.draw(JSON)
+    status, _, raw = server.post("/v1/messages/count_tokens", to_bytes(body))
+    if status == 200:
+        assert isinstance(json.loads(raw)["input_tokens"], int)
+    else:
+        assert 400 <= status < 500 and json.loads(raw)["type"] == "error", (status, raw)
+    event(f"status {status}")
+
+
+def test_count_tokens_counts_a_prompt_past_the_context(server):
+    """A count is what a client asks before it trims a conversation: no context error."""
+    long = "The quick brown fox jumps over the lazy dog. " * 600
+    count = client(server).messages.count_tokens(model="tiny", messages=[{"role": "user", "content": long}])
+    assert count.input_tokens > 4096
+    with pytest.raises(anthropic.BadRequestError, match="context"):
+        client(server).messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": long}])

@@ -349,3 +349,16 @@ def test_fuzz_chat_bodies_are_answered_or_a_4xx(server, body):
 @example(body=b'{"prompt": "' + b"[" * 50_000 + b'", "options": {"num_predict": 1}}')
 def test_fuzz_generate_bodies_are_answered_or_a_4xx(server, body):
     event(answered_well(server, "/api/generate", body))
+
+
+@pytest.mark.fuzz
+@given(body=st.one_of(JSON, st.dictionaries(st.sampled_from(["model", "name", "verbose"]), JSON, max_size=3)))
+@example(body={"model": "tiny"})
+@example(body={"model": "../../etc/passwd"})
+def test_fuzz_show_bodies_are_answered_or_a_4xx(server, body):
+    status, _, raw = server.post("/api/show", json.dumps(body).encode())
+    if status == 200:
+        assert json.loads(raw)["capabilities"][0] == "completion"
+    else:
+        assert 400 <= status < 500 and isinstance(json.loads(raw)["error"], str), (status, raw)
+    event(str(status))

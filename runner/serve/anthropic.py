@@ -23,7 +23,7 @@ from ..tools import Call, Content
 from .api import ApiError, ChatBody, Options, ThinkingOptions, bad, integer, json_object, sampling_fields, typed
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
-from .replies import ReplyParts, chat_turn
+from .replies import ReplyParts, chat_text, chat_turn
 
 SAMPLING = ("temperature", "top_p", "top_k")
 MEDIA = ("image", "document", "search_result")
@@ -366,11 +366,12 @@ async def count_tokens(models: Models, request: Request) -> Response:
     """The prompt's tokens, through the template with its tools, as /v1/messages would run it."""
     body = parse_messages(await read_json(request), counting=True)
     lease = await models.lease(body.options.model)
-    try:   # template and tokenizer: off the loop
-        turn = await run_in_threadpool(chat_turn, lease.served, body)
+    try:   # template and tokenizer, off the loop; a prompt past the context is counted all the same
+        text, _ = await run_in_threadpool(chat_text, lease.served, body)
+        count = len(await run_in_threadpool(lease.served.tokenizer.encode, text))
     finally:
         lease.release()
-    return JSONResponse({"input_tokens": len(turn.request.prompt_ids)})
+    return JSONResponse({"input_tokens": count})
 
 
 async def whole_message(id: str, pending: Pending, parts: ReplyParts) -> Response:

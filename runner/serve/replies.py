@@ -16,7 +16,7 @@ from ..engine import Engine
 from ..grammar import Grammar, GrammarError
 from ..prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
-from ..reasoning import Thinking, ThinkingOptions, chat_prompt, reasoning_family
+from ..reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
 from ..tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
 from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
 
@@ -76,15 +76,7 @@ class Turn:
 def chat_turn(served: Served, body: ChatBody) -> Turn:
     """The engine request for a chat body: ApiError (400) for what the model cannot take."""
     tools = body.tools if body.tool_choice != "none" else []
-    forced = bool(tools and body.tool_choice == "required") or body.response_format != "text"
-    try:   # a generic template gets the tools in a system message, and no `tools`
-        messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
-        text, split = chat_prompt(served.tokenizer, messages, body.thinking.over(served.thinking),
-                                  template_tools, forced)
-    except MessageError as e:
-        raise ApiError(400, str(e), "messages") from None
-    except ChatTemplateError as e:
-        raise ApiError(400, _server_words(str(e)), "messages") from None
+    text, split = chat_text(served, body)
     if tools and body.tool_choice == "required":
         grammar = _grammar(lambda: forced_call_grammar(served.family, tools, body.tool_name,
                                                                body.parallel_tool_calls), "tools")
@@ -98,6 +90,20 @@ def chat_turn(served: Served, body: ChatBody) -> Turn:
     if tools or split:   # the markers may be special tokens, which plain decoding drops
         request = replace(request, skip_special=False)
     return Turn(request, text, tuple(t["function"]["name"] for t in tools))
+
+
+def chat_text(served: Served, body: ChatBody) -> tuple[str, ReasoningSplit | None]:
+    """A chat body's prompt text, through the template with its tools and thinking, and its
+    reply's split (None: the model does not think): ApiError (400) for what the template refuses."""
+    tools = body.tools if body.tool_choice != "none" else []
+    forced = bool(tools and body.tool_choice == "required") or body.response_format != "text"
+    try:   # a generic template gets the tools in a system message, and no `tools`
+        messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
+        return chat_prompt(served.tokenizer, messages, body.thinking.over(served.thinking), template_tools, forced)
+    except MessageError as e:
+        raise ApiError(400, str(e), "messages") from None
+    except ChatTemplateError as e:
+        raise ApiError(400, _server_words(str(e)), "messages") from None
 
 
 def completion_turn(served: Served, body: CompletionBody) -> Turn:
