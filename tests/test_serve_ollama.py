@@ -10,7 +10,7 @@ from hypothesis import event, example, given, strategies as st
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.reasoning import ThinkingOptions
-from nibble.runner.serve import ollama as wire
+from nibble.runner.serve import ollama as wire, ollama_models
 from nibble.runner.serve.api import ApiError
 from nibble.runner.serve.models import EngineOptions
 from nibble.runner.synthetic import CHATML
@@ -198,7 +198,7 @@ def test_list_show_ps_version_and_heartbeat(server, thinker, r1_dir):
     assert shown.details.family == "llama" and "FROM " in shown.modelfile
     assert client(thinker).show("r1").capabilities == ["completion", "thinking"]
     # a model not loaded is read from its files, without loading it
-    on_disk = wire.show_reply("r1", str(r1_dir), wire.About.on_disk(str(r1_dir), CTX))
+    on_disk = ollama_models.show_reply("r1", str(r1_dir), ollama_models.About.on_disk(str(r1_dir), CTX))
     assert on_disk["capabilities"] == ["completion", "thinking"] and on_disk["template"].startswith("{%")
     [running] = client(server).ps().models
     assert running.name == "tiny" and running.context_length == POSITIONS
@@ -214,7 +214,7 @@ def test_list_show_ps_version_and_heartbeat(server, thinker, r1_dir):
     ("openai-gpt-oss-120b.jinja", ["completion", "tools", "thinking"]),
     ("HuggingFaceTB-SmolLM3-3B.jinja", ["completion", "thinking"])])
 def test_capabilities_from_the_template(template, capabilities):
-    assert wire.capabilities((TEMPLATES / template).read_text()) == capabilities
+    assert ollama_models.capabilities((TEMPLATES / template).read_text()) == capabilities
 
 
 def test_an_unknown_model_is_404_and_the_latest_tag_is_the_model(server):

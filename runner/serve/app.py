@@ -23,7 +23,7 @@ from nibble.formats.errors import NibbleError
 from ..decoding import Event
 from ..reasoning import Thinking
 from ..tools import Call
-from . import anthropic, api, ollama, responses
+from . import anthropic, api, ollama, ollama_models, responses
 from .api import ApiError, Stamp, tool_call
 from .guard import Callers, Guard
 from .models import Models
@@ -56,11 +56,11 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                              route("/v1/models", list_models),
                              route("/api/chat", ollama.chat, ["POST"]),
                              route("/api/generate", ollama.generate, ["POST"]),
-                             route("/api/tags", ollama.tags),
-                             route("/api/show", ollama.show, ["POST"]),
-                             route("/api/ps", ollama.running),
-                             route("/api/version", ollama.version),
-                             route("/", ollama.heartbeat, open=True),
+                             route("/api/tags", ollama_models.tags),
+                             route("/api/show", ollama_models.show, ["POST"]),
+                             route("/api/ps", ollama_models.running),
+                             route("/api/version", ollama_models.version),
+                             route("/", ollama_models.heartbeat, open=True),
                              route("/health", health, open=True)],
                      middleware=[Middleware(Guard, callers=callers, refuse=_forbidden)],
                      exception_handlers={HTTPException: _http_error, Exception: _server_error})

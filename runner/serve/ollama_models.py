@@ -1,0 +1,171 @@
+"""ollama's API, its models: /api/tags (every model the server can serve), /api/show (what one is,
+from memory or its files, without loading it), /api/ps (those loaded), /api/version, and the
+heartbeat at / that the ollama command line sends before each command.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from nibble.formats import catalog, hub
+from nibble.formats.catalog import Details
+from nibble.formats.errors import NibbleError
+from ..chat import ChatTemplateError
+from ..reasoning import reasoning_family
+from ..settings import SamplerSettings
+from .api import json_object, typed
+from .models import Models
+from .ollama import served_name
+from .pending import read_json
+from .replies import Served
+
+
+async def tags(models: Models, request: Request) -> Response:
+    """Every model the server can serve, loaded or not, as ollama lists those it has pulled."""
+    loaded = {served.name: served.details for served, _ in models.loaded()}
+    entries = await run_in_threadpool(lambda: [tag(name, ref, loaded.get(name)) for name, ref in models.refs.items()])
+    return JSONResponse({"models": entries})
+
+
+def tag(name: str, ref: str, details: Details | None) -> dict:
+    """One model as /api/tags lists it: what its files and headers say (a loaded model's details
+    as it runs); zeros and "" where they cannot say (its files gone since the server started)."""
+    try:
+        path = hub.resolve(ref, record=False)   # served models are on disk: no network
+        size, modified = catalog.size_on_disk(path), _time(path.stat().st_mtime)
+        digest = hashlib.sha256(catalog.identity(path).encode()).hexdigest()
+        details = details or catalog.describe(path)
+    except (NibbleError, OSError, ValueError):
+        size, modified, digest = 0, _time(0), ""
+    return {"name": name, "model": name, "modified_at": modified, "size": size, "digest": digest,
+            "details": model_details(details)}
+
+
+def model_details(details: Details | None) -> dict:
+    """ollama's `details` of a model, "" where nibble cannot say."""
+    if details is None:
+        return {"parent_model": "", "format": "", "family": "", "families": [], "parameter_size": "",
+                "quantization_level": ""}
+    family = "" if details.family == "?" else details.family
+    size = catalog.parameter_size(details.parameters)
+    return {"parent_model": "", "format": details.format, "family": family, "families": [family] if family else [],
+            "parameter_size": "" if size == "?" else size, "quantization_level": details.quantization}
+
+
+def _time(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class About:
+    """What /api/show says of a model."""
+    details: Details | None
+    template: str               # its chat template's source; "" if it has none
+    sampling: SamplerSettings   # its sampling defaults
+    context: int                # the context a request gets: the server's --ctx-size, at most the model's
+
+    @classmethod
+    def of_served(cls, served: Served) -> About:
+        return cls(served.details, _template_source(served.tokenizer), served.tokenizer.sampling, served.engine.ctx)
+
+    @classmethod
+    def on_disk(cls, ref: str, ctx: int) -> About:
+        """From the model's files, without loading it: its headers, config and tokenizer."""
+        path = hub.resolve(ref, record=False)
+        details = catalog.describe(path)
+        if path.suffix == ".gguf":
+            from nibble.formats.gguf_header import read_gguf_header
+            meta = read_gguf_header(path).metadata
+            template, sampling = meta.get("tokenizer.chat_template") or "", SamplerSettings()
+            longest = meta.get(f"{details.family}.context_length")
+        else:
+            from nibble.formats.model_dir import read_model_dir
+            from ..tokenizer import Tokenizer
+            model_dir = read_model_dir(path)   # weights mapped, not read
+            tokenizer = Tokenizer(model_dir)
+            template, sampling = _template_source(tokenizer), tokenizer.sampling
+            longest = model_dir.config.max_position_embeddings
+        return cls(details, template if isinstance(template, str) else "", sampling,
+                   min(ctx, longest) if isinstance(longest, int) and longest > 0 else ctx)
+
+
+def _template_source(tokenizer) -> str:
+    try:
+        return tokenizer.chat_template.source
+    except ChatTemplateError:
+        return ""
+
+
+def capabilities(template: str) -> list[str]:
+    """What a model's chat template says it can do, in ollama's words."""
+    out = ["completion"]
+    if re.search(r"\btools\b", template):
+        out.append("tools")
+    if reasoning_family(template):
+        out.append("thinking")
+    return out
+
+
+async def show(models: Models, request: Request) -> Response:
+    body = json_object(await read_json(request), "the request body")
+    name = served_name(models, typed(body, "model", str) or typed(body, "name", str))   # `name`: older clients'
+    served = next((s for s, _ in models.loaded() if s.name == name), None)
+    about = About.of_served(served) if served else \
+        await run_in_threadpool(About.on_disk, models.refs[name], models.options.ctx)
+    return JSONResponse(show_reply(name, models.refs[name], about))
+
+
+def show_reply(name: str, ref: str, about: About) -> dict:
+    s = about.sampling
+    parameters = {"num_ctx": about.context, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                  "min_p": s.min_p, "repeat_penalty": s.repetition_penalty, "repeat_last_n": s.repeat_last_n}
+    lines = "\n".join(f"{k:<30} {v}" for k, v in parameters.items())
+    modelfile = "\n".join([f"# Modelfile of {name}, as nibble serves it", f"FROM {ref}",
+                           *([f'TEMPLATE """{about.template}"""'] if about.template else []),
+                           *(f"PARAMETER {k} {v}" for k, v in parameters.items())])
+    details = about.details
+    family = details.family if details and details.family != "?" else ""
+    info = {"general.architecture": family, "general.parameter_count": details.parameters if details else None,
+            **({f"{family}.context_length": about.context} if family else {})}
+    return {"modelfile": modelfile, "parameters": lines, "template": about.template,
+            "details": model_details(details), "model_info": info, "capabilities": capabilities(about.template)}
+
+
+async def running(models: Models, request: Request) -> Response:
+    """The models loaded (`ollama ps`, `nibble ps`)."""
+    return JSONResponse({"models": [running_model(s.name, s.details, s.size, s.engine.ctx, until)
+                                    for s, until in models.loaded()]})
+
+
+# A model kept until the server stops (--keep-alive -1): an expiry no clock reaches, which ollama's
+# clients show as "Forever".
+NEVER = "9999-12-31T23:59:59Z"
+
+
+def running_model(name: str, details: Details | None, size: int, ctx: int, until: float | None) -> dict:
+    """One loaded model as `GET /api/ps` lists it, on the CPU (no VRAM); `until`: when the
+    keep-alive unloads it (time.time(); None: never)."""
+    expires = NEVER if until is None else \
+        datetime.fromtimestamp(until, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return {"name": name, "model": name, "size": size, "digest": "", "details": model_details(details),
+            "expires_at": expires, "size_vram": 0, "context_length": ctx}
+
+
+async def heartbeat(models: Models, request: Request) -> Response:
+    """`HEAD /`: the ollama command line's check that a server is there before each command."""
+    return PlainTextResponse("nibble is running")
+
+
+async def version(models: Models, request: Request) -> Response:
+    try:
+        return JSONResponse({"version": importlib.metadata.version("nibble")})
+    except importlib.metadata.PackageNotFoundError:   # run from a checkout that was never installed
+        return JSONResponse({"version": "0.0.0"})
+
