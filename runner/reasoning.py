@@ -27,7 +27,14 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 FAMILIES = ("think", "harmony")
-EFFORTS = ("low", "medium", "high")
+EFFORTS = ("low", "medium", "high")   # gpt-oss's reasoning efforts
+# Effort names past "high" that newer OpenAI and Anthropic models, and ollama, take: gpt-oss's highest
+STRONGER = ("xhigh", "max")
+
+
+def template_effort(name: str | None) -> str | None:
+    """An API's effort name as gpt-oss's template knows it."""
+    return "high" if name in STRONGER else name
 
 OPEN, CLOSE = "<think>", "</think>"
 # what ends a thinking block a budget cut, and what follows it before the answer

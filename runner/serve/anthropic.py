@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..decoding import Event
-from ..reasoning import Thinking
+from ..reasoning import EFFORTS, STRONGER, Thinking, template_effort
 from ..tools import Call, Content
 from .api import ApiError, ChatBody, Options, ThinkingOptions, bad, integer, json_object, sampling_fields, typed
 from .models import Models
@@ -27,8 +27,6 @@ from .replies import ReplyParts, chat_text, chat_turn
 
 SAMPLING = ("temperature", "top_p", "top_k")
 MEDIA = ("image", "document", "search_result")
-# output_config.effort -> gpt-oss's reasoning effort
-EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 # tool_choice's type -> ChatBody's tool_choice
 TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -222,9 +220,9 @@ def thinking_of(body: dict, output: dict) -> ThinkingOptions:
     "adaptive": think as much as the model likes. Left out: as the server and the model say.
     output_config.effort is gpt-oss's reasoning effort (its highest past "high")."""
     effort = typed(output, "effort", str, "output_config.effort")
-    if effort not in (None, *EFFORTS):
-        raise bad("output_config.effort", f"must be one of {', '.join(EFFORTS)}")
-    effort = effort and EFFORTS[effort]
+    if effort not in (None, *EFFORTS, *STRONGER):
+        raise bad("output_config.effort", f"must be one of {', '.join((*EFFORTS, *STRONGER))}")
+    effort = template_effort(effort)
     thinking = body.get("thinking")
     if thinking is None:
         return ThinkingOptions(effort=effort)

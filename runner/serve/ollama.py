@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from nibble.formats.errors import NibbleError
-from ..reasoning import Thinking, ThinkingOptions
+from ..reasoning import Thinking, ThinkingOptions, template_effort
 from ..tools import Call
 from . import api
 from .api import (ApiError, ChatBody, CompletionBody, Options, bad, chat_message, function_tools, integer,
@@ -33,7 +33,7 @@ from .replies import ReplyParts, Served, chat_turn, completion_turn
 # Stop strings in one request: ollama sets no limit (a Modelfile often has several), nibble a
 # generous one, since each is looked for at every token.
 MAX_STOPS = 32
-THINK_LEVELS = ("low", "medium", "high", "max")   # "max" is gpt-oss's "high", as ollama maps it
+THINK_LEVELS = ("low", "medium", "high", "max")
 ALL_OF_THEM = 1 << 30   # repeat_last_n -1 (ollama: the whole context): more ids than any context holds
 
 
@@ -174,7 +174,7 @@ def _thinking(body: dict) -> ThinkingOptions:
         return ThinkingOptions(think=think)
     if think not in THINK_LEVELS:
         raise bad("think", f"must be true, false or one of {', '.join(THINK_LEVELS)}")
-    return ThinkingOptions(think=True, effort="high" if think == "max" else think)
+    return ThinkingOptions(think=True, effort=template_effort(think))
 
 
 def _messages(given: list) -> list[dict]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..reasoning import Thinking
+from ..reasoning import STRONGER, Thinking, template_effort
 from ..tools import Call, Content
 from . import api
 from .api import ApiError, ChatBody, Options, Stamp, ThinkingOptions, bad, integer, json_object, typed
@@ -30,8 +30,6 @@ from .replies import ReplyParts, chat_turn
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
-# Efforts past chat's "high" (newer OpenAI models'): nibble's models know no more than high.
-STRONGEST_EFFORTS = {"xhigh": "high", "max": "high"}
 KEPT_NOWHERE = "nibble's server keeps no responses: send the whole conversation in input"
 
 
@@ -150,9 +148,9 @@ def _thinking(body: dict) -> tuple[str | None, ThinkingOptions]:
     reasoning = body.get("reasoning")
     reasoning = json_object(reasoning, "reasoning") if reasoning is not None else {}
     effort = typed(reasoning, "effort", str, "reasoning.effort")
-    asked = STRONGEST_EFFORTS.get(effort, effort)
+    asked = template_effort(effort)
     if asked is not None and asked not in api.REASONING_EFFORTS:
-        raise bad("reasoning.effort", f"must be one of {', '.join((*api.REASONING_EFFORTS, *STRONGEST_EFFORTS))}")
+        raise bad("reasoning.effort", f"must be one of {', '.join((*api.REASONING_EFFORTS, *STRONGER))}")
     return effort, api.thinking_options({**body, "reasoning_effort": asked})
 
 
