@@ -4,8 +4,9 @@ Tensors are renamed to Hugging Face names, with llama.cpp's q/k row permutation 
 of experts' experts, stacked in one 3-D tensor [experts, rows, columns], keep that shape, named as
 MLX's switch_mlp holds them; a matrix the converter split into several tensors is one again. The block types gguf_blocks knows are repacked, exactly, into MLX's
 affine layout (`P.weight` packed uint32, `P.scales`, `P.biases`, and `quantization` in the config,
-as an MLX checkpoint holds them; `P.values`, IQ4_NL's and MXFP4's table of levels; stacked experts
-with the leading expert axis on each but the table); other
+as an MLX checkpoint holds them; `P.values`, IQ4_NL's and MXFP4's table of levels; `P.high`, the
+Q5 types' fifth bits (planes); stacked experts with the leading expert axis on each but the
+table); other
 quantized types are dequantized to float32, and F16/BF16 stay 16-bit. The config, tokenizer and
 chat template are rebuilt from the metadata (the tokenizer by gguf_tokenizer, with llama.cpp's
 ids).
@@ -219,6 +220,8 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
             tensors |= {hf: w.weight, f"{module}.scales": w.scales, f"{module}.biases": w.biases}
             if w.values is not None:
                 tensors[f"{module}.values"] = w.values
+            if w.high is not None:
+                tensors[f"{module}.high"] = w.high
             bits[module] = w.bits
         else:
             tensors[hf] = w
@@ -266,7 +269,7 @@ def _concatenated(ws: list):
     first = ws[0]
     if isinstance(first, Repacked):   # one table of levels, if any, for all
         return first._replace(**{f: _concatenated([getattr(w, f) for w in ws])
-                                 for f in ("weight", "scales", "biases")})
+                                 for f in ("weight", "scales", "biases", "high") if getattr(first, f) is not None})
     if isinstance(first, HalfTensor):
         return first._replace(bits=np.concatenate([w.bits for w in ws]))
     return np.concatenate(ws)
@@ -276,7 +279,8 @@ def _storage(w) -> tuple:
     """What a tensor as read is stored as: its kind, and its width, 16-bit type or dtype (a
     repacked one's: its scales' and its table of levels)."""
     if isinstance(w, Repacked):
-        return Repacked, w.bits, _storage(w.scales), None if w.values is None else w.values.tobytes()
+        return (Repacked, w.bits, _storage(w.scales), None if w.values is None else w.values.tobytes(),
+                None if w.high is None else w.high.shape[-1])
     return (HalfTensor, w.bf16) if isinstance(w, HalfTensor) else (np.ndarray, w.dtype)
 
 
@@ -411,7 +415,8 @@ def _each_array(w, f):
     """f applied to every array a tensor's rows are held in: they move together (a table of
     levels is no row's)."""
     if isinstance(w, Repacked):
-        return w._replace(weight=f(w.weight), scales=_each_array(w.scales, f), biases=_each_array(w.biases, f))
+        return w._replace(weight=f(w.weight), scales=_each_array(w.scales, f), biases=_each_array(w.biases, f),
+                          high=None if w.high is None else f(w.high))
     if isinstance(w, HalfTensor):
         return w._replace(bits=f(w.bits))
     return f(w)

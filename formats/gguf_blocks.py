@@ -6,13 +6,15 @@ Q4_K and Q5_K hold 8 runs of 32 in a super-block of 256, with scale d*sc and bia
 layout holds the same things in groups of 32: the integers packed into uint32 words (see
 packing), scales and biases beside them. So the repacked tensor, dequantized, gives the very
 float32 numbers ggml's dequantization gives: the products and sums are the same float32
-operations on the same operands (q*d and 8*d are exact in float32). 5-bit integers take 8 bits,
-as MLX packs only 2, 4 and 8. A K-quant's scales and biases stay in its two levels (superblocks):
-a float16 a super-block and a 6-bit integer a sub-block. IQ4_NL and MXFP4 index 16 values that are
-not evenly spaced: their 4-bit integers go through a table of levels (Repacked.values), the
-signed values plus an offset that the biases take back (-offset * scale); a level times the
-scale is exact in float32 (at most 8 bits times an f16's 11, or a power of two), and so is the
-sum, the file's weight.
+operations on the same operands (q*d and 8*d are exact in float32). 5-bit integers keep their
+fifth bit in a plane beside the 4-bit words (planes), as ggml keeps it beside the nibbles. A
+K-quant's scales and biases stay in its two levels (superblocks): a float16 a super-block and a
+6-bit integer a sub-block. IQ4_NL, IQ4_XS and MXFP4 index 16 values that are not evenly spaced:
+their 4-bit integers go through a table of levels (Repacked.values), the signed values plus an
+offset that the biases take back (-offset * scale). IQ4_XS's scales and biases are in two levels
+too, their integers signed. A level times the scale is exact in float32 (at most 8 bits times an
+f16's 11, or a power of two), and so is the sum, the file's weight; IQ4_XS's products take up to
+25 bits, exact in the float64 that affine.dequantize computes them in.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from . import mxfp4, superblocks
+from . import mxfp4, planes, superblocks
 from .half import HalfTensor
 from .packing import pack
 
@@ -43,6 +45,8 @@ class Repacked(NamedTuple):
     biases: np.ndarray | HalfTensor   # [(E,) N, K/32] stored as scales are
     bits: int
     values: np.ndarray | None = None   # uint8 [16], the level of each 4-bit integer; None: q itself
+    high: np.ndarray | None = None     # uint8 [(E,) N, planes.width]: the integers' bits above the
+                                       # words' 4 (formats.planes); None: none
 
 
 class _BlockType(NamedTuple):
@@ -55,6 +59,8 @@ class _BlockType(NamedTuple):
     # scales and biases in bfloat16 whatever their values (MXFP4's powers of two, as a checkpoint's
     # MXFP4 is held: one set of compiled kernels for both)
     bf16: bool = False
+    planes: int = 0   # bits above the 4 of `bits` held in high planes (formats.planes)
+    signed: bool = False   # two levels whose integers have a sign (int8, superblocks)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -127,6 +133,20 @@ def _iq4_nl(b):   # d f16, 16 bytes of nibbles; w = d * kvalues_iq4nl[q]
     return _nibbles(b[:, 2:], 16), d, -128 * d
 
 
+def _iq4_xs(b):   # d f16, 16 bits of the scales' high 2 bits, 4 bytes of their low 4, 128 bytes of
+    # nibbles (16-byte runs); w = d * (ls - 32) * kvalues_iq4nl[q] for sub-block scales ls (6 bits):
+    # in two levels, d and ls - 32 (int8), and -128 d with the same integers for the biases
+    high = b[:, 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))           # [n, 8]
+    low = b[:, 4:8, None] >> np.array([0, 4], np.uint8)                                   # [n, 4, 2]
+    ls = (low.reshape(len(b), 8) & np.uint8(0x0F)) | ((high & np.uint16(3)).astype(np.uint8) << np.uint8(4))
+    signed = (ls.astype(np.int16) - 32).astype(np.int8)
+    d = b[:, 0:2].copy().view("<f2")
+    with np.errstate(over="ignore"):   # past float16: the caller's finite check refuses the repack
+        bias = (d.astype(np.float32) * -128).astype(np.float16)
+    return (_nibbles(b[:, 8:], 16), superblocks.pack(d, signed).reshape(len(b), -1),
+            superblocks.pack(bias, signed).reshape(len(b), -1))
+
+
 def _mxfp4(b):   # an E8M0 exponent e, 16 bytes of nibbles; w = 2^(e-128) * kvalues_mxfp4[q], E2M1's
     # values doubled: mxfp4.LEVELS less its offset 12
     d = gguf.quants.MXFP4.e8m0_to_fp32_half(b[:, 0:1])   # ggml's own power of two, subnormals too
@@ -134,10 +154,11 @@ def _mxfp4(b):   # an E8M0 exponent e, 16 bytes of nibbles; w = 2^(e-128) * kval
 
 
 BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1),
-               QType.Q4_K: _BlockType(4, _q4_k, True), QType.Q5_0: _BlockType(8, _q5_0),
-               QType.Q5_1: _BlockType(8, _q5_1), QType.Q5_K: _BlockType(8, _q5_k, True),
+               QType.Q4_K: _BlockType(4, _q4_k, True), QType.Q5_0: _BlockType(4, _q5_0, planes=1),
+               QType.Q5_1: _BlockType(4, _q5_1, planes=1), QType.Q5_K: _BlockType(4, _q5_k, True, planes=1),
                QType.Q8_0: _BlockType(8, _q8_0),
                QType.IQ4_NL: _BlockType(4, _iq4_nl, values=_IQ4_NL_LEVELS),
+               QType.IQ4_XS: _BlockType(4, _iq4_xs, True, values=_IQ4_NL_LEVELS, signed=True),
                QType.MXFP4: _BlockType(4, _mxfp4, values=mxfp4.LEVELS, bf16=True)}
 
 
@@ -153,8 +174,9 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
     data = data.reshape(-1, row_bytes)   # every row is repacked alone: the experts' rows as one matrix's
     rows, cols = len(data), row_bytes // type_size * block_size   # N (all experts'), K
     weight = np.empty((rows, cols * kind.bits // 32), np.uint32)  # [N, K*bits/32]
-    scales = (np.empty(superblocks.shape(rows, cols, GROUP_SIZE), np.uint8) if kind.two_level
-              else np.empty((rows, cols // GROUP_SIZE), np.float32))   # [N, K/32]
+    high = np.empty((rows, planes.width(cols, kind.planes)), np.uint8) if kind.planes else None
+    scales = (np.empty(superblocks.shape(rows, cols, GROUP_SIZE), np.int8 if kind.signed else np.uint8)
+              if kind.two_level else np.empty((rows, cols // GROUP_SIZE), np.float32))   # [N, K/32]
     biases = np.empty_like(scales)
     step = max(1, _STEP // cols)
     for r in range(0, rows, step):
@@ -162,14 +184,27 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
         m = len(part)
         with np.errstate(invalid="ignore", over="ignore"):   # a damaged f16 scale: the caller
             q, s, b = kind.decode(part.reshape(-1, type_size))   # checks scales and biases
-            if kind.values is not None and not np.isfinite(s * kind.values.max()).all():
+            if kind.values is not None and not _levels_finite(s, b, kind):
                 return None
-        weight[r:r + m] = pack(q.reshape(m, cols), kind.bits)
+        q = q.reshape(m, cols)
+        weight[r:r + m] = pack(q & np.uint8(15) if kind.planes else q, kind.bits)
+        if kind.planes:
+            high[r:r + m] = planes.pack(q >> np.uint8(4), kind.planes)
         scales[r:r + m], biases[r:r + m] = s.reshape(scales[r:r + m].shape), b.reshape(scales[r:r + m].shape)
     weight, scales, biases = (a.reshape(*stacked, n, *a.shape[1:]) for a in (weight, scales, biases))
+    if high is not None:
+        high = high.reshape(*stacked, n, high.shape[1])
     if not kind.two_level:
         scales, biases = _narrowed(scales, biases, kind.bf16)
-    return Repacked(weight, scales, biases, kind.bits, kind.values)
+    return Repacked(weight, scales, biases, kind.bits, kind.values, high)
+
+
+def _levels_finite(s: np.ndarray, b: np.ndarray, kind: _BlockType) -> bool:
+    """Whether a table's top level times every scale, and every bias, is a finite float32 (else
+    the levels would not give the file's weights)."""
+    if kind.two_level:
+        s, b = (superblocks.expand(a.reshape(len(a), 1, -1)) for a in (s, b))
+    return bool(np.isfinite(s * np.float32(kind.values.max())).all() and np.isfinite(b).all())
 
 
 def _narrowed(scales: np.ndarray, biases: np.ndarray, bf16: bool) -> tuple:

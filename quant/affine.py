@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nibble.formats import superblocks
+from nibble.formats import planes, superblocks
 from nibble.formats.errors import NibbleError
 from nibble.formats.half import HalfTensor
 from nibble.formats.packing import pack, unpack
@@ -51,20 +51,24 @@ class QuantizedTensor(NamedTuple):
     """One quantized matrix W [N, K], laid out as MLX stores it: W[n, k] = scales[n, k//G] *
     q[n, k] + biases[n, k//G], or where `values` is given (a table of 16 levels for 4-bit
     integers) scales[n, k//G] * values[q[n, k]] + biases[n, k//G]: the non-uniform 4-bit
-    formats (MXFP4's E2M1 values, IQ4_NL's), held exactly at their size. The one type of a
+    formats (MXFP4's E2M1 values, IQ4_NL's), held exactly at their size; where `high` is given,
+    the integers of 4-bit words have 1 or 2 bits more, q + 16 * h[n, k] (GGUF's 5- and 6-bit
+    types at their size, formats.planes). The one type of a
     quantized weight, from the file to the kernels:
     a named tuple of arrays, so numba takes it as it is (runner.kernels: host arrays, scales and
     biases as runner.kernels.linear.prepare keeps them; runner.kernels.cuda: device arrays)."""
     weight: np.ndarray  # uint32 [N, K*bits/32], packed integers (see packing)
     scales: np.ndarray  # [N, K/G] as stored: float16, bf16 (a HalfTensor), float32; prepared:
                         # 16-bit floats as their uint16 bits (see bf16), anything else float32;
-                        # or in two levels, a GGUF K-quant's: uint8 [N, K/256, 10]
+                        # or in two levels, a GGUF K-quant's: uint8 (int8 with a sign) [N, K/256, 10]
                         # (formats.superblocks), kept as stored
     biases: np.ndarray  # [N, K/G] like scales
     bits: int           # one of BITS
     group_size: int     # G, one of GROUP_SIZES
     bf16: bool = False  # prepared uint16 scales and biases: bfloat16 bits if True, else float16
     values: np.ndarray | None = None   # uint8 [16], the level of each 4-bit integer; None: q itself
+    high: np.ndarray | None = None     # uint8 [N, planes.width]: the bits above the words' 4
+                                       # (formats.planes); None: none
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -86,7 +90,30 @@ class QuantizedTensor(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Bytes held (and read by a product with it), as a float matrix's nbytes."""
-        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes + (0 if self.values is None else self.values.nbytes)
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes + sum(
+            0 if a is None else a.nbytes for a in (self.values, self.high))
+
+    @property
+    def integer_bits(self) -> int:
+        """Bits an integer takes: the words', and the high planes' (formats.planes)."""
+        return self.bits if self.high is None else self.bits + planes.count(self.high, self.shape[1])
+
+    def planes_problem(self) -> str | None:
+        """What keeps `high` from being read as this weight's high planes (formats.planes), or None:
+        1 or 2 planes of uint8, a row each weight row has, beside 4-bit words in groups of 32
+        without a table."""
+        if self.high is None:
+            return None
+        *rows, _ = tuple(self.weight.shape)
+        K = self.shape[1]
+        if (self.high.dtype != np.uint8 or self.bits != 4 or self.group_size != 32 or self.values is not None
+                or planes.count(self.high, K) not in (1, 2)
+                or tuple(self.high.shape) != (*rows, planes.width(K, planes.count(self.high, K)))):
+            return (f"high planes should be uint8 [{', '.join(map(str, rows))}, {planes.width(K, 1)} or "
+                    f"{planes.width(K, 2)}] beside 4-bit weights in groups of 32 without a table of levels, got "
+                    f"{self.high.dtype} of shape {tuple(self.high.shape)} beside {self.bits}-bit weights in "
+                    f"groups of {self.group_size}")
+        return None
 
     @property
     def scheme(self) -> AffineScheme:
@@ -132,10 +159,16 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
     w = np.empty((rows, n), dtype=np.float32)                        # [out, in]
     step = max(1, _BLOCK // n)  # in blocks, so the temporaries stay in cache
     for r in range(0, rows, step):
-        q = unpack(qt.weight[r:r + step], qt.bits).reshape(-1, n // g, g)  # [step, in/g, g]
-        block = (q if qt.values is None else qt.values[q]).astype(np.float32)
-        block *= group_values(_rows(qt.scales, r, r + step))[..., None]  # widen first: mixed-dtype
-        block += group_values(_rows(qt.biases, r, r + step))[..., None]  # broadcasts are slow
+        q = unpack(qt.weight[r:r + step], qt.bits)
+        if qt.high is not None:
+            q |= planes.unpack(qt.high[r:r + step], n) << np.uint8(4)
+        q = q.reshape(-1, n // g, g)                                   # [step, in/g, g]
+        # in float64: a level times a two-level scale (IQ4_XS's) can take 25 bits, and their sum is
+        # the file's weight exactly only when neither is rounded (widen first: mixed-dtype
+        # broadcasts are slow)
+        block = (q if qt.values is None else qt.values[q]).astype(np.float64)
+        block *= group_values(_rows(qt.scales, r, r + step)).astype(np.float64)[..., None]
+        block += group_values(_rows(qt.biases, r, r + step)).astype(np.float64)[..., None]
         w[r:r + step] = block.reshape(-1, n)
     return w
 
@@ -160,7 +193,8 @@ def reconstruction_error(w: np.ndarray, qt: QuantizedTensor,
     step = max(1, _BLOCK // n)
     for r in range(0, w.shape[0], step):
         part = qt._replace(weight=qt.weight[r:r + step], scales=_rows(qt.scales, r, r + step),
-                           biases=_rows(qt.biases, r, r + step))
+                           biases=_rows(qt.biases, r, r + step),
+                           high=None if qt.high is None else qt.high[r:r + step])
         x = np.asarray(w[r:r + step], dtype=np.float32)
         d = x - dequantize(part)
         err += np.einsum("ij,ij->j", d, d)

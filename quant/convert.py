@@ -286,8 +286,10 @@ def read_linear(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict 
     if missing:
         raise FormatError(f"quantized module {path} is missing {', '.join(missing)}")
     values = tensors.get(f"{path}.values")   # a table of levels (QuantizedTensor.values)
+    high = tensors.get(f"{path}.high")       # high planes (QuantizedTensor.high)
     qt = QuantizedTensor(*(tensors[name] for name in names), scheme.bits, scheme.group_size,
-                         values=None if values is None else np.asarray(values))
+                         values=None if values is None else np.asarray(values),
+                         high=None if high is None else np.asarray(high))
     _check_layout(qt, path)
     return qt
 
@@ -370,6 +372,7 @@ def _float_tensors(model: ModelDir, allow_requantize: bool) -> dict:
             qt = read_linear(model.tensors, q, path)
             del out[f"{path}.scales"], out[f"{path}.biases"]
             out.pop(f"{path}.values", None)
+            out.pop(f"{path}.high", None)
             out[f"{path}.weight"] = qt
     return out
 
@@ -421,6 +424,9 @@ def _check_layout(qt: QuantizedTensor, path: str) -> None:
         raise FormatError(f"{path}.values should be 16 uint8 levels of 4-bit weights in groups of 32, got "
                           f"{qt.values.dtype} of shape {qt.values.shape} for {qt.bits}-bit weights in groups of "
                           f"{qt.group_size}")
+    problem = qt.planes_problem()
+    if problem:
+        raise FormatError(f"{path}.high: {problem}")
     expected = qt.groups_shape
     for name, t in (("scales", qt.scales), ("biases", qt.biases)):
         if t.shape != expected:
@@ -428,9 +434,10 @@ def _check_layout(qt: QuantizedTensor, path: str) -> None:
                               f"at {qt.bits} bits and group size {qt.group_size} needs "
                               f"{expected}")
         if superblocks.is_two_level(t):
-            if qt.group_size != 32 or t.dtype != np.uint8:
-                raise FormatError(f"{path}.{name} in two levels should be uint8, in groups of 32, got "
-                                  f"{t.dtype} in groups of {qt.group_size}")
+            if qt.group_size != 32 or t.dtype != qt.scales.dtype:
+                raise FormatError(f"{path}.{name} in two levels should be bytes of the scales' dtype (uint8, "
+                                  f"or int8 with a sign), in groups of 32, got {t.dtype} in groups of "
+                                  f"{qt.group_size}")
         elif not (isinstance(t, HalfTensor) or np.issubdtype(t.dtype, np.floating)):
             raise FormatError(f"{path}.{name} should be float16, bfloat16 or float32, "
                               f"got {t.dtype}")

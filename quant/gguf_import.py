@@ -32,8 +32,9 @@ REQUANTIZE = AffineScheme(8, 32)
 class TypeOutcome:
     """What the tensors of one GGUF type became."""
     gguf_type: str   # "Q4_1"
-    became: str      # "int4 g32 (exact)", "int4 g32 levels (exact)" (through a table of
-                     # levels), "int8 g32 (requantized)", "float16", "float32 (dequantized)"
+    became: str      # "int4 g32 (exact)", "int5 g32 (exact)" (with a high plane), "int4 g32
+                     # levels (exact)" (through a table of levels), "int8 g32 (requantized)",
+                     # "float16", "float32 (dequantized)"
     tensors: int
     bits_before: float   # bits per weight in the file
     bits_after: float    # and as imported: integers, scales and biases
@@ -121,7 +122,7 @@ def _became(model: ModelDir, name: str, qtype: QType, requantized: set[str]) -> 
         qt = read_linear(model.tensors, model.config.quantization, path)
         how = "requantized" if path in requantized else "exact"
         levels = "" if qt.values is None else " levels"
-        return f"int{qt.bits} g{qt.group_size}{levels} ({how})"
+        return f"int{qt.integer_bits} g{qt.group_size}{levels} ({how})"
     t = model.tensors[name]
     dtype = ("bfloat16" if t.bf16 else "float16") if isinstance(t, HalfTensor) else str(t.dtype)
     return dtype if qtype in FLOAT_TYPES else f"{dtype} (dequantized)"

@@ -268,14 +268,16 @@ class _TensorGetter:
         parts = [p.widen() if isinstance(p, HalfTensor) else p for p in parts]   # 16-bit: float32
         if all(isinstance(p, np.ndarray) for p in parts):
             return np.stack(parts)
-        kinds = {(type(p), p.scales.dtype, p.bf16, None if p.values is None else p.values.tobytes())
+        kinds = {(type(p), p.scales.dtype, p.bf16, None if p.values is None else p.values.tobytes(),
+                  None if p.high is None else p.high.shape)
                  if isinstance(p, QuantizedTensor) else None for p in parts}
         if len(kinds) > 1 or None in kinds:
             raise FormatError(f"the experts' {path}.experts.*.{name} are not all stored alike: nibble "
                               f"stacks them into one weight")
         first = parts[0]
         return type(first)(*(np.stack([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")),
-                           first.bits, first.group_size, first.bf16, first.values)
+                           first.bits, first.group_size, first.bf16, first.values,
+                           None if first.high is None else np.stack([p.high for p in parts]))
 
     def stored(self, name: str, shape: tuple):
         """A tensor as stored (no copy), its shape checked."""

@@ -29,8 +29,15 @@ def test_a_kind_as_text_makes_the_same_numba_type(bits, G, kind, read_only):
     assert numba.typeof(made) == numba.typeof(qw)
 
 
+def test_a_table_of_levels_and_high_planes_are_in_the_text():
+    w, s, b = np.zeros((6, 32), np.uint32), np.ones((6, 8), np.float16), np.zeros((6, 8), np.float16)
+    for extra in ({"values": np.arange(16, dtype=np.uint8)}, {"high": np.zeros((6, 32), np.uint8)}):
+        qw = prepare(QuantizedTensor(w, s, b, 4, 32, **extra))
+        assert numba.typeof(ahead.example(ahead.spec(qw))) == numba.typeof(qw)
+
+
 def test_kinds_of_other_bits_or_groups_are_other_types():
-    types = {numba.typeof(ahead.example(f"{bits} {G} uint16 0 rrr")) for bits, G in quant_decode.KINDS}
+    types = {numba.typeof(ahead.example(f"{bits} {G} uint16 0 rrr 0 0")) for bits, G in quant_decode.KINDS}
     assert len(types) == len(quant_decode.KINDS)
 
 
@@ -49,7 +56,7 @@ def test_the_cache_index_tells_what_is_compiled(tmp_path, monkeypatch):
 
 
 def test_the_other_process_caches_the_decode_kernels_and_says_so():
-    kinds = ["4 32 uint16 0 rrr", "8 32 uint16 0 rrr"]
+    kinds = ["4 32 uint16 0 rrr 0 0", "8 32 uint16 0 rrr 0 0"]
     done = subprocess.run([sys.executable, "-m", "nibble.runner.kernels.ahead", *kinds], capture_output=True,
                           text=True, check=True)
     assert done.stdout.splitlines() == kinds

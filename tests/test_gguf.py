@@ -244,7 +244,8 @@ def numpy_dequantize(raw: np.ndarray, qtype) -> np.ndarray:
 
 # Byte offsets of each block type's float16 fields (d, and m or dmin), from ggml-common.h.
 F16_FIELDS = {QType.Q4_0: [0], QType.Q4_1: [0, 2], QType.Q5_0: [0], QType.Q5_1: [0, 2],
-              QType.Q8_0: [0], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2], QType.Q6_K: [208], QType.IQ4_NL: [0]}
+              QType.Q8_0: [0], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2], QType.Q6_K: [208], QType.IQ4_NL: [0],
+              QType.IQ4_XS: [0]}
 # The block types repacked as integers, not through a table of levels (tests/test_gguf_levels.py)
 UNIFORM = [t for t, kind in gguf_blocks.BLOCK_TYPES.items() if kind.values is None]
 
@@ -308,6 +309,8 @@ def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
     md = imported.model
     qt = read_linear(md.tensors, md.config.quantization, "model.layers.0.mlp.up_proj")
     assert (qt.bits, qt.group_size, qt.shape) == (gguf_blocks.BLOCK_TYPES[qtype].bits, 32, (24, 512))
+    five = qtype in (QType.Q5_0, QType.Q5_1, QType.Q5_K)   # a fifth bit in a plane beside 4-bit words
+    assert qt.integer_bits == (5 if five else qt.bits) and (qt.high is None) != five
     expected = gguf.quants.dequantize(raw, qtype)
     assert np.isfinite(expected).all()
     assert np.array_equal(dequantize(qt), expected)
@@ -345,7 +348,8 @@ def test_stacked_experts_are_exact(tmp_path, monkeypatch, qtype):
         if qtype in (QType.Q4_K, QType.Q5_K):
             assert qt.scales.shape == qt.biases.shape == (3, 256, 1, 10)
         for e in range(3):
-            one = QuantizedTensor(qt.weight[e], qt.scales[e], qt.biases[e], qt.bits, qt.group_size)
+            one = QuantizedTensor(qt.weight[e], qt.scales[e], qt.biases[e], qt.bits, qt.group_size,
+                                  high=None if qt.high is None else qt.high[e])
             np.testing.assert_array_equal(dequantize(one), want[e], err_msg=f"{path} expert {e}")
     assert (imported.dequantized == []) == repacked
 

@@ -80,13 +80,44 @@ def test_runs_as_its_dequantized_weights(mixed_gguf):
     # dequantized weights: close to exact on x rounded to 16 bits; where the CPU multiplies bytes,
     # x rounded to int8 blocks moves them by 4% of their scale on this tiny random model (a wrong
     # import: all of it).
-    md = import_gguf_model(mixed_gguf[0]).model
+    check_runs_as_dequantized(import_gguf_model(mixed_gguf[0]).model)
+
+
+def test_five_bit_and_iq4_xs_run_as_their_dequantized_weights(tmp_path):
+    """A llama of the Q5 types (4-bit words and a plane of fifth bits) and IQ4_XS (a table of
+    levels, scales and biases in two levels with signed integers), each imported exactly at its
+    bits, runs as its dequantized weights."""
+    config = tiny_config(vocab_size=len(TOKENS), hidden_size=256, intermediate_size=256, num_hidden_layers=1)
+    types = {"attn_q": QType.Q5_0, "attn_k": QType.Q5_1, "attn_v": QType.Q5_K, "attn_output": QType.IQ4_XS,
+             "ffn_gate": QType.Q5_K, "ffn_up": QType.IQ4_XS, "ffn_down": QType.Q5_0}
+    rng = np.random.default_rng(8)
+    tensors = {}
+    for name, w in llama_cpp_tensors(tiny_tensors(config), config).items():
+        qtype = types.get(name.split(".")[-2])
+        tensors[name] = w if qtype is None else (random_blocks(rng, *w.shape, qtype, (-3, -2)), qtype)
+    report = import_gguf_model(write_gguf(tmp_path / "five.gguf", tensors, config=config))
+    became = {o.gguf_type: (o.became, round(o.bits_after, 3)) for o in report.outcomes}
+    assert became == {"F32": ("float32", 32), "Q5_0": ("int5 g32 (exact)", 6), "Q5_1": ("int5 g32 (exact)", 6),
+                      "Q5_K": ("int5 g32 (exact)", 5.625),
+                      "IQ4_XS": ("int4 g32 levels (exact)", round(4.625 + 2 * 16 * 8 / (2 * 256 * 256), 3))}
+    md = report.model
+    for name in md.tensors:   # q and k: rows in llama.cpp's order in the file
+        if name.endswith(".weight") and isinstance(tensors[gguf_name(name)], tuple) \
+                and not name.endswith(("q_proj.weight", "k_proj.weight")):
+            qt = read_linear(md.tensors, md.config.quantization, name.removesuffix(".weight"))
+            np.testing.assert_array_equal(dequantize(qt), gguf.quants.dequantize(*tensors[gguf_name(name)]), name)
+    check_runs_as_dequantized(md)
+
+
+def check_runs_as_dequantized(md):
+    """SMALL tokens through the imported model give the logits of a float model of its weights as
+    dequantize gives them, within int8 rounding where the CPU multiplies bytes."""
     floats = {}
     for name, t in md.tensors.items():
         path = name.removesuffix(".weight")
         if f"{path}.scales" in md.tensors:
             floats[name] = dequantize(read_linear(md.tensors, md.config.quantization, path))
-        elif not name.endswith((".scales", ".biases")):
+        elif not name.endswith((".scales", ".biases", ".values", ".high")):
             floats[name] = t
     quantized, _ = from_model_dir(md)
     reference, _ = from_model_dir(replace(md, tensors=floats, config=replace(md.config, quantization=None)))
@@ -166,8 +197,9 @@ def test_import_command(mixed_gguf, tmp_path):
 
 
 def test_k_quants_keep_their_two_levels(tmp_path):
-    """Q4_K and Q5_K imported exactly, their scales and biases in the file's two levels: 4.625
-    and 8.625 bits a weight (the file's 4.5 and 5.5), where float32 scales took 6 and 10."""
+    """Q4_K and Q5_K imported exactly, their scales and biases in the file's two levels and Q5_K's
+    fifth bits in a plane: 4.625 and 5.625 bits a weight (the file's 4.5 and 5.5), where float32
+    scales and a byte a weight took 6 and 10."""
     config = tiny_config(vocab_size=len(TOKENS), hidden_size=256, intermediate_size=256)
     rng = np.random.default_rng(3)
     hf = tiny_tensors(config)
@@ -178,7 +210,7 @@ def test_k_quants_keep_their_two_levels(tmp_path):
     report = import_gguf_model(write_gguf(tmp_path / "k.gguf", tensors, config=config))
     assert report.outcomes == [TypeOutcome("Q4_K", "int4 g32 (exact)", 13, 4.5, 4.625),
                                TypeOutcome("F32", "float32", 5, 32, 32),
-                               TypeOutcome("Q5_K", "int8 g32 (exact)", 2, 5.5, 8.625)]
+                               TypeOutcome("Q5_K", "int5 g32 (exact)", 2, 5.5, 5.625)]
     md = report.model
     for name in hf:   # q and k: rows in llama.cpp's order in the file
         path = name.removesuffix(".weight")

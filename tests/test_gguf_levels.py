@@ -1,6 +1,6 @@
-"""GGUF's IQ4_NL and MXFP4 imported exactly, at 4 bits: their integers through a table of levels
-(QuantizedTensor.values), each weight gguf's dequantization bit for bit; a model of them runs as
-its float import."""
+"""GGUF's IQ4_NL, IQ4_XS and MXFP4 imported exactly, at 4 bits: their integers through a table of
+levels (QuantizedTensor.values), each weight gguf's dequantization bit for bit; a model of them
+runs as its float import."""
 
 import gguf
 import numpy as np
@@ -25,7 +25,7 @@ from tests.tiny import tiny_config, tiny_tensors
 # ggml-common.h's kvalues_iq4nl, and kvalues_mxfp4 (E2M1's values doubled), written out here
 IQ4_NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])
-LEVELS = {QType.IQ4_NL: IQ4_NL + 128, QType.MXFP4: MXFP4 + 12}
+LEVELS = {QType.IQ4_NL: IQ4_NL + 128, QType.IQ4_XS: IQ4_NL + 128, QType.MXFP4: MXFP4 + 12}
 
 
 def mxfp4_blocks(rng, rows, cols, exponents) -> np.ndarray:
@@ -41,6 +41,8 @@ def mxfp4_blocks(rng, rows, cols, exponents) -> np.ndarray:
 SCALES = {"iq4_nl-usual": (QType.IQ4_NL, lambda rng, r, c: random_blocks(rng, r, c, QType.IQ4_NL), "float16"),
           # d past 512: -128 d overflows float16, and d's 11 bits are no bfloat16
           "iq4_nl-wide": (QType.IQ4_NL, lambda rng, r, c: random_blocks(rng, r, c, QType.IQ4_NL, (-7, 4.5)), "float32"),
+          # IQ4_XS's scales and biases in two levels, their integers ls - 32 signed (int8)
+          "iq4_xs-usual": (QType.IQ4_XS, lambda rng, r, c: random_blocks(rng, r, c, QType.IQ4_XS), "int8"),
           "mxfp4-usual": (QType.MXFP4, lambda rng, r, c: mxfp4_blocks(rng, r, c, range(118, 131)), "bfloat16"),
           "mxfp4-sane": (QType.MXFP4, lambda rng, r, c: mxfp4_blocks(rng, r, c, range(100, 141)), "bfloat16"),
           # float32's subnormal scales, and the largest whose top level (24 times) is finite
@@ -55,7 +57,8 @@ def stored_as(a) -> str:
 def dequantized(qt: QuantizedTensor) -> np.ndarray:
     """dequantize(qt) with 16-bit scales and biases widened first (exact): it slices them as
     arrays, which a bfloat16 HalfTensor is not."""
-    return dequantize(qt._replace(scales=np.asarray(qt.scales, np.float32), biases=np.asarray(qt.biases, np.float32)))
+    widened = lambda a: np.asarray(a, np.float32) if isinstance(a, HalfTensor) else a
+    return dequantize(qt._replace(scales=widened(qt.scales), biases=widened(qt.biases)))
 
 
 @pytest.mark.parametrize("case", SCALES)
@@ -100,6 +103,18 @@ def test_stacked_experts_with_levels_are_exact(tmp_path, monkeypatch, case):
             one = qt._replace(weight=qt.weight[e], scales=np.asarray(qt.scales, np.float32)[e],
                               biases=np.asarray(qt.biases, np.float32)[e])
             np.testing.assert_array_equal(dequantize(one), want[e], err_msg=f"{path} expert {e}")
+
+
+def test_iq4_xs_past_float16_biases_is_dequantized(tmp_path):
+    """A super-block scale d past 512 makes the biases' -128 d infinite in float16, their first
+    level: such a matrix is dequantized, as gguf does it."""
+    raw = random_blocks(np.random.default_rng(7), 4, 512, QType.IQ4_XS)
+    raw[2, 136:138] = np.array([600.0], "<f2").view(np.uint8)   # row 2's second super-block's d
+    assert gguf_blocks.repack(raw, QType.IQ4_XS) is None
+    imported = import_gguf(write_gguf(tmp_path / "big.gguf", {"blk.0.ffn_up.weight": (raw, QType.IQ4_XS)}))
+    w = imported.model.tensors["model.layers.0.mlp.up_proj.weight"]
+    assert w.dtype == np.float32 and imported.dequantized == ["model.layers.0.mlp.up_proj"]
+    np.testing.assert_array_equal(w, gguf.quants.dequantize(raw, QType.IQ4_XS))
 
 
 def test_mxfp4_past_float32_with_its_levels_is_dequantized(tmp_path):

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from numba import njit
 
-from nibble.formats import superblocks
+from nibble.formats import planes, superblocks
 from nibble.formats.half import HalfTensor
-from nibble.runner.kernels import linear, quant_decode
+from nibble.runner.kernels import linear
+from nibble.quant import affine
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.kernels.quant_decode import matvec_rows, matvec_rows16
@@ -294,6 +295,27 @@ LEVELS = [np.array([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], 
           np.random.default_rng(1).integers(0, 256, 16).astype(np.uint8)]
 
 
+def check_every_kernel(qw, q, scales, biases):
+    """Every kernel on the prepared 4-bit qw in groups of 32 against the twin of its integers q
+    [N, K] as they stand for (levels, high bits) and float64 scales and biases [N, K/32]: qmatmul
+    (decode and prefill), each decode kernel this CPU runs, dequantized rows. Returns the twin's W."""
+    N, K = q.shape
+    W = scales.repeat(32, 1) * q + biases.repeat(32, 1)
+    for T in (1, 2, 3, 70):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        bound = np.abs(x) @ np.abs(W).T
+        int8 = reference.int8_product(x, q.astype(np.int64), scales, biases, 32)
+        got = np.empty((T, N), np.float32)
+        for kernel in [qmatmul] + (DECODE if T <= SMALL else []):
+            kernel(x, qw, got, False)
+            if linear.int8_activations() and kernel is not matvec_rows16:
+                assert np.all(np.abs(got - int8) <= 1e-6 * bound + 1e-6), (kernel, T)
+            else:
+                check(got, x, W, 0, False)
+    np.testing.assert_allclose(dequantize_rows(qw, np.array([N - 1, 0])), W[[N - 1, 0]], rtol=1e-6, atol=1e-7)
+    return W
+
+
 @pytest.mark.parametrize("values", LEVELS)
 def test_a_table_of_levels_reads_each_integer_as_its_level(values):
     """4-bit integers read through a table of levels (QuantizedTensor.values: MXFP4, IQ4_NL): every
@@ -302,26 +324,44 @@ def test_a_table_of_levels_reads_each_integer_as_its_level(values):
     N, K = 37, 7 * 32
     w, s, b = mlx_weight(N, K, 4, 32)
     qw = prepare(QuantizedTensor(w, s, b, 4, 32, values=values))
-    q = values[twin_integers(w, 4)].astype(np.float64)
-    W = np.asarray(s, np.float64).repeat(32, 1) * q + np.asarray(b, np.float64).repeat(32, 1)
-    for T in (1, 2, 3, 70):
-        x = rng.standard_normal((T, K)).astype(np.float32)
-        bound = np.abs(x) @ np.abs(W).T
-        want = reference.int8_product(x, q.astype(np.int64), s.astype(np.float64), b.astype(np.float64), 32) \
-            if linear.int8_activations() else x.astype(np.float64) @ W.T
-        got = np.empty((T, N), np.float32)
-        qmatmul(x, qw, got, False)
-        assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-6) if linear.int8_activations() \
-            else np.all(np.abs(got - want) <= 1e-4 * bound + 1e-6)
-        if T <= SMALL:
-            for kernel in DECODE:
-                kernel(x, qw, got, False)
-                if kernel is matvec_rows16:
-                    check(got, x, W, 0, False)
-                else:
-                    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-6)
+    W = check_every_kernel(qw, values[twin_integers(w, 4)].astype(np.float64), s.astype(np.float64), b.astype(np.float64))
     np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(dequantize_rows(qw, np.array([36, 0])), W[[36, 0]], rtol=1e-6, atol=1e-7)
+
+
+def test_signed_two_level_scales_with_levels_run_as_iq4_xs_is_read():
+    """IQ4_XS's layout: 4-bit integers through IQ4_NL's table of levels, scales and biases in two
+    levels whose integers have a sign (int8, ls - 32): every kernel computes W = scales *
+    values[q] + biases against the twin, the scales read with their signs."""
+    N, K = 37, 768
+    w = rng.integers(0, 2**32, size=(N, K // 8), dtype=np.uint32)
+    signed = rng.integers(-32, 32, (N, K // 32)).astype(np.int8)
+    supers = (10 ** rng.uniform(-4, -2, (N, K // 256))).astype(np.float16)
+    s, b = superblocks.pack(supers, signed), superblocks.pack((supers.astype(np.float32) * -128).astype(np.float16), signed)
+    values = LEVELS[1]
+    qw = prepare(QuantizedTensor(w, s, b, 4, 32, values=values))
+    assert qw.scales.dtype == np.int8 and np.shares_memory(qw.scales, s)
+    scales, biases = superblocks.expand(s).astype(np.float64), superblocks.expand(b).astype(np.float64)
+    assert (scales < 0).any() and (scales > 0).any()
+    W = check_every_kernel(qw, values[twin_integers(w, 4)].astype(np.float64), scales, biases)
+    np.testing.assert_array_equal(affine.dequantize(QuantizedTensor(w, s, b, 4, 32, values=values)), W.astype(np.float32))
+
+
+@pytest.mark.parametrize("hb", [1, 2])
+def test_high_planes_add_their_bits_above_the_nibbles(hb):
+    """5- and 6-bit integers, 4-bit words and 1 or 2 high planes (QuantizedTensor.high: GGUF's Q5
+    types): every kernel computes W = scales * (q + 16 h) + biases against the twin, on K of a
+    whole super-block and a rest with an odd number of groups (prefill's superblock and its
+    scalar rest, decode's blocks and its last half block)."""
+    N, K = 37, 13 * 32
+    w, s, b = mlx_weight(N, K, 4, 32)
+    top = rng.integers(0, 2**hb, (N, K), dtype=np.uint8)
+    qt = QuantizedTensor(w, s, b, 4, 32, high=planes.pack(top, hb))
+    qw = prepare(qt)
+    assert qw.integer_bits == 4 + hb and qw.nbytes == w.nbytes + s.nbytes + b.nbytes + N * hb * 2 * 32
+    W = check_every_kernel(qw, twin_integers(w, 4) + (top.astype(np.float64) * 16), s.astype(np.float64),
+                           b.astype(np.float64))
+    np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(affine.dequantize(qt), W, rtol=1e-6, atol=1e-7)
 
 
 def test_two_level_scales_expand_as_ggml_multiplies():

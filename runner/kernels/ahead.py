@@ -49,22 +49,27 @@ def is_cached(dispatcher: Dispatcher, sig: tuple) -> bool:
 
 
 def spec(w: QuantizedTensor) -> str:
-    """The text of a prepared weight's numba type."""
+    """The text of a prepared weight's numba type: its kind, scales, table of levels and planes."""
     writable = "".join("w" if a.flags.writeable else "r" for a in (w.weight, w.scales, w.biases))
-    return f"{w.bits} {w.group_size} {w.scales.dtype} {int(w.bf16)} {writable}"
+    return f"{w.bits} {w.group_size} {w.scales.dtype} {int(w.bf16)} {writable} {int(w.values is not None)} {int(w.high is not None)}"
 
 
 def example(text: str) -> QuantizedTensor:
     """A tiny prepared weight (2 rows of one group) of the type `text` (spec) describes."""
-    bits, G, dtype, bf16, writable = text.split()
+    bits, G, dtype, bf16, writable, levels, planes = text.split()
     bits, G = int(bits), int(G)
-    if dtype == "uint8":   # scales in two levels: one super-block of 256 weights
+    if dtype in ("uint8", "int8"):   # scales in two levels: one super-block of 256 weights
         arrays = [np.zeros((2, 256 * bits // 32), np.uint32), *(np.zeros((2, 1, 10), dtype) for _ in "sb")]
     else:
         arrays = [np.zeros((2, G * bits // 32), np.uint32), np.ones((2, 1), dtype), np.zeros((2, 1), dtype)]
     for a, w in zip(arrays, writable):
         a.flags.writeable = w == "w"
-    return KINDS[bits, G](*arrays, bits, G, bool(int(bf16)))
+    values = np.arange(16, dtype=np.uint8) if levels == "1" else None
+    high = np.zeros((2, 32), np.uint8) if planes == "1" else None   # one plane of one super-block
+    for a in (values, high):
+        if a is not None:
+            a.flags.writeable = False   # as prepare keeps them
+    return KINDS[bits, G](*arrays, bits, G, bool(int(bf16)), values, high)
 
 
 def compile_decode(text: str):

@@ -46,16 +46,19 @@ def upload(w: np.ndarray | QuantizedTensor) -> DeviceWeight:
     """Copy a float32 [N, K] matrix or a prepared QuantizedTensor to the device, its words as
     they are, its scales and biases widened to float32 (the kernels' one kind)."""
     if isinstance(w, QuantizedTensor):
-        _check_levels(w)
+        _check_integers(w)
         return w._replace(weight=cuda.to_device(w.weight), scales=cuda.to_device(_wide(w.scales, w.bf16)),
                           biases=cuda.to_device(_wide(w.biases, w.bf16)), bf16=False)
     return cuda.to_device(np.ascontiguousarray(w, np.float32))
 
 
-def _check_levels(w: QuantizedTensor) -> None:
+def _check_integers(w: QuantizedTensor) -> None:
     if w.values is not None:
         raise UnsupportedModel("the GPU kernels do not read 4-bit weights through a table of levels "
                                "(MXFP4, IQ4_NL): run the model on the CPU")
+    if w.high is not None:
+        raise UnsupportedModel("the GPU kernels do not read 5- and 6-bit weights (GGUF's Q5 types): "
+                               "run the model on the CPU")
 
 
 def _wide(a: np.ndarray, bf16: bool) -> np.ndarray:
@@ -106,7 +109,7 @@ def _stacked(weights: list, join) -> DeviceWeight:
     w0 = weights[0]
     if isinstance(w0, QuantizedTensor):
         for w in weights:
-            _check_levels(w)
+            _check_integers(w)
         parts = [join([w.weight for w in weights])] + [join([_wide(getattr(w, name), w.bf16) for w in weights])
                                                        for name in ("scales", "biases")]
         return upload(QuantizedTensor(*parts, w0.bits, w0.group_size))

@@ -37,7 +37,7 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     stored in 16 bits (float16 or bfloat16: their uint16 bits, `bf16` saying which; half the
     bytes of float32, which decode reads every token), and those in two levels (a GGUF K-quant's,
     formats.superblocks). Other widths become float32. A table of levels (`values`) is kept as it
-    is. Refuses what the kernels would read out of bounds.
+    is, and so are high planes (formats.planes). Refuses what the kernels would read out of bounds.
     """
     bits, group_size, weight = qt.bits, qt.group_size, qt.weight
     if bits not in BITS or group_size not in GROUP_SIZES:
@@ -58,18 +58,23 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
                              f"(as MXFP4's and IQ4_NL's), got {values.dtype} {values.shape} for {bits}-bit "
                              f"weights in groups of {group_size}")
         values, = _read_only(np.ascontiguousarray(values))
+    problem = qt.planes_problem()
+    if problem:
+        raise ValueError(problem)
+    high = None if qt.high is None else _read_only(np.ascontiguousarray(qt.high))[0]
     kind = quant_decode.KINDS[bits, group_size]
     if superblocks.is_two_level(qt.scales):
-        if group_size != 32 or qt.scales.dtype != np.uint8 or qt.biases.dtype != np.uint8:
-            raise ValueError(f"scales and biases in two levels must be uint8, in groups of 32; got "
-                             f"{qt.scales.dtype} and {qt.biases.dtype} in groups of {group_size}")
+        if group_size != 32 or qt.biases.dtype != qt.scales.dtype:
+            raise ValueError(f"scales and biases in two levels must be bytes of one dtype (uint8, or int8 "
+                             f"with a sign), in groups of 32; got {qt.scales.dtype} and {qt.biases.dtype} "
+                             f"in groups of {group_size}")
         return kind(*_read_only(weight, *(np.ascontiguousarray(a) for a in (qt.scales, qt.biases))),
-                    bits, group_size, False, values)
+                    bits, group_size, False, values, high)
     s, b = _half_bits(qt.scales), _half_bits(qt.biases)
     if s and b and s[1] == b[1]:
-        return kind(*_read_only(weight, s[0], b[0]), bits, group_size, s[1], values)
+        return kind(*_read_only(weight, s[0], b[0]), bits, group_size, s[1], values, high)
     as32 = lambda a: np.ascontiguousarray(np.asarray(a), dtype=np.float32)   # a HalfTensor widens
-    return kind(*_read_only(weight, as32(qt.scales), as32(qt.biases)), bits, group_size, False, values)
+    return kind(*_read_only(weight, as32(qt.scales), as32(qt.biases)), bits, group_size, False, values, high)
 
 
 def _read_only(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -96,7 +101,7 @@ def row_block(w: Weight, start: int, stop: int) -> Weight:
     of rows of a C-contiguous matrix is C-contiguous, so the kernels take it as a whole matrix."""
     if isinstance(w, QuantizedTensor):
         return w._replace(weight=w.weight[start:stop], scales=w.scales[start:stop],
-                          biases=w.biases[start:stop])
+                          biases=w.biases[start:stop], high=None if w.high is None else w.high[start:stop])
     if isinstance(w, HalfTensor):
         return w._replace(bits=w.bits[start:stop])
     return w[start:stop]

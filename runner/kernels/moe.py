@@ -73,8 +73,11 @@ def expert(w, e):
 def _expert_typed(w, e):
     if isinstance(w, types.Array):
         return lambda w, e: w[e]
+    if isinstance(w, types.NoneType):   # a QuantizedTensor's high planes where it has none
+        return lambda w, e: None
     kind = w.instance_class   # a QuantizedTensor kind (quant_decode.KINDS): the same kind of 2-D views
-    return lambda w, e: kind(w.weight[e], w.scales[e], w.biases[e], w.bits, w.group_size, w.bf16, w.values)
+    return lambda w, e: kind(w.weight[e], w.scales[e], w.biases[e], w.bits, w.group_size, w.bf16, w.values,
+                             expert(w.high, e))
 
 
 @njit(**cpu._jit)

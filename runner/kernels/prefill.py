@@ -13,7 +13,7 @@ from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
 from . import half
 from .cpu import _jit
-from .simd import fma, group_scale_bias, hsum, level, load_f32x8, zero_f32
+from .simd import fma, group_scale_bias, high_of, hsum, level, load_f32x8, plane_count, zero_f32
 
 f32 = np.float32
 
@@ -52,10 +52,12 @@ def _dims(w):
 
 @njit(**_jit)
 def _dequantize_row(qw, n, w):
-    """w[K] = scales * q + biases (q's level, where qw has a table) for row n of qw, its words q viewed as bytes (slices keep
+    """w[K] = scales * q + biases (q's level, where qw has a table; with its high bits, where it has
+    planes) for row n of qw, its words q viewed as bytes (slices keep
     every index provably >= 0, which lets LLVM vectorize)."""
     q = qw.weight.view(np.uint8)                           # [N, K*bits/8]
     G = qw.group_size
+    hb = plane_count(qw.high, w.shape[0])
     for g in range(qw.weight.shape[1] * 32 // qw.bits // G):
         s, b = group_scale_bias(qw, n, g)
         wg = w[g * G:(g + 1) * G]
@@ -66,8 +68,9 @@ def _dequantize_row(qw, n, w):
         else:
             qg = q[n, g * G // 2:(g + 1) * G // 2]
             for j in range(G // 2):
-                wg[2 * j] = s * f32(level(qw.values, qg[j] & 15)) + b
-                wg[2 * j + 1] = s * f32(level(qw.values, qg[j] >> 4)) + b
+                k = g * G + 2 * j
+                wg[2 * j] = s * f32(level(qw.values, qg[j] & 15) | high_of(qw.high, n, k, hb) << 4) + b
+                wg[2 * j + 1] = s * f32(level(qw.values, qg[j] >> 4) | high_of(qw.high, n, k + 1, hb) << 4) + b
 
 
 @njit(inline="always", **_jit)

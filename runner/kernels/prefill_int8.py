@@ -28,10 +28,12 @@ from llvmlite import binding as llvm, ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from nibble.formats import planes
 from nibble.quant.affine import QuantizedTensor
 from . import prefill
 from .cpu import _jit
-from .simd import F32, I32, Vec, _ll, _load, fma, group_scale_bias, hsum, load_f32x8, table_ops, zero_f32, zero_i32
+from .simd import (F32, I32, Vec, _ll, _load, _splat, fma, group_scale_bias, high_of, hsum, load_f32x8, plane_at, plane_count,
+                   table_ops, zero_f32, zero_i32)
 
 f32 = np.float32
 U8 = Vec(types.uint8, 32)
@@ -79,8 +81,8 @@ def _vnni(builder, acc, w, x, small):
 
 
 def _avx2(builder, acc, w, x, small):
-    """vpmaddubsw sums pairs of products into int16, which holds 2 * 15 * 127 but not 2 * 255 * 127:
-    bytes above 15 (8-bit weights, `small` false) go as two nibbles, 16 * hi + lo."""
+    """vpmaddubsw sums pairs of products into int16, which holds 2 * 63 * 127 but not 2 * 255 * 127:
+    bytes above 63 (8-bit weights, `small` false) go as two nibbles, 16 * hi + lo."""
     i16x16, i8x32 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(8), 32)
 
     def pairs(a, weight):   # int32 lanes: weight * (sum of 4 adjacent a * x)
@@ -97,7 +99,8 @@ def _avx2(builder, acc, w, x, small):
 def dot_intrinsic(kind):
     """udot(acc, w, x, small): acc (int32 x 8) + in each lane the sum of 4 adjacent products of w
     (uint8 x 32) and x (int8 x 32, the same bits as U8), with `kind`'s instructions; `small`: every
-    byte of w is at most 15 (4-bit weights), which the AVX2 sequence makes use of."""
+    byte of w is at most 63 (4-bit weights, with up to 2 high planes), which the AVX2 sequence
+    makes use of."""
     emit = {"vnni": _vnni, "avx2": _avx2}[kind]
 
     @intrinsic
@@ -153,6 +156,40 @@ def _lookup(typingctx, table, v):
 
 
 levels, lookup = table_ops(_load_levels, _lookup)   # bytes
+
+
+@intrinsic(prefer_literal=True)
+def _or_high(typingctx, v, arr, i, shift, keep):
+    """v | (keep & bit p of the little-endian 32-bit word at bytes arr.flat[i:i+4]) << shift in each
+    byte p: half a block's bits of a high plane (formats.planes) joined to its nibbles; keep 0 or 1
+    (a value: numba's inliner loses the variables of a branch around a call, with a warning)."""
+    if not isinstance(shift, types.IntegerLiteral):
+        return None
+    k = shift.literal_value
+
+    def codegen(context, builder, sig, args):
+        word = _load(context, builder, sig, args, ir.IntType(32), 1, at=1)
+        bits = builder.zext(builder.bitcast(word, ir.VectorType(ir.IntType(1), 32)), _ll(U8))
+        mask = builder.trunc(context.cast(builder, args[4], sig.args[4], types.int64), ir.IntType(8))
+        bits = builder.and_(bits, _splat(builder, mask, 32))
+        return builder.or_(args[0], builder.shl(bits, ir.Constant(_ll(U8), [k] * 32)))
+    return U8(v, arr, i, shift, keep), codegen
+
+
+def with_high(v, hi, i, hb):
+    """Bytes v (0..15: nibbles of weights 2p or 2p + 1 of a block of 64) with their high bits from
+    the `hb` planes of hi at byte i (the block's half: formats.planes), or v itself where hi is
+    None (njit code only)."""
+
+
+@overload(with_high, inline="always")
+def _with_high_typed(v, hi, i, hb):
+    if isinstance(hi, types.NoneType):
+        return lambda v, hi, i, hb: v
+
+    def joined(v, hi, i, hb):   # the second plane's read kept only where there is one
+        return _or_high(_or_high(v, hi, i, 4, 1), hi, i + planes.BYTES * (hb - 1), 5, hb - 1)
+    return joined
 
 
 def nibble_sized(values):
@@ -211,6 +248,48 @@ def _transpose(kind):
 
 
 transpose8, transpose4 = _transpose(8), _transpose(4)
+
+# the word of a super-block's plane bits, widened to a byte each, that output word o of transpose4
+# takes (step s = o // 8 holds unit s of block l = o % 8: weights 32 l + 8 (s // 2) + 2 j + s % 2,
+# j = 0..3, whose bits in formats.planes are 4 consecutive ones)
+_PLANE_WORDS = [(o % 8 // 2) * 16 + (o // 8 % 2) * 8 + (o % 8 % 2) * 4 + o // 16 for o in range(64)]
+
+
+@intrinsic(prefer_literal=True)
+def _or_high_words(typingctx, out, i, hi, j, shift):
+    """out[i:i+64] (uint32, a super-block as transpose4 stored it) |= the bits of the plane at
+    hi.flat[j:j+32] (formats.planes) << shift, each in its weight's byte."""
+    if not isinstance(shift, types.IntegerLiteral):
+        return None
+    k = shift.literal_value
+    i32, u8x256 = ir.IntType(32), ir.VectorType(ir.IntType(8), 256)
+
+    def codegen(context, builder, sig, args):
+        plane = builder.load(_address(context, builder, sig.args[2], args[2], args[3], ir.IntType(256)), align=1)
+        wide = builder.zext(builder.bitcast(plane, ir.VectorType(ir.IntType(1), 256)), u8x256)
+        words = builder.bitcast(builder.shl(wide, ir.Constant(u8x256, [k] * 256)), ir.VectorType(i32, 64))
+        words = builder.shuffle_vector(words, words, ir.Constant(ir.VectorType(i32, 64), _PLANE_WORDS))
+        ptr = _address(context, builder, sig.args[0], args[0], args[1], words.type)
+        builder.store(builder.or_(builder.load(ptr, align=4), words), ptr, align=4)
+        return context.get_dummy_value()
+    return types.none(out, i, hi, j, shift), codegen
+
+
+def or_high(out, i, hi, j, hb):
+    """A super-block's high bits from the `hb` planes of hi at j into out at i, as _or_high_words
+    (njit code only; nothing where hi is None)."""
+
+
+@overload(or_high, inline="always")
+def _or_high_typed(out, i, hi, j, hb):
+    if isinstance(hi, types.NoneType):
+        return lambda out, i, hi, j, hb: None
+
+    def joined(out, i, hi, j, hb):
+        _or_high_words(out, i, hi, j, 4)
+        if hb == 2:
+            _or_high_words(out, i, hi, j + planes.BYTES, 5)
+    return joined
 
 
 # ---- the layout ------------------------------------------------------------------------------
@@ -293,11 +372,13 @@ def _unpack(qw, n, units, lane_group, wq, sw, bw):
     nibbles) at a time, and its scales and biases spread over the lanes, sw and bw [lanes]."""
     out, q = wq.view(np.uint32), qw.weight[n]            # [Kp/4], [K*bits/32]
     full = qw.weight.shape[1] // (8 * qw.bits)           # whole superblocks: 8 blocks of 32 weights
+    hb = plane_count(qw.high, qw.weight.shape[1] * 32 // qw.bits)
     for c in range(full):
         if qw.bits == 8:
             transpose8(out, 64 * c, q, 64 * c)
         else:
             transpose4(out, 64 * c, q, 32 * c)
+            or_high(out, 64 * c, qw.high, plane_at(qw.high, n, 4 * c, hb), hb)
     if qw.bits == 8:
         for i in range(64 * full, units.shape[0]):
             out[i] = q[units[i]] if units[i] >= 0 else 0
@@ -305,6 +386,9 @@ def _unpack(qw, n, units, lane_group, wq, sw, bw):
         for i in range(64 * full, units.shape[0]):
             u = units[i]
             out[i] = (q[u >> 1] >> (4 * (u & 1))) & 0x0F0F0F0F if u >= 0 else 0
+            if u >= 0:
+                for j in range(4):
+                    out[i] |= np.uint32(high_of(qw.high, n, _k(u, j, 4), hb) << 4) << np.uint32(8 * j)
         to_levels(qw.values, wq)
     for v in range(lane_group.shape[0]):
         if lane_group[v] < 0:

@@ -26,10 +26,10 @@ from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
 
 from . import prefill_int8
 from .cpu import _jit
-from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, udot
-from .simd import (chunk_scales, fma, group_value, hsum, level, levels16, load_16x16, load_first_f32x8, load_u8x16,
-                   lookup16, madd, next_scales, nibble, prefetch, row_dot, scale_add, splat_f32, spread, vadd, zero_f32,
-                   zero_i32)
+from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, udot, with_high
+from .simd import (chunk_scales, group_value, high_of, hsum, level, levels16, load_16x16, load_u8x16, lookup16, madd,
+                   next_scales, nibble, plane_at, plane_count, prefetch, row_dot, scale_add, spread, vadd, with_high16,
+                   zero_f32, zero_i32)
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -103,16 +103,19 @@ def _merged_typed(qw):
     def merged(qw):
         E, N = qw.weight.shape[0], qw.weight.shape[1]
         return kind(qw.weight.reshape((E * N, qw.weight.shape[2])), _rows_merged(qw.scales, E * N),
-                    _rows_merged(qw.biases, E * N), qw.bits, qw.group_size, qw.bf16, qw.values)
+                    _rows_merged(qw.biases, E * N), qw.bits, qw.group_size, qw.bf16, qw.values,
+                    _rows_merged(qw.high, E * N))
     return merged
 
 
 def _rows_merged(a, rows):
-    """Scales or biases [E, N, ...] as [rows = E * N, ...] (njit code only)."""
+    """Scales, biases or high planes [E, N, ...] as [rows = E * N, ...] (njit code only)."""
 
 
 @overload(_rows_merged, inline="always", jit_options=_jit)
 def _rows_merged_typed(a, rows):
+    if isinstance(a, types.NoneType):
+        return lambda a, rows: None
     if a.ndim == 4:   # in two levels (formats.superblocks)
         return lambda a, rows: a.reshape((rows, a.shape[2], a.shape[3]))
     return lambda a, rows: a.reshape((rows, a.shape[2]))
@@ -132,7 +135,7 @@ def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
     rep = G // 32 if xq.dtype == types.int8 else int(G == 32)   # the int16 kernels tell groups of 32 apart only
     return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: _rows(
         xq, dx, xs, x, bits, rep, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
-        qw.bf16, qw.values, experts, own_x, out)
+        qw.bf16, qw.values, qw.high, plane_count(qw.high, x.shape[1]), experts, own_x, out)
 
 
 INT8 = prefill_int8.DOT is not None   # decode on int8 activations (set where prefill_int8's is)
@@ -173,7 +176,7 @@ def _round8(x, G, bits):
 
 
 @njit(parallel=True, **_jit)
-def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, experts, own_x, out):
+def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
     """Every weight row's dot products with the rows of x, two weight rows (h, h + H) a task: two
     rows far apart are two sequential streams, a range of tasks two ranges of rows. Of stacked
     experts' rows (expert_products), the N = out.shape[1] rows from experts[j] * N, into out[j]
@@ -194,7 +197,7 @@ def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, experts, 
             # kernel's compile); the simd intrinsics neither regroup nor fuse sums, so a row sums
             # alike whichever copy of the loop LLVM makes for one row and for two
             two = r + 1 < stop
-            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, rep, G, bf16, lut)
+            v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, rep, G, bf16, lut, hi, hb)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
             _put(out, o + r, h, H, pair, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r),
@@ -211,26 +214,27 @@ def _put(out, r, h, H, pair, v0, v1, accumulate):
         out[r, h + H] = out[r, h + H] + v1 if accumulate else v1
 
 
-def _pair(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut):
+def _pair(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb):
     """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and rep (G // 32), 4-bit
-    integers read as their levels in lut where it is a table (QuantizedTensor.values): on
+    integers read as their levels in lut where it is a table (QuantizedTensor.values), or with
+    their high bits from the hb planes hi (QuantizedTensor.high) where there are some: on
     int16 x _pair8, _pair4 or _pair4_32, on int8 x _pair_x8, the one chosen from the
     types of xq and the constants (the overload below), inlined alone."""
 
 
 @overload(_pair, inline="always", jit_options=_jit)
-def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut):
+def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb):
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(rep, types.IntegerLiteral):
         return None
     if xq.dtype == types.int8:
         if bits.literal_value == 4:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep)
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut, rep)
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep, hi, hb)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut, rep, hi, hb)
     if bits.literal_value == 8:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
     if rep.literal_value == 1:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut)
-    return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut: _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb)
+    return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut, hi, hb)
 
 
 @njit(**_jit)
@@ -337,21 +341,29 @@ def _ahead(q, i0, i1, k):
 
 
 @njit(inline="always", **_jit)
-def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two, table):
+def _block4(a0, a1, a2, a3, q, i0, i1, xq, j0, j1, c, two, table, hi, h0, h1, hb):
     """Add block c (64 weights) of the 4-bit rows starting at bytes i0, i1 of q, times the x rows
     starting at j0 (and j1) of xq: 32 bytes = 16 lanes of 4 nibbles, as their levels in `table`
-    (simd.levels16's); xq is in the matching order."""
+    (simd.levels16's), or with their high bits from the planes of hi at h0, h1 (simd.plane_at's);
+    xq is in the matching order."""
     _ahead(q, i0, i1, 32 * c)
     v0, v1 = load_16x16(q, i0 + 32 * c), load_16x16(q, i1 + 32 * c)
     k = 64 * c
-    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 0)), lookup16(table, nibble(v1, 0)), xq, j0 + k, j1 + k, two)
-    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 1)), lookup16(table, nibble(v1, 1)), xq, j0 + k + 16, j1 + k + 16, two)
-    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 2)), lookup16(table, nibble(v1, 2)), xq, j0 + k + 32, j1 + k + 32, two)
-    return _madd4(a0, a1, a2, a3, lookup16(table, nibble(v0, 3)), lookup16(table, nibble(v1, 3)), xq, j0 + k + 48, j1 + k + 48, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, _int16(v0, 0, table, hi, h0, hb), _int16(v1, 0, table, hi, h1, hb), xq, j0 + k, j1 + k, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, _int16(v0, 1, table, hi, h0, hb), _int16(v1, 1, table, hi, h1, hb), xq, j0 + k + 16, j1 + k + 16, two)
+    a0, a1, a2, a3 = _madd4(a0, a1, a2, a3, _int16(v0, 2, table, hi, h0, hb), _int16(v1, 2, table, hi, h1, hb), xq, j0 + k + 32, j1 + k + 32, two)
+    return _madd4(a0, a1, a2, a3, _int16(v0, 3, table, hi, h0, hb), _int16(v1, 3, table, hi, h1, hb), xq, j0 + k + 48, j1 + k + 48, two)
 
 
 @njit(inline="always", **_jit)
-def _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut):
+def _int16(v, t, table, hi, h, hb):
+    """Nibble t of the 16 lanes v as the integers they stand for: their levels, or with their high
+    bits (at most one of the two is given)."""
+    return with_high16(lookup16(table, nibble(v, t)), hi, h, t, hb)
+
+
+@njit(inline="always", **_jit)
+def _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut, hi, hb):
     """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of G >= 64 (whole blocks of 64)."""
     Kb = q.shape[1]
     table = levels16(lut)
@@ -363,13 +375,14 @@ def _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut):
             s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two, 1)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for c in range(g * (G // 64), (g + 1) * (G // 64)):
-            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two, table)
+            a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two, table, hi,
+                                     plane_at(hi, n, c, hb), plane_at(hi, m, c, hb), hb)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 1)
     return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
 
 
 @njit(inline="always", **_jit)
-def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut):
+def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb):
     """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of 32: a block of 64 holds two, int32
     lanes 0-3 summing its first 32 weights, lanes 4-7 the next 32."""
     Kb = q.shape[1]
@@ -381,27 +394,35 @@ def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut):
     for c in range(K // 64):
         if c % 4 == 0:
             s0, s1, s2, s3 = _chunk(s, n, m, 2 * c, dx, r, bf16, two, 1)
-        a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two, table)
+        a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two,
+                                 table, hi, plane_at(hi, n, c, hb), plane_at(hi, m, c, hb), hb)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 2)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     if K % 64:   # an odd number of groups: the last one's weights in float
         g = K // 32 - 1
-        t0 = _tail4(x, q, s, bf16, lut, n, r, g, K)
-        t1 = _tail4(x, q, s, bf16, lut, m, r, g, K)
+        t0 = _tail4(x, q, s, bf16, lut, hi, hb, n, r, g, K)
+        t1 = _tail4(x, q, s, bf16, lut, hi, hb, m, r, g, K)
         if two:
-            t2 = _tail4(x, q, s, bf16, lut, n, r + 1, g, K)
-            t3 = _tail4(x, q, s, bf16, lut, m, r + 1, g, K)
+            t2 = _tail4(x, q, s, bf16, lut, hi, hb, n, r + 1, g, K)
+            t3 = _tail4(x, q, s, bf16, lut, hi, hb, m, r + 1, g, K)
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
 @njit(inline="always", **_jit)
-def _tail4(x, q, s, bf16, lut, n, r, g, K):
+def _tail4(x, q, s, bf16, lut, hi, hb, n, r, g, K):
     """Group g, the last half block of a 4-bit row n, dotted with x row r in float (its scale's
     part: the bias is _with_biases')."""
     e = f32(0.0)
     for k in range(32 * g, K):
-        e += x[r, k] * f32(level(lut, (q[n, k >> 1] >> (4 * (k & 1))) & 15))
+        e += x[r, k] * f32(_integer4(q, lut, hi, hb, n, k))
     return group_value(s, n, g, bf16) * e
+
+
+@njit(inline="always", **_jit)
+def _integer4(q, lut, hi, hb, n, k):
+    """Integer k of a 4-bit row n (q its bytes) as the kernels multiply it: its level, or with its
+    high bits."""
+    return level(lut, (q[n, k >> 1] >> (4 * (k & 1))) & 15) | high_of(hi, n, k, hb) << 4
 
 
 # ---- int8 activations, where the CPU multiplies bytes ------------------------------------------
@@ -450,13 +471,16 @@ def round_int8(x, G, bits, xq, dx, xs):
 
 
 @njit(inline="always", **_jit)
-def _udots(v0, v1, xq, j0, j1, two, bits, table):
+def _udots(v0, v1, xq, j0, j1, two, bits, table, hi, h0, h1, hb):
     """Integer sums of 32 weight bytes of rows n (v0) and m (v1) with x rows r (xq at j0) and, if
     `two`, r + 1 (at j1): 8 int32 lanes each; 4 bits: both nibbles of each byte (64 weights), as
-    their levels in `table` (prefill_int8.levels')."""
+    their levels in `table` (prefill_int8.levels'), or with their high bits from the planes of hi
+    at h0 and h1 (simd.plane_at's)."""
     if bits == 4:
-        lo0, hi0 = lookup(table, nibbles(v0, False)), lookup(table, nibbles(v0, True))
-        lo1, hi1 = lookup(table, nibbles(v1, False)), lookup(table, nibbles(v1, True))
+        lo0 = with_high(lookup(table, nibbles(v0, False)), hi, h0, hb)
+        hi0 = with_high(lookup(table, nibbles(v0, True)), hi, h0 + 4, hb)
+        lo1 = with_high(lookup(table, nibbles(v1, False)), hi, h1, hb)
+        hi1 = with_high(lookup(table, nibbles(v1, True)), hi, h1 + 4, hb)
         small = nibble_sized(table)
         x, y = load_u8x32(xq, j0), load_u8x32(xq, j0 + 32)
         a0 = udot(udot(zero_i32(), lo0, x, small), hi0, y, small)
@@ -477,7 +501,7 @@ def _udots(v0, v1, xq, j0, j1, two, bits, table):
 
 
 @njit(inline="always", **_jit)
-def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep):
+def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep, hi, hb):
     """(rows n, m) . (x rows r, r + 1) on int8 x: a unit of 32 weight bytes holds `per` blocks of
     32 weights (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), each scaled by
     chunk_scales' product of its x block's scale and its group's (groups of 32 * rep: a scale
@@ -493,22 +517,24 @@ def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep):
             s0, s1, s2, s3 = _chunk(s, n, m, per * u, dx, r, bf16, two, rep)
         _ahead(q, n * Kb, m * Kb, 32 * u)
         a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
-                                j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table)
+                                j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table, hi,
+                                plane_at(hi, n, u, hb), plane_at(hi, m, u, hb), hb)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     if K % (32 * per):   # 4 bits, an odd number of groups of 32 (rep 1): the last one in scalars
         g = K // 32 - 1
-        t0, t1 = _tail4_x8(xq, dx, q, s, bf16, lut, n, r, g, K), _tail4_x8(xq, dx, q, s, bf16, lut, m, r, g, K)
+        t0 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r, g, K)
+        t1 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, m, r, g, K)
         if two:
-            t2 = _tail4_x8(xq, dx, q, s, bf16, lut, n, r + 1, g, K)
-            t3 = _tail4_x8(xq, dx, q, s, bf16, lut, m, r + 1, g, K)
+            t2 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 1, g, K)
+            t3 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, m, r + 1, g, K)
     return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
 
 
 @njit(inline="always", **_jit)
-def _tail4_x8(xq, dx, q, s, bf16, lut, n, r, g, K):
+def _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r, g, K):
     """Group g, the last half block of a 4-bit row n, times int8 x row r (in order there)."""
     e = 0
     for k in range(32 * g, K):
-        e += np.int32(xq[r, k]) * np.int32(level(lut, (q[n, k >> 1] >> (4 * (k & 1))) & 15))
+        e += np.int32(xq[r, k]) * np.int32(_integer4(q, lut, hi, hb, n, k))
     return group_value(s, n, g, bf16) * dx[r, g] * f32(e)

@@ -194,6 +194,82 @@ def table_ops(load, look):
 levels16, lookup16 = table_ops(_load_levels16, _lookup16)   # int16 lanes
 
 
+@intrinsic(prefer_literal=True)
+def _or_high16(typingctx, v, arr, i, t, shift, keep):
+    """v | (keep & the bit of weight 4j + t of a block of 64, from its 64-bit plane word at bytes
+    arr.flat[i:i+8]) << shift in each 16-bit lane j, nibble(., t)'s weights (formats.planes: weight
+    w's bit is (w % 2) * 32 + w // 2); t a literal 0..3, keep 0 or 1 (as prefill_int8._or_high)."""
+    if not isinstance(t, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
+        return None
+    nib, k = t.literal_value, shift.literal_value
+
+    def codegen(context, builder, sig, args):
+        word = _load(context, builder, sig, args, ir.IntType(64), 1, at=1)
+        bits = builder.bitcast(word, ir.VectorType(ir.IntType(1), 64))
+        picked = builder.zext(_shuffle(builder, bits, bits, [(nib % 2) * 32 + 2 * j + nib // 2 for j in range(16)]), _ll(I16))
+        mask = builder.trunc(context.cast(builder, args[5], sig.args[5], types.int64), ir.IntType(16))
+        picked = builder.and_(picked, _splat(builder, mask, 16))
+        return builder.or_(args[0], builder.shl(picked, ir.Constant(_ll(I16), [k] * 16)))
+    return I16(v, arr, i, t, shift, keep), codegen
+
+
+def with_high16(v, hi, i, t, hb):
+    """nibble(., t)'s 16 lanes v with their high bits from the `hb` planes of hi at byte i (the
+    block's 64-bit words, formats.planes), or v itself where hi is None (njit code only)."""
+
+
+@overload(with_high16, inline="always")
+def _with_high16_typed(v, hi, i, t, hb):
+    if isinstance(hi, types.NoneType):
+        return lambda v, hi, i, t, hb: v
+
+    def joined(v, hi, i, t, hb):   # the second plane's read kept only where there is one
+        return _or_high16(_or_high16(v, hi, i, t, 4, 1), hi, i + 32 * (hb - 1), t, 5, hb - 1)
+    return joined
+
+
+def high_of(hi, n, k, hb):
+    """The high part (0..2**hb - 1) of integer k of row n, from the planes hi [rows, width]
+    (formats.planes); 0 where hi is None (njit code only)."""
+
+
+@overload(high_of, inline="always")
+def _high_of_typed(hi, n, k, hb):
+    if isinstance(hi, types.NoneType):
+        return lambda hi, n, k, hb: 0
+
+    def read(hi, n, k, hb):   # no branch: numba's inliner loses a branch's variables (a warning)
+        w = k % 64
+        b = (w % 2) * 32 + w // 2
+        at = (k // 256) * hb * 32 + (k % 256) // 64 * 8 + b // 8
+        second = ((hi[n, at + 32 * (hb - 1)] >> (b % 8)) & 1) * (hb - 1)   # 0 with one plane
+        return ((hi[n, at] >> (b % 8)) & 1) | second << 1
+    return read
+
+
+def plane_at(hi, n, c, hb):
+    """The flat index in hi of the 64-bit plane word of block c (64 weights) of row n (njit code
+    only; 0 where hi is None)."""
+
+
+@overload(plane_at, inline="always")
+def _plane_at_typed(hi, n, c, hb):
+    if isinstance(hi, types.NoneType):
+        return lambda hi, n, c, hb: 0
+    return lambda hi, n, c, hb: n * hi.shape[1] + (c // 4) * hb * 32 + (c % 4) * 8
+
+
+def plane_count(hi, K):
+    """How many high planes hi holds for rows of K weights; 0 for None (njit code only)."""
+
+
+@overload(plane_count, inline="always")
+def _plane_count_typed(hi, K):
+    if isinstance(hi, types.NoneType):
+        return lambda hi, K: 0
+    return lambda hi, K: hi.shape[-1] // ((K + 255) // 256 * 32)
+
+
 def level(values, q):
     """The level of 4-bit integer q: values[q], or q itself where values is None (njit code only)."""
 
@@ -310,9 +386,12 @@ def load_super(typingctx, arr, i):
 
 @intrinsic
 def _ints8(typingctx, arr, i):
-    """uint8 arr.flat[i:i+8] as 8 float32 lanes."""
+    """arr.flat[i:i+8] as 8 float32 lanes: uint8, or int8 with their signs."""
+    signed = arr.dtype == types.int8
+
     def codegen(context, builder, sig, args):
-        return builder.uitofp(_load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 8), 1), _ll(F32))
+        ints = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 8), 1)
+        return builder.sitofp(ints, _ll(F32)) if signed else builder.uitofp(ints, _ll(F32))
     return F32(arr, i), codegen
 
 
