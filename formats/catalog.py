@@ -207,14 +207,14 @@ def parameter_size(n: int | None) -> str:
 
 def _parameters(name: str, dtype: str, shape: tuple, entries: dict, quant: dict | None) -> int:
     """A tensor's weights: a packed MLX weight (uint32 beside P.scales) holds 32/bits of them a
-    word; its scales and biases are none."""
+    word; its scales, biases, table of levels and high planes are none."""
     n = _count(shape)
     module = name.removesuffix(".weight")
     if quant and dtype == "U32" and f"{module}.scales" in entries:
         own = quant.get(module)
         bits = (own if isinstance(own, dict) else quant).get("bits", quant.get("bits"))
         return n * 32 // bits if isinstance(bits, int) and bits > 0 else n
-    if name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in entries:
+    if name.endswith((".scales", ".biases", ".values", ".high")) and f"{name.rsplit('.', 1)[0]}.weight" in entries:
         return 0
     return n
 

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as QType
 from .config import ModelConfig
 from . import families, progress, superblocks
 from .errors import FormatError
-from .gguf_blocks import BLOCK_TYPES, GROUP_SIZE, Repacked, repack
+from .gguf_blocks import BLOCK_TYPES, Repacked, repack
 from .gguf_header import split_parts
 from .gguf_metadata import check_metadata, float32_decimal
 from .gguf_tokenizer import gguf_tokenizer, need
@@ -210,7 +210,7 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
         progress.update(f"importing {path.name}: {i + 1} of {len(raw)} tensors")
         read.setdefault(hf_names[name], []).append((t, _tensor(t, layout, config, repack_blocks)))
     place = {kind: i for kinds in layout.fused.values() for i, kind in enumerate(kinds)}   # in its matrix
-    tensors, types, bits, dequantized = {}, {}, {}, []
+    tensors, types, schemes, dequantized = {}, {}, {}, []
     for hf, parts in read.items():
         parts.sort(key=lambda part: place.get(part[0].name.split(".")[-2], 0))
         module = hf.removesuffix(".weight")
@@ -222,13 +222,13 @@ def _import(path: Path, repack_blocks: bool) -> GGUFImport:
                 tensors[f"{module}.values"] = w.values
             if w.high is not None:
                 tensors[f"{module}.high"] = w.high
-            bits[module] = w.bits
+            schemes[module] = w.bits, w.group_size
         else:
             tensors[hf] = w
             if len(parts[0][0].shape) in (2, 3) and any(t.tensor_type not in FLOAT_TYPES for t, _ in parts):
                 dequantized.append(module)
-    if bits:   # mlx-lm writes the same dict under both keys (the second is what the Hub shows)
-        q = _quantization(bits)
+    if schemes:   # mlx-lm writes the same dict under both keys (the second is what the Hub shows)
+        q = _quantization(schemes)
         config = dataclasses.replace(config, quantization=q,
                                      extra={**config.extra, "quantization_config": dict(q)})
     generation_config = {k: v for k, v in (("bos_token_id", config.bos_token_id),
@@ -279,7 +279,7 @@ def _storage(w) -> tuple:
     """What a tensor as read is stored as: its kind, and its width, 16-bit type or dtype (a
     repacked one's: its scales' and its table of levels)."""
     if isinstance(w, Repacked):
-        return (Repacked, w.bits, _storage(w.scales), None if w.values is None else w.values.tobytes(),
+        return (Repacked, w.bits, w.group_size, _storage(w.scales), None if w.values is None else w.values.tobytes(),
                 None if w.high is None else w.high.shape[-1])
     return (HalfTensor, w.bf16) if isinstance(w, HalfTensor) else (np.ndarray, w.dtype)
 
@@ -427,12 +427,12 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _quantization(bits: dict[str, int]) -> dict:
-    """mlx-lm's `quantization` for the repacked modules: the commonest width as the default, a
-    per-module entry for the others."""
-    default = Counter(bits.values()).most_common(1)[0][0]
-    return {"group_size": GROUP_SIZE, "bits": default, "mode": "affine",
-            **{p: {"group_size": GROUP_SIZE, "bits": b} for p, b in bits.items() if b != default}}
+def _quantization(schemes: dict[str, tuple[int, int]]) -> dict:
+    """mlx-lm's `quantization` for the repacked modules, each one's (bits, group size): the
+    commonest as the default, a per-module entry for the others."""
+    bits, group_size = Counter(schemes.values()).most_common(1)[0][0]
+    return {"group_size": group_size, "bits": bits, "mode": "affine",
+            **{p: {"group_size": g, "bits": b} for p, (b, g) in schemes.items() if (b, g) != (bits, group_size)}}
 
 
 def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:

@@ -35,9 +35,10 @@ _STEP = 1 << 22   # weights repacked at a time: bounds the temporaries
 
 class Repacked(NamedTuple):
     """One matrix [N, K] in MLX's affine layout:
-    W[n, k] = scales[n, k//32] * q[n, k] + biases[n, k//32], with values[q[n, k]] for q where
-    there is a table of levels; or experts' matrices stacked [E, N, K], as MLX's switch_mlp holds
-    them: each array but values with the leading expert axis."""
+    W[n, k] = scales[n, k//G] * q[n, k] + biases[n, k//G], with values[q[n, k]] for q where
+    there is a table of levels, q + 16 h[n, k] where there are high planes h; or experts' matrices
+    stacked [E, N, K], as MLX's switch_mlp holds them: each array but values with the leading
+    expert axis."""
     weight: np.ndarray   # uint32 [(E,) N, K*bits/32], packed integers
     scales: np.ndarray | HalfTensor   # [(E,) N, K/32] float16 where that holds every value exactly,
                          # else bfloat16 (a HalfTensor) where that does, else float32; a K-quant's
@@ -47,6 +48,7 @@ class Repacked(NamedTuple):
     values: np.ndarray | None = None   # uint8 [16], the level of each 4-bit integer; None: q itself
     high: np.ndarray | None = None     # uint8 [(E,) N, planes.width]: the integers' bits above the
                                        # words' 4 (formats.planes); None: none
+    group_size: int = GROUP_SIZE       # weights a scale and bias: 32, or Q6_K's 16
 
 
 class _BlockType(NamedTuple):
@@ -61,6 +63,7 @@ class _BlockType(NamedTuple):
     bf16: bool = False
     planes: int = 0   # bits above the 4 of `bits` held in high planes (formats.planes)
     signed: bool = False   # two levels whose integers have a sign (int8, superblocks)
+    group_size: int = GROUP_SIZE   # weights a scale and bias: 16 for Q6_K's sub-blocks
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -147,6 +150,19 @@ def _iq4_xs(b):   # d f16, 16 bits of the scales' high 2 bits, 4 bytes of their 
             superblocks.pack(bias, signed).reshape(len(b), -1))
 
 
+def _q6_k(b):   # 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 sub-block scales sc, d
+    # f16; w = d * sc * (q - 32) a sub-block of 16: in two levels d and sc, and -32 d with the
+    # same sc for the biases (-32 d * sc: exact, a power of two times the scale)
+    n = len(b)
+    lo = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    hi = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = (lo & np.uint8(0x0F)).reshape(n, 256) | ((hi & np.uint8(3)).reshape(n, 256) << np.uint8(4))
+    sc, d = b[:, 192:208].view(np.int8), b[:, 208:210].copy().view("<f2")
+    with np.errstate(over="ignore"):   # past float16: the caller's finite check refuses the repack
+        bias = (d.astype(np.float32) * -32).astype(np.float16)
+    return q, superblocks.pack(d, sc).reshape(n, -1), superblocks.pack(bias, sc).reshape(n, -1)
+
+
 def _mxfp4(b):   # an E8M0 exponent e, 16 bytes of nibbles; w = 2^(e-128) * kvalues_mxfp4[q], E2M1's
     # values doubled: mxfp4.LEVELS less its offset 12
     d = gguf.quants.MXFP4.e8m0_to_fp32_half(b[:, 0:1])   # ggml's own power of two, subnormals too
@@ -158,6 +174,7 @@ BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1
                QType.Q5_1: _BlockType(4, _q5_1, planes=1), QType.Q5_K: _BlockType(4, _q5_k, True, planes=1),
                QType.Q8_0: _BlockType(8, _q8_0),
                QType.IQ4_NL: _BlockType(4, _iq4_nl, values=_IQ4_NL_LEVELS),
+               QType.Q6_K: _BlockType(4, _q6_k, True, planes=2, signed=True, group_size=16),
                QType.IQ4_XS: _BlockType(4, _iq4_xs, True, values=_IQ4_NL_LEVELS, signed=True),
                QType.MXFP4: _BlockType(4, _mxfp4, values=mxfp4.LEVELS, bf16=True)}
 
@@ -175,7 +192,7 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
     rows, cols = len(data), row_bytes // type_size * block_size   # N (all experts'), K
     weight = np.empty((rows, cols * kind.bits // 32), np.uint32)  # [N, K*bits/32]
     high = np.empty((rows, planes.width(cols, kind.planes)), np.uint8) if kind.planes else None
-    scales = (np.empty(superblocks.shape(rows, cols, GROUP_SIZE), np.int8 if kind.signed else np.uint8)
+    scales = (np.empty(superblocks.shape(rows, cols, kind.group_size), np.int8 if kind.signed else np.uint8)
               if kind.two_level else np.empty((rows, cols // GROUP_SIZE), np.float32))   # [N, K/32]
     biases = np.empty_like(scales)
     step = max(1, _STEP // cols)
@@ -184,7 +201,7 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
         m = len(part)
         with np.errstate(invalid="ignore", over="ignore"):   # a damaged f16 scale: the caller
             q, s, b = kind.decode(part.reshape(-1, type_size))   # checks scales and biases
-            if kind.values is not None and not _levels_finite(s, b, kind):
+            if (kind.values is not None or kind.signed) and not _finite(s, b, kind):
                 return None
         q = q.reshape(m, cols)
         weight[r:r + m] = pack(q & np.uint8(15) if kind.planes else q, kind.bits)
@@ -196,15 +213,17 @@ def repack(data: np.ndarray, qtype: QType) -> Repacked | None:
         high = high.reshape(*stacked, n, high.shape[1])
     if not kind.two_level:
         scales, biases = _narrowed(scales, biases, kind.bf16)
-    return Repacked(weight, scales, biases, kind.bits, kind.values, high)
+    return Repacked(weight, scales, biases, kind.bits, kind.values, high, kind.group_size)
 
 
-def _levels_finite(s: np.ndarray, b: np.ndarray, kind: _BlockType) -> bool:
-    """Whether a table's top level times every scale, and every bias, is a finite float32 (else
-    the levels would not give the file's weights)."""
+def _finite(s: np.ndarray, b: np.ndarray, kind: _BlockType) -> bool:
+    """Whether the largest integer (a table's top level) times every scale, and every bias, is a
+    finite float32 (else the repack would not give the file's weights: a bias's float16 overflowed,
+    or a level past float32)."""
     if kind.two_level:
         s, b = (superblocks.expand(a.reshape(len(a), 1, -1)) for a in (s, b))
-    return bool(np.isfinite(s * np.float32(kind.values.max())).all() and np.isfinite(b).all())
+    top = (1 << (kind.bits + kind.planes)) - 1 if kind.values is None else kind.values.max()
+    return bool(np.isfinite(s * np.float32(top)).all() and np.isfinite(b).all())
 
 
 def _narrowed(scales: np.ndarray, biases: np.ndarray, bf16: bool) -> tuple:

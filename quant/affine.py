@@ -21,7 +21,9 @@ from nibble.formats.packing import pack, unpack
 from .search import search_affine
 
 BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (32, 64, 128)   # what nibble quantizes to
+# what the kernels read: those, and GGUF's Q6_K's 4-bit words (and high planes) in groups of 16
+KERNEL_KINDS = tuple((bits, G) for bits in BITS for G in GROUP_SIZES) + ((4, 16),)
 METHODS = ("rtn", "search")
 _BLOCK = 1 << 18  # weights per block: keeps the search's temporaries in cache
 # numpy and the search kernel (nogil) release the GIL, so blocks quantize in parallel on threads.
@@ -38,8 +40,8 @@ class AffineScheme:
     def __post_init__(self):
         if self.bits not in BITS:
             raise NibbleError(f"bits must be 4 or 8, got {self.bits!r}")
-        if self.group_size not in GROUP_SIZES:
-            raise NibbleError(f"group size must be 32, 64 or 128, got {self.group_size!r}")
+        if (self.bits, self.group_size) not in KERNEL_KINDS:
+            raise NibbleError(f"group size must be 32, 64 or 128 (or 16 at 4 bits), got {self.group_size!r}")
 
     @property
     def nmax(self) -> int:
@@ -64,7 +66,7 @@ class QuantizedTensor(NamedTuple):
                         # (formats.superblocks), kept as stored
     biases: np.ndarray  # [N, K/G] like scales
     bits: int           # one of BITS
-    group_size: int     # G, one of GROUP_SIZES
+    group_size: int     # G: one of GROUP_SIZES, or 16 (KERNEL_KINDS)
     bf16: bool = False  # prepared uint16 scales and biases: bfloat16 bits if True, else float16
     values: np.ndarray | None = None   # uint8 [16], the level of each 4-bit integer; None: q itself
     high: np.ndarray | None = None     # uint8 [N, planes.width]: the bits above the words' 4
@@ -100,17 +102,17 @@ class QuantizedTensor(NamedTuple):
 
     def planes_problem(self) -> str | None:
         """What keeps `high` from being read as this weight's high planes (formats.planes), or None:
-        1 or 2 planes of uint8, a row each weight row has, beside 4-bit words in groups of 32
+        1 or 2 planes of uint8, a row each weight row has, beside 4-bit words in groups of 32 or 16
         without a table."""
         if self.high is None:
             return None
         *rows, _ = tuple(self.weight.shape)
         K = self.shape[1]
-        if (self.high.dtype != np.uint8 or self.bits != 4 or self.group_size != 32 or self.values is not None
+        if (self.high.dtype != np.uint8 or self.bits != 4 or self.group_size > 32 or self.values is not None
                 or planes.count(self.high, K) not in (1, 2)
                 or tuple(self.high.shape) != (*rows, planes.width(K, planes.count(self.high, K)))):
             return (f"high planes should be uint8 [{', '.join(map(str, rows))}, {planes.width(K, 1)} or "
-                    f"{planes.width(K, 2)}] beside 4-bit weights in groups of 32 without a table of levels, got "
+                    f"{planes.width(K, 2)}] beside 4-bit weights in groups of 32 or 16 without a table of levels, got "
                     f"{self.high.dtype} of shape {tuple(self.high.shape)} beside {self.bits}-bit weights in "
                     f"groups of {self.group_size}")
         return None

@@ -257,7 +257,7 @@ def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict
     n = 0
     for name, t in tensors.items():
         path, kind = name.rsplit(".", 1)
-        affine = kind in ("weight", "scales", "biases", "values")
+        affine = kind in ("weight", "scales", "biases", "values", "high")
         scheme = _scheme_for(quantization, tensors, path) if affine else None
         if scheme is None:
             n += t.size
@@ -434,9 +434,9 @@ def _check_layout(qt: QuantizedTensor, path: str) -> None:
                               f"at {qt.bits} bits and group size {qt.group_size} needs "
                               f"{expected}")
         if superblocks.is_two_level(t):
-            if qt.group_size != 32 or t.dtype != qt.scales.dtype:
+            if qt.group_size > 32 or t.dtype != qt.scales.dtype:
                 raise FormatError(f"{path}.{name} in two levels should be bytes of the scales' dtype (uint8, "
-                                  f"or int8 with a sign), in groups of 32, got {t.dtype} in groups of "
+                                  f"or int8 with a sign), in groups of 32 or 16, got {t.dtype} in groups of "
                                   f"{qt.group_size}")
         elif not (isinstance(t, HalfTensor) or np.issubdtype(t.dtype, np.floating)):
             raise FormatError(f"{path}.{name} should be float16, bfloat16 or float32, "

@@ -1,12 +1,12 @@
 """A GGUF file made ready to run: the exact repacks of formats/gguf.py, the rest quantized here.
 
 formats/ repacks the block types MLX's layout holds as they are (a K-quant's scales in their two
-levels, IQ4_NL's and MXFP4's values through a table of levels); a matrix in any other quantized
-type (Q6_K, Q2_K, Q3_K, IQ4_XS and the other IQ types, ...) arrives dequantized to
-float32 and is quantized again to 8 bits in groups of 32 by rounding to nearest: at least as many
-bits as any of those types had, so the error it adds is small next to theirs (a mixture of
-experts' stacked experts too, each expert's matrix alike). F32, F16 and BF16 tensors stay as the
-file holds them.
+levels, the Q5 types' and Q6_K's high bits in planes, IQ4_NL's, IQ4_XS's and MXFP4's values
+through a table of levels); a matrix in any other quantized type (Q2_K, Q3_K, the IQ types of 1
+to 3 bits, ...) arrives dequantized to float32 and is quantized again to 8 bits in groups of 32
+by rounding to nearest: at least as many bits as any of those types had, so the error it adds
+is small next to theirs (a mixture of experts' stacked experts too, each expert's matrix alike).
+F32, F16 and BF16 tensors stay as the file holds them.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ REQUANTIZE = AffineScheme(8, 32)
 class TypeOutcome:
     """What the tensors of one GGUF type became."""
     gguf_type: str   # "Q4_1"
-    became: str      # "int4 g32 (exact)", "int5 g32 (exact)" (with a high plane), "int4 g32
+    became: str      # "int4 g32 (exact)", "int5 g32 (exact)" (with a high plane), "int6 g16
+                     # (exact)" (Q6_K's two planes and sub-blocks of 16), "int4 g32
                      # levels (exact)" (through a table of levels), "int8 g32 (requantized)",
                      # "float16", "float32 (dequantized)"
     tensors: int

@@ -336,11 +336,13 @@ def int8_product(x, q, scales, biases, G):
     with xs the sums of the rounded x (dx xq), in float64: the rounded x times W."""
     T, K = x.shape
     xq, dx = quantize_blocks_int8(x)
-    blocks = xq.reshape(T, -1, 32).astype(np.int64)                              # [T, K/32, 32]
-    isum = np.einsum("tbk,nbk->tnb", blocks, q.reshape(q.shape[0], -1, 32).astype(np.int64))   # exact
-    s = np.repeat(scales.astype(np.float64), G // 32, axis=1)                    # [N, K/32]
-    xs = (blocks.sum(-1) * dx.astype(np.float64)).reshape(T, -1, G // 32).sum(-1)   # [T, K/G]
-    return (isum * s[None] * dx.astype(np.float64)[:, None]).sum(-1) + xs @ biases.astype(np.float64).T
+    u = min(G, 32)   # weights summed as integers: a block, or a group of 16 (two a block)
+    units = xq.reshape(T, -1, u).astype(np.int64)                                # [T, K/u, u]
+    isum = np.einsum("tbk,nbk->tnb", units, q.reshape(q.shape[0], -1, u).astype(np.int64))   # exact
+    s = np.repeat(scales.astype(np.float64), G // u, axis=1)                     # [N, K/u]
+    dxu = np.repeat(dx.astype(np.float64), 32 // u, axis=1)                      # [T, K/u]
+    xs = (units.sum(-1) * dxu).reshape(T, -1, G // u).sum(-1)                    # [T, K/G]
+    return (isum * s[None] * dxu[:, None]).sum(-1) + xs @ biases.astype(np.float64).T
 
 
 # --- quant/search.py's scale search, in numpy: all groups of a block at once ---

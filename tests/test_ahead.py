@@ -31,8 +31,11 @@ def test_a_kind_as_text_makes_the_same_numba_type(bits, G, kind, read_only):
 
 def test_a_table_of_levels_and_high_planes_are_in_the_text():
     w, s, b = np.zeros((6, 32), np.uint32), np.ones((6, 8), np.float16), np.zeros((6, 8), np.float16)
-    for extra in ({"values": np.arange(16, dtype=np.uint8)}, {"high": np.zeros((6, 32), np.uint8)}):
-        qw = prepare(QuantizedTensor(w, s, b, 4, 32, **extra))
+    two_level = np.zeros((6, 1, 18), np.int8)   # Q6_K's: groups of 16, signed integers
+    for qt in (QuantizedTensor(w, s, b, 4, 32, values=np.arange(16, dtype=np.uint8)),
+               QuantizedTensor(w, s, b, 4, 32, high=np.zeros((6, 32), np.uint8)),
+               QuantizedTensor(w, two_level, two_level, 4, 16, high=np.zeros((6, 64), np.uint8))):
+        qw = prepare(qt)
         assert numba.typeof(ahead.example(ahead.spec(qw))) == numba.typeof(qw)
 
 

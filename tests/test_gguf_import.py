@@ -18,14 +18,14 @@ from tests.test_gguf import (TOKENS, gguf_name, llama_cpp_tensors, moe_meta, moe
                              random_stack, write_gguf)
 from tests.tiny import tiny_config, tiny_tensors
 
-# down_proj's rows (F = 256) take whole Q6_K super-blocks.
+# down_proj's rows (F = 256) take whole Q3_K super-blocks.
 CONFIG = tiny_config(vocab_size=len(TOKENS), intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     """A tiny llama as llama.cpp mixes types: F16 embedding, F32 norms, Q4_0 attention and
-    gate/up, Q6_K down_proj (a type nibble cannot repack)."""
+    gate/up, Q3_K down_proj (a type nibble cannot repack)."""
     rng = np.random.default_rng(0)
     tensors = {}
     for name, w in llama_cpp_tensors(tiny_tensors(CONFIG), CONFIG).items():
@@ -34,7 +34,7 @@ def mixed_gguf(tmp_path_factory):
         elif name == "token_embd.weight":
             tensors[name] = w.astype(np.float16)
         elif "ffn_down" in name:
-            tensors[name] = (random_blocks(rng, *w.shape, QType.Q6_K, (-3, -2.5)), QType.Q6_K)
+            tensors[name] = (random_blocks(rng, *w.shape, QType.Q3_K, (-3, -2.5)), QType.Q3_K)
         else:
             tensors[name] = (gguf.quants.quantize(w, QType.Q4_0), QType.Q4_0)
     path = write_gguf(tmp_path_factory.mktemp("mixed") / "mixed.gguf", tensors, config=CONFIG)
@@ -44,17 +44,17 @@ def mixed_gguf(tmp_path_factory):
 def test_requantizes_only_what_cannot_be_repacked(mixed_gguf):
     path, raw = mixed_gguf
     report = import_gguf_model(path)
-    # the bits a weight: a float16 scale and bias a group of 32, 8-bit integers of Q6_K's 210 bytes
+    # the bits a weight: a float16 scale and bias a group of 32, 8-bit integers of Q3_K's 110 bytes
     # a super-block of 256
     assert report.outcomes == [TypeOutcome("F16", "float16", 1, 16, 16), TypeOutcome("F32", "float32", 5, 32, 32),
                                TypeOutcome("Q4_0", "int4 g32 (exact)", 12, 4.5, 5),
-                               TypeOutcome("Q6_K", "int8 g32 (requantized)", 2, 210 * 8 / 256, 9)]
+                               TypeOutcome("Q3_K", "int8 g32 (requantized)", 2, 110 * 8 / 256, 9)]
     md = report.model
     downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     assert md.config.quantization == {"group_size": 32, "bits": 4, "mode": "affine",
                                       **{p: {"group_size": 32, "bits": 8} for p in downs}}
     assert md.tensors["model.embed_tokens.weight"].dtype == np.float16
-    for path_ in downs:   # rounded to nearest at 8 bits: close to the Q6_K weights
+    for path_ in downs:   # rounded to nearest at 8 bits: close to the Q3_K weights
         data, qtype = raw[gguf_name(f"{path_}.weight")]
         qt = read_linear(md.tensors, md.config.quantization, path_)
         assert reconstruction_error(gguf.quants.dequantize(data, qtype), qt) < 0.005
@@ -71,7 +71,7 @@ def test_keep_float(mixed_gguf):
     report = import_gguf_model(path, keep_float=True)
     assert report.outcomes == [TypeOutcome("F16", "float16", 1, 16, 16), TypeOutcome("F32", "float32", 5, 32, 32),
                                TypeOutcome("Q4_0", "float32 (dequantized)", 12, 4.5, 32),
-                               TypeOutcome("Q6_K", "float32 (dequantized)", 2, 210 * 8 / 256, 32)]
+                               TypeOutcome("Q3_K", "float32 (dequantized)", 2, 110 * 8 / 256, 32)]
     assert report.model.config.quantization is None
 
 
@@ -130,10 +130,11 @@ def check_runs_as_dequantized(md):
 
 def test_a_k_quant_mixture_of_experts(tmp_path):
     """qwen3moe as llama.cpp's Q4_K_M mixes it: Q4_K gate and up experts kept in their two levels
-    with the expert axis, Q6_K down experts requantized to int8 expert by expert. Its mixtures run
-    (decode and prefill rows) bit for bit as the same experts with float32 scales and biases: the
-    kernels read each expert's two levels as a dense K-quant's. (Against float weights, x rounded
-    to int8 blocks routes a row or two of this random model to another expert.)"""
+    with the expert axis, Q6_K down experts too (6-bit integers in groups of 16), each expert's
+    matrix the file's exactly. Its mixtures run (decode and prefill rows) bit for bit as the same
+    experts with Q4_K's scales and biases in float32: the kernels read each expert's two levels as
+    a dense K-quant's. (Against float weights, x rounded to int8 blocks routes a row or two of
+    this random model to another expert.)"""
     config = tiny_config("qwen3", vocab_size=len(TOKENS), hidden_size=256)
     rng = np.random.default_rng(5)
     raw = moe_tensors(config, 4, 256, lambda name, w: random_stack(
@@ -142,16 +143,17 @@ def test_a_k_quant_mixture_of_experts(tmp_path):
     report = import_gguf_model(path)
     assert report.outcomes == [TypeOutcome("F32", "float32", 21, 32, 32),
                                TypeOutcome("Q4_K", "int4 g32 (exact)", 4, 4.5, 4.625),
-                               TypeOutcome("Q6_K", "int8 g32 (requantized)", 2, 210 * 8 / 256, 9)]
+                               TypeOutcome("Q6_K", "int6 g16 (exact)", 2, 210 * 8 / 256, 7.125)]
     assert report.params == sum(np.prod(t.shape) for t in gguf.GGUFReader(path).tensors)
     md = report.model
     for i in range(2):
         down = read_linear(md.tensors, md.config.quantization, f"model.layers.{i}.mlp.switch_mlp.down_proj")
-        assert (down.bits, down.weight.shape, down.scales.shape) == (8, (4, 256, 64), (4, 256, 8))
+        assert (down.bits, down.weight.shape, down.scales.shape) == (4, (4, 256, 32), (4, 256, 1, 18))
         want = gguf.quants.dequantize(*raw[f"blk.{i}.ffn_down_exps.weight"])
         for e in range(4):
-            assert reconstruction_error(want[e], down._replace(weight=down.weight[e], scales=down.scales[e],
-                                                               biases=down.biases[e])) < 0.005
+            one = down._replace(weight=down.weight[e], scales=down.scales[e], biases=down.biases[e],
+                                high=down.high[e])
+            np.testing.assert_array_equal(dequantize(one), want[e])
     one_level = dict(md.tensors)
     for name, a in md.tensors.items():
         if name.endswith((".scales", ".biases")) and a.dtype == np.uint8:   # [E, N, K/256, 10]
@@ -179,7 +181,7 @@ def test_import_command(mixed_gguf, tmp_path):
     assert lines[:4] == ["F16: 1 tensor -> float16, 16.00 bits per weight (the file's 16.00)",
                          "F32: 5 tensors -> float32, 32.00 bits per weight (the file's 32.00)",
                          "Q4_0: 12 tensors -> int4 g32 (exact), 5.00 bits per weight (the file's 4.50)",
-                         "Q6_K: 2 tensors -> int8 g32 (requantized), 9.00 bits per weight (the file's 6.56)"]
+                         "Q3_K: 2 tensors -> int8 g32 (requantized), 9.00 bits per weight (the file's 3.44)"]
     assert lines[4].startswith(f"wrote {tmp_path / 'q'} (") and "bits per weight)" in lines[4]
     back = read_model_dir(tmp_path / "q")
     report = import_gguf_model(path)

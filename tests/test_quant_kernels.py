@@ -296,15 +296,16 @@ LEVELS = [np.array([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], 
 
 
 def check_every_kernel(qw, q, scales, biases):
-    """Every kernel on the prepared 4-bit qw in groups of 32 against the twin of its integers q
-    [N, K] as they stand for (levels, high bits) and float64 scales and biases [N, K/32]: qmatmul
+    """Every kernel on the prepared 4-bit qw in groups of G against the twin of its integers q
+    [N, K] as they stand for (levels, high bits) and float64 scales and biases [N, K/G]: qmatmul
     (decode and prefill), each decode kernel this CPU runs, dequantized rows. Returns the twin's W."""
     N, K = q.shape
-    W = scales.repeat(32, 1) * q + biases.repeat(32, 1)
+    G = qw.group_size
+    W = scales.repeat(G, 1) * q + biases.repeat(G, 1)
     for T in (1, 2, 3, 70):
         x = rng.standard_normal((T, K)).astype(np.float32)
         bound = np.abs(x) @ np.abs(W).T
-        int8 = reference.int8_product(x, q.astype(np.int64), scales, biases, 32)
+        int8 = reference.int8_product(x, q.astype(np.int64), scales, biases, G)
         got = np.empty((T, N), np.float32)
         for kernel in [qmatmul] + (DECODE if T <= SMALL else []):
             kernel(x, qw, got, False)
@@ -362,6 +363,28 @@ def test_high_planes_add_their_bits_above_the_nibbles(hb):
                            b.astype(np.float64))
     np.testing.assert_allclose(dequantize(qw), W, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(affine.dequantize(qt), W, rtol=1e-6, atol=1e-7)
+
+
+def test_six_bit_integers_in_groups_of_16_run_as_q6_k_is_read():
+    """Q6_K's layout: 4-bit words and two high planes (integers 0..63), in groups of 16 whose
+    scales and biases are in two levels of 16 signed integers a super-block: every kernel computes
+    W = scales * (q + 16 h) + biases against the twin (int8 x: two groups to each of x's blocks,
+    prefill's lane sums made float each half superblock)."""
+    N, K = 37, 768
+    w = rng.integers(0, 2**32, size=(N, K // 8), dtype=np.uint32)
+    top = rng.integers(0, 4, (N, K), dtype=np.uint8)
+    sc = rng.integers(-128, 128, (N, K // 16)).astype(np.int8)
+    d = (10 ** rng.uniform(-5, -3, (N, K // 256))).astype(np.float16)
+    s, b = superblocks.pack(d, sc), superblocks.pack((d.astype(np.float32) * -32).astype(np.float16), sc)
+    qt = QuantizedTensor(w, s, b, 4, 16, high=planes.pack(top, 2))
+    qw = prepare(qt)
+    assert qw.scales.shape == (N, 3, 18) and qw.integer_bits == 6
+    assert 8 * qw.nbytes / (N * K) == 4 + 2 + 2 * 18 * 8 / 256   # the file's 6.5625, and 16 bits of biases
+    W = check_every_kernel(qw, twin_integers(w, 4) + top.astype(np.float64) * 16,
+                           superblocks.expand(s).astype(np.float64), superblocks.expand(b).astype(np.float64))
+    np.testing.assert_array_equal(affine.dequantize(qt), W.astype(np.float32))
+    with pytest.raises(ValueError, match="two levels"):
+        prepare(QuantizedTensor(w, superblocks.expand(s), superblocks.expand(b), 4, 16))
 
 
 def test_two_level_scales_expand_as_ggml_multiplies():

@@ -59,7 +59,7 @@ def example(text: str) -> QuantizedTensor:
     bits, G, dtype, bf16, writable, levels, planes = text.split()
     bits, G = int(bits), int(G)
     if dtype in ("uint8", "int8"):   # scales in two levels: one super-block of 256 weights
-        arrays = [np.zeros((2, 256 * bits // 32), np.uint32), *(np.zeros((2, 1, 10), dtype) for _ in "sb")]
+        arrays = [np.zeros((2, 256 * bits // 32), np.uint32), *(np.zeros((2, 1, 2 + 256 // G), dtype) for _ in "sb")]
     else:
         arrays = [np.zeros((2, G * bits // 32), np.uint32), np.ones((2, 1), dtype), np.zeros((2, 1), dtype)]
     for a, w in zip(arrays, writable):

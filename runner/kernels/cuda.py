@@ -56,9 +56,9 @@ def _check_integers(w: QuantizedTensor) -> None:
     if w.values is not None:
         raise UnsupportedModel("the GPU kernels do not read 4-bit weights through a table of levels "
                                "(MXFP4, IQ4_NL): run the model on the CPU")
-    if w.high is not None:
-        raise UnsupportedModel("the GPU kernels do not read 5- and 6-bit weights (GGUF's Q5 types): "
-                               "run the model on the CPU")
+    if w.high is not None or w.group_size < 32:
+        raise UnsupportedModel("the GPU kernels do not read 5- and 6-bit weights (GGUF's Q5 types and "
+                               "Q6_K): run the model on the CPU")
 
 
 def _wide(a: np.ndarray, bf16: bool) -> np.ndarray:

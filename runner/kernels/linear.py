@@ -13,7 +13,7 @@ from numba.extending import overload
 
 from nibble.formats import superblocks
 from nibble.formats.half import HalfTensor
-from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
+from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 from . import cpu, half, prefill, prefill_int8, quant_decode
 from .cpu import SMALL, _jit
 
@@ -40,9 +40,9 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     is, and so are high planes (formats.planes). Refuses what the kernels would read out of bounds.
     """
     bits, group_size, weight = qt.bits, qt.group_size, qt.weight
-    if bits not in BITS or group_size not in GROUP_SIZES:
-        raise ValueError(f"no kernel for {bits}-bit weights in groups of {group_size}: "
-                         f"bits must be one of {BITS} and group_size one of {GROUP_SIZES}")
+    if (bits, group_size) not in KERNEL_KINDS:
+        raise ValueError(f"no kernel for {bits}-bit weights in groups of {group_size}: bits and group_size "
+                         f"must be one of {', '.join(f'{b} and {g}' for b, g in KERNEL_KINDS)}")
     stacked = weight.ndim == 3   # experts (kernels/moe.py)
     if weight.dtype != np.uint32 or (weight.ndim != 2 and not stacked) or not weight.flags.c_contiguous:
         raise ValueError(f"weight must be a C-contiguous uint32 matrix (or experts' matrices stacked), "
@@ -51,6 +51,8 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
         N, K = qt.shape
         raise ValueError(f"scales and biases must be {list(qt.groups_shape)} for a {N}x{K} weight in "
                          f"groups of {group_size}, got {qt.scales.shape} and {qt.biases.shape}")
+    if group_size == 16 and not superblocks.is_two_level(qt.scales):   # as GGUF's Q6_K holds them
+        raise ValueError("4-bit weights in groups of 16 need their scales and biases in two levels")
     values = qt.values
     if values is not None:
         if bits != 4 or group_size != 32 or values.dtype != np.uint8 or values.shape != (16,):
@@ -64,9 +66,9 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     high = None if qt.high is None else _read_only(np.ascontiguousarray(qt.high))[0]
     kind = quant_decode.KINDS[bits, group_size]
     if superblocks.is_two_level(qt.scales):
-        if group_size != 32 or qt.biases.dtype != qt.scales.dtype:
+        if group_size > 32 or qt.biases.dtype != qt.scales.dtype:
             raise ValueError(f"scales and biases in two levels must be bytes of one dtype (uint8, or int8 "
-                             f"with a sign), in groups of 32; got {qt.scales.dtype} and {qt.biases.dtype} "
+                             f"with a sign), in groups of 32 or 16; got {qt.scales.dtype} and {qt.biases.dtype} "
                              f"in groups of {group_size}")
         return kind(*_read_only(weight, *(np.ascontiguousarray(a) for a in (qt.scales, qt.biases))),
                     bits, group_size, False, values, high)
@@ -230,7 +232,7 @@ def _qkv_rounded_once(x, wq, wk, wv, q, k, v):
         _decode_rounded(rounded, x, wk, k)
         _decode_rounded(rounded, x, wv, v)
     else:
-        rounded = prefill_int8.round_rows(x, wq.bits)
+        rounded = prefill_int8.round_rows(x, wq.group_size, wq.bits)
         _prefill_rounded(rounded, x, wq, q)
         _prefill_rounded(rounded, x, wk, k)
         _prefill_rounded(rounded, x, wv, v)
@@ -246,7 +248,7 @@ def _decode_rounded(rounded, x, w, out):
 
 @njit(inline="always", **_jit)
 def _prefill_rounded(rounded, x, w, out):
-    """out = x @ w.T, x as prefill_int8.round_rows gave it for w's bits."""
+    """out = x @ w.T, x as prefill_int8.round_rows gave it for w's bits and groups."""
     _check(x, w, out)
     prefill_int8.matmul_rounded(rounded, w, out, bool(False))   # a plain bool, as above
 
@@ -298,7 +300,7 @@ def _gated_rounded_once(x, w_gate, w_up, out, gelu):
         _decode_rounded(rounded, x, w_gate, out)
         _decode_rounded(rounded, x, w_up, up)
     else:
-        rounded = prefill_int8.round_rows(x, w_gate.bits)
+        rounded = prefill_int8.round_rows(x, w_gate.group_size, w_gate.bits)
         _prefill_rounded(rounded, x, w_gate, out)
         _prefill_rounded(rounded, x, w_up, up)
     _activate(out, up, gelu)

@@ -325,14 +325,16 @@ def _k(unit, j, bits):
 
 
 @njit(parallel=True, **_jit)
-def quantize_rows(x, units, lane_block, bits):
+def quantize_rows(x, units, lane_block, bits, halves):
     """x [T, K] -> (xq int8 [T, Kp] in the layout, each block of 32 rounded to +-127 dx;
     dx and xs float32 [T, lanes]: a lane's block scale and its bytes' sum of x as rounded,
-    dx * sum xq. Not the exact sum: the biases' term would then carry x's rounding error times
+    dx * sum xq; with `halves` (weights in groups of 16, whole superblocks) [T, 2 * lanes], for
+    each superblock its lanes over steps 0-3 (the first 16 weights of each block), then over
+    steps 4-7 (the second 16). Not the exact sum: the biases' term would then carry x's rounding error times
     the weights' offset (128 d for a symmetric int8 stored unsigned), where the rounded x alike in
     both terms leaves it times the weights themselves, as llama.cpp's Q8_1 sums do.)"""
     T, K = x.shape
-    lanes = lane_block.shape[0]
+    lanes = lane_block.shape[0] * (2 if halves else 1)
     xq = np.zeros((T, 4 * units.shape[0]), np.int8)
     dx = np.zeros((T, lanes), np.float32)
     xs = np.zeros((T, lanes), np.float32)
@@ -346,15 +348,16 @@ def quantize_rows(x, units, lane_block, bits):
         for i in range(units.shape[0]):
             if units[i] >= 0:
                 r = inv[units[i] // 8]
-                v = 8 * (i // 64) + i % 8
+                v = (16 * (i // 64) + 8 * (i // 32 % 2) if halves else 8 * (i // 64)) + i % 8
                 for j in range(4):
                     q = np.rint(x[t, _k(units[i], j, bits)] * r)
                     xq[t, 4 * i + j] = np.int8(q)
                     xs[t, v] += q
         for v in range(lanes):
-            if lane_block[v] >= 0:
-                dx[t, v] = scale[lane_block[v]]
-                xs[t, v] *= scale[lane_block[v]]
+            block = lane_block[v // 16 * 8 + v % 8] if halves else lane_block[v]
+            if block >= 0:
+                dx[t, v] = scale[block]
+                xs[t, v] *= scale[block]
     return xq, dx, xs
 
 
@@ -417,23 +420,30 @@ def _to_levels_typed(values, wq):
 @njit(**_jit)
 def matmul_int8(x, qw, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T on integer dot products (where DOT is set)."""
-    matmul_rounded(round_rows(x, qw.bits), qw, out, accumulate)
+    matmul_rounded(round_rows(x, qw.group_size, qw.bits), qw, out, accumulate)
 
 
 @njit(**_jit)
-def round_rows(x, bits):
-    """x [T, K] rounded for weights of `bits` bits: (xq, dx, xs, units, lane_block) as
-    quantize_rows and layout give them; several weights of those bits may share it."""
+def round_rows(x, G, bits):
+    """x [T, K] rounded for weights of `bits` bits in groups of G: (xq, dx, xs, units, lane_block)
+    as quantize_rows and layout give them; several weights of those bits and groups may share it."""
     units, lane_block = layout(x.shape[1])
-    xq, dx, xs = quantize_rows(x, units, lane_block, bits)
+    xq, dx, xs = quantize_rows(x, units, lane_block, bits, G == 16)
     return xq, dx, xs, units, lane_block
 
 
 @njit(**_jit)
 def matmul_rounded(rounded, qw, out, accumulate):
-    """matmul_int8 on x as round_rows(x, qw.bits) gave it."""
+    """matmul_int8 on x as round_rows(x, qw.group_size, qw.bits) gave it."""
     xq, dx, xs, units, lane_block = rounded
-    lane_group = np.where(lane_block >= 0, 32 * lane_block // qw.group_size, -1)   # W's group of each lane
+    G = qw.group_size
+    lane_group = np.empty(dx.shape[1], np.int64)   # W's group of each lane (each half lane: G = 16)
+    for v in range(dx.shape[1]):
+        if G == 16:   # lanes' first 16 weights, then their second (quantize_rows' halves)
+            block = lane_block[v // 16 * 8 + v % 8]
+            lane_group[v] = 2 * block + v // 8 % 2 if block >= 0 else -1
+        else:
+            lane_group[v] = 32 * lane_block[v] // G if lane_block[v] >= 0 else -1
     _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate)
 
 
@@ -442,6 +452,7 @@ def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
     T, Kp = xq.shape
     N, lanes = qw.weight.shape[0], lane_group.shape[0]
     small = qw.bits == 4 and nibble_sized(qw.values)
+    span = 128 if qw.group_size == 16 else 256   # bytes of a lane's integer sum: 4 steps or 8
     for tile in prange((N + TILE - 1) // TILE):
         n0 = tile * TILE
         rows = min(N, n0 + TILE) - n0
@@ -454,11 +465,11 @@ def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
         while t + 4 <= T:
             r = 0
             while r + 3 <= rows:
-                _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, accumulate)
+                _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, span, accumulate)
                 r += 3
-            _dots(xq, dx, xs, wq, sw, bw, out, t, t + 4, r, rows, n0, small, accumulate)
+            _dots(xq, dx, xs, wq, sw, bw, out, t, t + 4, r, rows, n0, small, span, accumulate)
             t += 4
-        _dots(xq, dx, xs, wq, sw, bw, out, t, T, 0, rows, n0, small, accumulate)
+        _dots(xq, dx, xs, wq, sw, bw, out, t, T, 0, rows, n0, small, span, accumulate)
 
 
 @njit(inline="always", **_jit)
@@ -470,13 +481,14 @@ def _finish(f, a, dx, xs, sw, bw, t, r, v):
 
 
 @njit(inline="always", **_jit)
-def _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, accumulate):
-    """out[t:t+4, n0+r:n0+r+3] (+)= 12 dot products: 7 loads for 12 udots a step."""
+def _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, span, accumulate):
+    """out[t:t+4, n0+r:n0+r+3] (+)= 12 dot products: 7 loads for 12 udots a step; the lanes' sums
+    made float every `span` bytes (a superblock, or half of one)."""
     Kp = xq.shape[1]
     f00 = f01 = f02 = f10 = f11 = f12 = f20 = f21 = f22 = f30 = f31 = f32_ = zero_f32()
-    for c in range(0, Kp, 256):
+    for c in range(0, Kp, span):
         a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = a30 = a31 = a32 = zero_i32()
-        for k in range(c, min(c + 256, Kp), 32):
+        for k in range(c, min(c + span, Kp), 32):
             w0, w1, w2 = load_u8x32(wq, r * Kp + k), load_u8x32(wq, (r + 1) * Kp + k), load_u8x32(wq, (r + 2) * Kp + k)
             u = load_u8x32(xq, t * Kp + k)
             a00, a01, a02 = udot(a00, w0, u, small), udot(a01, w1, u, small), udot(a02, w2, u, small)
@@ -486,7 +498,7 @@ def _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, accumulate):
             a20, a21, a22 = udot(a20, w0, u, small), udot(a21, w1, u, small), udot(a22, w2, u, small)
             u = load_u8x32(xq, (t + 3) * Kp + k)
             a30, a31, a32 = udot(a30, w0, u, small), udot(a31, w1, u, small), udot(a32, w2, u, small)
-        v = c // 32
+        v = c * 8 // span
         f00, f01, f02 = (_finish(f00, a00, dx, xs, sw, bw, t, r, v), _finish(f01, a01, dx, xs, sw, bw, t, r + 1, v),
                          _finish(f02, a02, dx, xs, sw, bw, t, r + 2, v))
         f10, f11, f12 = (_finish(f10, a10, dx, xs, sw, bw, t + 1, r, v), _finish(f11, a11, dx, xs, sw, bw, t + 1, r + 1, v),
@@ -503,16 +515,16 @@ def _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, accumulate):
 
 
 @njit(inline="always", **_jit)
-def _dots(xq, dx, xs, wq, sw, bw, out, t0, t1, r0, r1, n0, small, accumulate):
+def _dots(xq, dx, xs, wq, sw, bw, out, t0, t1, r0, r1, n0, small, span, accumulate):
     """The edges of a tile, one dot product at a time."""
     Kp = xq.shape[1]
     for t in range(t0, t1):
         for r in range(r0, r1):
             f = zero_f32()
-            for c in range(0, Kp, 256):
+            for c in range(0, Kp, span):
                 a = zero_i32()
-                for k in range(c, min(c + 256, Kp), 32):
+                for k in range(c, min(c + span, Kp), 32):
                     a = udot(a, load_u8x32(wq, r * Kp + k), load_u8x32(xq, t * Kp + k), small)
-                f = _finish(f, a, dx, xs, sw, bw, t, r, c // 32)
+                f = _finish(f, a, dx, xs, sw, bw, t, r, c * 8 // span)
             n = n0 + r
             out[t, n] = out[t, n] + hsum(f) if accumulate else hsum(f)

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from nibble.quant.affine import BITS, GROUP_SIZES, QuantizedTensor
+from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 
 from . import prefill_int8
 from .cpu import _jit
@@ -69,7 +69,7 @@ def _kind(bits: int, G: int) -> type:
 # types a named tuple by its class, so a kernel compiles only the decode loop of its weights'
 # bits and groups, not all of them (each takes 10-20 s to compile on 2 cores). Module globals by
 # name, so that cached kernels name their types when loaded again.
-KINDS = {(bits, G): _kind(bits, G) for bits in BITS for G in GROUP_SIZES}
+KINDS = {(bits, G): _kind(bits, G) for bits, G in KERNEL_KINDS}
 globals().update({kind.__name__: kind for kind in KINDS.values()})
 
 
@@ -127,12 +127,13 @@ def _rows_of_kind(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
 
 @overload(_rows_of_kind, inline="always", jit_options=_jit)
 def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
-    # bits and rep (G // 32 on int8 x) as constants: numba compiles a function once for each constant
-    # argument's value, so each kernel is its own function, none inlined into another (numba copies
-    # a callee's IR to inline it, at a cost that grows with its size squared). G itself is a value
-    # too, for the int16 kernels' loop bounds
+    # bits and rep as constants: numba compiles a function once for each constant argument's value,
+    # so each kernel is its own function, none inlined into another (numba copies a callee's IR to
+    # inline it, at a cost that grows with its size squared). On int8 x rep is G // 32 (0: groups
+    # of 16, two in each of x's blocks); on int16 x the groups in a block of 64 where it holds
+    # several (2 or 4), else 0. G itself is a value too, for the int16 kernels' loop bounds
     bits, G = qw.instance_class.KIND
-    rep = G // 32 if xq.dtype == types.int8 else int(G == 32)   # the int16 kernels tell groups of 32 apart only
+    rep = G // 32 if xq.dtype == types.int8 else 64 // G if G <= 32 else 0
     return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: _rows(
         xq, dx, xs, x, bits, rep, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
         qw.bf16, qw.values, qw.high, plane_count(qw.high, x.shape[1]), experts, own_x, out)
@@ -218,7 +219,7 @@ def _pair(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb):
     """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and rep (G // 32), 4-bit
     integers read as their levels in lut where it is a table (QuantizedTensor.values), or with
     their high bits from the hb planes hi (QuantizedTensor.high) where there are some: on
-    int16 x _pair8, _pair4 or _pair4_32, on int8 x _pair_x8, the one chosen from the
+    int16 x _pair8, _pair4 or _pair4_small, on int8 x _pair_x8, the one chosen from the
     types of xq and the constants (the overload below), inlined alone."""
 
 
@@ -228,12 +229,14 @@ def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb):
         return None
     if xq.dtype == types.int8:
         if bits.literal_value == 4:
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep, hi, hb)
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut, rep, hi, hb)
+            if rep.literal_value == 0:   # 4 groups of 16 a unit of 64 weights
+                return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep, hi, hb, 4)
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep, hi, hb, 2)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut, rep, hi, hb, 1)
     if bits.literal_value == 8:
         return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
-    if rep.literal_value == 1:
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb)
+    if rep.literal_value:
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair4_small(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb, rep)
     return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut, hi, hb)
 
 
@@ -263,11 +266,10 @@ def quantize_activation(x, G, bits, xq, dx, xs):
         return
     for c in range(K // 64):
         xb, qb = x[64 * c:64 * c + 64], xq[64 * c:64 * c + 64]
-        r0, r1 = inv[64 * c // G], inv[(64 * c + 32) // G]
         for t in range(4):
             for j in range(8):
-                qb[16 * t + j] = np.int16(np.rint(xb[4 * j + t] * r0))
-                qb[16 * t + j + 8] = np.int16(np.rint(xb[4 * j + t + 32] * r1))
+                qb[16 * t + j] = np.int16(np.rint(xb[4 * j + t] * inv[(64 * c + 4 * j + t) // G]))
+                qb[16 * t + j + 8] = np.int16(np.rint(xb[4 * j + t + 32] * inv[(64 * c + 4 * j + t + 32) // G]))
 
 
 @njit(inline="always", **_jit)
@@ -382,9 +384,9 @@ def _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut, hi, hb):
 
 
 @njit(inline="always", **_jit)
-def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb):
-    """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of 32: a block of 64 holds two, int32
-    lanes 0-3 summing its first 32 weights, lanes 4-7 the next 32."""
+def _pair4_small(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb, per):
+    """(rows n, m) . (x rows r, r + 1) for 4 bits in groups of 32 or 16: a block of 64 holds per
+    (a literal 2 or 4) of them, int32 lane l summing weights 8l..8l+7 (lanes 0-3 the first 32)."""
     Kb = q.shape[1]
     K = 2 * Kb
     j0, j1 = r * K, (r + 1) * K
@@ -392,13 +394,13 @@ def _pair4_32(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb):
     f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for c in range(K // 64):
-        if c % 4 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, 2 * c, dx, r, bf16, two, 1)
+        if c % (8 // per) == 0:
+            s0, s1, s2, s3 = _chunk(s, n, m, per * c, dx, r, bf16, two, 1)
         a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two,
                                  table, hi, plane_at(hi, n, c, hb), plane_at(hi, m, c, hb), hb)
-        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, 2)
+        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-    if K % 64:   # an odd number of groups: the last one's weights in float
+    if K % 64:   # groups of 32, an odd number: the last one's weights in float
         g = K // 32 - 1
         t0 = _tail4(x, q, s, bf16, lut, hi, hb, n, r, g, K)
         t1 = _tail4(x, q, s, bf16, lut, hi, hb, m, r, g, K)
@@ -439,7 +441,7 @@ def round_int8(x, G, bits, xq, dx, xs):
     """
     K = x.shape[0]
     inv = np.empty(K // 32, np.float32)
-    sums = np.empty(K // 32, np.float32)   # of each block's integers (exact: at most 32 * 127)
+    halves = np.zeros(K // 16, np.float32)   # each half block's integers (exact: at most 16 * 127)
     for b in range(K // 32):
         top = f32(0.0)
         for k in range(32 * b, 32 * b + 32):
@@ -449,24 +451,26 @@ def round_int8(x, G, bits, xq, dx, xs):
     for c in range(whole):
         o = 64 * c
         for h in range(2):
-            r, total = inv[2 * c + h], f32(0.0)
+            r = inv[2 * c + h]
             for p in range(16 * h, 16 * h + 16):   # x[o + 2p] to byte p, x[o + 2p + 1] to byte 32 + p
                 lo, hi = np.rint(x[o + 2 * p] * r), np.rint(x[o + 2 * p + 1] * r)
                 xq[o + p], xq[o + 32 + p] = np.int8(lo), np.int8(hi)
-                total += lo + hi
-            sums[2 * c + h] = total
+                halves[(o + 2 * p) // 16] += lo + hi
     for b in range(2 * whole, K // 32):
-        r, total = inv[b], f32(0.0)
+        r = inv[b]
         for k in range(32 * b, 32 * b + 32):
             v = np.rint(x[k] * r)
             xq[k] = np.int8(v)
-            total += v
-        sums[b] = total
+            halves[k // 16] += v
+    if G == 16:
+        for g in range(K // 16):
+            xs[g] = dx[g // 2] * halves[g]
+        return
     per = G // 32
     for g in range(K // G):
         total = f32(0.0)
         for b in range(per * g, per * g + per):
-            total += dx[b] * sums[b]
+            total += dx[b] * (halves[2 * b] + halves[2 * b + 1])
         xs[g] = total
 
 
@@ -501,11 +505,12 @@ def _udots(v0, v1, xq, j0, j1, two, bits, table, hi, h0, h1, hb):
 
 
 @njit(inline="always", **_jit)
-def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep, hi, hb):
+def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep, hi, hb, step):
     """(rows n, m) . (x rows r, r + 1) on int8 x: a unit of 32 weight bytes holds `per` blocks of
     32 weights (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), each scaled by
     chunk_scales' product of its x block's scale and its group's (groups of 32 * rep: a scale
-    spread over rep blocks' lanes, one product a block as in groups of 32, no sum a group)."""
+    spread over rep blocks' lanes, one product a block as in groups of 32, no sum a group; rep
+    0, groups of 16: two lanes a group); `step` (a literal) scales a unit, per or 4 groups of 16."""
     Kb = q.shape[1]
     K = Kb * 8 // bits
     j0, j1 = r * K, (r + 1) * K
@@ -513,13 +518,13 @@ def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep, hi, hb):
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     table = levels(lut)
     for u in range(K // (32 * per)):
-        if (u * per) % 8 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, per * u, dx, r, bf16, two, rep)
+        if (u * step) % 8 == 0:
+            s0, s1, s2, s3 = _chunk(s, n, m, step * u, dx, r, bf16, two, rep)
         _ahead(q, n * Kb, m * Kb, 32 * u)
         a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
                                 j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table, hi,
                                 plane_at(hi, n, u, hb), plane_at(hi, m, u, hb), hb)
-        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per)
+        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, step)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     if K % (32 * per):   # 4 bits, an odd number of groups of 32 (rep 1): the last one in scalars
         g = K // 32 - 1

@@ -396,11 +396,23 @@ def _ints8(typingctx, arr, i):
 
 
 @njit(inline="always")
-def super_values8(a, n, sb):
-    """The 8 group values of super-block sb of row n of scales or biases in two levels (groups
-    of 32): float32(f16) * float32(integer), as formats.superblocks.expand computes them."""
-    i = (n * a.shape[1] + sb) * 10
-    return vmul(_ints8(a, i + 2), splat_f32(load_super(a, i)))
+def super_values8(a, n, g):
+    """The values of groups g..g+7 (g a multiple of 8) of row n of scales or biases in two levels:
+    float32(f16) * float32(integer), as formats.superblocks.expand computes them."""
+    P = a.shape[2] - 2   # groups a super-block
+    i = (n * a.shape[1] + g // P) * (P + 2)
+    return vmul(_ints8(a, i + 2 + g % P), splat_f32(load_super(a, i)))
+
+
+@intrinsic
+def _dx_pairs(typingctx, dx, i, count):
+    """Lanes k = 0..7: dx.flat[i + k // 2] (float32), lanes past the first `count` pairs zero (and
+    not read): x's block scales for groups of 16, two a block."""
+    def codegen(context, builder, sig, args):
+        x = _load_first(context, builder, sig, args, ir.VectorType(ir.FloatType(), 4), 4,
+                        context.cast(builder, args[2], sig.args[2], types.int64))
+        return _shuffle(builder, x, x, [k // 2 for k in range(8)])
+    return F32(dx, i, count), codegen
 
 
 @intrinsic
@@ -423,16 +435,23 @@ def chunk_scales(s, n, g, dx, r, bf16, rep):
     """Lanes k = 0..7: s[n, (g + k) // rep] * dx[r, g + k] (zero past the last of dx's), s a
     prepared weight's scales as group_value reads them, dx float32 [rows, groups * rep]: x's
     scales by group (rep 1), or by block of 32 in groups of 32 * rep (rep a literal 1, 2 or 4,
-    g a multiple of 8); scales in two levels from the first group of a super-block, rep 1 (njit
-    code only)."""
+    g a multiple of 8); scales in two levels rep 1, or rep 0: groups of 16 in x's blocks of 32,
+    s[n, g + k] * dx[r, (g + k) // 2] (njit code only)."""
 
 
 @overload(chunk_scales, inline="always")
 def _chunk_scales_typed(s, n, g, dx, r, bf16, rep):
     if s.ndim == 3:
+        if not isinstance(rep, types.IntegerLiteral):
+            return None   # typed again with rep's value
+        if rep.literal_value == 0:
+            def two_level_halves(s, n, g, dx, r, bf16, rep):
+                blocks = group_count(s) // 2
+                return vmul(super_values8(s, n, g), _dx_pairs(dx, r * blocks + g // 2, min(blocks - g // 2, 4)))
+            return two_level_halves
+
         def two_level(s, n, g, dx, r, bf16, rep):
-            groups = s.shape[1] * 8
-            return vmul(super_values8(s, n, g // 8), load_f32x8(dx, r * groups + g))
+            return vmul(super_values8(s, n, g), load_f32x8(dx, r * group_count(s) + g))
         return two_level
 
     def one_level(s, n, g, dx, r, bf16, rep):
@@ -447,10 +466,10 @@ def _chunk_scales_typed(s, n, g, dx, r, bf16, rep):
 def spread(typingctx, v, per):
     """The lanes that scale a unit's integer sums, from chunk_scales' vector (its first group in
     lane 0): lane 0 in all 8 for a unit of per = 1 group, [lane 0 x4, lane 1 x4] for per = 2
-    (its int32 lanes 0-3 sum the first group)."""
+    (its int32 lanes 0-3 sum the first group), [lane 0 x2, ..., lane 3 x2] for per = 4."""
     if not isinstance(per, types.IntegerLiteral):
         return None
-    lanes = [0] * 8 if per.literal_value == 1 else [0] * 4 + [1] * 4
+    lanes = [k * per.literal_value // 8 for k in range(8)]
 
     def codegen(context, builder, sig, args):
         return _shuffle(builder, args[0], args[0], lanes)
@@ -503,8 +522,11 @@ def group_value(a, n, g, bf16):
 
 @overload(group_value)
 def _group_value_typed(a, n, g, bf16):
-    if a.ndim == 3:   # two levels, groups of 32: a float16 and 8 integers a super-block
-        return lambda a, n, g, bf16: load_super(a, (n * a.shape[1] + g // 8) * 10) * np.float32(a[n, g // 8, 2 + g % 8])
+    if a.ndim == 3:   # two levels: a float16 and P = 256 / G integers a super-block
+        def two_level(a, n, g, bf16):
+            P = a.shape[2] - 2
+            return load_super(a, (n * a.shape[1] + g // P) * (P + 2)) * np.float32(a[n, g // P, 2 + g % P])
+        return two_level
     if a.dtype == types.float32:
         return lambda a, n, g, bf16: a[n, g]
     if a.dtype == types.uint16:
@@ -544,7 +566,7 @@ def group_count(a):
 @overload(group_count)
 def _group_count_typed(a):
     if a.ndim == 3:
-        return lambda a: a.shape[1] * 8
+        return lambda a: a.shape[1] * (a.shape[2] - 2)
     return lambda a: a.shape[1]
 
 
@@ -555,5 +577,5 @@ def _group8(a, n, g, bf16):
 @overload(_group8)
 def _group8_typed(a, n, g, bf16):
     if a.ndim == 3:
-        return lambda a, n, g, bf16: super_values8(a, n, g // 8)
+        return lambda a, n, g, bf16: super_values8(a, n, g)
     return lambda a, n, g, bf16: load_group8(a, n * a.shape[1] + g, bf16)
