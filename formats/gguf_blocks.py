@@ -7,9 +7,10 @@ layout holds the same things in groups of 32: the integers packed into uint32 wo
 packing), scales and biases beside them. So the repacked tensor, dequantized, gives the very
 float32 numbers ggml's dequantization gives: the products and sums are the same float32
 operations on the same operands (q*d and 8*d are exact in float32). 5-bit integers keep their
-fifth bit in a plane beside the 4-bit words (planes), as ggml keeps it beside the nibbles. A
+fifth bit in a plane beside the 4-bit words (planes), as ggml keeps it beside the nibbles, Q6_K's
+6-bit ones two planes; Q2_K's and Q3_K's 2- and 3-bit integers take 4-bit words. A
 K-quant's scales and biases stay in its two levels (superblocks): a float16 a super-block and a
-6-bit integer a sub-block. IQ4_NL, IQ4_XS and MXFP4 index 16 values that are not evenly spaced:
+small integer a sub-block (of 32, or of 16 for Q2_K, Q3_K and Q6_K; signed for Q3_K and Q6_K). IQ4_NL, IQ4_XS and MXFP4 index 16 values that are not evenly spaced:
 their 4-bit integers go through a table of levels (Repacked.values), the signed values plus an
 offset that the biases take back (-offset * scale). IQ4_XS's scales and biases are in two levels
 too, their integers signed. A level times the scale is exact in float32 (at most 8 bits times an
@@ -150,12 +151,40 @@ def _iq4_xs(b):   # d f16, 16 bits of the scales' high 2 bits, 4 bytes of their 
             superblocks.pack(bias, signed).reshape(len(b), -1))
 
 
+_CRUMBS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)   # the shifts of four 2-bit fields a byte
+
+
+def _q2_k(b):   # 16 bytes of 4-bit sc (low) and m (high) a sub-block of 16, 64 bytes of 2-bit q, d,
+    # dmin; w = d * sc * q - dmin * m: in two levels (d, sc) and (-dmin, m), -dmin exactly
+    n = len(b)
+    q = (b[:, 16:80].reshape(n, 2, 1, 32) >> _CRUMBS) & np.uint8(3)
+    dmin = b[:, 82:84].copy().view("<u2") ^ np.uint16(0x8000)
+    return (q.reshape(n, 256), superblocks.pack(b[:, 80:82].copy().view("<f2"), b[:, :16] & np.uint8(15)).reshape(n, -1),
+            superblocks.pack(dmin.view("<f2"), b[:, :16] >> np.uint8(4)).reshape(n, -1))
+
+
+def _q3_k(b):   # 32 bytes of third bits, 64 of 2-bit low parts, 12 of 6-bit sub-block scales sc, d;
+    # w = d * (sc - 32) * (q - 4) for q = low + 4 * third (ggml subtracts 4 where the bit is clear):
+    # in two levels (d, sc - 32) and (-4 d, sc - 32), signed
+    n = len(b)
+    low = (b[:, 32:96].reshape(n, 2, 1, 32) >> _CRUMBS) & np.uint8(3)
+    third = (b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+    q = low.reshape(n, 256) | (third.reshape(n, 256) << np.uint8(2))
+    lo = (b[:, 96:104].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(n, 16) & np.uint8(15)
+    hi = (b[:, 104:108].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(n, 16) & np.uint8(3)
+    signed = ((lo | (hi << np.uint8(4))).astype(np.int16) - 32).astype(np.int8)
+    d = b[:, 108:110].copy().view("<f2")
+    with np.errstate(over="ignore"):   # past float16: the caller's finite check refuses the repack
+        bias = (d.astype(np.float32) * -4).astype(np.float16)
+    return q, superblocks.pack(d, signed).reshape(n, -1), superblocks.pack(bias, signed).reshape(n, -1)
+
+
 def _q6_k(b):   # 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 sub-block scales sc, d
     # f16; w = d * sc * (q - 32) a sub-block of 16: in two levels d and sc, and -32 d with the
     # same sc for the biases (-32 d * sc: exact, a power of two times the scale)
     n = len(b)
     lo = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    hi = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    hi = b[:, 128:192].reshape(n, 2, 1, 32) >> _CRUMBS
     q = (lo & np.uint8(0x0F)).reshape(n, 256) | ((hi & np.uint8(3)).reshape(n, 256) << np.uint8(4))
     sc, d = b[:, 192:208].view(np.int8), b[:, 208:210].copy().view("<f2")
     with np.errstate(over="ignore"):   # past float16: the caller's finite check refuses the repack
@@ -174,6 +203,8 @@ BLOCK_TYPES = {QType.Q4_0: _BlockType(4, _q4_0), QType.Q4_1: _BlockType(4, _q4_1
                QType.Q5_1: _BlockType(4, _q5_1, planes=1), QType.Q5_K: _BlockType(4, _q5_k, True, planes=1),
                QType.Q8_0: _BlockType(8, _q8_0),
                QType.IQ4_NL: _BlockType(4, _iq4_nl, values=_IQ4_NL_LEVELS),
+               QType.Q2_K: _BlockType(4, _q2_k, True, group_size=16),
+               QType.Q3_K: _BlockType(4, _q3_k, True, signed=True, group_size=16),
                QType.Q6_K: _BlockType(4, _q6_k, True, planes=2, signed=True, group_size=16),
                QType.IQ4_XS: _BlockType(4, _iq4_xs, True, values=_IQ4_NL_LEVELS, signed=True),
                QType.MXFP4: _BlockType(4, _mxfp4, values=mxfp4.LEVELS, bf16=True)}

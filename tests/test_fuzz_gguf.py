@@ -84,7 +84,7 @@ def _quantized_llama(tmp: Path) -> Path:
     tensors = llama_cpp_tensors(tiny_tensors(config), config)
     rng = np.random.default_rng(0)
     types = {"attn_q": QType.Q8_0, "attn_k": QType.Q4_0, "attn_v": QType.Q4_1, "attn_output": QType.Q5_0,
-             "ffn_gate": QType.Q4_K, "ffn_up": QType.Q5_K, "ffn_down": QType.Q3_K}
+             "ffn_gate": QType.Q4_K, "ffn_up": QType.Q5_K, "ffn_down": QType.IQ3_S}
     for name, w in tensors.items():
         qtype = types.get(name.split(".")[-2])
         if qtype is not None:

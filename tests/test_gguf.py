@@ -245,7 +245,7 @@ def numpy_dequantize(raw: np.ndarray, qtype) -> np.ndarray:
 # Byte offsets of each block type's float16 fields (d, and m or dmin), from ggml-common.h.
 F16_FIELDS = {QType.Q4_0: [0], QType.Q4_1: [0, 2], QType.Q5_0: [0], QType.Q5_1: [0, 2],
               QType.Q8_0: [0], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2], QType.Q6_K: [208], QType.IQ4_NL: [0],
-              QType.IQ4_XS: [0], QType.Q2_K: [80, 82], QType.Q3_K: [108]}
+              QType.IQ4_XS: [0], QType.Q2_K: [80, 82], QType.Q3_K: [108], QType.IQ3_S: [0]}
 # The block types repacked as integers, not through a table of levels (tests/test_gguf_levels.py)
 UNIFORM = [t for t, kind in gguf_blocks.BLOCK_TYPES.items() if kind.values is None]
 
@@ -307,7 +307,7 @@ def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
     raw = random_blocks(np.random.default_rng(2), 24, 512, qtype, exponents)
     imported = import_gguf(write_gguf(tmp_path / "r.gguf", {"blk.0.ffn_up.weight": (raw, qtype)}))
     md = imported.model
-    if qtype == QType.Q6_K and exponents == (-7, 4.5):   # a d past 2047: -32 d is no float16
+    if qtype in (QType.Q3_K, QType.Q6_K) and exponents == (-7, 4.5):   # a d whose -4 d or -32 d is no float16
         assert imported.dequantized == ["model.layers.0.mlp.up_proj"]
         np.testing.assert_array_equal(md.tensors["model.layers.0.mlp.up_proj.weight"],
                                       gguf.quants.dequantize(raw, qtype))
@@ -317,19 +317,21 @@ def test_repack_is_exact(tmp_path, monkeypatch, qtype, exponents):
     assert (qt.bits, qt.group_size, qt.shape) == (kind.bits, kind.group_size, (24, 512))
     # Q5's fifth bit, Q6_K's fifth and sixth, in planes beside 4-bit words
     assert qt.integer_bits == {QType.Q5_0: 5, QType.Q5_1: 5, QType.Q5_K: 5, QType.Q6_K: 6}.get(qtype, qt.bits)
+    signed = qtype in (QType.Q3_K, QType.Q6_K)
     expected = gguf.quants.dequantize(raw, qtype)
     assert np.isfinite(expected).all()
     assert np.array_equal(dequantize(qt), expected)
     if qtype in (QType.Q4_K, QType.Q5_K):   # the file's two levels: 10 bytes a super-block
         assert qt.scales.shape == qt.biases.shape == (24, 2, 10) and qt.scales.dtype == np.uint8
-    elif qtype == QType.Q6_K:   # a float16 and 16 signed sub-block scales a super-block
-        assert qt.scales.shape == qt.biases.shape == (24, 2, 18) and qt.scales.dtype == np.int8
+    elif kind.group_size == 16:   # a float16 and 16 sub-block scales a super-block
+        assert qt.scales.shape == qt.biases.shape == (24, 2, 18)
+        assert qt.scales.dtype == (np.int8 if signed else np.uint8)
     elif exponents == (-3, -1.3):
         assert qt.scales.dtype == qt.biases.dtype == np.float16   # as few bytes as the GGUF's
     assert imported.types == {"model.layers.0.mlp.up_proj.weight": qtype} and not imported.dequantized
 
 
-@pytest.mark.parametrize("qtype", [*UNIFORM, QType.Q2_K])
+@pytest.mark.parametrize("qtype", [*UNIFORM, QType.IQ3_S])
 def test_stacked_experts_are_exact(tmp_path, monkeypatch, qtype):
     """A mixture of experts' stacks [E, N, K] repacked with the leading expert axis on weight,
     scales and biases (a K-quant's two levels too), each expert's matrix gguf's dequantization bit
@@ -353,7 +355,7 @@ def test_stacked_experts_are_exact(tmp_path, monkeypatch, qtype):
             continue
         qt = read_linear(md.tensors, md.config.quantization, path)
         assert qt.weight.shape[0] == 3 and qt.shape == (256, 256)
-        if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K):
+        if gguf_blocks.BLOCK_TYPES[qtype].two_level:
             assert qt.scales.shape == qt.biases.shape == (3, 256, 1, 2 + 256 // qt.group_size)
         for e in range(3):
             one = QuantizedTensor(qt.weight[e], qt.scales[e], qt.biases[e], qt.bits, qt.group_size,

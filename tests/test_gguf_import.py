@@ -18,14 +18,14 @@ from tests.test_gguf import (TOKENS, gguf_name, llama_cpp_tensors, moe_meta, moe
                              random_stack, write_gguf)
 from tests.tiny import tiny_config, tiny_tensors
 
-# down_proj's rows (F = 256) take whole Q3_K super-blocks.
+# down_proj's rows (F = 256) take whole IQ3_S super-blocks.
 CONFIG = tiny_config(vocab_size=len(TOKENS), intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     """A tiny llama as llama.cpp mixes types: F16 embedding, F32 norms, Q4_0 attention and
-    gate/up, Q3_K down_proj (a type nibble cannot repack)."""
+    gate/up, IQ3_S down_proj (a type nibble cannot repack)."""
     rng = np.random.default_rng(0)
     tensors = {}
     for name, w in llama_cpp_tensors(tiny_tensors(CONFIG), CONFIG).items():
@@ -34,7 +34,7 @@ def mixed_gguf(tmp_path_factory):
         elif name == "token_embd.weight":
             tensors[name] = w.astype(np.float16)
         elif "ffn_down" in name:
-            tensors[name] = (random_blocks(rng, *w.shape, QType.Q3_K, (-3, -2.5)), QType.Q3_K)
+            tensors[name] = (random_blocks(rng, *w.shape, QType.IQ3_S, (-3, -2.5)), QType.IQ3_S)
         else:
             tensors[name] = (gguf.quants.quantize(w, QType.Q4_0), QType.Q4_0)
     path = write_gguf(tmp_path_factory.mktemp("mixed") / "mixed.gguf", tensors, config=CONFIG)
@@ -44,17 +44,17 @@ def mixed_gguf(tmp_path_factory):
 def test_requantizes_only_what_cannot_be_repacked(mixed_gguf):
     path, raw = mixed_gguf
     report = import_gguf_model(path)
-    # the bits a weight: a float16 scale and bias a group of 32, 8-bit integers of Q3_K's 110 bytes
+    # the bits a weight: a float16 scale and bias a group of 32, 8-bit integers of IQ3_S's 110 bytes
     # a super-block of 256
     assert report.outcomes == [TypeOutcome("F16", "float16", 1, 16, 16), TypeOutcome("F32", "float32", 5, 32, 32),
                                TypeOutcome("Q4_0", "int4 g32 (exact)", 12, 4.5, 5),
-                               TypeOutcome("Q3_K", "int8 g32 (requantized)", 2, 110 * 8 / 256, 9)]
+                               TypeOutcome("IQ3_S", "int8 g32 (requantized)", 2, 110 * 8 / 256, 9)]
     md = report.model
     downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     assert md.config.quantization == {"group_size": 32, "bits": 4, "mode": "affine",
                                       **{p: {"group_size": 32, "bits": 8} for p in downs}}
     assert md.tensors["model.embed_tokens.weight"].dtype == np.float16
-    for path_ in downs:   # rounded to nearest at 8 bits: close to the Q3_K weights
+    for path_ in downs:   # rounded to nearest at 8 bits: close to the IQ3_S weights
         data, qtype = raw[gguf_name(f"{path_}.weight")]
         qt = read_linear(md.tensors, md.config.quantization, path_)
         assert reconstruction_error(gguf.quants.dequantize(data, qtype), qt) < 0.005
@@ -71,7 +71,7 @@ def test_keep_float(mixed_gguf):
     report = import_gguf_model(path, keep_float=True)
     assert report.outcomes == [TypeOutcome("F16", "float16", 1, 16, 16), TypeOutcome("F32", "float32", 5, 32, 32),
                                TypeOutcome("Q4_0", "float32 (dequantized)", 12, 4.5, 32),
-                               TypeOutcome("Q3_K", "float32 (dequantized)", 2, 110 * 8 / 256, 32)]
+                               TypeOutcome("IQ3_S", "float32 (dequantized)", 2, 110 * 8 / 256, 32)]
     assert report.model.config.quantization is None
 
 
@@ -83,23 +83,24 @@ def test_runs_as_its_dequantized_weights(mixed_gguf):
     check_runs_as_dequantized(import_gguf_model(mixed_gguf[0]).model)
 
 
-def test_five_bit_and_iq4_xs_run_as_their_dequantized_weights(tmp_path):
-    """A llama of the Q5 types (4-bit words and a plane of fifth bits) and IQ4_XS (a table of
-    levels, scales and biases in two levels with signed integers), each imported exactly at its
-    bits, runs as its dequantized weights."""
+def test_k_quants_and_iq4_xs_run_as_their_dequantized_weights(tmp_path):
+    """A llama of the Q5 types (4-bit words and a plane of fifth bits), Q6_K (two planes, groups of
+    16), Q2_K and Q3_K (groups of 16) and IQ4_XS (a table of levels, signed two-level scales), each
+    imported exactly at its bits, runs as its dequantized weights."""
     config = tiny_config(vocab_size=len(TOKENS), hidden_size=256, intermediate_size=256, num_hidden_layers=1)
-    types = {"attn_q": QType.Q5_0, "attn_k": QType.Q5_1, "attn_v": QType.Q5_K, "attn_output": QType.IQ4_XS,
-             "ffn_gate": QType.Q5_K, "ffn_up": QType.IQ4_XS, "ffn_down": QType.Q5_0}
+    types = {"attn_q": QType.Q5_0, "attn_k": QType.Q5_1, "attn_v": QType.Q6_K, "attn_output": QType.Q2_K,
+             "ffn_gate": QType.Q5_K, "ffn_up": QType.IQ4_XS, "ffn_down": QType.Q3_K}
     rng = np.random.default_rng(8)
     tensors = {}
     for name, w in llama_cpp_tensors(tiny_tensors(config), config).items():
         qtype = types.get(name.split(".")[-2])
         tensors[name] = w if qtype is None else (random_blocks(rng, *w.shape, qtype, (-3, -2)), qtype)
-    report = import_gguf_model(write_gguf(tmp_path / "five.gguf", tensors, config=config))
+    report = import_gguf_model(write_gguf(tmp_path / "k.gguf", tensors, config=config))
     became = {o.gguf_type: (o.became, round(o.bits_after, 3)) for o in report.outcomes}
     assert became == {"F32": ("float32", 32), "Q5_0": ("int5 g32 (exact)", 6), "Q5_1": ("int5 g32 (exact)", 6),
-                      "Q5_K": ("int5 g32 (exact)", 5.625),
-                      "IQ4_XS": ("int4 g32 levels (exact)", round(4.625 + 2 * 16 * 8 / (2 * 256 * 256), 3))}
+                      "Q6_K": ("int6 g16 (exact)", 7.125), "Q2_K": ("int4 g16 (exact)", 5.125),
+                      "Q5_K": ("int5 g32 (exact)", 5.625), "Q3_K": ("int4 g16 (exact)", 5.125),
+                      "IQ4_XS": ("int4 g32 levels (exact)", round(4.625 + 16 * 8 / (256 * 256), 3))}
     md = report.model
     for name in md.tensors:   # q and k: rows in llama.cpp's order in the file
         if name.endswith(".weight") and isinstance(tensors[gguf_name(name)], tuple) \
@@ -181,7 +182,7 @@ def test_import_command(mixed_gguf, tmp_path):
     assert lines[:4] == ["F16: 1 tensor -> float16, 16.00 bits per weight (the file's 16.00)",
                          "F32: 5 tensors -> float32, 32.00 bits per weight (the file's 32.00)",
                          "Q4_0: 12 tensors -> int4 g32 (exact), 5.00 bits per weight (the file's 4.50)",
-                         "Q3_K: 2 tensors -> int8 g32 (requantized), 9.00 bits per weight (the file's 3.44)"]
+                         "IQ3_S: 2 tensors -> int8 g32 (requantized), 9.00 bits per weight (the file's 3.44)"]
     assert lines[4].startswith(f"wrote {tmp_path / 'q'} (") and "bits per weight)" in lines[4]
     back = read_model_dir(tmp_path / "q")
     report = import_gguf_model(path)

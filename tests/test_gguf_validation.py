@@ -233,9 +233,9 @@ def test_token_types_not_one_per_token(tmp_path, monkeypatch):
 
 
 def test_weights_too_large_to_requantize(tmp_path):
-    # Q3_K is requantized to int8 with float16 scales: weights near 10**7 do not fit them
-    raw = random_blocks(np.random.default_rng(0), 4, 256, QType.Q3_K, exponents=(4.5, 4.8))
-    path = write_gguf(tmp_path / "q.gguf", {"blk.0.ffn_up.weight": (raw, QType.Q3_K)})
+    # IQ3_S is requantized to int8 with float16 scales: weights near 10**7 do not fit them
+    raw = random_blocks(np.random.default_rng(0), 4, 256, QType.IQ3_S, exponents=(4.5, 4.8))
+    path = write_gguf(tmp_path / "q.gguf", {"blk.0.ffn_up.weight": (raw, QType.IQ3_S)})
     with pytest.raises(NibbleError, match=r"q\.gguf: model\.layers\.0\.mlp\.up_proj\.weight: weights "
                                           r"that are not finite, or too large for float16"):
         import_gguf_model(path)
