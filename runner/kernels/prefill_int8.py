@@ -32,8 +32,8 @@ from nibble.formats import planes
 from nibble.quant.affine import QuantizedTensor
 from . import prefill
 from .cpu import _jit
-from .simd import (F32, I32, Vec, _ll, _load, _splat, fma, group_scale_bias, high_of, hsum, load_f32x8, plane_at, plane_count,
-                   table_ops, zero_f32, zero_i32)
+from .simd import (F32, I32, Vec, _ll, _load, fma, group_scale_bias, high_of, hsum, load_f32x8, plane_at, plane_count,
+                   shifted_keep, table_ops, widen_bits, zero_f32, zero_i32)
 
 f32 = np.float32
 U8 = Vec(types.uint8, 32)
@@ -168,11 +168,9 @@ def _or_high(typingctx, v, arr, i, shift, keep):
     k = shift.literal_value
 
     def codegen(context, builder, sig, args):
-        word = _load(context, builder, sig, args, ir.IntType(32), 1, at=1)
-        bits = builder.zext(builder.bitcast(word, ir.VectorType(ir.IntType(1), 32)), _ll(U8))
-        mask = builder.trunc(context.cast(builder, args[4], sig.args[4], types.int64), ir.IntType(8))
-        bits = builder.and_(bits, _splat(builder, mask, 32))
-        return builder.or_(args[0], builder.shl(bits, ir.Constant(_ll(U8), [k] * 32)))
+        word = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 4), 1, at=1)
+        value = shifted_keep(context, builder, args[4], sig.args[4], k)
+        return builder.or_(args[0], widen_bits(builder, word, range(32), value))
     return U8(v, arr, i, shift, keep), codegen
 
 
@@ -249,10 +247,10 @@ def _transpose(kind):
 
 transpose8, transpose4 = _transpose(8), _transpose(4)
 
-# the word of a super-block's plane bits, widened to a byte each, that output word o of transpose4
-# takes (step s = o // 8 holds unit s of block l = o % 8: weights 32 l + 8 (s // 2) + 2 j + s % 2,
-# j = 0..3, whose bits in formats.planes are 4 consecutive ones)
-_PLANE_WORDS = [(o % 8 // 2) * 16 + (o // 8 % 2) * 8 + (o % 8 % 2) * 4 + o // 16 for o in range(64)]
+# the bit of a super-block's plane that byte 4 o + j of transpose4's output takes: output word o
+# (step s = o // 8 holds unit s of block l = o % 8: weights 32 l + 8 (s // 2) + 2 j + s % 2, j =
+# 0..3) takes 4 consecutive bits in formats.planes, from the 4-bit run w(o) below
+_PLANE_BITS = [4 * ((o % 8 // 2) * 16 + (o // 8 % 2) * 8 + (o % 8 % 2) * 4 + o // 16) + j for o in range(64) for j in range(4)]
 
 
 @intrinsic(prefer_literal=True)
@@ -262,13 +260,13 @@ def _or_high_words(typingctx, out, i, hi, j, shift):
     if not isinstance(shift, types.IntegerLiteral):
         return None
     k = shift.literal_value
-    i32, u8x256 = ir.IntType(32), ir.VectorType(ir.IntType(8), 256)
+    i32 = ir.IntType(32)
 
     def codegen(context, builder, sig, args):
-        plane = builder.load(_address(context, builder, sig.args[2], args[2], args[3], ir.IntType(256)), align=1)
-        wide = builder.zext(builder.bitcast(plane, ir.VectorType(ir.IntType(1), 256)), u8x256)
-        words = builder.bitcast(builder.shl(wide, ir.Constant(u8x256, [k] * 256)), ir.VectorType(i32, 64))
-        words = builder.shuffle_vector(words, words, ir.Constant(ir.VectorType(i32, 64), _PLANE_WORDS))
+        plane = builder.load(_address(context, builder, sig.args[2], args[2], args[3], ir.VectorType(ir.IntType(8), 32)),
+                             align=1)
+        wide = widen_bits(builder, plane, _PLANE_BITS, ir.Constant(ir.IntType(8), 1 << k))
+        words = builder.bitcast(wide, ir.VectorType(i32, 64))
         ptr = _address(context, builder, sig.args[0], args[0], args[1], words.type)
         builder.store(builder.or_(builder.load(ptr, align=4), words), ptr, align=4)
         return context.get_dummy_value()

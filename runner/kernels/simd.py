@@ -194,6 +194,24 @@ def table_ops(load, look):
 levels16, lookup16 = table_ops(_load_levels16, _lookup16)   # int16 lanes
 
 
+def widen_bits(builder, src, bits, value):
+    """<len(bits) x i8>: lane l `value` (an i8) where bit bits[l] of the bytes src (<n x i8>) is
+    set, else 0. A byte shuffle, a mask and a compare (AVX2's vpshufb, vpand, vpcmpeqb): LLVM
+    turns a bitcast to <n x i1> widened to bytes into one instruction on AVX-512 but into a lane at
+    a time on AVX2, which made a 5-bit decode twice an 8-bit one's time."""
+    i8 = ir.IntType(8)
+    picked = _shuffle(builder, src, src, [b // 8 for b in bits])
+    masks = ir.Constant(ir.VectorType(i8, len(bits)), [1 << b % 8 for b in bits])
+    on = builder.icmp_unsigned("!=", builder.and_(picked, masks), ir.Constant(masks.type, None))
+    return builder.select(on, _splat(builder, value, len(bits)), ir.Constant(masks.type, None))
+
+
+def shifted_keep(context, builder, keep, keep_type, shift):
+    """An i8 `keep` << shift (keep 0 or 1: the high bit's value, or none)."""
+    k = builder.trunc(context.cast(builder, keep, keep_type, types.int64), ir.IntType(8))
+    return builder.shl(k, ir.Constant(ir.IntType(8), shift))
+
+
 @intrinsic(prefer_literal=True)
 def _or_high16(typingctx, v, arr, i, t, shift, keep):
     """v | (keep & the bit of weight 4j + t of a block of 64, from its 64-bit plane word at bytes
@@ -204,12 +222,10 @@ def _or_high16(typingctx, v, arr, i, t, shift, keep):
     nib, k = t.literal_value, shift.literal_value
 
     def codegen(context, builder, sig, args):
-        word = _load(context, builder, sig, args, ir.IntType(64), 1, at=1)
-        bits = builder.bitcast(word, ir.VectorType(ir.IntType(1), 64))
-        picked = builder.zext(_shuffle(builder, bits, bits, [(nib % 2) * 32 + 2 * j + nib // 2 for j in range(16)]), _ll(I16))
-        mask = builder.trunc(context.cast(builder, args[5], sig.args[5], types.int64), ir.IntType(16))
-        picked = builder.and_(picked, _splat(builder, mask, 16))
-        return builder.or_(args[0], builder.shl(picked, ir.Constant(_ll(I16), [k] * 16)))
+        word = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 8), 1, at=1)
+        value = shifted_keep(context, builder, args[5], sig.args[5], k)
+        high = widen_bits(builder, word, [(nib % 2) * 32 + 2 * j + nib // 2 for j in range(16)], value)
+        return builder.or_(args[0], builder.zext(high, _ll(I16)))
     return I16(v, arr, i, t, shift, keep), codegen
 
 
