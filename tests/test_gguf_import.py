@@ -83,19 +83,25 @@ def test_runs_as_its_dequantized_weights(mixed_gguf):
     check_runs_as_dequantized(import_gguf_model(mixed_gguf[0]).model)
 
 
-def test_k_quants_and_iq4_xs_run_as_their_dequantized_weights(tmp_path):
-    """A llama of the Q5 types (4-bit words and a plane of fifth bits), Q6_K (two planes, groups of
-    16), Q2_K and Q3_K (groups of 16) and IQ4_XS (a table of levels, signed two-level scales), each
-    imported exactly at its bits, runs as its dequantized weights."""
+def k_quant_llama(tmp_path, types: dict) -> tuple:
+    """A one-layer llama (hidden and FFN 256: whole super-blocks) whose matrices are random blocks
+    of types[kind] ("attn_q", ...): (its import report, the file's tensors)."""
     config = tiny_config(vocab_size=len(TOKENS), hidden_size=256, intermediate_size=256, num_hidden_layers=1)
-    types = {"attn_q": QType.Q5_0, "attn_k": QType.Q5_1, "attn_v": QType.Q6_K, "attn_output": QType.Q2_K,
-             "ffn_gate": QType.Q5_K, "ffn_up": QType.IQ4_XS, "ffn_down": QType.Q3_K}
     rng = np.random.default_rng(8)
     tensors = {}
     for name, w in llama_cpp_tensors(tiny_tensors(config), config).items():
         qtype = types.get(name.split(".")[-2])
         tensors[name] = w if qtype is None else (random_blocks(rng, *w.shape, qtype, (-3, -2)), qtype)
-    report = import_gguf_model(write_gguf(tmp_path / "k.gguf", tensors, config=config))
+    return import_gguf_model(write_gguf(tmp_path / "k.gguf", tensors, config=config)), tensors
+
+
+def test_k_quants_and_iq4_xs_import_at_their_bits(tmp_path):
+    """The Q5 types (4-bit words and a plane of fifth bits), Q6_K (two planes, groups of 16), Q2_K
+    and Q3_K (groups of 16) and IQ4_XS (a table of levels, signed two-level scales): each matrix
+    the file's exactly, at its bits."""
+    report, tensors = k_quant_llama(tmp_path, {
+        "attn_q": QType.Q5_0, "attn_k": QType.Q5_1, "attn_v": QType.Q6_K, "attn_output": QType.Q2_K,
+        "ffn_gate": QType.Q5_K, "ffn_up": QType.IQ4_XS, "ffn_down": QType.Q3_K})
     became = {o.gguf_type: (o.became, round(o.bits_after, 3)) for o in report.outcomes}
     assert became == {"F32": ("float32", 32), "Q5_0": ("int5 g32 (exact)", 6), "Q5_1": ("int5 g32 (exact)", 6),
                       "Q6_K": ("int6 g16 (exact)", 7.125), "Q2_K": ("int4 g16 (exact)", 5.125),
@@ -107,7 +113,15 @@ def test_k_quants_and_iq4_xs_run_as_their_dequantized_weights(tmp_path):
                 and not name.endswith(("q_proj.weight", "k_proj.weight")):
             qt = read_linear(md.tensors, md.config.quantization, name.removesuffix(".weight"))
             np.testing.assert_array_equal(dequantize(qt), gguf.quants.dequantize(*tensors[gguf_name(name)]), name)
-    check_runs_as_dequantized(md)
+
+
+def test_a_q4_k_m_mix_runs_as_its_dequantized_weights(tmp_path):
+    """Q4_K and Q6_K (v and down), as llama.cpp's Q4_K_M mixes them: the model runs as its
+    dequantized weights (each kind's kernels are tested alone in test_quant_kernels)."""
+    k, six = QType.Q4_K, QType.Q6_K
+    report, _ = k_quant_llama(tmp_path, {"attn_q": k, "attn_k": k, "attn_v": six, "attn_output": k,
+                                         "ffn_gate": k, "ffn_up": k, "ffn_down": six})
+    check_runs_as_dequantized(report.model)
 
 
 def check_runs_as_dequantized(md):

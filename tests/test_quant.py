@@ -40,7 +40,8 @@ def test_scheme_validation():
     with pytest.raises(NibbleError, match="bits must be 4 or 8"):
         AffineScheme(3, 64)
     with pytest.raises(NibbleError, match="group size must be 32, 64 or 128"):
-        AffineScheme(4, 16)
+        AffineScheme(8, 16)   # groups of 16 are 4-bit only: GGUF's Q2_K, Q3_K and Q6_K
+    assert AffineScheme(4, 16).group_size == 16
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.bits}bit-g{s.group_size}")
