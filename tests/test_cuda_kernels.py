@@ -246,6 +246,12 @@ def test_what_the_kernels_cannot_run_is_refused():
     for refused in (lambda: gpu.upload(levels), lambda: gpu._stacked([levels, levels], np.concatenate)):
         with pytest.raises(UnsupportedModel, match="table of levels"):
             refused()
+    planes = prepare(QuantizedTensor(w, s, b, 4, 32, high=np.zeros((16, 32), np.uint8)))   # GGUF's Q5 types
+    two_level = np.zeros((16, 1, 18), np.int8)
+    sixteen = prepare(QuantizedTensor(np.zeros((16, 32), np.uint32), two_level, two_level, 4, 16))   # Q2_K, Q3_K
+    for weight in (planes, sixteen):
+        with pytest.raises(UnsupportedModel, match="high bits or in groups of 16"):
+            gpu.upload(weight)
 
 
 # ---- the whole block ------------------------------------------------------------------------------

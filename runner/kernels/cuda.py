@@ -57,8 +57,8 @@ def _check_integers(w: QuantizedTensor) -> None:
         raise UnsupportedModel("the GPU kernels do not read 4-bit weights through a table of levels "
                                "(MXFP4, IQ4_NL): run the model on the CPU")
     if w.high is not None or w.group_size < 32:
-        raise UnsupportedModel("the GPU kernels do not read 5- and 6-bit weights (GGUF's Q5 types and "
-                               "Q6_K): run the model on the CPU")
+        raise UnsupportedModel("the GPU kernels do not read weights with high bits or in groups of 16 "
+                               "(GGUF's Q5 types, Q2_K, Q3_K and Q6_K): run the model on the CPU")
 
 
 def _wide(a: np.ndarray, bf16: bool) -> np.ndarray:
