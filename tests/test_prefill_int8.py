@@ -34,15 +34,20 @@ def _store(typingctx, arr, v):
     return types.none(arr, v), codegen
 
 
-def _dot_kernel(kind):
-    udot = prefill_int8.dot_intrinsic(kind)
+def _dot_kernel(kind, pairs):
+    udot, udot2 = prefill_int8.dot_intrinsic(kind)
+    load = prefill_int8.load_u8x32
 
     @njit
     def dots(w, x, small):
-        """int32 [8] per 32 bytes of w and x, summed: 4 adjacent products a lane."""
+        """int32 [8] per 32 bytes of w and x, summed: 4 adjacent products a lane; by udot2 on two
+        steps at a time where `pairs`."""
         acc = prefill_int8.zero_i32()
-        for k in range(0, w.shape[0], 32):
-            acc = udot(acc, prefill_int8.load_u8x32(w, k), prefill_int8.load_u8x32(x, k), small)
+        for k in range(0, w.shape[0], 64 if pairs else 32):
+            if pairs:
+                acc = udot2(acc, load(w, k), load(x, k), load(w, k + 32), load(x, k + 32), small)
+            else:
+                acc = udot(acc, load(w, k), load(x, k), small)
         out = np.empty(8, np.int32)
         _store(out, acc)
         return out
@@ -52,14 +57,16 @@ def _dot_kernel(kind):
 @pytest.mark.skipif(not KINDS, reason="not an x86 CPU with AVX2")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("small", [True, False])
-def test_byte_dot_product(kind, small):
+@pytest.mark.parametrize("pairs", [False, True])
+def test_byte_dot_product(kind, small, pairs):
     """Every instruction sequence on this CPU (VNNI and AVX2 where it has both), at the extremes:
-    255 * -127 pairs overflow AVX2's int16 pair sums unless split into nibbles."""
-    w = rng.integers(0, 16 if small else 256, 32 * 64).astype(np.uint8)
+    255 * -127 pairs overflow AVX2's int16 pair sums unless split into nibbles; 63 * -127, 4 in
+    one int16 (udot2's two steps added before they widen), do not."""
+    w = rng.integers(0, 64 if small else 256, 32 * 64).astype(np.uint8)
     x = rng.integers(-127, 128, 32 * 64).astype(np.int8)
-    w[:64], x[:64] = (15 if small else 255), -127
+    w[:64], x[:64] = (63 if small else 255), -127
     want = (w.astype(np.int64) * x).reshape(-1, 8, 4).sum((0, 2))
-    np.testing.assert_array_equal(_dot_kernel(kind)(w, x.view(np.uint8), small), want)
+    np.testing.assert_array_equal(_dot_kernel(kind, pairs)(w, x.view(np.uint8), small), want)
 
 
 @pytest.mark.parametrize("blocks", range(1, 26))

@@ -96,22 +96,62 @@ def _avx2(builder, acc, w, x, small):
     return builder.select(small, whole, split)
 
 
+def _vnni2(builder, acc, w, x, v, y, small):
+    return _vnni(builder, _vnni(builder, acc, w, x, small), v, y, small)
+
+
+def _avx2_2(builder, acc, w, x, v, y, small):
+    """_avx2 twice, w . x + v . y; of `small` bytes the two vpmaddubsw's int16 pairs are added
+    before they widen (2 * 2 * 63 * 127 fits int16): one vpmaddwd and one add fewer."""
+    i16x16 = ir.VectorType(ir.IntType(16), 16)
+    pairs = builder.add(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", i16x16, w, x),
+                        _call(builder, "llvm.x86.avx2.pmadd.ub.sw", i16x16, v, y))
+    whole = builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _ll(I32), pairs, ir.Constant(i16x16, [1] * 16)))
+    return builder.select(small, whole, _avx2(builder, _avx2(builder, acc, w, x, small), v, y, small))
+
+
 def dot_intrinsic(kind):
     """udot(acc, w, x, small): acc (int32 x 8) + in each lane the sum of 4 adjacent products of w
     (uint8 x 32) and x (int8 x 32, the same bits as U8), with `kind`'s instructions; `small`: every
     byte of w is at most 63 (4-bit weights, with up to 2 high planes), which the AVX2 sequence
-    makes use of."""
-    emit = {"vnni": _vnni, "avx2": _avx2}[kind]
+    makes use of. udot2(acc, w, x, v, y, small): udot(udot(acc, w, x, small), v, y, small), the
+    same sums in fewer instructions on AVX2."""
+    emit, emit2 = {"vnni": (_vnni, _vnni2), "avx2": (_avx2, _avx2_2)}[kind]
 
     @intrinsic
     def udot(typingctx, acc, w, x, small):
         def codegen(context, builder, sig, args):
             return emit(builder, *args)
         return I32(acc, w, x, small), codegen
-    return udot
+
+    @intrinsic
+    def udot2(typingctx, acc, w, x, v, y, small):
+        def codegen(context, builder, sig, args):
+            return emit2(builder, *args)
+        return I32(acc, w, x, v, y, small), codegen
+    return udot, udot2
 
 
-udot = dot_intrinsic(DOT or "avx2")   # compiled only where DOT is set (see _matmul)
+udot, udot2 = dot_intrinsic(DOT or "avx2")   # compiled only where DOT is set (see _matmul)
+
+
+@intrinsic
+def hadd(typingctx, a, b):
+    """AVX2's vphaddd: in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of its lanes."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.x86.avx2.phadd.d", _ll(I32), *args)
+    return I32(a, b), codegen
+
+
+@intrinsic
+def halves_add(typingctx, a, b):
+    """[a's low half + a's high half, b's low half + b's high half] (int32 lanes)."""
+    def codegen(context, builder, sig, args):
+        a, b = args
+        low = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0, 1, 2, 3, 8, 9, 10, 11]))
+        high = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), [4, 5, 6, 7, 12, 13, 14, 15]))
+        return builder.add(low, high)
+    return I32(a, b), codegen
 
 
 @intrinsic

@@ -26,10 +26,10 @@ from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 
 from . import prefill_int8
 from .cpu import _jit
-from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, udot, with_high
-from .simd import (chunk_scales, group_value, high_of, hsum, level, levels16, load_16x16, load_u8x16, lookup16, madd,
-                   next_scales, nibble, plane_at, plane_count, prefetch, row_dot, scale_add, spread, vadd, with_high16,
-                   zero_f32, zero_i32)
+from .prefill_int8 import halves_add, hadd, levels, load_u8x32, lookup, nibble_sized, nibbles, udot, udot2, with_high
+from .simd import (chunk_scales, fold_order, group_value, high_of, hsum, level, levels16, load_16x16, load_u8x16,
+                   lookup16, madd, next_scales, nibble, plane_at, plane_count, prefetch, row_dot, scale_add, spread,
+                   vadd, with_high16, zero_f32, zero_i32)
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -487,13 +487,11 @@ def _udots(v0, v1, xq, j0, j1, two, bits, table, hi, h0, h1, hb):
         hi1 = with_high(lookup(table, nibbles(v1, True)), hi, h1 + 4, hb)
         small = nibble_sized(table)
         x, y = load_u8x32(xq, j0), load_u8x32(xq, j0 + 32)
-        a0 = udot(udot(zero_i32(), lo0, x, small), hi0, y, small)
-        a1 = udot(udot(zero_i32(), lo1, x, small), hi1, y, small)
+        a0, a1 = udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)
         a2, a3 = a0, a1
         if two:
             x, y = load_u8x32(xq, j1), load_u8x32(xq, j1 + 32)
-            a2 = udot(udot(zero_i32(), lo0, x, small), hi0, y, small)
-            a3 = udot(udot(zero_i32(), lo1, x, small), hi1, y, small)
+            a2, a3 = udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)
         return a0, a1, a2, a3
     x = load_u8x32(xq, j0)
     a0, a1 = udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
@@ -509,22 +507,32 @@ def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep, hi, hb, step
     """(rows n, m) . (x rows r, r + 1) on int8 x: a unit of 32 weight bytes holds `per` blocks of
     32 weights (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), each scaled by
     chunk_scales' product of its x block's scale and its group's (groups of 32 * rep: a scale
-    spread over rep blocks' lanes, one product a block as in groups of 32, no sum a group; rep
-    0, groups of 16: two lanes a group); `step` (a literal) scales a unit, per or 4 groups of 16."""
+    spread over rep blocks' lanes, one product a block as in groups of 32; rep 0, groups of 16:
+    two lanes a group). `step` (a literal) is a unit's scales, per or 4 groups of 16; a chunk of 8
+    scales spans 8 // step units, whose integer sums _fold gathers into one vector, one lane a
+    scale, before they become float: one conversion and one multiply-add a chunk, not a unit."""
     Kb = q.shape[1]
     K = Kb * 8 // bits
     j0, j1 = r * K, (r + 1) * K
-    f0, f1, f2, f3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    zero = zero_i32()
+    st0 = st1 = st2 = st3 = (zero_f32(), zero, zero, zero)
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     table = levels(lut)
-    for u in range(K // (32 * per)):
-        if (u * step) % 8 == 0:
+    chunk = 8 // step    # units a chunk
+    units = K // (32 * per)
+    for u in range(units):
+        if u % chunk == 0:
             s0, s1, s2, s3 = _chunk(s, n, m, step * u, dx, r, bf16, two, rep)
+            s0, s1 = fold_order(s0, step), fold_order(s1, step)
+            s2, s3 = fold_order(s2, step), fold_order(s3, step)
         _ahead(q, n * Kb, m * Kb, 32 * u)
         a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
                                 j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table, hi,
                                 plane_at(hi, n, u, hb), plane_at(hi, m, u, hb), hb)
-        f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, step)
+        st0, st1, st2, st3 = _fold4(st0, st1, st2, st3, a0, a1, a2, a3, s0, s1, s2, s3, u % chunk, step, two)
+    for u in range(units, -(-units // chunk) * chunk):   # the last chunk's missing units: zeros
+        st0, st1, st2, st3 = _fold4(st0, st1, st2, st3, zero, zero, zero, zero, s0, s1, s2, s3, u % chunk, step,
+                                    two)
     t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
     if K % (32 * per):   # 4 bits, an odd number of groups of 32 (rep 1): the last one in scalars
         g = K // 32 - 1
@@ -533,7 +541,39 @@ def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep, hi, hb, step
         if two:
             t2 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 1, g, K)
             t3 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, m, r + 1, g, K)
-    return hsum(f0) + t0, hsum(f1) + t1, hsum(f2) + t2, hsum(f3) + t3
+    return hsum(st0[0]) + t0, hsum(st1[0]) + t1, hsum(st2[0]) + t2, hsum(st3[0]) + t3
+
+
+@njit(inline="always", **_jit)
+def _fold4(st0, st1, st2, st3, a0, a1, a2, a3, s0, s1, s2, s3, j, step, two):
+    """_fold for each of the pair's four sums (two only if `two`)."""
+    st0, st1 = _fold(st0, a0, s0, j, step), _fold(st1, a1, s1, j, step)
+    if two:
+        st2, st3 = _fold(st2, a2, s2, j, step), _fold(st3, a3, s3, j, step)
+    return st0, st1, st2, st3
+
+
+@njit(inline="always", **_jit)
+def _fold(state, a, s, j, step):
+    """Unit j of a chunk, with integer sums a (8 int32 lanes, `step` blocks' sums spread over them),
+    into state = (f, h, b, q): the float sums f, and the integer sums waiting for a partner: h of
+    an even unit, b of a chunk's first two units, q of its first four (8 units: step 1). vphaddd
+    adds adjacent lanes, and once the chunk is whole its block sums lie one a lane (in
+    simd.FOLD_ORDERS[step]), multiplied by their scales s and added to f."""
+    f, h, b, q = state
+    if j % 2 == 0:
+        return f, a, b, q
+    p = hadd(h, a)
+    if step == 4:
+        return scale_add(f, p, s), h, b, q
+    if j % 4 == 1:
+        return f, h, p, q
+    d = hadd(b, p)
+    if step == 2:
+        return scale_add(f, d, s), h, b, q
+    if j == 3:
+        return f, h, b, d
+    return scale_add(f, halves_add(q, d), s), h, b, q
 
 
 @njit(inline="always", **_jit)

@@ -352,14 +352,26 @@ def zero_f32(typingctx):
 
 def _load_first(context, builder, sig, args, lltype, align, count, at=0):
     """Like _load, the first `count` lanes only (an i64, at most the lanes'), the rest zero: no
-    read past them (llvm.masked.load)."""
+    read past them (llvm.masked.load), a plain load where all are there. AVX2 has no masked load
+    of 16-bit lanes: LLVM makes it a test, a branch and an insert a lane, which cost decode a
+    fifth of its time where every row of scales took it."""
     ptr = _element(context, builder, sig, args, at)
     n = lltype.count
-    lanes = ir.Constant(ir.VectorType(ir.IntType(64), n), list(range(n)))
-    mask = builder.icmp_signed("<", lanes, _splat(builder, count, n))
-    name = f"llvm.masked.load.v{n}{'f32' if isinstance(lltype.element, ir.FloatType) else 'i16'}.p0"
-    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(lltype, [ptr.type, _i32, mask.type, lltype]))
-    return builder.call(fn, [ptr, ir.Constant(_i32, align), mask, ir.Constant(lltype, None)])
+    with builder.if_else(builder.icmp_signed(">=", count, ir.Constant(count.type, n))) as (whole, part):
+        with whole:
+            full, whole_block = builder.load(builder.bitcast(ptr, lltype.as_pointer()), align=align), builder.block
+        with part:
+            lanes = ir.Constant(ir.VectorType(ir.IntType(64), n), list(range(n)))
+            mask = builder.icmp_signed("<", lanes, _splat(builder, count, n))
+            name = f"llvm.masked.load.v{n}{'f32' if isinstance(lltype.element, ir.FloatType) else 'i16'}.p0"
+            fnty = ir.FunctionType(lltype, [ptr.type, _i32, mask.type, lltype])
+            first = builder.call(builder.module.declare_intrinsic(name, fnty=fnty),
+                                 [ptr, ir.Constant(_i32, align), mask, ir.Constant(lltype, None)])
+            part_block = builder.block
+    value = builder.phi(lltype)
+    value.add_incoming(full, whole_block)
+    value.add_incoming(first, part_block)
+    return value
 
 
 def _splat(builder, value, n):
@@ -412,12 +424,21 @@ def _ints8(typingctx, arr, i):
 
 
 @njit(inline="always")
+def _super_at(a, g):
+    """Which super-block of scales or biases in two levels holds group g, and where in it. P = 256
+    / G groups a super-block, 8 or 16: a shift and a mask, not an integer division (tens of
+    cycles, once each chunk of a row in decode)."""
+    P = a.shape[2] - 2
+    return g >> (3 + (P >> 4)), g & (P - 1)
+
+
+@njit(inline="always")
 def super_values8(a, n, g):
     """The values of groups g..g+7 (g a multiple of 8) of row n of scales or biases in two levels:
     float32(f16) * float32(integer), as formats.superblocks.expand computes them."""
-    P = a.shape[2] - 2   # groups a super-block
-    i = (n * a.shape[1] + g // P) * (P + 2)
-    return vmul(_ints8(a, i + 2 + g % P), splat_f32(load_super(a, i)))
+    S, p = _super_at(a, g)
+    i = (n * a.shape[1] + S) * a.shape[2]
+    return vmul(_ints8(a, i + 2 + p), splat_f32(load_super(a, i)))
 
 
 @intrinsic
@@ -492,6 +513,22 @@ def spread(typingctx, v, per):
     return F32(v, per), codegen
 
 
+FOLD_ORDERS = {1: range(8), 2: (0, 2, 4, 6, 1, 3, 5, 7), 4: (0, 1, 4, 5, 2, 3, 6, 7)}
+
+
+@intrinsic(prefer_literal=True)
+def fold_order(typingctx, v, step):
+    """v's lanes in the order that a chunk's block sums come out of decode's fold (quant_decode._fold)
+    for units of `step` (a literal 1, 2 or 4) blocks: [v[o] for o in FOLD_ORDERS[step]]."""
+    if not isinstance(step, types.IntegerLiteral):
+        return None
+    order = FOLD_ORDERS[step.literal_value]
+
+    def codegen(context, builder, sig, args):
+        return _shuffle(builder, args[0], args[0], order)
+    return F32(v, step), codegen
+
+
 @intrinsic(prefer_literal=True)
 def next_scales(typingctx, v, per):
     """v's lanes moved down by per (a literal), zeros shifted in: the next unit's scales first."""
@@ -540,8 +577,8 @@ def group_value(a, n, g, bf16):
 def _group_value_typed(a, n, g, bf16):
     if a.ndim == 3:   # two levels: a float16 and P = 256 / G integers a super-block
         def two_level(a, n, g, bf16):
-            P = a.shape[2] - 2
-            return load_super(a, (n * a.shape[1] + g // P) * (P + 2)) * np.float32(a[n, g // P, 2 + g % P])
+            S, p = _super_at(a, g)
+            return load_super(a, (n * a.shape[1] + S) * a.shape[2]) * np.float32(a[n, S, 2 + p])
         return two_level
     if a.dtype == types.float32:
         return lambda a, n, g, bf16: a[n, g]
