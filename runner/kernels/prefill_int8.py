@@ -32,8 +32,8 @@ from nibble.formats import planes
 from nibble.quant.affine import QuantizedTensor
 from . import prefill
 from .cpu import _jit
-from .simd import (F32, I32, Vec, _ll, _load, fma, group_scale_bias, high_of, hsum, load_f32x8, plane_at, plane_count,
-                   shifted_keep, table_ops, widen_bits, zero_f32, zero_i32)
+from .simd import (F32, I32, Vec, _ll, _load, block_highs, fma, group_scale_bias, high_mask, high_of, hsum, load_f32x8,
+                   plane_at, plane_count, table_ops, widen_bits, zero_f32, zero_i32)
 
 f32 = np.float32
 U8 = Vec(types.uint8, 32)
@@ -199,35 +199,35 @@ levels, lookup = table_ops(_load_levels, _lookup)   # bytes
 
 
 @intrinsic(prefer_literal=True)
-def _or_high(typingctx, v, arr, i, shift, keep):
-    """v | (keep & bit p of the little-endian 32-bit word at bytes arr.flat[i:i+4]) << shift in each
-    byte p: half a block's bits of a high plane (formats.planes) joined to its nibbles; keep 0 or 1
-    (a value: numba's inliner loses the variables of a branch around a call, with a warning)."""
-    if not isinstance(shift, types.IntegerLiteral):
+def _or_high(typingctx, v, arr, i, hb, odd):
+    """v | the high part of weight 2p + odd of a block of 64 (formats.planes: its 8 * hb bytes at
+    arr.flat[i:]) << 4 in each byte p: a block's high bits joined to its low or high nibbles (odd:
+    a literal bool)."""
+    if not isinstance(odd, types.BooleanLiteral):
         return None
-    k = shift.literal_value
+    high = odd.literal_value
 
     def codegen(context, builder, sig, args):
-        word = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 4), 1, at=1)
-        value = shifted_keep(context, builder, args[4], sig.args[4], k)
-        return builder.or_(args[0], widen_bits(builder, word, range(32), value))
-    return U8(v, arr, i, shift, keep), codegen
+        hb = context.cast(builder, args[3], sig.args[3], types.int64)
+        highs = block_highs(context, builder, sig, args, 1, hb)
+        if not high:   # an even weight's bits at s: up to where the odd weight's are (a byte's low
+            i32x8 = ir.VectorType(ir.IntType(32), 8)   # bits move within it: AVX2 shifts no bytes)
+            highs = builder.bitcast(builder.shl(builder.bitcast(highs, i32x8), ir.Constant(i32x8, [4] * 8)), highs.type)
+        return builder.or_(args[0], builder.and_(highs, high_mask(builder, hb, 32)))
+    return U8(v, arr, i, hb, odd), codegen
 
 
-def with_high(v, hi, i, hb):
-    """Bytes v (0..15: nibbles of weights 2p or 2p + 1 of a block of 64) with their high bits from
-    the `hb` planes of hi at byte i (the block's half: formats.planes), or v itself where hi is
-    None (njit code only)."""
+def with_high(v, hi, i, hb, odd):
+    """Bytes v (0..15: nibbles of weights 2p + odd of a block of 64) with their high bits from the
+    `hb` planes of hi at byte i (the block's bytes: formats.planes), or v itself where hi is None
+    (njit code only)."""
 
 
 @overload(with_high, inline="always")
-def _with_high_typed(v, hi, i, hb):
+def _with_high_typed(v, hi, i, hb, odd):
     if isinstance(hi, types.NoneType):
-        return lambda v, hi, i, hb: v
-
-    def joined(v, hi, i, hb):   # the second plane's read kept only where there is one
-        return _or_high(_or_high(v, hi, i, 4, 1), hi, i + planes.BYTES * (hb - 1), 5, hb - 1)
-    return joined
+        return lambda v, hi, i, hb, odd: v
+    return lambda v, hi, i, hb, odd: _or_high(v, hi, i, hb, odd)
 
 
 def nibble_sized(values):
@@ -287,30 +287,40 @@ def _transpose(kind):
 
 transpose8, transpose4 = _transpose(8), _transpose(4)
 
-# the bit of a super-block's plane that byte 4 o + j of transpose4's output takes: output word o
-# (step s = o // 8 holds unit s of block l = o % 8: weights 32 l + 8 (s // 2) + 2 j + s % 2, j =
-# 0..3) takes 4 consecutive bits in formats.planes, from the 4-bit run w(o) below
-_PLANE_BITS = [4 * ((o % 8 // 2) * 16 + (o // 8 % 2) * 8 + (o % 8 % 2) * 4 + o // 16) + j for o in range(64) for j in range(4)]
+def _plane_bits(plane, hb):
+    """For each byte 4 o + j of transpose4's output, the bit of a super-block's high bits
+    (formats.planes: 4 blocks of 8 * hb bytes) that holds bit `plane` of its weight's high part:
+    output word o (step s = o // 8 holds unit s of block l = o % 8 of 32) has weights 32 l + 8 (s //
+    2) + 2 j + s % 2, j = 0..3."""
+    bits = []
+    byte, shift = planes.places(hb)
+    for o in range(64):
+        s, l = divmod(o, 8)
+        for j in range(4):
+            w = 32 * l + 8 * (s // 2) + 2 * j + s % 2
+            bits.append(8 * (8 * hb * (w // 64) + byte[w % 64]) + shift[w % 64] + plane)
+    return bits
 
 
 @intrinsic(prefer_literal=True)
-def _or_high_words(typingctx, out, i, hi, j, shift):
-    """out[i:i+64] (uint32, a super-block as transpose4 stored it) |= the bits of the plane at
-    hi.flat[j:j+32] (formats.planes) << shift, each in its weight's byte."""
-    if not isinstance(shift, types.IntegerLiteral):
+def _or_high_words(typingctx, out, i, hi, j, plane, hb):
+    """out[i:i+64] (uint32, a super-block as transpose4 stored it) |= bit `plane` of each weight's
+    high part, from the super-block's 32 * hb bytes at hi.flat[j:] (formats.planes), << 4 + plane
+    in its byte; plane and hb literals."""
+    if not isinstance(plane, types.IntegerLiteral) or not isinstance(hb, types.IntegerLiteral):
         return None
-    k = shift.literal_value
+    k, h = plane.literal_value, hb.literal_value
     i32 = ir.IntType(32)
 
     def codegen(context, builder, sig, args):
-        plane = builder.load(_address(context, builder, sig.args[2], args[2], args[3], ir.VectorType(ir.IntType(8), 32)),
-                             align=1)
-        wide = widen_bits(builder, plane, _PLANE_BITS, ir.Constant(ir.IntType(8), 1 << k))
+        src = builder.load(_address(context, builder, sig.args[2], args[2], args[3], ir.VectorType(ir.IntType(8), 32 * h)),
+                           align=1)
+        wide = widen_bits(builder, src, _plane_bits(k, h), ir.Constant(ir.IntType(8), 1 << 4 + k))
         words = builder.bitcast(wide, ir.VectorType(i32, 64))
         ptr = _address(context, builder, sig.args[0], args[0], args[1], words.type)
         builder.store(builder.or_(builder.load(ptr, align=4), words), ptr, align=4)
         return context.get_dummy_value()
-    return types.none(out, i, hi, j, shift), codegen
+    return types.none(out, i, hi, j, plane, hb), codegen
 
 
 def or_high(out, i, hi, j, hb):
@@ -324,9 +334,11 @@ def _or_high_typed(out, i, hi, j, hb):
         return lambda out, i, hi, j, hb: None
 
     def joined(out, i, hi, j, hb):
-        _or_high_words(out, i, hi, j, 4)
-        if hb == 2:
-            _or_high_words(out, i, hi, j + planes.BYTES, 5)
+        if hb == 1:
+            _or_high_words(out, i, hi, j, 0, 1)
+        else:
+            _or_high_words(out, i, hi, j, 0, 2)
+            _or_high_words(out, i, hi, j, 1, 2)
     return joined
 
 

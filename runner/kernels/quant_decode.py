@@ -481,10 +481,10 @@ def _udots(v0, v1, xq, j0, j1, two, bits, table, hi, h0, h1, hb):
     their levels in `table` (prefill_int8.levels'), or with their high bits from the planes of hi
     at h0 and h1 (simd.plane_at's)."""
     if bits == 4:
-        lo0 = with_high(lookup(table, nibbles(v0, False)), hi, h0, hb)
-        hi0 = with_high(lookup(table, nibbles(v0, True)), hi, h0 + 4, hb)
-        lo1 = with_high(lookup(table, nibbles(v1, False)), hi, h1, hb)
-        hi1 = with_high(lookup(table, nibbles(v1, True)), hi, h1 + 4, hb)
+        lo0 = with_high(lookup(table, nibbles(v0, False)), hi, h0, hb, False)
+        hi0 = with_high(lookup(table, nibbles(v0, True)), hi, h0, hb, True)
+        lo1 = with_high(lookup(table, nibbles(v1, False)), hi, h1, hb, False)
+        hi1 = with_high(lookup(table, nibbles(v1, True)), hi, h1, hb, True)
         small = nibble_sized(table)
         x, y = load_u8x32(xq, j0), load_u8x32(xq, j0 + 32)
         a0, a1 = udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)

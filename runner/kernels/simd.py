@@ -206,42 +206,56 @@ def widen_bits(builder, src, bits, value):
     return builder.select(on, _splat(builder, value, len(bits)), ir.Constant(masks.type, None))
 
 
-def shifted_keep(context, builder, keep, keep_type, shift):
-    """An i8 `keep` << shift (keep 0 or 1: the high bit's value, or none)."""
-    k = builder.trunc(context.cast(builder, keep, keep_type, types.int64), ir.IntType(8))
-    return builder.shl(k, ir.Constant(ir.IntType(8), shift))
+def block_highs(context, builder, sig, args, at, hb):
+    """The high bits of weights 2p and 2p + 1 of a block of 64 (formats.planes), p = 0..31, as byte
+    p of 32, each still at its bits s(p) and 4 + s(p): the block's 8 * hb bytes (at _element's
+    address of args[at]) copied across the vector, then the 32-bit lanes shifted right by s (hb:
+    an i64 value, 1 or 2; the shifts a select LLVM takes out of the loop)."""
+    i8x8, i32x8 = ir.VectorType(ir.IntType(8), 8), ir.VectorType(_i32, 8)
+    ptr = builder.bitcast(_element(context, builder, sig, args, at), i8x8.as_pointer())
+    second = builder.sub(hb, ir.Constant(hb.type, 1))                       # 0 or 1: the bytes 8..15
+    first, other = builder.load(ptr, align=1), builder.load(builder.gep(ptr, [second]), align=1)
+    copies = builder.bitcast(_shuffle(builder, first, other, list(range(16)) * 2), i32x8)
+    two = builder.icmp_signed("==", hb, ir.Constant(hb.type, 2))
+    shifts = builder.select(two, ir.Constant(i32x8, [0, 0, 0, 0, 2, 2, 2, 2]), ir.Constant(i32x8, [0, 0, 1, 1, 2, 2, 3, 3]))
+    return builder.bitcast(builder.lshr(copies, shifts), ir.VectorType(ir.IntType(8), 32))
+
+
+def high_mask(builder, hb, n):
+    """<n x i8> of (2**hb - 1) << 4: a weight's high part where a nibble above it would be."""
+    bits = builder.trunc(builder.sub(builder.shl(ir.Constant(hb.type, 1), hb), ir.Constant(hb.type, 1)), ir.IntType(8))
+    return _splat(builder, builder.shl(bits, ir.Constant(ir.IntType(8), 4)), n)
 
 
 @intrinsic(prefer_literal=True)
-def _or_high16(typingctx, v, arr, i, t, shift, keep):
-    """v | (keep & the bit of weight 4j + t of a block of 64, from its 64-bit plane word at bytes
-    arr.flat[i:i+8]) << shift in each 16-bit lane j, nibble(., t)'s weights (formats.planes: weight
-    w's bit is (w % 2) * 32 + w // 2); t a literal 0..3, keep 0 or 1 (as prefill_int8._or_high)."""
-    if not isinstance(t, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
+def _or_high16(typingctx, v, arr, i, t, hb):
+    """v | the high part of weight 4j + t of a block of 64 (formats.planes: its 8 * hb bytes at
+    arr.flat[i:]) << 4 in each 16-bit lane j, nibble(., t)'s weights; t a literal 0..3."""
+    if not isinstance(t, types.IntegerLiteral):
         return None
-    nib, k = t.literal_value, shift.literal_value
+    nib = t.literal_value
 
     def codegen(context, builder, sig, args):
-        word = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), 8), 1, at=1)
-        value = shifted_keep(context, builder, args[5], sig.args[5], k)
-        high = widen_bits(builder, word, [(nib % 2) * 32 + 2 * j + nib // 2 for j in range(16)], value)
+        hb = context.cast(builder, args[4], sig.args[4], types.int64)
+        highs = block_highs(context, builder, sig, args, 1, hb)
+        picked = _shuffle(builder, highs, highs, [2 * j + nib // 2 for j in range(16)])
+        if nib % 2 == 0:   # an even weight's bits at s: up to where the odd weight's are
+            picked = builder.shl(picked, ir.Constant(picked.type, [4] * 16))
+        high = builder.and_(picked, high_mask(builder, hb, 16))
         return builder.or_(args[0], builder.zext(high, _ll(I16)))
-    return I16(v, arr, i, t, shift, keep), codegen
+    return I16(v, arr, i, t, hb), codegen
 
 
 def with_high16(v, hi, i, t, hb):
     """nibble(., t)'s 16 lanes v with their high bits from the `hb` planes of hi at byte i (the
-    block's 64-bit words, formats.planes), or v itself where hi is None (njit code only)."""
+    block's bytes, formats.planes), or v itself where hi is None (njit code only)."""
 
 
 @overload(with_high16, inline="always")
 def _with_high16_typed(v, hi, i, t, hb):
     if isinstance(hi, types.NoneType):
         return lambda v, hi, i, t, hb: v
-
-    def joined(v, hi, i, t, hb):   # the second plane's read kept only where there is one
-        return _or_high16(_or_high16(v, hi, i, t, 4, 1), hi, i + 32 * (hb - 1), t, 5, hb - 1)
-    return joined
+    return lambda v, hi, i, t, hb: _or_high16(v, hi, i, t, hb)
 
 
 def high_of(hi, n, k, hb):
@@ -255,24 +269,22 @@ def _high_of_typed(hi, n, k, hb):
         return lambda hi, n, k, hb: 0
 
     def read(hi, n, k, hb):   # no branch: numba's inliner loses a branch's variables (a warning)
-        w = k % 64
-        b = (w % 2) * 32 + w // 2
-        at = (k // 256) * hb * 32 + (k % 256) // 64 * 8 + b // 8
-        second = ((hi[n, at + 32 * (hb - 1)] >> (b % 8)) & 1) * (hb - 1)   # 0 with one plane
-        return ((hi[n, at] >> (b % 8)) & 1) | second << 1
+        p = (k % 64) >> 1
+        at = (k // 64) * 8 * hb + (p & (8 * hb - 1))
+        return (hi[n, at] >> (hb * (p >> (2 + hb)) + 4 * (k & 1))) & ((1 << hb) - 1)
     return read
 
 
 def plane_at(hi, n, c, hb):
-    """The flat index in hi of the 64-bit plane word of block c (64 weights) of row n (njit code
-    only; 0 where hi is None)."""
+    """The flat index in hi of the high bits of block c (64 weights) of row n (njit code only; 0
+    where hi is None)."""
 
 
 @overload(plane_at, inline="always")
 def _plane_at_typed(hi, n, c, hb):
     if isinstance(hi, types.NoneType):
         return lambda hi, n, c, hb: 0
-    return lambda hi, n, c, hb: n * hi.shape[1] + (c // 4) * hb * 32 + (c % 4) * 8
+    return lambda hi, n, c, hb: n * hi.shape[1] + c * 8 * hb
 
 
 def plane_count(hi, K):
