@@ -13,8 +13,8 @@ vpdpbusd, or AVX2, as prefill_int8) x is rounded to int8 in blocks b of 32 as pr
 int16 path was bound by its instructions (layers and head, 6.2 ms a token then 4.9). Elsewhere x is
 rounded to int16 per group (b: the group), 16 multiply-adds an instruction (x86 vpmaddwd), close
 to float: matvec_rows16, which the tests run on every CPU. Several rows of x (the decoded tokens of several sequences)
-share each weight read from memory: a task unpacks two weight rows and dots them with two rows
-of x at a time, from L1 again for the next two. Each output is summed in the same order whatever
+share each weight read from memory: a task unpacks two weight rows and dots them with the rows of
+x, from L1 again for the next (two at a time on int16 x, one on int8 x: _x_rows_a_pass). Each output is summed in the same order whatever
 B and whichever x rows it is paired with (the integer sums are exact): a row's result does not
 depend on the other rows, which makes a batch of sequences decode as each would alone.
 """
@@ -193,11 +193,12 @@ def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, hi, hb, e
         pair = h + H < N
         m = i + H if pair else i
         first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
-        for r in range(first, stop, 2):
+        per_pass = _x_rows_a_pass(xq)
+        for r in range(first, stop, per_pass):
             # `two` a value, not a constant: the pair inlined once, not once for each (half this
             # kernel's compile); the simd intrinsics neither regroup nor fuse sums, so a row sums
             # alike whichever copy of the loop LLVM makes for one row and for two
-            two = r + 1 < stop
+            two = per_pass == 2 and r + 1 < stop
             v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, rep, G, bf16, lut, hi, hb)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
@@ -206,6 +207,20 @@ def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, hi, hb, e
             if two:
                 _put(out, o + r + 1, h, H, pair, v2 + row_dot(b, bf16, i, xs, r + 1),
                      v3 + row_dot(b, bf16, m, xs, r + 1), accumulate)
+
+
+def _x_rows_a_pass(xq):
+    """Rows of x that share a pass over the weight rows: 2 on int16 x, 1 on int8 x (njit code
+    only). On int8 x the products cost more than the unpacking that two rows would share, and
+    two rows' sums and scales (16 vectors) do not fit AVX2's registers: in pairs one row took 25%
+    longer (a Q4_K-shaped 2048 x 8192 matrix, an AMD EPYC: 1.03 ms, 0.82 alone) and two no less
+    (1.68 ms, 1.61 one at a time)."""
+
+
+@overload(_x_rows_a_pass, inline="always", jit_options=_jit)
+def _x_rows_a_pass_typed(xq):
+    per_pass = 1 if xq.dtype == types.int8 else 2
+    return lambda xq: per_pass
 
 
 @njit(inline="always", **_jit)
