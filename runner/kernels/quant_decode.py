@@ -245,9 +245,9 @@ def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb):
     if xq.dtype == types.int8:
         if bits.literal_value == 4:
             if rep.literal_value == 0:   # 4 groups of 16 a unit of 64 weights
-                return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep, hi, hb, 4)
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 4, 2, lut, rep, hi, hb, 2)
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, two, bf16, 8, 1, lut, rep, hi, hb, 1)
+                return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, bf16, 4, 2, lut, rep, hi, hb, 4)
+            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, bf16, 4, 2, lut, rep, hi, hb, 2)
+        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, bf16, 8, 1, lut, rep, hi, hb, 1)
     if bits.literal_value == 8:
         return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
     if rep.literal_value:
@@ -490,82 +490,58 @@ def round_int8(x, G, bits, xq, dx, xs):
 
 
 @njit(inline="always", **_jit)
-def _udots(v0, v1, xq, j0, j1, two, bits, table, hi, h0, h1, hb):
-    """Integer sums of 32 weight bytes of rows n (v0) and m (v1) with x rows r (xq at j0) and, if
-    `two`, r + 1 (at j1): 8 int32 lanes each; 4 bits: both nibbles of each byte (64 weights), as
-    their levels in `table` (prefill_int8.levels'), or with their high bits from the planes of hi
-    at h0 and h1 (simd.plane_at's)."""
+def _udots(v0, v1, xq, j, bits, table, hi, h0, h1, hb):
+    """Integer sums of 32 weight bytes of rows n (v0) and m (v1) with x (xq at j): 8 int32 lanes
+    each; 4 bits: both nibbles of each byte (64 weights), as their levels in `table`
+    (prefill_int8.levels'), or with their high bits from the planes of hi at h0 and h1
+    (simd.plane_at's)."""
     if bits == 4:
         lo0 = with_high(lookup(table, nibbles(v0, False)), hi, h0, hb, False)
         hi0 = with_high(lookup(table, nibbles(v0, True)), hi, h0, hb, True)
         lo1 = with_high(lookup(table, nibbles(v1, False)), hi, h1, hb, False)
         hi1 = with_high(lookup(table, nibbles(v1, True)), hi, h1, hb, True)
         small = nibble_sized(table)
-        x, y = load_u8x32(xq, j0), load_u8x32(xq, j0 + 32)
-        a0, a1 = udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)
-        a2, a3 = a0, a1
-        if two:
-            x, y = load_u8x32(xq, j1), load_u8x32(xq, j1 + 32)
-            a2, a3 = udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)
-        return a0, a1, a2, a3
-    x = load_u8x32(xq, j0)
-    a0, a1 = udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
-    a2, a3 = a0, a1
-    if two:
-        x = load_u8x32(xq, j1)
-        a2, a3 = udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
-    return a0, a1, a2, a3
+        x, y = load_u8x32(xq, j), load_u8x32(xq, j + 32)
+        return udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)
+    x = load_u8x32(xq, j)
+    return udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
 
 
 @njit(inline="always", **_jit)
-def _pair_x8(xq, dx, q, s, n, m, r, two, bf16, bits, per, lut, rep, hi, hb, step):
-    """(rows n, m) . (x rows r, r + 1) on int8 x: a unit of 32 weight bytes holds `per` blocks of
-    32 weights (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the second), each scaled by
-    chunk_scales' product of its x block's scale and its group's (groups of 32 * rep: a scale
-    spread over rep blocks' lanes, one product a block as in groups of 32; rep 0, groups of 16:
-    two lanes a group). `step` (a literal) is a unit's scales, per or 4 groups of 16; a chunk of 8
-    scales spans 8 // step units, whose integer sums _fold gathers into one vector, one lane a
-    scale, before they become float: one conversion and one multiply-add a chunk, not a unit."""
+def _pair_x8(xq, dx, q, s, n, m, r, bf16, bits, per, lut, rep, hi, hb, step):
+    """(rows n, m) . x row r on int8 x (one x row a pass: _x_rows_a_pass): a unit of 32 weight
+    bytes holds `per` blocks of 32 weights (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the
+    second), each scaled by chunk_scales' product of its x block's scale and its group's (groups
+    of 32 * rep: a scale spread over rep blocks' lanes, one product a block as in groups of 32;
+    rep 0, groups of 16: two lanes a group). `step` (a literal) is a unit's scales, per or 4
+    groups of 16; a chunk of 8 scales spans 8 // step units, whose integer sums _fold gathers
+    into one vector, one lane a scale, before they become float: one conversion and one
+    multiply-add a chunk, not a unit. Returns _pair's four sums, the second x row's zero."""
     Kb = q.shape[1]
     K = Kb * 8 // bits
-    j0, j1 = r * K, (r + 1) * K
+    j = r * K
     zero = zero_i32()
-    st0 = st1 = st2 = st3 = (zero_f32(), zero, zero, zero)
-    s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
+    st0 = st1 = (zero_f32(), zero, zero, zero)
+    s0, s1 = zero_f32(), zero_f32()
     table = levels(lut)
     chunk = 8 // step    # units a chunk
     units = K // (32 * per)
     for u in range(units):
         if u % chunk == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, step * u, dx, r, bf16, two, rep)
-            s0, s1 = fold_order(s0, step), fold_order(s1, step)
-            s2, s3 = fold_order(s2, step), fold_order(s3, step)
+            s0 = fold_order(chunk_scales(s, n, step * u, dx, r, bf16, rep), step)
+            s1 = fold_order(chunk_scales(s, m, step * u, dx, r, bf16, rep), step)
         _ahead(q, n * Kb, m * Kb, 32 * u)
-        a0, a1, a2, a3 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq,
-                                j0 + 32 * per * u, j1 + 32 * per * u, two, bits, table, hi,
-                                plane_at(hi, n, u, hb), plane_at(hi, m, u, hb), hb)
-        st0, st1, st2, st3 = _fold4(st0, st1, st2, st3, a0, a1, a2, a3, s0, s1, s2, s3, u % chunk, step, two)
+        a0, a1 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq, j + 32 * per * u,
+                        bits, table, hi, plane_at(hi, n, u, hb), plane_at(hi, m, u, hb), hb)
+        st0, st1 = _fold(st0, a0, s0, u % chunk, step), _fold(st1, a1, s1, u % chunk, step)
     for u in range(units, -(-units // chunk) * chunk):   # the last chunk's missing units: zeros
-        st0, st1, st2, st3 = _fold4(st0, st1, st2, st3, zero, zero, zero, zero, s0, s1, s2, s3, u % chunk, step,
-                                    two)
-    t0, t1, t2, t3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+        st0, st1 = _fold(st0, zero, s0, u % chunk, step), _fold(st1, zero, s1, u % chunk, step)
+    t0, t1 = f32(0.0), f32(0.0)
     if K % (32 * per):   # 4 bits, an odd number of groups of 32 (rep 1): the last one in scalars
         g = K // 32 - 1
         t0 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r, g, K)
         t1 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, m, r, g, K)
-        if two:
-            t2 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 1, g, K)
-            t3 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, m, r + 1, g, K)
-    return hsum(st0[0]) + t0, hsum(st1[0]) + t1, hsum(st2[0]) + t2, hsum(st3[0]) + t3
-
-
-@njit(inline="always", **_jit)
-def _fold4(st0, st1, st2, st3, a0, a1, a2, a3, s0, s1, s2, s3, j, step, two):
-    """_fold for each of the pair's four sums (two only if `two`)."""
-    st0, st1 = _fold(st0, a0, s0, j, step), _fold(st1, a1, s1, j, step)
-    if two:
-        st2, st3 = _fold(st2, a2, s2, j, step), _fold(st3, a3, s3, j, step)
-    return st0, st1, st2, st3
+    return hsum(st0[0]) + t0, hsum(st1[0]) + t1, f32(0.0), f32(0.0)
 
 
 @njit(inline="always", **_jit)
