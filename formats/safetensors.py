@@ -165,18 +165,29 @@ def release(t: np.ndarray | HalfTensor) -> None:
     about one tensor. The data stays in the file (and the OS's cache); using the tensor again
     reads it again. Does nothing for a tensor in memory, or in a map it could have changed.
     """
+    _advise(t, getattr(mmap, "MADV_DONTNEED", None))
+
+
+def prefetch(t: np.ndarray | HalfTensor) -> None:
+    """Ask the OS to start reading a tensor of read_safetensors' from disk, and return: what is
+    computed meanwhile overlaps the read. Does nothing for a tensor in memory."""
+    _advise(t, getattr(mmap, "MADV_WILLNEED", None))
+
+
+def _advise(t: np.ndarray | HalfTensor, advice: int | None) -> None:
+    """madvise the pages of `t`, where it lies in a read-only memory map."""
     a = t.bits if isinstance(t, HalfTensor) else t
     owner = a
     while owner is not None and not isinstance(owner, np.memmap):
         owner = owner.base
     mapping = getattr(owner, "_mmap", None)
     # Read-only maps only: a copy-on-write map's changed pages would be lost.
-    if mapping is None or owner.mode != "r" or a.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+    if mapping is None or owner.mode != "r" or a.nbytes == 0 or advice is None:
         return
     # np.memmap maps from the allocation boundary below its offset: that is where `mapping` starts.
     start = a.ctypes.data - owner.ctypes.data + owner.offset % mmap.ALLOCATIONGRANULARITY
     first_page = start - start % mmap.PAGESIZE
-    mapping.madvise(mmap.MADV_DONTNEED, first_page, start + a.nbytes - first_page)
+    mapping.madvise(advice, first_page, start + a.nbytes - first_page)
 
 
 def _specs(tensors: dict, path: Path) -> dict[str, TensorSpec]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 
@@ -99,12 +99,14 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
 class QuantizePlan:
     """quantize_model's work, planned before any weight is read: the quantized model's config and
     every tensor's dtype and shape (`specs`, fixed by the scheme), then the tensors themselves one
-    matrix at a time (`tensors`), so that a model larger than memory streams into its file."""
+    matrix at a time (`tensors`), so that a model larger than memory streams into its file.
+    Importances can come as they are measured (add_importances), each before its matrix's turn.
+    measure=False skips the report's errors (another pass over every weight)."""
 
     def __init__(self, model: ModelDir, bits: int, group_size: int,
                  imatrix: dict[str, np.ndarray] | None = None, embed_bits: int | None = None,
                  method: str = "search", allow_requantize: bool = False,
-                 stacks: dict[str, ExpertStack] | None = None):
+                 stacks: dict[str, ExpertStack] | None = None, measure: bool = True):
         scheme = AffineScheme(bits, group_size)
         embed_scheme = AffineScheme(embed_bits, group_size) if embed_bits is not None else scheme
         self.model, self.method = model, method
@@ -118,7 +120,9 @@ class QuantizePlan:
                 self.stacks.setdefault(stack.sources[0], []).append((name, stack))
         fitting = [pair for pairs in self.stacks.values() for pair in pairs]
         self.consumed = {src for _, stack in fitting for src in stack.sources}
-        self.imatrix = _check_imatrix_names(imatrix or {}, self.source, [name for name, _ in fitting])
+        self.stacked = [name for name, _ in fitting]
+        self.imatrix: dict[str, np.ndarray] = {}
+        self.add_importances(imatrix or {})
         self.linears = [p for p in _linear_paths(self.source) if f"{p}.weight" not in self.consumed]
         self.schemes: dict[str, AffineScheme] = {}   # module path -> scheme, of those quantized
         self.kept_float: dict[str, str] = {}         # weight name of a matrix left in float -> why
@@ -148,25 +152,32 @@ class QuantizePlan:
                 self.specs[name] = (TensorSpec("F32", t.shape) if isinstance(t, QuantizedTensor)
                                     else tensor_spec(t))
         self.errors: dict[str, float] = {}   # quantized weight name -> relative RMS error, filled by tensors()
+        self.measure = measure
         self.scheme = scheme
         self.plain_experts = 0   # experts of the stacks quantized without importances, counted by tensors()
+        self.done = 0            # linears made so far
 
-    def tensors(self, progress: Callable[[str, int, int], None] | None = None
-                ) -> Iterator[tuple[str, np.ndarray | HalfTensor]]:
-        """(name, tensor) for every name in `specs`, quantizing one matrix at a time; what a
-        tensor held of the input's memory map is given back once its turn is over (see release).
-        Fills `errors`; progress(name, done, total) after each linear."""
-        done, total = 0, len(self.linears) + sum(map(len, self.stacks.values()))
-        for name, t in self.source.items():
-            s = self._scheme(name)
+    def add_importances(self, imatrix: dict[str, np.ndarray]) -> None:
+        """Importances (weight name -> [in], or [E, in] for a stack) for matrices not yet made."""
+        self.imatrix |= _check_imatrix_names(imatrix, self.source, self.stacked)
+
+    def tensors(self, progress: Callable[[str, int, int], None] | None = None,
+                names: Iterable[str] | None = None) -> Iterator[tuple[str, np.ndarray | HalfTensor]]:
+        """(name, tensor) for every name in `specs` made of the source tensors `names` (all of
+        them, in order, when None), quantizing one matrix at a time; what a tensor held of the
+        input's memory map is given back once its turn is over (see release). Fills `errors`
+        (if measuring); progress(name, done, total) after each linear."""
+        total = len(self.linears) + sum(map(len, self.stacks.values()))
+        for name in self.source if names is None else names:
+            t, s = self.source[name], self._scheme(name)
             for out, stack in self.stacks.get(name, ()):
                 qt = self._quantize_stack(out, stack)
                 yield from zip(_parts(out), (qt.weight, qt.scales, qt.biases))
                 for src in stack.sources:
                     release(self.source[src])
-                done += 1
+                self.done += 1
                 if progress is not None:
-                    progress(out, done, total)
+                    progress(out, self.done, total)
             if name in self.consumed:
                 continue
             if s is None:
@@ -177,9 +188,9 @@ class QuantizePlan:
             for a in (t.weight, t.scales, t.biases) if isinstance(t, QuantizedTensor) else (t,):
                 release(a)
             if s is not None or name in self.kept_float:
-                done += 1
+                self.done += 1
                 if progress is not None:
-                    progress(name, done, total)
+                    progress(name, self.done, total)
 
     def report(self, model: ModelDir) -> QuantizeReport:
         """The report on `model`, the quantized model made of `tensors()`."""
@@ -204,17 +215,20 @@ class QuantizePlan:
                                   f"{w.shape[0]}x{w.shape[1]}, the config needs {stack.shape[1]}x{stack.shape[2]}")
             row = None if imp is None or not imp[e].any() else imp[e]
             self.plain_experts += imp is not None and row is None
-            qt, err = _quantized(f"{name}[{e}]", w, self.scheme, row, self.method)
+            qt, err = _quantized(f"{name}[{e}]", w, self.scheme, row, self.method, self.measure)
             parts.append(qt)
             errors.append(err)
-        self.errors[name] = float(np.sqrt(np.mean(np.square(errors))))
+        if self.measure:
+            self.errors[name] = float(np.sqrt(np.mean(np.square(errors))))
         return QuantizedTensor(*(np.stack([getattr(q, f) for q in parts]) for f in ("weight", "scales", "biases")),
                                self.scheme.bits, self.scheme.group_size)
 
     def _quantize(self, name: str, t, s: AffineScheme) -> QuantizedTensor:
         w = dequantize(t) if isinstance(t, QuantizedTensor) else np.asarray(t)  # [out, in] float32
         imp = None if name == f"{EMBEDDING}.weight" else self.imatrix.get(name)
-        qt, self.errors[name] = _quantized(name, w, s, imp, self.method)
+        qt, err = _quantized(name, w, s, imp, self.method, self.measure)
+        if self.measure:
+            self.errors[name] = err
         return qt
 
 
@@ -324,13 +338,14 @@ def _quantized_specs(name: str, t, s: AffineScheme) -> dict[str, TensorSpec]:
 
 
 def _quantized(name: str, w: np.ndarray, s: AffineScheme, imp: np.ndarray | None,
-               method: str) -> tuple[QuantizedTensor, float]:
-    """Float matrix `name` quantized, and its relative reconstruction error."""
+               method: str, measure: bool = True) -> tuple[QuantizedTensor, float | None]:
+    """Float matrix `name` quantized, and its relative reconstruction error (None unless
+    `measure`)."""
     try:
         qt = quantize(w, s, imp, method)
     except NibbleError as e:
         raise NibbleError(f"{name}: {e}") from None
-    return qt, reconstruction_error(w, qt, imp)
+    return qt, reconstruction_error(w, qt, imp) if measure else None
 
 
 def _quantized_config(config: ModelConfig, quantization: dict) -> ModelConfig:

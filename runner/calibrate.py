@@ -2,6 +2,8 @@
 driven, measured by running the model on calibration text (llama.cpp's imatrix)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from nibble.formats.half import HalfTensor
@@ -13,27 +15,34 @@ from .stages import CPUStage
 def collect_imatrix(model: Model, tokens, ctx: int = 512, progress=None) -> dict[str, np.ndarray]:
     """Mean squared input activation per input channel, keyed by the HF weight name of each
     linear layer (e.g. model.layers.0.mlp.down_proj.weight), over windows of `ctx` tokens.
+    progress(done, total) after each layer."""
+    imatrix = {}
+    for i, importances in layer_importances(model, tokens, ctx):
+        imatrix |= importances
+        if progress:
+            progress(i + 1, model.config.num_hidden_layers)
+    return imatrix
+
+
+def layer_importances(model: Model, tokens, ctx: int = 512) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """(i, block i's entries of collect_imatrix's result), block by block.
 
     Every window goes through a layer before any goes on to the next, and the memory-map pages
-    of a layer's weights are given back after it: a model larger than memory is read once, with
-    one layer resident at a time. progress(done, total) after each layer.
+    of a layer's weights are given back after it (once the caller is done with block i): a model
+    larger than memory is read once, with one layer resident at a time.
     """
     c = model.config
     tokens = np.asarray(tokens)
     windows = [tokens[i:i + ctx] for i in range(0, len(tokens) - 1, ctx)]
     xs = [model.embedding(window) for window in windows]     # [T, D] residual stream of each
-    imatrix = {}
     for i, weights in enumerate(model.layers):
         layer = CPUStage(model, i, i + 1, head=False)
         kv = layer.new_cache(ctx, np.float32)   # each window starts at position 0, over the last
         sums = np.zeros(model.family.act_shape(c, i))   # the family's rows for this block
         for x in xs:
             layer.forward(x, kv, 0, False, {i: sums})   # x in place
-        imatrix |= model.family.importances(c, i, sums, len(tokens))
+        yield i, model.family.importances(c, i, sums, len(tokens))
         _release(weights)
-        if progress:
-            progress(i + 1, c.num_hidden_layers)
-    return imatrix
 
 
 def _release(weights: tuple) -> None:

@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from nibble.formats import catalog, progress as status
 from nibble.formats.errors import NibbleError
+from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.paths import quantized_dir
-from nibble.formats.safetensors import TensorStream
+from nibble.formats.safetensors import TensorStream, prefetch
 from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_mxfp4, is_quantized
-from .calibrate import collect_imatrix
+from .calibrate import layer_importances
 from .loader import open_model
 from .model import Model
 from .models import family
@@ -24,6 +26,7 @@ CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a
 # A float model quantized on first use calibrates on fewer: the importances settle long before
 # 2048 tokens (the quantized model's held-out KL barely moves), and at 7B each token is seconds
 FIRST_USE_CALIBRATION_TOKENS = 256
+_BLOCK = re.compile(r"model\.layers\.(\d+)\.")   # a decoder block's tensors
 
 
 def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: int | None = None,
@@ -75,30 +78,51 @@ def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
 def _write_quantized(model_dir: ModelDir, out, bits: int, group_size: int, embed_bits: int | None,
                      calib_text: str | None, calib_tokens: int, force: bool, allow_requantize: bool,
                      progress: Callable[[str, int, int], None] | None) -> QuantizeReport:
-    imatrix = None
-    if not is_quantized(model_dir.config):
-        imatrix = importance_matrix(model_dir, calib_text, calib_tokens, progress=progress and (
-            lambda done, total: progress("calibrating", done, total)))
-    plan = QuantizePlan(model_dir, bits, group_size, imatrix=imatrix, embed_bits=embed_bits,
-                        allow_requantize=allow_requantize,
-                        stacks=family(model_dir.config).stacks(model_dir.config, model_dir.tensors))
-    tensors = plan.tensors(progress=progress and (
-        lambda name, done, total: progress("quantizing", done, total)))
+    # measure=False: nothing prints the errors, and measuring them takes a quarter of quantizing
+    plan = QuantizePlan(model_dir, bits, group_size, embed_bits=embed_bits, allow_requantize=allow_requantize,
+                        stacks=family(model_dir.config).stacks(model_dir.config, model_dir.tensors), measure=False)
+    if is_quantized(model_dir.config):   # requantizing: no float model to calibrate
+        tensors = plan.tensors(progress=progress and (lambda name, done, total: progress("quantizing", done, total)))
+    else:
+        tensors = calibrated_tensors(plan, model_dir, calibration_tokens(model_dir, calib_text, calib_tokens),
+                                     progress=progress and (lambda done, total: progress("layer", done, total)))
     write_model_dir(dataclasses.replace(model_dir, path=None, config=plan.config, tensors={}), out,
                     force=force, tensors=TensorStream(plan.specs, tensors))
     return plan.report(read_model_dir(out))
 
 
-def importance_matrix(model_dir: ModelDir, calib_text: str | None = None, calib_tokens: int = CALIBRATION_TOKENS,
-                      progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
-    """How strongly a float model drives each input of its projections (see collect_imatrix),
-    over the first `calib_tokens` of `calib_text` (nibble's own calibration text when None)."""
+def calibrated_tensors(plan: QuantizePlan, model_dir: ModelDir, tokens: list[int],
+                       progress: Callable[[int, int], None] | None = None
+                       ) -> Iterator[tuple[str, np.ndarray | HalfTensor]]:
+    """plan's tensors, a block's matrices made right after the float model has run the calibration
+    `tokens` through that block, while its weights are still in memory: a checkpoint larger than
+    memory is read from disk once, not once to calibrate and again to quantize. Then the tensors
+    outside the blocks (the embedding, the head: quantized without importances). progress(done,
+    total) after each block."""
+    blocks: dict[int, list[str]] = {}
+    rest = []
+    for name in plan.source:
+        if m := _BLOCK.match(name):
+            blocks.setdefault(int(m[1]), []).append(name)
+        else:
+            rest.append(name)
+    model = Model(model_dir.config, model_dir.tensors)
+    for i, importances in layer_importances(model, tokens, min(512, model.config.max_position_embeddings)):
+        plan.add_importances(importances)
+        for name in blocks.get(i + 1, ()):   # read from disk while this block is quantized
+            prefetch(plan.source[name])
+        yield from plan.tensors(names=blocks.pop(i, ()))
+        if progress:
+            progress(i + 1, model.config.num_hidden_layers)
+    yield from plan.tensors(names=[name for names in blocks.values() for name in names] + rest)
+
+
+def calibration_tokens(model_dir: ModelDir, calib_text: str | None = None, n: int = CALIBRATION_TOKENS) -> list[int]:
+    """The first `n` tokens of `calib_text` (nibble's own calibration text when None)."""
     text = default_calibration_text() if calib_text is None else calib_text
     if not text.strip():
         raise NibbleError("the calibration text is empty: give a file with some text in it")
-    tokens = Tokenizer(model_dir).encode(text, add_bos=False)[:calib_tokens]
-    model = Model(model_dir.config, model_dir.tensors)
-    return collect_imatrix(model, tokens, min(512, model.config.max_position_embeddings), progress)
+    return Tokenizer(model_dir).encode(text, add_bos=False)[:n]
 
 
 def read_calibration_file(path: str) -> str:

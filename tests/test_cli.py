@@ -10,7 +10,6 @@ import pytest
 from click.testing import CliRunner
 
 from nibble.formats.errors import NibbleError
-from nibble.formats.model_dir import read_model_dir
 from nibble.runner.cli import main
 
 GREEDY = ["--temp", "0", "-n", "12"]
@@ -277,7 +276,7 @@ def test_a_float_model_past_the_threshold_runs_int4_unless_float(tiny_dir, tmp_p
     assert (quantized.config.quantization["bits"], quantized.config.quantization["group_size"]) == (4, 64)
     err = capsys.readouterr().err.splitlines()
     assert any(re.fullmatch(f"quantizing {re.escape(str(tiny_dir))} to int4 for this and later runs, once: "
-                            r"\d+ s so far, calibrating 1 of \d+", line) for line in err)
+                            r"\d+ s so far, layer 1 of \d+", line) for line in err)
     assert err[-1].startswith(f"nibble: quantized {tiny_dir} to int4 in ") and err[-1].endswith("--float runs it as stored")
     assert loader.as_quantized(str(tiny_dir), model_dir, "float") is model_dir
     monkeypatch.setattr(loader, "AUTO_QUANT_PARAMS", 10 ** 9)
