@@ -20,14 +20,20 @@ PS_TIMEOUT = 5   # seconds: a server that has not answered by then is stuck or n
 @click.argument("ref", metavar="MODEL")
 def pull(ref):
     """Download MODEL ahead of time, as `nibble run -m MODEL` would: an alias, a hub id
-    org/name[@rev][:QUANT], or a path (only checked)."""
+    org/name[@rev][:QUANT], or a path (only checked); a float model that runs quantized (past 1B
+    weights) is quantized now, not on its first run."""
     from nibble.formats import catalog, hub
+    from nibble.formats.model_dir import read_model_dir
+    from .loader import as_quantized
     path = hub.resolve(ref, record=False)
     details = catalog.check_loads(path)
+    if path.suffix != ".gguf":
+        as_quantized(ref, read_model_dir(path), None)
     model = catalog.find(str(path), catalog.list_cached_models())
-    name, size = (model.ref, model.size_bytes) if model else (str(path), catalog.size_on_disk(path))
-    click.echo(f"{name}: {details.family} {catalog.parameter_size(details.parameters)} {details.quantization}, "
-               f"{format_bytes(size)} in {path}")
+    name, size, copies = (model.ref, model.size_bytes, model.copies) if model else (str(path), catalog.size_on_disk(path), [])
+    quantization = " + ".join([details.quantization, *(f"{_quantization(c)} copy" for c in copies)])
+    click.echo(f"{name}: {details.family} {catalog.parameter_size(details.parameters)} {quantization}, "
+               f"{format_bytes(size + sum(map(catalog.size_on_disk, copies)))} in {path}")
 
 
 @click.command("ls")

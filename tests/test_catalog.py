@@ -172,6 +172,21 @@ def test_pull_downloads_once_and_says_where(fake_hub, isolated, tiny_gguf, monke
     assert invoke("pull", "org/m-GGUF:Q8_0").stdout == result.stdout and fake.requests == []
 
 
+def test_pull_quantizes_a_float_model_as_its_first_run_would(isolated, tiny_dir, monkeypatch):
+    from nibble.runner import loader
+    lay_out_snapshot(isolated / "hf-hub", "org/tiny", {p.name: p.read_bytes() for p in tiny_dir.iterdir()})
+    assert " int4 g64 copy" not in invoke("pull", "org/tiny").stdout   # under 1B weights: runs as stored
+    monkeypatch.setattr(loader, "AUTO_QUANT_PARAMS", 1000)               # the tiny model has more
+    result = invoke("pull", "org/tiny")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("org/tiny: llama ") and " f32 + int4 g64 copy, " in result.stdout
+    assert "quantized org/tiny to int4" in result.stderr
+    [model] = catalog.list_cached_models()
+    assert len(model.copies) == 1 and usage.last_used(model.path) is None
+    again = invoke("pull", "org/tiny")   # the copy is there: not quantized again
+    assert again.stdout == result.stdout and "quantiz" not in again.stderr
+
+
 def test_pull_of_a_path_checks_it(isolated, tiny_gguf):
     path = isolated / "m.gguf"
     path.write_bytes(tiny_gguf)
