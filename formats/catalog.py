@@ -98,6 +98,11 @@ def identity(path: Path) -> str:
     return hashlib.sha1(repr((str(path), stats)).encode()).hexdigest()[:12]
 
 
+def copies_of(path: Path) -> list[Path]:
+    """The whole copies in quantized_dir() of the model at `path`, in the caches or not."""
+    return _quantized_copies().get(identity(path), [])
+
+
 def _quantized_copies() -> dict[str, list[Path]]:
     """The whole copies in quantized_dir(), by the identity of the model they were made from."""
     root = quantized_dir()

@@ -30,7 +30,8 @@ def pull(ref):
     if path.suffix != ".gguf":
         as_quantized(ref, read_model_dir(path), None)
     model = catalog.find(str(path), catalog.list_cached_models())
-    name, size, copies = (model.ref, model.size_bytes, model.copies) if model else (str(path), catalog.size_on_disk(path), [])
+    name, size = (model.ref, model.size_bytes) if model else (str(path), catalog.size_on_disk(path))
+    copies = catalog.copies_of(path)
     quantization = " + ".join([details.quantization, *(f"{_quantization(c)} copy" for c in copies)])
     click.echo(f"{name}: {details.family} {catalog.parameter_size(details.parameters)} {quantization}, "
                f"{format_bytes(size + sum(map(catalog.size_on_disk, copies)))} in {path}")

@@ -185,6 +185,9 @@ def test_pull_quantizes_a_float_model_as_its_first_run_would(isolated, tiny_dir,
     assert len(model.copies) == 1 and usage.last_used(model.path) is None
     again = invoke("pull", "org/tiny")   # the copy is there: not quantized again
     assert again.stdout == result.stdout and "quantiz" not in again.stderr
+    result = invoke("pull", str(tiny_dir))   # a path outside the caches: its copy in nibble's
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"{tiny_dir}: llama ") and " f32 + int4 g64 copy, " in result.stdout
 
 
 def test_pull_of_a_path_checks_it(isolated, tiny_gguf):
