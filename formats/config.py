@@ -149,7 +149,7 @@ class ModelConfig:
         self.rope_scaling = _checked_rope_scaling(self, family)
         self.rope_layers = family.rope_layers(self)   # [layers]: False where a layer has no RoPE
         _check_layer_types(self)
-        self.windows = family.windows(self)   # [layers]: each one's sliding window, 0 for full attention
+        self.windows = family.windows(self)   # [layers]: each one's sliding window, 0 for full causal attention, -1 for bidirectional (an encoder's)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -168,7 +168,7 @@ class ModelConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise FormatError(f"config.json is missing {', '.join(missing)}")
-        for key, accepted in FIXED_FIELDS.items():
+        for key, accepted in (FIXED_FIELDS | family.fixed).items():
             if key in d and d[key] not in accepted:
                 raise FormatError(f"config.json: nibble cannot run {key}={d[key]!r} "
                                   f"(it runs {' or '.join(map(repr, accepted))})")

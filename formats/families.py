@@ -59,6 +59,9 @@ class Family:
     partial_rotary: bool = False   # RoPE may rotate part of each head (partial_rotary_factor)
     local_rope: bool = False       # its sliding layers have a RoPE of their own (rope_local_base_freq)
     gguf: Mapping[str, GGUFArch] = field(default_factory=dict)   # general.architecture -> its layout
+    # config.FIXED_FIELDS' accepted values where the family runs others (BERT's "gelu")
+    fixed: Mapping[str, tuple] = field(default_factory=dict)
+    encoder: bool = False   # an encoder (BERT's): it embeds text (runner/encoder.py), it does not generate
 
 
 _BY_MODEL_TYPE: dict[str, Family] = {}

@@ -29,8 +29,11 @@ class Model:
         self.config = config
         c = config
         D = c.hidden_size
-        get = _TensorGetter(tensors, c.quantization)
         self.family = family(c)
+        if self.family.FAMILY.encoder:
+            raise NibbleError(f"{c.model_type} is an encoder, an embedding model: it embeds text "
+                              f"(nibble embed), it does not generate")
+        get = TensorGetter(tensors, c.quantization)
         self.embed = get.linear("model.embed_tokens", (c.vocab_size, D))     # [V, D]
         self.embed_scale = self.family.embed_scale(c, self.embed)           # on the embedded rows
         self.norm = self.family.norm(get, "model.norm.weight", (D,))         # [D]
@@ -208,7 +211,7 @@ def _check_rows(tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.nda
         raise NibbleError(f"logit_rows must index the {T} rows of the pass")
 
 
-class _TensorGetter:
+class TensorGetter:
     """Fetches weights by HF name, checking shapes and collecting the missing names."""
 
     def __init__(self, tensors: dict[str, np.ndarray], quantization: dict | None):

@@ -4,6 +4,7 @@ Written from the math (HF's modeling_llama), in float64, with no cache: each cal
 whole sequence.
 """
 import dataclasses
+import math
 
 import numpy as np
 
@@ -14,6 +15,17 @@ from nibble.formats.half import HalfTensor
 def rmsnorm(x, w, eps):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def layernorm(x, w, b, eps):
+    x = x.astype(np.float64)
+    centered = x - x.mean(-1, keepdims=True)
+    return centered / np.sqrt((centered * centered).mean(-1, keepdims=True) + eps) * w + b
+
+
+def gelu(x):
+    """GELU exactly (erf), as BERT's hidden_act "gelu"."""
+    return 0.5 * x * (1 + np.vectorize(math.erf)(np.asarray(x, np.float64) / math.sqrt(2)))
 
 
 def silu(x):
@@ -219,6 +231,29 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
     x = rmsnorm(x, W["model.norm.weight"], c.rms_norm_eps)
     head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
     return x @ head.T / c.extra.get("logits_scaling", 1.0)
+
+
+def encode(config: ModelConfig, tensors: dict, tokens, types=None) -> np.ndarray:
+    """BERT's last hidden states [T, D] of one text (HF's BertModel, no pooler), float64: every
+    token attends to every other."""
+    c = config
+    W = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    T, H, hd, eps = len(tokens), c.num_attention_heads, c.head_dim, c.rms_norm_eps
+    x = (W["embeddings.word_embeddings.weight"][np.asarray(tokens)] + W["embeddings.position_embeddings.weight"][:T]
+         + W["embeddings.token_type_embeddings.weight"][np.zeros(T, int) if types is None else np.asarray(types)])
+    x = layernorm(x, W["embeddings.LayerNorm.weight"], W["embeddings.LayerNorm.bias"], eps)
+    for i in range(c.num_hidden_layers):
+        p = f"encoder.layer.{i}."
+        lin = lambda h, n: h @ W[p + n + ".weight"].T + W[p + n + ".bias"]
+        q, k, v = (lin(x, f"attention.self.{n}").reshape(T, H, hd) for n in ("query", "key", "value"))
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a = np.einsum("hts,shd->thd", a / a.sum(-1, keepdims=True), v).reshape(T, H * hd)
+        x = layernorm(x + lin(a, "attention.output.dense"), W[p + "attention.output.LayerNorm.weight"],
+                      W[p + "attention.output.LayerNorm.bias"], eps)
+        x = layernorm(x + lin(gelu(lin(x, "intermediate.dense")), "output.dense"), W[p + "output.LayerNorm.weight"],
+                      W[p + "output.LayerNorm.bias"], eps)
+    return x
 
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])

@@ -62,7 +62,7 @@ def check_promises(c: ModelConfig) -> None:
     assert c.num_attention_heads % c.num_key_value_heads == 0
     assert 2 <= c.rotary_dim <= c.head_dim and c.rotary_dim % 2 == 0
     assert len(c.rope_layers) == len(c.windows) == L
-    assert all(isinstance(w, int) and w >= 0 for w in c.windows)
+    assert all(isinstance(w, int) and w >= -1 for w in c.windows)   # -1: bidirectional (an encoder)
     assert c.rope_scaling is None or c.rope_scaling["rope_type"] in ROPE_TYPES
     assert all(isinstance(i, int) for i in c.eos_ids)
 

@@ -12,6 +12,7 @@ from nibble.formats.safetensors import read_checkpoint
 from nibble.formats.wrappers import text_tensors
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import dequantize
+from nibble.runner.encoder import Encoder
 from nibble.runner.model import Model
 from tests import reference
 
@@ -19,6 +20,7 @@ DATA = Path(__file__).parent / "data" / "transformers"
 FIXTURES = ["llama3", "mistral-yarn", "qwen2-layer-types", "llama-longrope", "qwen3", "gemma3-text",
             "gemma3", "phi3-longrope", "smollm3", "qwen3-moe", "qwen2-moe", "mixtral", "olmoe",
             "granitemoe", "granitemoeshared", "gpt-oss", "gpt-oss-mxfp4"]
+ENCODERS = ["bert"]   # hidden states, not logits
 # Fixtures stored quantized. nibble runs their weights exactly (test_mxfp4_experts_are_read_exactly),
 # on activations rounded as the quantized kernels round them (to int8 where the CPU multiplies bytes,
 # as llama.cpp does), which moves these tiny random mixtures' logits by about 1%.
@@ -38,7 +40,7 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def test_every_fixture_is_tested():
-    assert sorted(p.name for p in DATA.iterdir() if p.is_dir()) == sorted(FIXTURES)
+    assert sorted(p.name for p in DATA.iterdir() if p.is_dir()) == sorted(FIXTURES + ENCODERS)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -74,3 +76,17 @@ def test_reference_matches_transformers(name):
     """The numpy oracle reads the same configs the same way."""
     config, tensors, tokens, want = load(name)
     assert relative_error(reference.forward(config, tensors, tokens), want) < 1e-4
+
+
+def load_encoder(name: str):
+    folder = DATA / name
+    config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    return config, read_checkpoint(folder), *(np.load(folder / f) for f in ("tokens.npy", "types.npy", "hidden.npy"))
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_hidden_states_match_transformers(name):
+    config, tensors, tokens, types, want = load_encoder(name)
+    [got] = Encoder(config, tensors).encode([tokens], [types])
+    assert relative_error(got, want) < 1e-4
+    assert relative_error(reference.encode(config, tensors, tokens, types), want) < 1e-4

@@ -210,6 +210,33 @@ def swiglu(x, w_gate, w_up, out):
 
 
 @njit(**_jit)
+def layernorm(x, weight, bias, eps, out):
+    """out[T, D] = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias (BERT's LayerNorm; out may
+    be x)."""
+    T, D = x.shape
+    for t in range(T):
+        mean = np.float32(0.0)
+        for d in range(D):
+            mean += x[t, d]
+        mean /= D
+        var = np.float32(0.0)
+        for d in range(D):
+            var += (x[t, d] - mean) * (x[t, d] - mean)
+        scale = np.float32(1.0) / np.sqrt(var / D + np.float32(eps))
+        for d in range(D):
+            out[t, d] = (x[t, d] - mean) * scale * weight[d] + bias[d]
+
+
+@njit(parallel=True, **_jit)
+def gelu(x):
+    """x[T, F] = gelu(x) in place, GELU exactly (erf), as BERT's hidden_act "gelu"."""
+    r = np.float32(1 / math.sqrt(2))
+    for t in prange(x.shape[0]):
+        for f in range(x.shape[1]):
+            x[t, f] = np.float32(0.5) * x[t, f] * (np.float32(1.0) + math.erf(x[t, f] * r))
+
+
+@njit(**_jit)
 def rmsnorm(x, weight, eps, out):
     """out[T, D] = x / sqrt(mean(x^2) + eps) * weight
 
@@ -248,13 +275,15 @@ def rope(x, cos, sin, positions):
 
 @njit(parallel=True, **_jit)
 def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks, out):
-    """Causal grouped-query attention of new queries against the cache, read through block tables.
+    """Grouped-query attention of new queries against the cache, read through block tables: causal,
+    or bidirectional where window < 0 (an encoder's).
 
     q: [T, H, hd], row t the query of position p = rows.positions[t] of sequence rows.seq[t];
     k_cache, v_cache: [blocks, Hkv, BLOCK, hd] (float32, or int8 rows times k_scale, v_scale
     [blocks, Hkv, BLOCK]), already holding that sequence's positions 0..p in the blocks its table
     rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
-    its last `window` positions (Mistral's sliding window). The scores are q . k times `scale`
+    its last `window` positions (Mistral's sliding window); window < 0 lets it see every position
+    of its sequence that this pass stores, later ones too (an encoder's sequences come whole). The scores are q . k times `scale`
     (1/sqrt(hd) but for Gemma's and Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit
     per head that joins every row's softmax with no value to weigh. One (row, head) pair per task, with
     an online softmax: one pass over the keys and values, keeping a running maximum, sum and
@@ -266,6 +295,10 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     B = k_cache.shape[2]
     group = H // k_cache.shape[1]
     scale = np.float32(scale)
+    ends = np.zeros(rows.tables.shape[0], np.int64)   # bidirectional: each sequence's length
+    if window < 0:
+        for t in range(T):
+            ends[rows.seq[t]] = max(ends[rows.seq[t]], rows.positions[t] + 1)
     for task in prange(T * H):
         # the rows from both ends taken in turn: a prompt's later rows attend to more positions,
         # and each thread runs a contiguous range of tasks
@@ -273,7 +306,7 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
         t = i // 2 if i % 2 == 0 else T - 1 - i // 2
         kv = h // group
         table = rows.tables[rows.seq[t]]
-        end = rows.positions[t] + 1
+        end = ends[rows.seq[t]] if window < 0 else rows.positions[t] + 1
         start = max(0, end - window) if window > 0 else 0
         acc = np.zeros(hd, np.float32)
         scores = np.empty(B, np.float32)

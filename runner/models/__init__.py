@@ -21,6 +21,10 @@ runs any of them. A family module has:
         weight names quantize writes
     stacks(config, tensors) -> {weight name: quant.convert.ExpertStack}: a mixture's experts,
         which quantize writes stacked (none for the dense families)
+
+An encoder's module (FAMILY.encoder: runner/encoder.py runs it) has Embeddings(get, config), its
+words', positions' and token types' rows and their norm, in place of norm, embed_scale and
+logits_scale.
 """
 import importlib
 import pkgutil
