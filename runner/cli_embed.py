@@ -1,0 +1,54 @@
+"""`nibble embed`: texts in, a vector each out (runner/embed.py). cli.py adds it to the `nibble`
+group, which turns its errors into one line."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from nibble.formats.hub import DEFAULT_EMBEDDING_MODEL
+
+
+@click.command()
+@click.argument("text", required=False)
+@click.option("-m", "--model", default=DEFAULT_EMBEDDING_MODEL, show_default=True, envvar="NIBBLE_EMBEDDING_MODEL",
+              help="An embedding model: a directory, hub id (org/name) or alias.")
+@click.option("-f", "--file", "path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Texts from this file, one a line ('-': stdin).")
+@click.option("--prompt", help="Put the model's prompt of this name before each text (e.g. query, document).")
+@click.option("--npy", type=click.Path(dir_okay=False),
+              help="Write the vectors to this .npy file (float32, a row a text) instead of JSON lines.")
+def embed(text, model, path, prompt, npy):
+    """Print the vector of TEXT, or of each line of -f FILE or of stdin, as a JSON list a line."""
+    from .embed import Embedder
+    from .loader import open_model
+    from .tokenizer import as_text
+    if text is not None and path is not None:
+        raise click.UsageError("give TEXT or -f FILE, not both")
+    if text is None and path is None and (sys.stdin is None or sys.stdin.isatty()):
+        raise click.UsageError("no text: give one as an argument, with -f FILE, or on stdin")
+    if text is not None:
+        data, note = as_text(text, "the text")
+    else:
+        stream = getattr(sys.stdin, "buffer", sys.stdin) if path in (None, "-") else open(path, "rb")
+        with stream:
+            data, note = as_text(stream.read(), "the texts")
+    if note:
+        click.echo(note, err=True)
+    texts = [data] if text is not None else data.splitlines()
+    if not texts:
+        raise click.UsageError("no text: the input is empty")
+    embedder = Embedder(open_model(model), model)
+    tokenized = embedder.tokenize(texts, prompt)
+    if tokenized.cut:
+        click.echo(f"nibble: {tokenized.cut} of {len(texts)} texts cut to {embedder.max_length} tokens, "
+                   f"the model's length", err=True)
+    vectors = embedder.embed_ids(tokenized.ids, tokenized.skip)
+    if npy:
+        import numpy as np
+        with open(npy, "wb") as f:
+            np.save(f, vectors)
+        return
+    for v in vectors:
+        click.echo(json.dumps(v.tolist()))
