@@ -12,20 +12,10 @@ from .model import Model
 from .stages import CPUStage
 
 
-def collect_imatrix(model: Model, tokens, ctx: int = 512, progress=None) -> dict[str, np.ndarray]:
-    """Mean squared input activation per input channel, keyed by the HF weight name of each
-    linear layer (e.g. model.layers.0.mlp.down_proj.weight), over windows of `ctx` tokens.
-    progress(done, total) after each layer."""
-    imatrix = {}
-    for i, importances in layer_importances(model, tokens, ctx):
-        imatrix |= importances
-        if progress:
-            progress(i + 1, model.config.num_hidden_layers)
-    return imatrix
-
-
 def layer_importances(model: Model, tokens, ctx: int = 512) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """(i, block i's entries of collect_imatrix's result), block by block.
+    """(i, block i's entries of the importance matrix), block by block: the mean squared input
+    activation per input channel of each linear, keyed by the HF weight name (e.g.
+    model.layers.0.mlp.down_proj.weight), over windows of `ctx` tokens.
 
     Every window goes through a layer before any goes on to the next, and the memory-map pages
     of a layer's weights are given back after it (once the caller is done with block i): a model

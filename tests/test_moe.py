@@ -212,7 +212,7 @@ def test_quantize_writes_stacked_experts_weighted_by_the_rows_routed_to_each(nam
     gpt-oss's interleaved [in, out] stacks); a shared expert quantized as a dense matrix; the
     result reads back."""
     from nibble.formats.model_dir import read_model_dir, write_model_dir
-    from nibble.runner.calibrate import collect_imatrix
+    from tests.test_calibrate import imatrix
     from nibble.runner.model import Model
     from nibble.runner.models import family
     from nibble.runner.tokenizer import Tokenizer
@@ -238,12 +238,12 @@ def test_quantize_writes_stacked_experts_weighted_by_the_rows_routed_to_each(nam
 
     # the importances as quantize measured them, in windows of the model's 64 positions
     tokens = Tokenizer(md).encode(text, add_bos=False)
-    imatrix = collect_imatrix(Model(md.config, md.tensors), tokens, 64)
+    measured = imatrix(Model(md.config, md.tensors), tokens, 64)
     stacks = family(md.config).stacks(md.config, md.tensors)
     assert len(stacks) == 3 * md.config.num_hidden_layers
     plain = 0
     for stack_name, stack in stacks.items():
-        imp = imatrix[stack_name]
+        imp = measured[stack_name]
         for e, w in enumerate(stack.matrices(md.tensors)):
             want = quantize(w, AffineScheme(8, 32), imp[e] if imp[e].any() else None)
             path = stack_name.removesuffix(".weight")

@@ -14,9 +14,9 @@ from nibble.formats.model_dir import read_model_dir
 from nibble.formats.safetensors import TensorStream, write_safetensors
 from nibble.quant.convert import QuantizePlan, quantize_model
 from nibble.runner import synthetic
-from nibble.runner.calibrate import collect_imatrix
 from nibble.runner.model import Model
 from nibble.runner.quantize import calibrated_tensors, calibration_tokens, quantize
+from tests.test_calibrate import imatrix
 from tests.test_cli import assert_one_line_error, invoke
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -51,9 +51,9 @@ def test_streamed_file_is_the_in_memory_result(source, request, tmp_path):
     src = request.getfixturevalue(source)
     report = quantize(str(src), str(tmp_path / "q"), bits=4, group_size=32, embed_bits=8)
     model_dir = read_model_dir(src)
-    imatrix = collect_imatrix(Model(model_dir.config, model_dir.tensors), calibration_tokens(model_dir),
-                              min(512, model_dir.config.max_position_embeddings))
-    want = quantize_model(model_dir, 4, 32, imatrix=imatrix, embed_bits=8)
+    measured = imatrix(Model(model_dir.config, model_dir.tensors), calibration_tokens(model_dir),
+                       min(512, model_dir.config.max_position_embeddings))
+    want = quantize_model(model_dir, 4, 32, imatrix=measured, embed_bits=8)
     got = read_model_dir(tmp_path / "q")
     assert got.config.to_dict() == want.model.config.to_dict()
     assert got.tensors.keys() == want.model.tensors.keys()
@@ -92,7 +92,7 @@ def _resident_file_bytes() -> int:
 def test_input_pages_are_given_back_as_it_goes(bf16_dir, tmp_path):
     small = read_model_dir(bf16_dir)   # compiles first: the compiler's code pages are files too
     tokens = np.arange(64) % 300
-    collect_imatrix(Model(small.config, small.tensors), tokens, ctx=32)
+    imatrix(Model(small.config, small.tensors), tokens, ctx=32)
     md = read_model_dir(synthetic.write_random_checkpoint(WIDE, tmp_path / "wide"))
     layer = sum(t.nbytes for name, t in md.tensors.items() if name.startswith("model.layers.0."))
     before, most = _resident_file_bytes(), 0
