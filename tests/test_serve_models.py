@@ -245,6 +245,16 @@ def test_an_unknown_model_or_a_path_is_the_same_404_and_nothing_is_read(serve, c
     assert held_loads.calls == [] and server.loaded() == [A]
 
 
+def test_an_embedding_model_is_a_400_for_a_reply(serve, cache, isolated):  # noqa: F811
+    from tests.test_transformers import DATA
+    lay_out_snapshot(isolated / "hf-hub", "org/bert", _files(DATA / "bert"))
+    server = serve(only=[A, "org/bert"])
+    with pytest.raises(openai.BadRequestError) as e:
+        server.ask("org/bert")
+    assert e.value.body["code"] == "model_not_supported" and "org/bert is an embedding model" in e.value.body["message"]
+    assert server.loaded() == [A] and server.ask(A).model == A   # nothing unloaded for it
+
+
 def test_a_model_that_would_not_fit_in_memory_is_a_503_until_unloading_the_idle_ones_makes_room(serve, cache):
     need = {name: model_bytes(cache[name], None, positions_for(cache[name], OPTIONS.parallel, OPTIONS.ctx, None),
                               "f32") for name in (A, B)}

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nibble.formats import catalog, hub
+from nibble.formats import catalog, families, hub
 from nibble.formats.errors import NibbleError
 from ..engine import Engine
 from ..model import Model
@@ -200,6 +200,10 @@ class Models:
         with self._one_load:
             if name in self._loaded:
                 return
+            if self._is_encoder(name):
+                raise ApiError(400, f"{name} is an embedding model, which generates no text; nibble serve "
+                                    "does not serve embeddings yet (nibble embed computes them)", "model",
+                               code="model_not_supported")
             nbytes = self._estimate(name)
             about = f" (about {gb(nbytes)} with its KV cache)" if nbytes is not None else ""
             self._log(f"loading {name} for a request{about} ...")
@@ -230,6 +234,14 @@ class Models:
         if closed:   # Ctrl-C came during the load
             engine.close()
             raise ApiError(503, "the server is shutting down", type="server_error", code="server_busy")
+
+    def _is_encoder(self, name: str) -> bool:
+        """Whether the model's files say it is an encoder (its headers only: no weight is read)."""
+        try:
+            kind = families.of(catalog.describe(hub.resolve(self.refs[name], record=False)).family)
+        except (NibbleError, OSError):
+            return False   # the load says what is wrong
+        return kind is not None and kind.encoder
 
     def _estimate(self, name: str) -> int | None:
         """Bytes the model would take loaded; None where its files do not say (the load will)."""
