@@ -44,10 +44,13 @@ ALIASES: dict[str, WheelModel] = {
 DEFAULT_EMBEDDING_MODEL = "all-minilm"
 DEFAULT_MODEL = "smollm2"
 
-# Only what nibble reads: no .bin/.pt/.onnx weights, no READMEs.
+# Only what nibble reads: no .bin/.pt/.onnx weights. An embedding model's sentence-transformers
+# files say how it pools (formats/sentence_transformers.py); the README is the model card, whose
+# tags say whether its vectors may be cut short.
 HUB_FILES = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "chat_template.jinja", "*.safetensors", "model.safetensors.index.json",
+    "chat_template.jinja", "*.safetensors", "model.safetensors.index.json", "README.md",
+    "modules.json", "*Pooling/config.json", "sentence_bert_config.json", "config_sentence_transformers.json",
 ]
 
 # "org/name", "org/name@revision", either with ":TAG" (a GGUF file's quantization) and "hf.co/"

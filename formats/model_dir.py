@@ -63,11 +63,12 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
 
 
 def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False,
-                    tensors: TensorStream | None = None) -> Path:
+                    tensors: TensorStream | None = None, files: dict[str, bytes] | None = None) -> Path:
     """Write `model` as a Hugging Face model directory at `out` and return its path.
 
     `tensors`, if given, are the weights instead of model.tensors, made one at a time as they
-    are written (a model larger than memory). Everything is written into a temporary sibling
+    are written (a model larger than memory). `files`: more files by their path in the folder
+    (an embedding model's sentence-transformers files). Everything is written into a temporary sibling
     first and renamed into place, so `out` is either complete or untouched; what a killed write
     left in out's folder is removed first (formats/tempfiles.py). An existing `out` is refused
     unless `force`, which replaces it.
@@ -82,6 +83,9 @@ def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False
         _write_json(tmp / "generation_config.json", model.generation_config)
         _write_json(tmp / "tokenizer_config.json", model.tokenizer_config)
         model.tokenizer.save(str(tmp / "tokenizer.json"))
+        for name, data in (files or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(data)
         # "format": "pt" is what transformers checks for before it will load the file.
         write_safetensors(model.tensors if tensors is None else tensors, tmp / "model.safetensors",
                           metadata={"format": "pt"})

@@ -1,11 +1,13 @@
 """What sentence-transformers' files say of an embedding model beside its weights: how its tokens'
 states become one vector (modules.json, the Pooling module's config.json, a Normalize module),
-where it cuts a text (sentence_bert_config.json's max_seq_length) and the prompts it puts before
-one (config_sentence_transformers.json). A model without them pools as sentence-transformers
+where it cuts a text (sentence_bert_config.json's max_seq_length), the prompts it puts before
+one (config_sentence_transformers.json), and whether its vectors may be cut short (a model card
+tagged as trained with Matryoshka's loss). A model without them pools as sentence-transformers
 pools a plain transformers model: the mean of its tokens, not normalized."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ class Pipeline:
     prompts: dict[str, str] = field(default_factory=dict)   # name -> the text put before an input
     default_prompt: str | None = None      # the prompt used where a request names none
     include_prompt: bool = True            # the prompt's tokens pooled with the text's
+    matryoshka: bool = False               # trained so that a vector's first dimensions are one too
 
 
 def read_pipeline(path: Path) -> Pipeline:
@@ -58,7 +61,32 @@ def read_pipeline(path: Path) -> Pipeline:
     if default is not None and default not in prompts:
         raise FormatError(f"{path / 'config_sentence_transformers.json'}: default_prompt_name "
                           f"{default!r} is not one of its prompts")
-    return Pipeline(pooling, "Normalize" in kinds, max_length, prompts, default, include_prompt)
+    return Pipeline(pooling, "Normalize" in kinds, max_length, prompts, default, include_prompt,
+                    _matryoshka(path / "README.md"))
+
+
+def _matryoshka(card: Path) -> bool:
+    """Whether the model card's front matter (its YAML header) says Matryoshka: sentence-transformers
+    tags the cards it writes with their loss, loss:MatryoshkaLoss; others tag matryoshka. Read as
+    text: a card's header is free-form, and a broken one still says what it says."""
+    try:
+        text = card.read_text(encoding="utf-8", errors="replace") if card.is_file() else ""
+    except OSError:
+        return False
+    header = re.match(r"---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
+    return bool(header) and "matryoshka" in header.group(1).lower()
+
+
+def pipeline_files(path: Path) -> dict[str, bytes]:
+    """The files of the model directory `path` that say its Pipeline, by their path in it: what a
+    copy of the model (quantized) keeps. Only modules in folders of plain names are taken."""
+    names = ["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "README.md"]
+    modules = _json(path / "modules.json", [])
+    for m in modules if isinstance(modules, list) else []:
+        folder = m.get("path") if isinstance(m, dict) else None
+        if isinstance(folder, str) and re.fullmatch(r"\w[\w.-]*", folder) and (path / folder).is_dir():
+            names += [f"{folder}/{f.name}" for f in sorted((path / folder).iterdir()) if f.is_file()]
+    return {name: (path / name).read_bytes() for name in names if (path / name).is_file()}
 
 
 def _pooling(config: dict, path: Path) -> tuple[str, ...]:

@@ -25,11 +25,15 @@ from nibble.formats.safetensors import TensorSpec, release, tensor_spec
 
 from .affine import AffineScheme, QuantizedTensor, dequantize, quantize, reconstruction_error
 
-EMBEDDING = "model.embed_tokens"
+# The token embeddings: a decoder's, and an encoder's (BERT's)
+EMBEDDINGS = ("model.embed_tokens", "embeddings.word_embeddings")
 HEAD = "lm_head"
-# Module paths of the decoder's linears: model.layers.<i>.self_attn.q_proj, ...mlp.down_proj,
-# ...mlp.shared_expert.up_proj, ...shared_mlp.input_linear (Granite's)
-_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.[\w.]+_(proj|linear)")
+# Module paths of the blocks' linears: a decoder's model.layers.<i>.self_attn.q_proj,
+# ...mlp.down_proj, ...mlp.shared_expert.up_proj, ...shared_mlp.input_linear (Granite's); an
+# encoder's encoder.layer.<i>.attention.self.query, ...attention.output.dense, ...intermediate.dense,
+# ...output.dense (BERT's)
+_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.[\w.]+_(proj|linear)"
+                           r"|encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|(attention\.output|intermediate|output)\.dense)")
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ class QuantizePlan:
         self.kept_float: dict[str, str] = {}         # weight name of a matrix left in float -> why
         overrides = {}
         for path in self.linears:
-            s = embed_scheme if path in (EMBEDDING, HEAD) else scheme
+            s = embed_scheme if path in (*EMBEDDINGS, HEAD) else scheme
             misfit = _misfit(self.source[f"{path}.weight"].shape, s)
             if misfit:
                 self.kept_float[f"{path}.weight"] = misfit
@@ -225,7 +229,7 @@ class QuantizePlan:
 
     def _quantize(self, name: str, t, s: AffineScheme) -> QuantizedTensor:
         w = dequantize(t) if isinstance(t, QuantizedTensor) else np.asarray(t)  # [out, in] float32
-        imp = None if name == f"{EMBEDDING}.weight" else self.imatrix.get(name)
+        imp = None if name.removesuffix(".weight") in EMBEDDINGS else self.imatrix.get(name)
         qt, err = _quantized(name, w, s, imp, self.method, self.measure)
         if self.measure:
             self.errors[name] = err
@@ -365,7 +369,7 @@ def _linear_paths(tensors: dict) -> list[str]:
     for name, t in tensors.items():
         path = name.removesuffix(".weight")
         if (name.endswith(".weight") and len(t.shape) == 2
-                and (path in (EMBEDDING, HEAD) or _LAYER_LINEAR.fullmatch(path))):
+                and (path in (*EMBEDDINGS, HEAD) or _LAYER_LINEAR.fullmatch(path))):
             paths.append(path)
     return paths
 

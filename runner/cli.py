@@ -456,8 +456,9 @@ class KeepAlive(click.ParamType):
 @click.pass_context
 def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
           only, max_models, keep_alive, allowed_hosts, cors_origins, thinking, draft, gpu_layers, require_gpu):
-    """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models): MODEL
-    loaded at start, the others when a request names them."""
+    """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
+    /v1/models) and Anthropic's and ollama's: MODEL loaded at start, the others when a request
+    names them."""
     if gpu_layers or require_gpu:
         raise click.UsageError("nibble serve runs on the CPU for now (the GPU has no paged KV cache yet): "
                                "drop -ngl and --require-gpu")
@@ -471,14 +472,16 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
                          _comma_list(cors_origins, "--cors-origins", "origins") or ())
     refs, default = servable(model, names)   # a name --models gives that is not there, and
     sock = listen(host, port)                 # a port in use, are said before the model loads
-    threads = _threads(threads)
-    llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
-    _context("-c", ctx_size, llm)   # says so if -c is past this model's context (each engine keeps to its model's)
     log = functools.partial(click.echo, err=True)
-    options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, threads, cache_tokens, quant,
-                            thinking, draft)
+    options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, _threads(threads), cache_tokens,
+                            quant, thinking, draft)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
-    models.add(default, llm, tokenizer)
+    if models.is_encoder(default):   # an embedding model: /v1/embeddings
+        models.load_now(default)
+    else:
+        llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
+        _context("-c", ctx_size, llm)   # says so if -c is past this model's context (each engine keeps to its model's)
+        models.add(default, llm, tokenizer)
     if len(refs) > 1:
         log(f"{len(refs) - 1} more model{'s' * (len(refs) > 2)} loaded on request (GET /v1/models lists them)")
     run_server(models, sock, api_key=api_key, say=lambda line: click.echo(line) or sys.stdout.flush(), warn=log,

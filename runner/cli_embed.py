@@ -16,13 +16,18 @@ from nibble.formats.hub import DEFAULT_EMBEDDING_MODEL
               help="An embedding model: a directory, hub id (org/name) or alias.")
 @click.option("-f", "--file", "path", type=click.Path(dir_okay=False, allow_dash=True),
               help="Texts from this file, one a line ('-': stdin).")
+@click.option("--quant", type=click.Choice(["int8", "int4"]),
+              help="Quantize a float model, once (kept in nibble's cache) [default: int4 for a float model of "
+                   "more than 1B weights].")
 @click.option("--prompt", help="Put the model's prompt of this name before each text (e.g. query, document).")
+@click.option("--dimensions", type=click.IntRange(min=1),
+              help="Keep each vector's first N dimensions (for models trained so, Matryoshka's).")
 @click.option("--npy", type=click.Path(dir_okay=False),
               help="Write the vectors to this .npy file (float32, a row a text) instead of JSON lines.")
-def embed(text, model, path, prompt, npy):
+def embed(text, model, path, quant, prompt, dimensions, npy):
     """Print the vector of TEXT, or of each line of -f FILE or of stdin, as a JSON list a line."""
     from .embed import Embedder
-    from .loader import open_model
+    from .loader import as_quantized, open_model
     from .tokenizer import as_text
     if text is not None and path is not None:
         raise click.UsageError("give TEXT or -f FILE, not both")
@@ -39,12 +44,14 @@ def embed(text, model, path, prompt, npy):
     texts = [data] if text is not None else data.splitlines()
     if not texts:
         raise click.UsageError("no text: the input is empty")
-    embedder = Embedder(open_model(model), model)
+    embedder = Embedder(as_quantized(model, open_model(model), quant), model)
     tokenized = embedder.tokenize(texts, prompt)
     if tokenized.cut:
         click.echo(f"nibble: {tokenized.cut} of {len(texts)} texts cut to {embedder.max_length} tokens, "
                    f"the model's length", err=True)
     vectors = embedder.embed_ids(tokenized.ids, tokenized.skip)
+    if dimensions is not None:
+        vectors = embedder.shorten(vectors, dimensions)
     if npy:
         import numpy as np
         with open(npy, "wb") as f:

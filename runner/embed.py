@@ -3,6 +3,7 @@ files (formats/sentence_transformers.py): tokenized without padding and cut to t
 length, run through the encoder many texts a pass, pooled, normalized if the model says so."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -60,16 +61,39 @@ class Embedder:
         """[len(texts), dimensions] float32."""
         return self.embed_ids(*self.tokenize(texts, prompt)[:2])
 
-    def embed_ids(self, ids: list[list[int]], skip: int = 0) -> np.ndarray:
-        """The vectors of texts already tokenized (tokenize's ids), pooled from token `skip` on."""
+    def embed_ids(self, ids: list[list[int]], skip: int | Sequence[int] = 0) -> np.ndarray:
+        """The vectors of texts already tokenized (tokenize's ids), pooled from token `skip` on
+        (one count for all, or one a text)."""
+        skips = np.broadcast_to(skip, len(ids))
         out = np.empty((len(ids), self.dimensions), np.float32)
         for batch in _batches([len(i) for i in ids], PASS_TOKENS):
             states = self.encoder.encode([ids[i] for i in batch])
             for i, s in zip(batch, states):
-                out[i] = pool(s[min(skip, len(s) - 1):], self.pipeline.pooling)
-        if self.pipeline.normalize:
-            out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
-        return out
+                out[i] = pool(s[min(skips[i], len(s) - 1):], self.pipeline.pooling)
+        return _unit(out) if self.pipeline.normalize else out
+
+    def shorten(self, vectors: np.ndarray, dimensions: int) -> np.ndarray:
+        """Each vector's first `dimensions`, of unit length again where the model normalizes; only
+        a model trained for it has shorter vectors that mean anything (Pipeline.matryoshka)."""
+        if not 0 < dimensions <= self.dimensions:
+            raise NibbleError(f"dimensions must be 1 to {self.dimensions} (the model's vectors)")
+        if dimensions == self.dimensions:
+            return vectors
+        if not self.pipeline.matryoshka:
+            raise NibbleError(f"this model's vectors have {self.dimensions} dimensions and were not trained to "
+                              "be cut short (its model card does not say Matryoshka): ask for all of them")
+        short = np.ascontiguousarray(vectors[:, :dimensions])
+        return _unit(short) if self.pipeline.normalize else short
+
+    def check_ids(self, ids: list[int], what: str = "the token ids"):
+        """NibbleError naming `what` unless each of `ids` is one of the model's tokens."""
+        vocab = self.encoder.config.vocab_size
+        if not all(0 <= i < vocab for i in ids):
+            raise NibbleError(f"{what} must be token ids from 0 to {vocab - 1} (the model's vocabulary)")
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), np.float32(1e-12))
 
 
 def pool(states: np.ndarray, modes: tuple[str, ...]) -> np.ndarray:

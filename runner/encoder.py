@@ -29,6 +29,13 @@ class Encoder:
         self.stages = [CPUStage(self, 0, len(self.layers), head=False)]
         self.threads = ThreadChooser()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights."""
+        e = self.embeddings
+        weights = [e.words, e.positions, e.types, e.norm, e.norm_bias, *(w for layer in self.layers for w in layer)]
+        return sum(w.nbytes for w in weights)
+
     def encode(self, ids: list, types: list | None = None) -> list[np.ndarray]:
         """Each text's token ids (and token types: zeros if None) -> its tokens' hidden states
         [n, D], float32: those it gets alone (to float32's rounding: the matrix kernels block a

@@ -32,6 +32,36 @@ class Busy(NibbleError):
     """parallel + queue requests are already running or waiting (the server's 503)."""
 
 
+class ModelThread:
+    """The one thread that runs a model (and Numba's threads with it), and the lock of the
+    thread-safe face the rest of the program calls: drain refuses new work (what runs ends as
+    the subclass's loop says), close drains, then ends the thread."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._draining = self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def _start_thread(self, name: str):
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        raise NotImplementedError
+
+    def drain(self):
+        with self._lock:
+            self._draining = True
+            self._lock.notify()
+
+    def close(self):
+        with self._lock:
+            self._draining = self._closed = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+
 @dataclass(eq=False)
 class Handle:
     """A submitted request, as its submitter holds it (to cancel it)."""
@@ -53,7 +83,7 @@ class _Sequence:
         return self.pos < self.decoding.prompt_len
 
 
-class Engine:
+class Engine(ModelThread):
     """Serve requests from other threads:
 
         engine = Engine(model, tokenizer, parallel=4)
@@ -63,7 +93,8 @@ class Engine:
         engine.close()
 
     `emit` runs on the engine thread: it must be quick and must not block (the server hands the
-    event to its event loop). The last event of a reply has a finish_reason and the usage.
+    event to its event loop). The last event of a reply has a finish_reason and the usage. Drained,
+    it ends every reply at its next step with finish_reason "stop".
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, *, parallel: int = 4, queue: int = 16,
@@ -83,11 +114,9 @@ class Engine:
         # blocks (no preemption); what they do not hold is cache.
         blocks = max(blocks_for(cache_tokens or 0), parallel * blocks_for(self.ctx))
         self.pool = BlockPool(model.new_pool(blocks, kv_type))
-        self._lock = threading.Condition()
+        super().__init__()
         self._waiting: deque[Handle] = deque()
         self._running: list[_Sequence] = []
-        self._draining = self._closed = False
-        self._thread: threading.Thread | None = None
         self._ready = threading.Event()
 
     # The thread-safe face
@@ -104,8 +133,7 @@ class Engine:
 
     def start(self):
         """Start the engine thread and wait until its kernels are compiled (or loaded)."""
-        self._thread = threading.Thread(target=self._loop, name="nibble engine", daemon=True)
-        self._thread.start()
+        self._start_thread("nibble engine")
         self._ready.wait()
 
     def submit(self, request: Request, emit: Callable[[Event], None]) -> Handle:
@@ -130,20 +158,6 @@ class Engine:
             if handle in self._waiting:
                 self._waiting.remove(handle)
             self._lock.notify()
-
-    def drain(self):
-        """End every reply at its next step, with finish_reason "stop"; refuse new requests."""
-        with self._lock:
-            self._draining = True
-            self._lock.notify()
-
-    def close(self):
-        """Drain, then stop the engine thread."""
-        with self._lock:
-            self._draining = self._closed = True
-            self._lock.notify()
-        if self._thread is not None:
-            self._thread.join()
 
     # The engine thread
 

@@ -15,8 +15,10 @@ from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.paths import quantized_dir
 from nibble.formats.safetensors import TensorStream, prefetch
+from nibble.formats.sentence_transformers import pipeline_files
 from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_mxfp4, is_quantized
 from .calibrate import layer_importances
+from .encoder import Encoder
 from .loader import open_model
 from .model import Model
 from .models import family
@@ -26,7 +28,7 @@ CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a
 # A float model quantized on first use calibrates on fewer: the importances settle long before
 # 2048 tokens (the quantized model's held-out KL barely moves), and at 7B each token is seconds
 FIRST_USE_CALIBRATION_TOKENS = 256
-_BLOCK = re.compile(r"model\.layers\.(\d+)\.")   # a decoder block's tensors
+_BLOCK = re.compile(r"(?:model\.layers|encoder\.layer)\.(\d+)\.")   # a decoder's or an encoder's block's tensors
 
 
 def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: int | None = None,
@@ -87,7 +89,8 @@ def _write_quantized(model_dir: ModelDir, out, bits: int, group_size: int, embed
         tensors = calibrated_tensors(plan, model_dir, calibration_tokens(model_dir, calib_text, calib_tokens),
                                      progress=progress and (lambda done, total: progress("layer", done, total)))
     write_model_dir(dataclasses.replace(model_dir, path=None, config=plan.config, tensors={}), out,
-                    force=force, tensors=TensorStream(plan.specs, tensors))
+                    force=force, tensors=TensorStream(plan.specs, tensors),
+                    files=pipeline_files(model_dir.path) if model_dir.path else None)
     return plan.report(read_model_dir(out))
 
 
@@ -106,7 +109,8 @@ def calibrated_tensors(plan: QuantizePlan, model_dir: ModelDir, tokens: list[int
             blocks.setdefault(int(m[1]), []).append(name)
         else:
             rest.append(name)
-    model = Model(model_dir.config, model_dir.tensors)
+    kind = Encoder if family(model_dir.config).FAMILY.encoder else Model
+    model = kind(model_dir.config, model_dir.tensors)
     for i, importances in layer_importances(model, tokens, min(512, model.config.max_position_embeddings)):
         plan.add_importances(importances)
         for name in blocks.get(i + 1, ()):   # read from disk while this block is quantized

@@ -49,9 +49,12 @@ def with_context(model, positions: int = CTX):
 
 @contextlib.contextmanager
 def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOptions(parallel=4, queue=16, ctx=CTX)):
-    """The model at `model_dir` served as `name`, asking for the key KEY."""
+    """The model at `model_dir` (one that generates, or embeds) served as `name`, asking for the key KEY."""
     models = Models({name: str(model_dir)}, name, options)
-    models.add(name, *load(str(model_dir)))
+    if models.is_encoder(name):   # as nibble serve starts
+        models.load_now(name)
+    else:
+        models.add(name, *load(str(model_dir)))
     [engine] = models.engines()
     sock = listen("127.0.0.1", 0)
     uvicorn = Server(models, KEY)

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.model_dir import read_model_dir
 from nibble.formats.sentence_transformers import Pipeline, read_pipeline
-from nibble.runner import embed
+from nibble.quant.affine import QuantizedTensor
+from nibble.runner import embed, quantize
 from nibble.runner.embed import Embedder, pool
 from tests import reference
 from tests.test_cli import assert_one_line_error, invoke
@@ -164,9 +165,35 @@ def test_nibble_embed(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "v.npy"), e.embed([text(3), "", text(4, 5)]), atol=1e-6)
 
 
+def test_an_encoder_quantizes_calibrated_on_its_own_blocks_and_keeps_its_pipeline(tmp_path, monkeypatch):
+    folder = sentence_model(tmp_path, max_length=16, prompts={"query": "w7: "})
+    texts = [text(1, 2, 3), text(*range(20, 40)), text(9)]
+    want = Embedder(read_model_dir(folder)).embed(texts, "query")
+    measured = []
+    real = quantize.layer_importances
+
+    def spied(model, tokens, ctx):
+        for i, importances in real(model, tokens, ctx):
+            measured.append((i, sorted(importances)))
+            yield i, importances
+    monkeypatch.setattr(quantize, "layer_importances", spied)
+    quantize.quantize(str(folder), tmp_path / "q8", 8)
+    blocks = [(i, sorted(f"encoder.layer.{i}.{m}.weight" for m in ("attention.self.query", "attention.self.key",
+                                                                     "attention.self.value", "attention.output.dense",
+                                                                     "intermediate.dense", "output.dense")))
+              for i in range(2)]
+    assert measured == blocks
+    q = Embedder(read_model_dir(tmp_path / "q8"))
+    assert isinstance(q.encoder.layers[1].w_in, QuantizedTensor) and q.encoder.layers[1].w_in.bits == 8
+    assert isinstance(q.encoder.embeddings.words, QuantizedTensor)
+    assert q.pipeline == read_pipeline(folder) and q.max_length == 16   # its sentence-transformers files, copied
+    assert (q.embed(texts, "query") * want).sum(1).min() > 0.999
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["x", "-f", "texts.txt"], 2, "give TEXT or -f FILE, not both"),
     (["x", "--prompt", "query"], 1, "no prompt named 'query'"),
+    (["x", "--dimensions", "8"], 1, "were not trained to be cut short"),
     (["-f", "missing.txt"], 1, "missing.txt"),
 ])
 def test_nibble_embed_refuses_in_one_line(tmp_path, monkeypatch, args, code, message):

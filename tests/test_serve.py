@@ -182,7 +182,7 @@ def test_an_unknown_model_or_path_is_404(server):
     with pytest.raises(openai.NotFoundError) as e:
         server.client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found" and "GET /v1/models lists" in e.value.body["message"]
-    status, _, body = server.post("/v1/embeddings", {"input": "x"})
+    status, _, body = server.post("/v1/images/generations", {"prompt": "x"})
     assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
 
 

@@ -90,7 +90,10 @@ def serve(cache):
         log, clock = [], Clock()
         refs, default = servable(first, only)
         models = Models(refs, default, OPTIONS, log=log.append, clock=clock, **kwargs)
-        models.add(default, *LOAD(refs[default]))
+        if models.is_encoder(default):   # as nibble serve starts
+            models.load_now(default)
+        else:
+            models.add(default, *LOAD(refs[default]))
         sock = listen("127.0.0.1", 0)
         server = Server(models, KEY)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -243,16 +246,6 @@ def test_an_unknown_model_or_a_path_is_the_same_404_and_nothing_is_read(serve, c
         messages[name] = e.value.body["message"].replace(repr(name), "NAME")
     assert len(set(messages.values())) == 1, messages   # a path that exists reads as one that does not
     assert held_loads.calls == [] and server.loaded() == [A]
-
-
-def test_an_embedding_model_is_a_400_for_a_reply(serve, cache, isolated):  # noqa: F811
-    from tests.test_transformers import DATA
-    lay_out_snapshot(isolated / "hf-hub", "org/bert", _files(DATA / "bert"))
-    server = serve(only=[A, "org/bert"])
-    with pytest.raises(openai.BadRequestError) as e:
-        server.ask("org/bert")
-    assert e.value.body["code"] == "model_not_supported" and "org/bert is an embedding model" in e.value.body["message"]
-    assert server.loaded() == [A] and server.ask(A).model == A   # nothing unloaded for it
 
 
 def test_a_model_that_would_not_fit_in_memory_is_a_503_until_unloading_the_idle_ones_makes_room(serve, cache):

@@ -23,7 +23,7 @@ from ..tools import Call, Content
 from .api import ApiError, ChatBody, Options, ThinkingOptions, bad, integer, json_object, sampling_fields, typed
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
-from .replies import ReplyParts, chat_text, chat_turn
+from .replies import ReplyParts, chat_text, chat_turn, generating
 
 SAMPLING = ("temperature", "top_p", "top_k")
 MEDIA = ("image", "document", "search_result")
@@ -365,7 +365,7 @@ async def count_tokens(models: Models, request: Request) -> Response:
     body = parse_messages(await read_json(request), counting=True)
     lease = await models.lease(body.options.model)
     try:   # template and tokenizer, off the loop; a prompt past the context is counted all the same
-        text, _ = await run_in_threadpool(chat_text, lease.served, body)
+        text, _ = await run_in_threadpool(chat_text, generating(lease.served), body)
         count = len(await run_in_threadpool(lease.served.tokenizer.encode, text))
     finally:
         lease.release()

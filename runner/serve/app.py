@@ -23,7 +23,7 @@ from nibble.formats.errors import NibbleError
 from ..decoding import Event
 from ..reasoning import Thinking
 from ..tools import Call
-from . import anthropic, api, ollama, ollama_models, responses
+from . import anthropic, api, embeddings, ollama, ollama_models, responses
 from .api import ApiError, Stamp, tool_call
 from .guard import Callers, Guard
 from .models import Models
@@ -32,9 +32,10 @@ from .replies import ReplyParts, chat_delta, chat_turn, completion_turn
 
 
 def make_app(models: Models, api_key: str | None = None, callers: Callers = Callers()) -> Starlette:
-    """OpenAI's chat, completions and Responses APIs, Anthropic's Messages API and ollama's API over
-    `models`, for the callers `callers` allows (by default: requests to localhost, from no web page
-    but loopback's); with `api_key`, every route but /health and / asks for it."""
+    """OpenAI's chat, completions, Responses and embeddings APIs, Anthropic's Messages API and
+    ollama's API over `models`, for the callers `callers` allows (by default: requests to
+    localhost, from no web page but loopback's); with `api_key`, every route but /health and /
+    asks for it."""
     def route(path, handler, methods=("GET",), open=False):
         async def endpoint(request: Request) -> Response:
             try:
@@ -53,9 +54,12 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                              route("/v1/responses", responses.create, ["POST"]),
                              route("/v1/messages", anthropic.messages, ["POST"]),
                              route("/v1/messages/count_tokens", anthropic.count_tokens, ["POST"]),
+                             route("/v1/embeddings", embeddings.openai, ["POST"]),
                              route("/v1/models", list_models),
                              route("/api/chat", ollama.chat, ["POST"]),
                              route("/api/generate", ollama.generate, ["POST"]),
+                             route("/api/embed", embeddings.ollama, ["POST"]),
+                             route("/api/embeddings", embeddings.ollama_older, ["POST"]),
                              route("/api/tags", ollama_models.tags),
                              route("/api/show", ollama_models.show, ["POST"]),
                              route("/api/ps", ollama_models.running),

@@ -7,7 +7,7 @@ name is the same 404, so no request makes the server read a path it names or the
 run one at a time on a thread of their own (a float model's first quantization takes minutes),
 never on the event loop: the loaded models' requests are served meanwhile, and the requests for
 the model being loaded await that one load. Each loaded model has its own Engine, so its own
-generation thread.
+generation thread; an embedding model its EmbedEngine.
 
 A model is in use from when a request names it until that request's reply ends (a `Lease`); one in
 use is never unloaded.
@@ -25,13 +25,15 @@ from pathlib import Path
 
 from nibble.formats import catalog, families, hub
 from nibble.formats.errors import NibbleError
+from ..embed import Embedder
+from ..embed_engine import EmbedEngine
 from ..engine import Engine
 from ..model import Model
 from ..settings import DEFAULT_DRAFT
 from ..tokenizer import Tokenizer
 from .api import ApiError, ThinkingOptions
 from .memory import available_memory, model_bytes, positions_for
-from .replies import Served
+from .replies import Embedding, Served
 
 MAX_KEEP_ALIVE = 365 * 86400   # seconds; past that, -1 says it better
 SWEEP_EVERY = 1.0              # seconds between two looks for models idle past the keep-alive
@@ -81,7 +83,7 @@ def say_duration(seconds: float) -> str:
 
 @dataclass(eq=False)
 class _Loaded:
-    served: Served
+    served: Served | Embedding
     nbytes: int | None     # the estimate it was loaded against (memory.model_bytes)
     used: float            # the clock when its last reply ended, or when it loaded
 
@@ -89,7 +91,7 @@ class _Loaded:
 class Lease:
     """A request's hold on a loaded model, from its name to the end of its reply."""
 
-    def __init__(self, models: Models, served: Served):
+    def __init__(self, models: Models, served: Served | Embedding):
         self.models, self.served, self._held = models, served, True
 
     def release(self):
@@ -145,7 +147,7 @@ class Models:
             self._release(name)
             raise
 
-    def loaded(self) -> list[tuple[Served, float | None]]:
+    def loaded(self) -> list[tuple[Served | Embedding, float | None]]:
         """Each loaded model and when it would be unloaded (time.time(); None: never), the
         most recently used first."""
         now_clock, now = self._clock(), time.time()
@@ -157,7 +159,7 @@ class Models:
                 out.append((m.served, until))
         return out
 
-    def engines(self) -> list[Engine]:
+    def engines(self) -> list[Engine | EmbedEngine]:
         with self._lock:
             return [m.served.engine for m in self._loaded.values()]
 
@@ -165,7 +167,7 @@ class Models:
 
     def add(self, name: str, model: Model, tokenizer: Tokenizer):
         """A model loaded by the caller (the one loaded at start) joins the loaded ones."""
-        self._register(name, model, tokenizer, self._estimate(name))
+        self._keep(self._served(name, model, tokenizer), self._estimate(name))
 
     def _load_soon(self, name: str) -> asyncio.Future:
         """The load of `name` on a thread of its own, shared by the requests awaiting it."""
@@ -195,47 +197,60 @@ class Models:
         threading.Thread(target=work, name=f"nibble load {name}", daemon=True).start()
         return future
 
-    def _load(self, name: str):
-        from ..loader import load
+    def load_now(self, name: str):
+        """Load `name` on this thread (the model -m names, at start), unless it is loaded."""
+        self._load(name, "")
+
+    def _load(self, name: str, why: str = " for a request"):
         with self._one_load:
             if name in self._loaded:
                 return
-            if self._is_encoder(name):
-                raise ApiError(400, f"{name} is an embedding model, which generates no text; nibble serve "
-                                    "does not serve embeddings yet (nibble embed computes them)", "model",
-                               code="model_not_supported")
             nbytes = self._estimate(name)
-            about = f" (about {gb(nbytes)} with its KV cache)" if nbytes is not None else ""
-            self._log(f"loading {name} for a request{about} ...")
+            cache = "" if self.is_encoder(name) else " with its KV cache"
+            about = f" (about {gb(nbytes)}{cache})" if nbytes is not None else ""
+            self._log(f"loading {name}{why}{about} ...")
             try:
                 self._make_room(name, nbytes)
             except ApiError as e:
                 self._log(f"not loading {name}: {e}")
                 raise
             start = time.monotonic()
-            o = self.options
-            model, tokenizer = load(self.refs[name], o.quant, 0, False, o.ctx)
-            self._register(name, model, tokenizer, nbytes)
+            self._keep(self._open(name), nbytes)
             self._log(f"loaded {name} in {time.monotonic() - start:.1f} s")
 
-    def _register(self, name: str, model: Model, tokenizer: Tokenizer, nbytes: int | None):
+    def _open(self, name: str) -> Served | Embedding:
+        from ..loader import as_quantized, load, open_model
+        o, ref = self.options, self.refs[name]
+        if not self.is_encoder(name):
+            return self._served(name, *load(ref, o.quant, 0, False, o.ctx))
+        embedder = Embedder(as_quantized(ref, open_model(ref), o.quant), name)
+        engine = EmbedEngine(embedder, parallel=o.parallel, queue=o.queue, threads=o.threads)
+        engine.start()
+        return Embedding(engine, name, self.created, self._details(name, embedder.encoder.config))
+
+    def _served(self, name: str, model: Model, tokenizer: Tokenizer) -> Served:
+        """A model that generates, its engine started."""
         o = self.options
         engine = Engine(model, tokenizer, parallel=o.parallel, queue=o.queue, ctx=o.ctx, kv_type=o.kv_type,
                         threads=o.threads, cache_tokens=o.cache_tokens)
         engine.start()   # returns once a first pass has run: the kernels are compiled or loaded
         if tokenizer.sampling_note:
             self._log(f"{name}: {tokenizer.sampling_note}")
-        details = as_loaded(catalog.describe(hub.resolve(self.refs[name], record=False)), model.config.quantization)
+        return Served(engine, tokenizer, name, self.created, self._details(name, model.config), o.thinking, o.draft)
+
+    def _details(self, name: str, config) -> catalog.Details:
+        return as_loaded(catalog.describe(hub.resolve(self.refs[name], record=False)), config.quantization)
+
+    def _keep(self, served: Served | Embedding, nbytes: int | None):
         with self._lock:
             closed = self._closed
             if not closed:
-                self._loaded[name] = _Loaded(Served(engine, tokenizer, name, self.created, details, o.thinking, o.draft), nbytes,
-                                             self._clock())
+                self._loaded[served.name] = _Loaded(served, nbytes, self._clock())
         if closed:   # Ctrl-C came during the load
-            engine.close()
+            served.engine.close()
             raise ApiError(503, "the server is shutting down", type="server_error", code="server_busy")
 
-    def _is_encoder(self, name: str) -> bool:
+    def is_encoder(self, name: str) -> bool:
         """Whether the model's files say it is an encoder (its headers only: no weight is read)."""
         try:
             kind = families.of(catalog.describe(hub.resolve(self.refs[name], record=False)).family)
@@ -248,7 +263,8 @@ class Models:
         o = self.options
         try:
             path = hub.resolve(self.refs[name], record=False)   # served models are on disk: no network
-            return model_bytes(path, o.quant, positions_for(path, o.parallel, o.ctx, o.cache_tokens), o.kv_type)
+            positions = 0 if self.is_encoder(name) else positions_for(path, o.parallel, o.ctx, o.cache_tokens)
+            return model_bytes(path, o.quant, positions, o.kv_type)
         except (NibbleError, OSError, ValueError, TypeError, AttributeError):
             return None
 

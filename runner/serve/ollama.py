@@ -89,7 +89,7 @@ def _options(body: dict) -> Options:
     stream = typed(body, "stream", bool)
     logprobs = typed(body, "logprobs", bool) or False
     top = integer(body, "top_logprobs", 0, api.MAX_TOP_LOGPROBS) or 0
-    _keep_alive(body)
+    check_keep_alive(body)
     given = body.get("options")
     given = {} if given is None else json_object(given, "options")
     with _under("options"):
@@ -128,7 +128,7 @@ def _stops(options: dict) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _keep_alive(body: dict):
+def check_keep_alive(body: dict):
     """Checked as ollama checks it, then left: the server's --keep-alive applies to every model."""
     value = body.get("keep_alive")
     if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from nibble.formats import catalog, hub
+from nibble.formats import catalog, families, hub
 from nibble.formats.catalog import Details
 from nibble.formats.errors import NibbleError
 from ..chat import ChatTemplateError
@@ -24,7 +24,7 @@ from .api import json_object, typed
 from .models import Models
 from .ollama import served_name
 from .pending import read_json
-from .replies import Served
+from .replies import Embedding, Served
 
 
 async def tags(models: Models, request: Request) -> Response:
@@ -70,9 +70,12 @@ class About:
     template: str               # its chat template's source; "" if it has none
     sampling: SamplerSettings   # its sampling defaults
     context: int                # the context a request gets: the server's --ctx-size, at most the model's
+    embedding: bool = False     # an embedding model (its context: the tokens a text is cut to)
 
     @classmethod
-    def of_served(cls, served: Served) -> About:
+    def of_served(cls, served: Served | Embedding) -> About:
+        if isinstance(served, Embedding):
+            return cls(served.details, "", SamplerSettings(), served.engine.ctx, embedding=True)
         return cls(served.details, _template_source(served.tokenizer), served.tokenizer.sampling, served.engine.ctx)
 
     @classmethod
@@ -80,6 +83,12 @@ class About:
         """From the model's files, without loading it: its headers, config and tokenizer."""
         path = hub.resolve(ref, record=False)
         details = catalog.describe(path)
+        if (kind := families.of(details.family)) is not None and kind.encoder:
+            from nibble.formats.model_dir import read_model_dir
+            from nibble.formats.sentence_transformers import read_pipeline
+            longest = read_model_dir(path).config.max_position_embeddings   # weights mapped, not read
+            return cls(details, "", SamplerSettings(), min(read_pipeline(path).max_length or longest, longest),
+                       embedding=True)
         if path.suffix == ".gguf":
             from nibble.formats.gguf_header import read_gguf_header
             meta = read_gguf_header(path).metadata
@@ -103,8 +112,10 @@ def _template_source(tokenizer) -> str:
         return ""
 
 
-def capabilities(template: str) -> list[str]:
+def capabilities(template: str, embedding: bool = False) -> list[str]:
     """What a model's chat template says it can do, in ollama's words."""
+    if embedding:
+        return ["embedding"]
     out = ["completion"]
     if re.search(r"\btools\b", template):
         out.append("tools")
@@ -135,7 +146,7 @@ def show_reply(name: str, ref: str, about: About) -> dict:
     info = {"general.architecture": family, "general.parameter_count": details.parameters if details else None,
             **({f"{family}.context_length": about.context} if family else {})}
     return {"modelfile": modelfile, "parameters": lines, "template": about.template,
-            "details": model_details(details), "model_info": info, "capabilities": capabilities(about.template)}
+            "details": model_details(details), "model_info": info, "capabilities": capabilities(about.template, about.embedding)}
 
 
 async def running(models: Models, request: Request) -> Response:

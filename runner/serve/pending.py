@@ -18,7 +18,7 @@ from ..decoding import Event
 from ..engine import Busy
 from .api import ApiError
 from .models import Lease, Models
-from .replies import Turn
+from .replies import Turn, generating
 
 MAX_BODY = 1 << 20   # bytes: a 32k-token conversation is ~130 KB of JSON
 
@@ -58,7 +58,7 @@ async def start(models: Models, body, make_turn) -> Pending:
     ends (the Pending's exit)."""
     lease = await models.lease(body.options.model)
     try:   # template, tokenizer, grammar: off the loop
-        return Pending(lease, await run_in_threadpool(make_turn, lease.served, body))
+        return Pending(lease, await run_in_threadpool(make_turn, generating(lease.served), body))
     except BaseException:
         lease.release()
         raise

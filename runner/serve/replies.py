@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from nibble.formats.catalog import Details
 from ..chat import ChatTemplateError
 from ..decoding import Event, Request
+from ..embed_engine import EmbedEngine
 from ..engine import Engine
 from ..grammar import Grammar, GrammarError
 from ..prompt_ids import PromptMemo
@@ -57,6 +58,27 @@ class Served:
         if self.tokenizer.decode(reply_ids) == reply:
             with self._memo_lock:
                 self.memo.remember(turn.text + reply, turn.request.prompt_ids + reply_ids)
+
+
+@dataclass
+class Embedding:
+    """An embedding model a server runs, and what its routes need of it."""
+    engine: EmbedEngine
+    name: str
+    created: int
+    details: Details | None = None
+
+    def __post_init__(self):
+        self.embedder = self.engine.embedder
+        self.size = self.embedder.encoder.nbytes   # for /api/ps
+
+
+def generating(served: Served | Embedding) -> Served:
+    """`served`, a model that generates text; a 400 for an embedding model."""
+    if isinstance(served, Embedding):
+        raise ApiError(400, f"{served.name} is an embedding model, which generates no text: POST /v1/embeddings "
+                            "(or ollama's /api/embed) computes its vectors", "model", code="model_not_supported")
+    return served
 
 
 def weights_nbytes(model) -> int:
