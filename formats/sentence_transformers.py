@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import families
 from .errors import FormatError
 
 # Pooling's config keys -> the mode, in the order sentence-transformers concatenates them
@@ -32,6 +33,14 @@ class Pipeline:
     default_prompt: str | None = None      # the prompt used where a request names none
     include_prompt: bool = True            # the prompt's tokens pooled with the text's
     matryoshka: bool = False               # trained so that a vector's first dimensions are one too
+
+
+def embeds(path: Path | None, model_type: str) -> bool:
+    """Whether the model at `path` (None: in memory; of config.json's `model_type`) is an embedding
+    model: an encoder's family (BERT's), or a decoder with sentence-transformers' files
+    (Qwen3-Embedding)."""
+    kind = families.of(model_type)
+    return (kind is not None and kind.encoder) or (path is not None and (path / "modules.json").is_file())
 
 
 def read_pipeline(path: Path) -> Pipeline:

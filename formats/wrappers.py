@@ -1,8 +1,14 @@
-"""Multimodal checkpoints whose text model nibble runs on its own: Gemma 3's
+"""Checkpoints whose tensors are named otherwise than a text model's own, read into its names.
+
+Multimodal checkpoints whose text model nibble runs on its own: Gemma 3's
 Gemma3ForConditionalGeneration (model_type "gemma3") wraps a gemma3_text model in a vision tower
 and a projector. Its config.json nests the text model's config under `text_config`, and its
 checkpoint prefixes the text model's tensors; both are read here into what a text-only checkpoint
 says, and the vision tensors are left out.
+
+A decoder saved without its head (transformers' Qwen3Model, as Qwen3-Embedding is: embed_tokens,
+layers.*, norm) lacks the `model.` its causal LM's names have; a BERT saved inside a task model
+(BertForMaskedLM: bert.embeddings, bert.encoder) has `bert.` where BertModel's names have nothing.
 """
 from __future__ import annotations
 
@@ -43,8 +49,13 @@ def text_config(d: dict) -> dict:
 def text_tensors(d: dict, tensors: dict) -> dict:
     """The tensors nibble runs of a checkpoint whose config.json is `d`: a wrapper's text model's,
     under a text-only checkpoint's names (the same arrays: nothing is copied), without the vision
-    tower's and the projector's; any other checkpoint's as they are."""
+    tower's and the projector's; a base model's under its causal LM's names; any other checkpoint's
+    as they are."""
     if d.get("model_type") not in WRAPPERS:
+        if "embed_tokens.weight" in tensors and "model.embed_tokens.weight" not in tensors:
+            return {name if name.startswith("lm_head.") else f"model.{name}": t for name, t in tensors.items()}
+        if "bert.embeddings.word_embeddings.weight" in tensors:
+            return {name.removeprefix("bert."): t for name, t in tensors.items() if name.startswith("bert.")}
         return tensors
     text = {}
     for name, t in tensors.items():

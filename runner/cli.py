@@ -476,7 +476,7 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, _threads(threads), cache_tokens,
                             quant, thinking, draft)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
-    if models.is_encoder(default):   # an embedding model: /v1/embeddings
+    if models.embeds(default):   # an embedding model: /v1/embeddings
         models.load_now(default)
     else:
         llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)

@@ -10,9 +10,8 @@ import numpy as np
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.model_dir import ModelDir
-from nibble.formats.sentence_transformers import Pipeline, read_pipeline
+from nibble.formats.sentence_transformers import Pipeline, embeds, read_pipeline
 from .encoder import Encoder
-from .models import family
 
 PASS_TOKENS = 8192   # tokens of texts run in one pass: long lists go in several
 
@@ -27,9 +26,10 @@ class Embedder:
     """An encoder model and its Pipeline."""
 
     def __init__(self, model_dir: ModelDir, name: str = "the model"):
-        if not family(model_dir.config).FAMILY.encoder:
-            raise NibbleError(f"{name} is a {model_dir.config.model_type} model, which generates text: "
-                              f"nibble embeds with encoders such as BERT's (-m all-minilm)")
+        if not embeds(model_dir.path, model_dir.config.model_type):
+            raise NibbleError(f"{name} is a {model_dir.config.model_type} model, which generates text: nibble "
+                              "embeds with embedding models, BERT's (-m all-minilm) or a decoder trained to embed "
+                              "with sentence-transformers' files (Qwen3-Embedding)")
         self.encoder = Encoder(model_dir.config, model_dir.tensors)
         self.pipeline: Pipeline = read_pipeline(model_dir.path) if model_dir.path else Pipeline()
         longest = model_dir.config.max_position_embeddings

@@ -1,5 +1,7 @@
-"""An encoder (BERT's): the token ids of several texts in, each token's hidden state out, all the
-texts in one pass, packed one after another (no padding)."""
+"""Whole texts through a model's blocks, each token's last hidden state out, all the texts in one
+pass, packed one after another (no padding): an encoder's (BERT's: bidirectional, its embedding of
+words, positions and token types), or a decoder's run as an embedder (Qwen3-Embedding's: causal,
+its own embedding, the final norm after the blocks)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,33 +10,42 @@ from nibble.formats.config import ModelConfig
 from nibble.formats.errors import NibbleError
 from .cache import HostKV, Rows, blocks_for
 from .kernels import compiling, cpu, prefill
-from .model import TensorGetter
+from .model import Model, TensorGetter
 from .models import family
 from .stages import CPUStage
 from .threads import ThreadChooser
 
 
 class Encoder:
-    """A model whose family is an encoder (family.FAMILY.encoder): Model's layers, ropes and
-    stages without the head, and an embedding of positions and token types besides words."""
+    """Model's layers, ropes and stages without the head: an encoder family's (family.FAMILY.encoder)
+    with its Embeddings, or a decoder's (`decoder`: the Model, headless, whose embedding and final
+    norm the pass takes)."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]):
         self.config = c = config
         self.family = family(c)
-        get = TensorGetter(tensors, c.quantization)
-        self.embeddings = self.family.Embeddings(get, c)
-        self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
-        get.raise_if_missing()
-        self.ropes = self.family.ropes(c, c.max_position_embeddings)
+        if self.family.FAMILY.encoder:
+            get = TensorGetter(tensors, c.quantization)
+            self.embeddings, self.decoder = self.family.Embeddings(get, c), None
+            self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
+            get.raise_if_missing()
+            self.ropes = self.family.ropes(c, c.max_position_embeddings)
+        else:
+            self.decoder = Model(c, tensors, head=False)
+            self.layers, self.ropes = self.decoder.layers, self.decoder.ropes
         self.stages = [CPUStage(self, 0, len(self.layers), head=False)]
         self.threads = ThreadChooser()
 
     @property
     def nbytes(self) -> int:
         """Bytes of the weights."""
-        e = self.embeddings
-        weights = [e.words, e.positions, e.types, e.norm, e.norm_bias, *(w for layer in self.layers for w in layer)]
-        return sum(w.nbytes for w in weights)
+        if self.decoder:
+            d = self.decoder
+            weights = [d.embed, d.norm]
+        else:
+            e = self.embeddings
+            weights = [e.words, e.positions, e.types, e.norm, e.norm_bias]
+        return sum(w.nbytes for w in [*weights, *(w for layer in self.layers for w in layer)])
 
     def encode(self, ids: list, types: list | None = None) -> list[np.ndarray]:
         """Each text's token ids (and token types: zeros if None) -> its tokens' hidden states
@@ -59,15 +70,20 @@ class Encoder:
         with self.threads.pass_of(len(tokens)):
             x = self.embedding(tokens, positions, kinds)
             x = self.stages[0].run(x, kv, rows, np.zeros(0, np.int64))
+            if self.decoder:
+                cpu.rmsnorm(x, self.decoder.norm, c.rms_norm_eps, x)
         compiling.finish()
         return np.split(x, np.cumsum(lengths)[:-1])
 
     def embedding(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                   types: np.ndarray | None = None) -> np.ndarray:
         """[T] ids at `positions` (0.. if None) of token `types` (0 if None) -> [T, D] float32 rows,
-        the sum of their word, position and type rows, LayerNormed."""
-        e = self.embeddings
+        the sum of their word, position and type rows, LayerNormed (a decoder's: its embedding's
+        rows, which know no positions or types)."""
         tokens = np.asarray(tokens, np.int64)
+        if self.decoder:
+            return self.decoder.embedding(tokens)
+        e = self.embeddings
         x = (np.array(e.words[tokens], np.float32) if isinstance(e.words, np.ndarray)
              else prefill.dequantize_rows(e.words, tokens))
         x += e.positions[np.arange(len(tokens)) if positions is None else positions]

@@ -25,7 +25,9 @@ class NonFinite(NibbleError):
 
 
 class Model:
-    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], head: bool = True):
+        """head=False: the blocks and the final norm only (an embedder's: a checkpoint saved
+        without its head may hold none)."""
         self.config = config
         c = config
         D = c.hidden_size
@@ -37,14 +39,14 @@ class Model:
         self.embed = get.linear("model.embed_tokens", (c.vocab_size, D))     # [V, D]
         self.embed_scale = self.family.embed_scale(c, self.embed)           # on the embedded rows
         self.norm = self.family.norm(get, "model.norm.weight", (D,))         # [D]
-        if self.norm is not None and self.family.logits_scale(c) != 1:   # logits = norm(x) . lm_head
+        if head and self.norm is not None and self.family.logits_scale(c) != 1:   # logits = norm(x) . lm_head
             self.norm = self.norm * np.float32(self.family.logits_scale(c))
-        self.lm_head = (self.embed if c.tie_word_embeddings
+        self.lm_head = (None if not head else self.embed if c.tie_word_embeddings
                         else get.linear("lm_head", (c.vocab_size, D)))       # [V, D]
         self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
         get.raise_if_missing()
         self.ropes = self.family.ropes(c, c.max_position_embeddings)   # each layer's (cos, sin)
-        self.stages = [CPUStage(self, 0, len(self.layers), head=True)]   # see stages.py
+        self.stages = [CPUStage(self, 0, len(self.layers), head=head)]   # see stages.py
         self.offload_note = ""   # what offload_layers has to tell the user
         self.threads = ThreadChooser()   # the kernels' thread count, pass by pass (threads.py)
 

@@ -109,8 +109,8 @@ def calibrated_tensors(plan: QuantizePlan, model_dir: ModelDir, tokens: list[int
             blocks.setdefault(int(m[1]), []).append(name)
         else:
             rest.append(name)
-    kind = Encoder if family(model_dir.config).FAMILY.encoder else Model
-    model = kind(model_dir.config, model_dir.tensors)
+    c, t = model_dir.config, model_dir.tensors   # calibration runs the blocks alone: no head
+    model = Encoder(c, t) if family(c).FAMILY.encoder else Model(c, t, head=False)
     for i, importances in layer_importances(model, tokens, min(512, model.config.max_position_embeddings)):
         plan.add_importances(importances)
         for name in blocks.get(i + 1, ()):   # read from disk while this block is quantized

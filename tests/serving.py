@@ -51,7 +51,7 @@ def with_context(model, positions: int = CTX):
 def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOptions(parallel=4, queue=16, ctx=CTX)):
     """The model at `model_dir` (one that generates, or embeds) served as `name`, asking for the key KEY."""
     models = Models({name: str(model_dir)}, name, options)
-    if models.is_encoder(name):   # as nibble serve starts
+    if models.embeds(name):   # as nibble serve starts
         models.load_now(name)
     else:
         models.add(name, *load(str(model_dir)))

@@ -11,10 +11,12 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.model_dir import read_model_dir
+from nibble.formats.safetensors import read_checkpoint, write_safetensors
 from nibble.formats.sentence_transformers import Pipeline, read_pipeline
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner import embed, quantize
 from nibble.runner.embed import Embedder, pool
+from nibble.runner.encoder import Encoder
 from tests import reference
 from tests.test_cli import assert_one_line_error, invoke
 from tests.test_transformers import DATA
@@ -52,6 +54,27 @@ def sentence_model(tmp_path, pooling: dict | None = None, normalize=True, max_le
         (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length}))
     if prompts:
         (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    return folder
+
+
+def decoder_model(tmp_path):
+    """The qwen3 fixture saved as Qwen3-Embedding is (transformers' Qwen3Model: no `model.`, no
+    head) with sentence-transformers' files: the last token pooled, normalized, a query prompt."""
+    folder = tmp_path / "qwen3-embedding"
+    folder.mkdir()
+    shutil.copy(DATA / "qwen3" / "config.json", folder)
+    tensors = read_checkpoint(DATA / "qwen3")
+    write_safetensors({n.removeprefix("model."): np.asarray(t, np.float32) for n, t in tensors.items()},
+                      folder / "model.safetensors")
+    wordpiece(folder)
+    (folder / "modules.json").write_text(json.dumps(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "w100 w101 ", "document": ""}}))
     return folder
 
 
@@ -202,6 +225,20 @@ def test_nibble_embed_refuses_in_one_line(tmp_path, monkeypatch, args, code, mes
     assert_one_line_error(invoke("embed", "-m", sentence_model(tmp_path), *args), code, message)
 
 
+def test_a_decoder_with_sentence_transformers_files_embeds_its_last_token(tmp_path):
+    folder = decoder_model(tmp_path)
+    e = Embedder(read_model_dir(folder))
+    assert e.pipeline.pooling == ("lasttoken",) and e.max_length == 64 and e.dimensions == 64
+    ids = [2, 104, 105, 5, 6, 7, 3]   # [CLS], the prompt's two words, the text's three, [SEP]
+    assert e.tokenize([text(1, 2, 3)], "query").ids == [ids]
+    [states] = Encoder(read_model_dir(folder).config, read_model_dir(folder).tensors).encode([ids])
+    np.testing.assert_allclose(e.embed([text(1, 2, 3)], "query")[0], states[-1] / np.linalg.norm(states[-1]),
+                               atol=1e-6)
+    r = invoke("embed", "-m", folder, "--prompt", "query", text(1, 2, 3))
+    assert r.exit_code == 0, r.output
+    np.testing.assert_allclose(json.loads(r.stdout), e.embed([text(1, 2, 3)], "query")[0], atol=1e-6)
+
+
 def test_a_model_that_generates_does_not_embed(tiny_dir):
     assert_one_line_error(invoke("embed", "-m", tiny_dir, "hello"), 1,
-                          "is a llama model, which generates text: nibble embeds with encoders")
+                          "is a llama model, which generates text: nibble embeds with embedding models")

@@ -19,7 +19,7 @@ from nibble.runner.engine import Busy
 from nibble.runner.serve import embeddings
 from nibble.runner.serve.api import ApiError
 from tests.serving import KEY, serving
-from tests.test_embed import sentence_model, text
+from tests.test_embed import decoder_model, sentence_model, text
 from tests.test_hub import isolated, lay_out_snapshot  # noqa: F401 (a fixture)
 from tests.test_serve_models import A, cache, model_files, serve  # noqa: F401 (fixtures)
 
@@ -123,6 +123,21 @@ def test_a_chat_model_and_an_embedding_model_each_refuse_the_others_requests(ser
     status, _, raw = server.post("/v1/messages/count_tokens", {"model": BERT, "messages": [{"role": "user",
                                                                                           "content": "hi"}]})
     assert status == 400 and json.loads(raw)["error"]["message"].startswith(f"{BERT} is an embedding model")
+
+
+def test_a_decoder_trained_to_embed_is_served_as_an_embedding_model(serve, cache, isolated, tmp_path):  # noqa: F811
+    folder = decoder_model(tmp_path)
+    lay_out_snapshot(isolated / "hf-hub", "org/qwen3-embedding", files(folder))
+    server = serve(only=[A, "org/qwen3-embedding"])
+    got = server.client.embeddings.create(model="org/qwen3-embedding", input=TEXTS[:2],
+                                          extra_body={"prompt_name": "query"})
+    np.testing.assert_allclose([d.embedding for d in got.data], embedder(folder).embed(TEXTS[:2], "query"), atol=1e-6)
+    with pytest.raises(openai.BadRequestError) as e:
+        server.ask("org/qwen3-embedding")
+    assert e.value.body["code"] == "model_not_supported"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.embeddings.create(model="org/qwen3-embedding", input="x", extra_body={"prompt_name": "passage"})
+    assert e.value.body["param"] == "prompt_name" and "no prompt named 'passage'" in e.value.body["message"]
 
 
 def test_the_ollama_clients_embed_show_and_ps(serve, cache, bert):  # noqa: F811

@@ -90,3 +90,15 @@ def test_hidden_states_match_transformers(name):
     [got] = Encoder(config, tensors).encode([tokens], [types])
     assert relative_error(got, want) < 1e-4
     assert relative_error(reference.encode(config, tensors, tokens, types), want) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "smollm3"])
+def test_a_decoder_saved_without_its_head_embeds_to_transformers_last_hidden_state(name):
+    """As Qwen3-Embedding is saved (transformers' Qwen3Model: no `model.`, no lm_head): the
+    Encoder's last hidden states, through the head the fixture's model had, are its logits."""
+    config, tensors, tokens, want = load(name)
+    head = tensors["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    raw = json.loads((DATA / name / "config.json").read_text())
+    base = {n.removeprefix("model."): t for n, t in tensors.items() if not n.startswith("lm_head.")}
+    [hidden] = Encoder(config, text_tensors(raw, base)).encode([tokens])
+    assert relative_error(hidden @ np.asarray(head, np.float32).T, want) < 1e-4

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nibble.formats import catalog, families, hub
+from nibble.formats import catalog, hub
 from nibble.formats.errors import NibbleError
+from nibble.formats.sentence_transformers import embeds
 from ..embed import Embedder
 from ..embed_engine import EmbedEngine
 from ..engine import Engine
@@ -206,7 +207,7 @@ class Models:
             if name in self._loaded:
                 return
             nbytes = self._estimate(name)
-            cache = "" if self.is_encoder(name) else " with its KV cache"
+            cache = "" if self.embeds(name) else " with its KV cache"
             about = f" (about {gb(nbytes)}{cache})" if nbytes is not None else ""
             self._log(f"loading {name}{why}{about} ...")
             try:
@@ -221,7 +222,7 @@ class Models:
     def _open(self, name: str) -> Served | Embedding:
         from ..loader import as_quantized, load, open_model
         o, ref = self.options, self.refs[name]
-        if not self.is_encoder(name):
+        if not self.embeds(name):
             return self._served(name, *load(ref, o.quant, 0, False, o.ctx))
         embedder = Embedder(as_quantized(ref, open_model(ref), o.quant), name)
         engine = EmbedEngine(embedder, parallel=o.parallel, queue=o.queue, threads=o.threads)
@@ -250,20 +251,21 @@ class Models:
             served.engine.close()
             raise ApiError(503, "the server is shutting down", type="server_error", code="server_busy")
 
-    def is_encoder(self, name: str) -> bool:
-        """Whether the model's files say it is an encoder (its headers only: no weight is read)."""
+    def embeds(self, name: str) -> bool:
+        """Whether the model's files say it is an embedding model (its headers only: no weight is
+        read)."""
         try:
-            kind = families.of(catalog.describe(hub.resolve(self.refs[name], record=False)).family)
+            path = hub.resolve(self.refs[name], record=False)
+            return embeds(path, catalog.describe(path).family)
         except (NibbleError, OSError):
             return False   # the load says what is wrong
-        return kind is not None and kind.encoder
 
     def _estimate(self, name: str) -> int | None:
         """Bytes the model would take loaded; None where its files do not say (the load will)."""
         o = self.options
         try:
             path = hub.resolve(self.refs[name], record=False)   # served models are on disk: no network
-            positions = 0 if self.is_encoder(name) else positions_for(path, o.parallel, o.ctx, o.cache_tokens)
+            positions = 0 if self.embeds(name) else positions_for(path, o.parallel, o.ctx, o.cache_tokens)
             return model_bytes(path, o.quant, positions, o.kv_type)
         except (NibbleError, OSError, ValueError, TypeError, AttributeError):
             return None

@@ -14,9 +14,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from nibble.formats import catalog, families, hub
+from nibble.formats import catalog, hub
 from nibble.formats.catalog import Details
 from nibble.formats.errors import NibbleError
+from nibble.formats.sentence_transformers import embeds, read_pipeline
 from ..chat import ChatTemplateError
 from ..reasoning import reasoning_family
 from ..settings import SamplerSettings
@@ -83,9 +84,8 @@ class About:
         """From the model's files, without loading it: its headers, config and tokenizer."""
         path = hub.resolve(ref, record=False)
         details = catalog.describe(path)
-        if (kind := families.of(details.family)) is not None and kind.encoder:
+        if embeds(path, details.family):
             from nibble.formats.model_dir import read_model_dir
-            from nibble.formats.sentence_transformers import read_pipeline
             longest = read_model_dir(path).config.max_position_embeddings   # weights mapped, not read
             return cls(details, "", SamplerSettings(), min(read_pipeline(path).max_length or longest, longest),
                        embedding=True)
@@ -146,7 +146,8 @@ def show_reply(name: str, ref: str, about: About) -> dict:
     info = {"general.architecture": family, "general.parameter_count": details.parameters if details else None,
             **({f"{family}.context_length": about.context} if family else {})}
     return {"modelfile": modelfile, "parameters": lines, "template": about.template,
-            "details": model_details(details), "model_info": info, "capabilities": capabilities(about.template, about.embedding)}
+            "details": model_details(details), "model_info": info,
+            "capabilities": capabilities(about.template, about.embedding)}
 
 
 async def running(models: Models, request: Request) -> Response:
