@@ -2,6 +2,7 @@
 from nibble.formats.errors import NibbleError
 from nibble.formats.hub import resolve
 from nibble.formats.model_dir import ModelDir, read_model_dir
+from nibble.formats.sentence_transformers import embeds
 from nibble.quant.convert import count_params, is_quantized
 from .model import Model
 from .tokenizer import Tokenizer
@@ -27,7 +28,11 @@ def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: b
     gpu_layers: run the last N layers on the GPU (-1: all; see Model.offload_layers, which plans
     for a KV cache of `ctx_size` positions). The line to show the user (no GPU, or only some layers
     fit) is in model.offload_note; require_gpu raises NoGPU instead of running on the CPU."""
-    model, tokenizer = from_model_dir(as_quantized(ref, open_model(ref), quant))
+    model_dir = open_model(ref)
+    if embeds(model_dir.path, model_dir.config.model_type):   # before a first use quantizes it
+        raise NibbleError(f"{ref} is an embedding model: it computes vectors of texts (nibble embed), "
+                          "it does not generate")
+    model, tokenizer = from_model_dir(as_quantized(ref, model_dir, quant))
     model.offload_layers(gpu_layers, ctx_size, require_gpu)
     return model, tokenizer
 

@@ -239,6 +239,12 @@ def test_a_decoder_with_sentence_transformers_files_embeds_its_last_token(tmp_pa
     np.testing.assert_allclose(json.loads(r.stdout), e.embed([text(1, 2, 3)], "query")[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("model", [decoder_model, sentence_model])
+def test_an_embedding_model_does_not_generate(tmp_path, model):
+    assert_one_line_error(invoke("run", "-m", model(tmp_path), "hello"), 1,
+                          "is an embedding model: it computes vectors of texts (nibble embed)")
+
+
 def test_a_model_that_generates_does_not_embed(tiny_dir):
     assert_one_line_error(invoke("embed", "-m", tiny_dir, "hello"), 1,
                           "is a llama model, which generates text: nibble embeds with embedding models")
