@@ -6,6 +6,9 @@ it runs to the machine's limit. Each figure is the median of several repetitions
 With several streams (`--parallel N`), N sequences decode together, one forward pass a step for
 all of them as the serving engine runs them: the weights are read once per step, so the streams'
 tokens/s together can be a multiple of one stream's.
+
+An embedding model has no decode: its figure is texts per second, a batch of N texts of P tokens
+embedded at a time (Embedder.embed_ids: one pass, packed).
 """
 from __future__ import annotations
 
@@ -172,6 +175,36 @@ def run_parallel_bench(model: Model, prompt_ids: list[int], streams: int, gen_to
     runs = [(decode(1, gen_tokens), decode(streams, gen_tokens)) for _ in range(repeats)]
     return ParallelResult(streams, P, gen_tokens, statistics.median(r[0] for r in runs),
                           statistics.median(r[1] for r in runs), repeats)
+
+
+@dataclass
+class EmbedResult:
+    texts: int             # a batch
+    tokens: int            # each text's
+    texts_per_s: float     # median
+    threads: int           # the kernels' count in the last pass
+    repeats: int
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.texts_per_s * self.tokens}
+
+    def summary(self) -> str:
+        return (f"embed: {self.texts_per_s:.1f} texts/s ({self.texts_per_s * self.tokens:.0f} tokens/s), "
+                f"batches of {self.texts} texts of {self.tokens} tokens, {self.threads} threads "
+                f"(median of {self.repeats})")
+
+
+def run_embed_bench(embedder, ids: list[int], texts: int, repeats: int = 5) -> EmbedResult:
+    """Embed `texts` copies of the text `ids` together, `repeats` times (after one untimed batch
+    that loads the compiled kernels)."""
+    batch = [ids] * texts
+    embedder.embed_ids(batch)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        embedder.embed_ids(batch)
+        times.append(time.perf_counter() - start)
+    return EmbedResult(texts, len(ids), texts / statistics.median(times), embedder.encoder.threads.current, repeats)
 
 
 def weight_bytes_per_token(model: Model) -> int:

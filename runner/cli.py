@@ -577,7 +577,8 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu,
           shapes, write_checkpoint, parallel, as_json):
-    """Measure prefill and decode speed, and decode's share of the memory bandwidth."""
+    """Measure prefill and decode speed, and decode's share of the memory bandwidth; for an embedding
+    model, texts per second (batches of --parallel texts of -p tokens)."""
     if write_checkpoint:
         if not shapes:
             raise click.UsageError("--write-checkpoint writes random weights of --shapes NAME: give one")
@@ -586,6 +587,8 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         return
     from .bench import PROMPT_TEXT, run_bench, run_parallel_bench
     threads = _threads(threads)
+    if not shapes and _embeds(model):
+        return _bench_embedding(model, quant, prompt_tokens, parallel, repeats, threads, as_json)
     ctx = prompt_tokens + gen_tokens + 1
     if shapes:
         from .loader import QUANT_BITS
@@ -607,6 +610,27 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         result = run_parallel_bench(llm, ids, parallel, gen_tokens, repeats, kv_cache)
     else:
         result = run_bench(llm, ids, gen_tokens, repeats, kv_cache)
+    click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
+
+
+def _embeds(ref: str) -> bool:
+    from nibble.formats import catalog, hub
+    from nibble.formats.sentence_transformers import embeds
+    path = hub.resolve(ref)
+    return embeds(path, catalog.describe(path).family)
+
+
+def _bench_embedding(model, quant, tokens, texts, repeats, threads, as_json):
+    """An embedding model's bench: batches of `texts` (--parallel) texts of `tokens` (-p) tokens."""
+    from .bench import PROMPT_TEXT, run_embed_bench
+    from .embed import Embedder
+    from .loader import as_quantized, open_model
+    embedder = Embedder(as_quantized(model, open_model(model), quant), model)
+    embedder.encoder.threads.pin(threads)
+    ids = embedder.tokenizer.encode(PROMPT_TEXT * (tokens // 40 + 1)).ids   # cut to the model's length
+    if tokens > len(ids):
+        raise NibbleError(f"-p {tokens}: this model embeds at most {embedder.max_length} tokens a text")
+    result = run_embed_bench(embedder, ids[:tokens - 1] + ids[-1:], texts, max(repeats, 5))
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 
 

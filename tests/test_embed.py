@@ -239,6 +239,15 @@ def test_a_decoder_with_sentence_transformers_files_embeds_its_last_token(tmp_pa
     np.testing.assert_allclose(json.loads(r.stdout), e.embed([text(1, 2, 3)], "query")[0], atol=1e-6)
 
 
+def test_nibble_bench_times_batches_of_texts_for_an_embedding_model(tmp_path):
+    folder = sentence_model(tmp_path, max_length=16)
+    r = invoke("bench", "-m", folder, "--parallel", "3", "-p", "6", "--json")
+    assert r.exit_code == 0, r.output
+    figures = json.loads(r.stdout)
+    assert figures["texts"] == 3 and figures["tokens"] == 6 and figures["texts_per_s"] > 0
+    assert_one_line_error(invoke("bench", "-m", folder, "-p", "17"), 1, "this model embeds at most 16 tokens a text")
+
+
 @pytest.mark.parametrize("model", [decoder_model, sentence_model])
 def test_an_embedding_model_does_not_generate(tmp_path, model):
     assert_one_line_error(invoke("run", "-m", model(tmp_path), "hello"), 1,
