@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import f32_from_bits, fma, hsum, load_f32x8, zero_f32
+from .simd import f32_from_bits, fma, hsum, load_f32x8, splat_f32, store_f32x8, zero_f32
 
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
@@ -299,22 +299,24 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     [blocks, Hkv, BLOCK]), already holding that sequence's positions 0..p in the blocks its table
     rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
     its last `window` positions (Mistral's sliding window); window < 0 lets it see every position
-    of its sequence that this pass stores, later ones too (an encoder's sequences come whole). The scores are q . k times `scale`
-    (1/sqrt(hd) but for Gemma's and Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit
-    per head that joins every row's softmax with no value to weigh. One (row, head) pair per task, with
-    an online softmax: one pass over the keys and values, keeping a running maximum, sum and
-    weighted sum of values, the scores of one block of positions at a time (their dot products
-    independent of each other, the sums rescaled once a block); no T x T matrix, no whole row. A row's result
-    depends on its own sequence only: the same whatever else is in the pass.
+    of its sequence that this pass stores, later ones too (an encoder's sequences come whole:
+    _bidirectional). The scores are q . k times `scale` (1/sqrt(hd) but for Gemma's and
+    Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit per head that joins every row's
+    softmax with no value to weigh. A row's result depends on its own sequence only: the same
+    whatever else is in the pass.
+
+    Causal: one (row, head) pair per task, with an online softmax: one pass over the keys and
+    values, keeping a running maximum, sum and weighted sum of values, the scores of one block of
+    positions at a time (their dot products independent of each other, the sums rescaled once a
+    block); no T x T matrix, no whole row.
     """
+    if window < 0:
+        _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, out)
+        return
     T, H, hd = q.shape
     B = k_cache.shape[2]
     group = H // k_cache.shape[1]
     scale = np.float32(scale)
-    ends = np.zeros(rows.tables.shape[0], np.int64)   # bidirectional: each sequence's length
-    if window < 0:
-        for t in range(T):
-            ends[rows.seq[t]] = max(ends[rows.seq[t]], rows.positions[t] + 1)
     for task in prange(T * H):
         # the rows from both ends taken in turn: a prompt's later rows attend to more positions,
         # and each thread runs a contiguous range of tasks
@@ -322,7 +324,7 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
         t = i // 2 if i % 2 == 0 else T - 1 - i // 2
         kv = h // group
         table = rows.tables[rows.seq[t]]
-        end = ends[rows.seq[t]] if window < 0 else rows.positions[t] + 1
+        end = rows.positions[t] + 1
         start = max(0, end - window) if window > 0 else 0
         acc = np.zeros(hd, np.float32)
         scores = np.empty(B, np.float32)
@@ -353,6 +355,158 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
                     acc[i] += p * v_cache[blk, kv, j, i]
         for i in range(hd):
             out[t, h, i] = acc[i] / total
+
+
+QROWS, QCHUNK = 4, 64   # bidirectional attention: query rows a tile, and a task
+
+
+@njit(parallel=True, **_jit)
+def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, out):
+    """attention for window < 0. All the rows of a sequence see the same keys, its positions
+    0..L-1 (L one past the last this pass stores), so a tile of QROWS of its rows shares each key
+    and value loaded: the scores Q K^T and the sum P V as small matrix products in registers, 16
+    keys or 16 dims at a time, and each row's softmax taken whole (all its L scores are at hand).
+
+    A task is one head of up to QCHUNK rows of one sequence: it first gathers the sequence's keys
+    (transposed) and values from their blocks as float32 times their scales, a few % of its work.
+    Each row's sums run in one order whatever rows share its tile (missing ones are zeros) and
+    whatever else the pass holds.
+    """
+    T, H, hd = q.shape
+    S = rows.tables.shape[0]
+    group = H // k_cache.shape[1]
+    scale = np.float32(scale)
+    count = np.zeros(S, np.int64)   # each sequence's rows in this pass, and its length L
+    ends = np.zeros(S, np.int64)
+    for t in range(T):
+        s = rows.seq[t]
+        count[s] += 1
+        ends[s] = max(ends[s], rows.positions[t] + 1)
+    first = np.zeros(S + 1, np.int64)   # order[first[s]:first[s + 1]]: sequence s's rows
+    chunks = 0
+    for s in range(S):
+        first[s + 1] = first[s] + count[s]
+        chunks += (count[s] + QCHUNK - 1) // QCHUNK
+    order = np.empty(T, np.int64)
+    filled = first[:S].copy()
+    for t in range(T):
+        order[filled[rows.seq[t]]] = t
+        filled[rows.seq[t]] += 1
+    chunk_seq, chunk_at = np.empty(chunks, np.int64), np.empty(chunks, np.int64)
+    c = 0
+    for s in range(S):
+        for at in range(first[s], first[s + 1], QCHUNK):
+            chunk_seq[c], chunk_at[c] = s, at
+            c += 1
+    for task in prange(chunks * H):
+        c, h = np.int64(task) // H, np.int64(task) % H
+        s = chunk_seq[c]
+        i0, i1 = chunk_at[c], min(chunk_at[c] + QCHUNK, first[s + 1])
+        L = ends[s]
+        kt = np.zeros((hd, (L + 15) // 16 * 16), np.float32)      # keys [hd, L] and values [L, hd],
+        vs = np.zeros((kt.shape[1], (hd + 15) // 16 * 16), np.float32)   # zeros up to whole steps
+        _gather(k_cache, k_scale, rows.tables[s], h // group, L, kt, True)
+        _gather(v_cache, v_scale, rows.tables[s], h // group, L, vs, False)
+        qt = np.zeros((QROWS, hd), np.float32)
+        p = np.empty((QROWS, kt.shape[1]), np.float32)
+        o = np.empty((QROWS, vs.shape[1]), np.float32)
+        totals = np.empty(QROWS, np.float32)
+        for r0 in range(i0, i1, QROWS):
+            n = min(QROWS, i1 - r0)
+            for r in range(n):
+                for i in range(hd):
+                    qt[r, i] = q[order[r0 + r], h, i] * scale
+            qt[n:] = 0
+            _scores(qt, kt, p)
+            for r in range(QROWS):
+                totals[r] = _softmax(p[r], L, sinks, h)
+            _weigh(p, vs, L, o)
+            for r in range(n):
+                for i in range(hd):
+                    out[order[r0 + r], h, i] = o[r, i] / totals[r]
+
+
+@njit(inline="always", **_jit)
+def _gather(cache, scales, table, kv, L, to, transpose):
+    """Positions 0..L-1 of kv head `kv` of a sequence's blocks, times their scales, into to[:L,
+    :hd], or to[:hd, :L] if transpose."""
+    B = cache.shape[2]
+    for j in range(L):
+        blk, b = table[j // B], j % B
+        sj = scales[blk, kv, b]
+        for i in range(cache.shape[3]):
+            if transpose:
+                to[i, j] = cache[blk, kv, b, i] * sj
+            else:
+                to[j, i] = cache[blk, kv, b, i] * sj
+
+
+@njit(inline="always", **_jit)
+def _scores(qt, kt, p):
+    """p[:QROWS, :Lp] = qt[QROWS, hd] @ kt[hd, Lp]: 16 keys at a time, 8 accumulators."""
+    hd, Lp = kt.shape
+    for j in range(0, Lp, 16):
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_f32()
+        for i in range(hd):
+            k0, k1 = load_f32x8(kt, i * Lp + j), load_f32x8(kt, i * Lp + j + 8)
+            u = splat_f32(qt[0, i])
+            a00, a01 = fma(u, k0, a00), fma(u, k1, a01)
+            u = splat_f32(qt[1, i])
+            a10, a11 = fma(u, k0, a10), fma(u, k1, a11)
+            u = splat_f32(qt[2, i])
+            a20, a21 = fma(u, k0, a20), fma(u, k1, a21)
+            u = splat_f32(qt[3, i])
+            a30, a31 = fma(u, k0, a30), fma(u, k1, a31)
+        store_f32x8(p, j, a00)
+        store_f32x8(p, j + 8, a01)
+        store_f32x8(p, Lp + j, a10)
+        store_f32x8(p, Lp + j + 8, a11)
+        store_f32x8(p, 2 * Lp + j, a20)
+        store_f32x8(p, 2 * Lp + j + 8, a21)
+        store_f32x8(p, 3 * Lp + j, a30)
+        store_f32x8(p, 3 * Lp + j + 8, a31)
+
+
+@njit(inline="always", **_jit)
+def _softmax(s, L, sinks, h):
+    """s[:L] = exp(s - max) and -> their sum, the sink's term with them (the softmax's divisor)."""
+    best = s[0]
+    for j in range(1, L):
+        best = max(best, s[j])
+    total = np.float32(0.0)
+    if sinks.shape[0]:
+        best = max(best, sinks[h])
+        total = exp(sinks[h] - best)
+    for j in range(L):
+        s[j] = exp(s[j] - best)
+        total += s[j]
+    return total
+
+
+@njit(inline="always", **_jit)
+def _weigh(p, vs, L, o):
+    """o[:QROWS, :dp] = p[:QROWS, :L] @ vs[:L, :dp]: 16 dims at a time, 8 accumulators."""
+    dp = vs.shape[1]
+    for c in range(0, dp, 16):
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_f32()
+        for j in range(L):
+            v0, v1 = load_f32x8(vs, j * dp + c), load_f32x8(vs, j * dp + c + 8)
+            u = splat_f32(p[0, j])
+            a00, a01 = fma(u, v0, a00), fma(u, v1, a01)
+            u = splat_f32(p[1, j])
+            a10, a11 = fma(u, v0, a10), fma(u, v1, a11)
+            u = splat_f32(p[2, j])
+            a20, a21 = fma(u, v0, a20), fma(u, v1, a21)
+            u = splat_f32(p[3, j])
+            a30, a31 = fma(u, v0, a30), fma(u, v1, a31)
+        store_f32x8(o, c, a00)
+        store_f32x8(o, c + 8, a01)
+        store_f32x8(o, dp + c, a10)
+        store_f32x8(o, dp + c + 8, a11)
+        store_f32x8(o, 2 * dp + c, a20)
+        store_f32x8(o, 2 * dp + c + 8, a21)
+        store_f32x8(o, 3 * dp + c, a30)
+        store_f32x8(o, 3 * dp + c + 8, a31)
 
 
 @njit(**_jit)

@@ -93,6 +93,16 @@ def load_f32x8(typingctx, arr, i):
     return F32(arr, i), codegen
 
 
+@intrinsic
+def store_f32x8(typingctx, arr, i, v):
+    """arr.flat[i:i+8] = v (float32)."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_element(context, builder, sig, args, 0), _ll(F32).as_pointer())
+        builder.store(args[2], ptr, align=4)
+        return context.get_dummy_value()
+    return types.none(arr, i, v), codegen
+
+
 def _widen_half(builder, v, bf16):
     """i16 bits (a scalar or a vector) -> float32: the top half of a float32 if bf16 (an i1) else
     IEEE half. Both are made and one selected: bf16 is constant in a loop, and LLVM folds or
