@@ -27,9 +27,11 @@ def matmul(x, w, out, accumulate):
     """out[T, N] (+)= x[T, K] @ w[N, K].T -- by far the most time is spent here.
 
     Decode (T <= SMALL) is bound by reading w: rows split across threads, each row read once and
-    dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill multiplies
-    in tiles of 16 rows x 64 tokens (about 100 KB, kept in L2) with a register-blocked 2-token x
-    4-row micro-kernel, so each load feeds several FMAs.
+    dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill is bound by
+    arithmetic: w is first packed into panels of PANEL rows, transposed (wp[p, k]: the PANEL
+    weights of column k of panel p, one cache line), then each task multiplies BLOCK_ROWS rows of
+    x by one panel (_tile_6x16). Each output is one chain of FMAs along k, so a row's result is
+    the same whatever T (past SMALL) and whatever rows beside it.
     """
     T, K = x.shape
     N = w.shape[0]
@@ -39,62 +41,63 @@ def matmul(x, w, out, accumulate):
                 acc = _dot(x, t, w, n)
                 out[t, n] = out[t, n] + acc if accumulate else acc
         return
-    for nb in prange((N + ROWS - 1) // ROWS):
-        n_end = min(N, nb * ROWS + ROWS)
-        for t0 in range(0, T, TOKENS):
-            t_end = min(T, t0 + TOKENS)
-            n = nb * ROWS
-            while n + 4 <= n_end:
-                t = t0
-                while t + 2 <= t_end:
-                    _tile_2x4(x, w, out, t, n, accumulate)
-                    t += 2
-                if t < t_end:
-                    _dots(x, w, out, t, t_end, n, n + 4, accumulate)
-                n += 4
-            _dots(x, w, out, t0, t_end, n, n_end, accumulate)
-
-
-ROWS, TOKENS = 16, 64   # prefill tile
-
-
-@njit(inline="always", **_jit)
-def _tile_2x4(x, w, out, t, n, accumulate):
-    """out[t:t+2, n:n+4] (+)= x[t:t+2] @ w[n:n+4].T: 8 accumulators, 6 loads a step."""
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
-    for k in range(x.shape[1]):
-        x0, x1 = x[t, k], x[t + 1, k]
-        w0, w1, w2, w3 = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
-        a00 += x0 * w0
-        a01 += x0 * w1
-        a02 += x0 * w2
-        a03 += x0 * w3
-        a10 += x1 * w0
-        a11 += x1 * w1
-        a12 += x1 * w2
-        a13 += x1 * w3
-    if accumulate:
-        a00 += out[t, n]
-        a01 += out[t, n + 1]
-        a02 += out[t, n + 2]
-        a03 += out[t, n + 3]
-        a10 += out[t + 1, n]
-        a11 += out[t + 1, n + 1]
-        a12 += out[t + 1, n + 2]
-        a13 += out[t + 1, n + 3]
-    out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = a00, a01, a02, a03
-    out[t + 1, n], out[t + 1, n + 1], out[t + 1, n + 2], out[t + 1, n + 3] = a10, a11, a12, a13
-
-
-@njit(inline="always", **_jit)
-def _dots(x, w, out, t0, t1, n0, n1, accumulate):
-    """The edges of a tile, one dot product at a time."""
-    for n in range(n0, n1):
+    panels = (N + PANEL - 1) // PANEL
+    wp = np.empty((panels, K, PANEL), np.float32)
+    for p in prange(panels):
+        for c in range(PANEL):
+            n = p * PANEL + c
+            for k in range(K):
+                wp[p, k, c] = w[n, k] if n < N else 0
+    blocks = (T + BLOCK_ROWS - 1) // BLOCK_ROWS
+    for task in prange(blocks * panels):
+        # consecutive tasks share a block of x (kept in L2): each thread runs a contiguous range
+        b, p = np.int64(task) // panels, np.int64(task) % panels
+        t0, t1 = b * BLOCK_ROWS, min(T, b * BLOCK_ROWS + BLOCK_ROWS)
+        tile = np.empty((BLOCK_ROWS, PANEL), np.float32)
+        for t in range(t0, t1, 6):
+            _tile_6x16(x, t, t1 - 1, wp[p], tile, t - t0)
+        n0 = p * PANEL
         for t in range(t0, t1):
-            acc = np.float32(0.0)
-            for k in range(x.shape[1]):
-                acc += x[t, k] * w[n, k]
-            out[t, n] = out[t, n] + acc if accumulate else acc
+            for c in range(min(PANEL, N - n0)):
+                out[t, n0 + c] = out[t, n0 + c] + tile[t - t0, c] if accumulate else tile[t - t0, c]
+
+
+PANEL, BLOCK_ROWS = 16, 48   # prefill: columns (two vectors) and rows (8 micro-tiles) a task
+
+
+@njit(inline="always", **_jit)
+def _tile_6x16(x, t, last, wp, tile, r):
+    """tile[r:r+6] = x[t:t+6] @ wp [K, 16], rows past `last` repeating it (unused): 12 vector
+    accumulators, each step 2 loads of wp and 6 of x (broadcast) for 12 FMAs."""
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero_f32()
+    t1, t2, t3, t4, t5 = min(t + 1, last), min(t + 2, last), min(t + 3, last), min(t + 4, last), min(t + 5, last)
+    for k in range(x.shape[1]):
+        w0, w1 = load_f32x8(wp, k * PANEL), load_f32x8(wp, k * PANEL + 8)
+        u = splat_f32(np.float32(x[t, k]))
+        a00, a01 = fma(u, w0, a00), fma(u, w1, a01)
+        u = splat_f32(np.float32(x[t1, k]))
+        a10, a11 = fma(u, w0, a10), fma(u, w1, a11)
+        u = splat_f32(np.float32(x[t2, k]))
+        a20, a21 = fma(u, w0, a20), fma(u, w1, a21)
+        u = splat_f32(np.float32(x[t3, k]))
+        a30, a31 = fma(u, w0, a30), fma(u, w1, a31)
+        u = splat_f32(np.float32(x[t4, k]))
+        a40, a41 = fma(u, w0, a40), fma(u, w1, a41)
+        u = splat_f32(np.float32(x[t5, k]))
+        a50, a51 = fma(u, w0, a50), fma(u, w1, a51)
+    at = r * PANEL
+    store_f32x8(tile, at, a00)
+    store_f32x8(tile, at + 8, a01)
+    store_f32x8(tile, at + PANEL, a10)
+    store_f32x8(tile, at + PANEL + 8, a11)
+    store_f32x8(tile, at + 2 * PANEL, a20)
+    store_f32x8(tile, at + 2 * PANEL + 8, a21)
+    store_f32x8(tile, at + 3 * PANEL, a30)
+    store_f32x8(tile, at + 3 * PANEL + 8, a31)
+    store_f32x8(tile, at + 4 * PANEL, a40)
+    store_f32x8(tile, at + 4 * PANEL + 8, a41)
+    store_f32x8(tile, at + 5 * PANEL, a50)
+    store_f32x8(tile, at + 5 * PANEL + 8, a51)
 
 
 def _dot(x, t, w, n):
