@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import f32_from_bits, fma, hsum, load_f32x8, splat_f32, store_f32x8, zero_f32
+from .simd import f32_from_bits, fma, hmax, hsum, load_f32x8, splat_f32, store_f32x8, vmax, zero_f32
 
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
@@ -212,32 +212,48 @@ def swiglu(x, w_gate, w_up, out):
             out[t, f] = g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-@njit(**_jit)
+@njit(parallel=True, **_jit)
 def layernorm(x, weight, bias, eps, out):
     """out[T, D] = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias (BERT's LayerNorm; out may
     be x)."""
-    T, D = x.shape
-    for t in range(T):
-        mean = np.float32(0.0)
-        for d in range(D):
-            mean += x[t, d]
-        mean /= D
-        var = np.float32(0.0)
-        for d in range(D):
-            var += (x[t, d] - mean) * (x[t, d] - mean)
-        scale = np.float32(1.0) / np.sqrt(var / D + np.float32(eps))
-        for d in range(D):
-            out[t, d] = (x[t, d] - mean) * scale * weight[d] + bias[d]
+    for t in prange(x.shape[0]):
+        _normalize(x, t, weight, bias, eps, out)
 
 
 @njit(parallel=True, **_jit)
-def gelu(x):
-    """x[T, F] = gelu(x) in place, GELU with erf (not tanh's approximation), as BERT's hidden_act
-    "gelu"."""
+def add_layernorm(x, y, add, weight, bias, eps):
+    """x[T, D] = layernorm(x + y + add) in place: BERT's norm after a residual add, x the residual
+    stream, y [T, D] a block's output before its bias `add` [D]; one pass over the rows."""
+    for t in prange(x.shape[0]):
+        for d in range(x.shape[1]):
+            x[t, d] = x[t, d] + y[t, d] + add[d]
+        _normalize(x, t, weight, bias, eps, x)
+
+
+@njit(inline="always", **_jit)
+def _normalize(x, t, weight, bias, eps, out):
+    D = x.shape[1]
+    mean = np.float32(0.0)
+    for d in range(D):
+        mean += x[t, d]
+    mean /= D
+    var = np.float32(0.0)
+    for d in range(D):
+        var += (x[t, d] - mean) * (x[t, d] - mean)
+    scale = np.float32(1.0) / np.sqrt(var / D + np.float32(eps))
+    for d in range(D):
+        out[t, d] = (x[t, d] - mean) * scale * weight[d] + bias[d]
+
+
+@njit(parallel=True, **_jit)
+def gelu(x, bias):
+    """x[T, F] = gelu(x + bias) in place (bias [F]), GELU with erf (not tanh's approximation), as
+    BERT's hidden_act "gelu"."""
     r = np.float32(1 / math.sqrt(2))
     for t in prange(x.shape[0]):
         for f in range(x.shape[1]):
-            x[t, f] = np.float32(0.5) * x[t, f] * (np.float32(1.0) + erf(x[t, f] * r))
+            v = x[t, f] + bias[f]
+            x[t, f] = np.float32(0.5) * v * (np.float32(1.0) + erf(v * r))
 
 
 @njit(inline="always", **_jit)
@@ -360,7 +376,7 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
             out[t, h, i] = acc[i] / total
 
 
-QROWS, QCHUNK = 4, 64   # bidirectional attention: query rows a tile, and a task
+QROWS, QCHUNK = 4, 256   # bidirectional attention: query rows a tile, and a task
 
 
 @njit(parallel=True, **_jit)
@@ -370,8 +386,9 @@ def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, ou
     and value loaded: the scores Q K^T and the sum P V as small matrix products in registers, 16
     keys or 16 dims at a time, and each row's softmax taken whole (all its L scores are at hand).
 
-    A task is one head of up to QCHUNK rows of one sequence: it first gathers the sequence's keys
-    (transposed) and values from their blocks as float32 times their scales, a few % of its work.
+    A task is one head of up to QCHUNK rows of one sequence (an encoder's whole text, mostly): it
+    first gathers the sequence's keys (transposed) and values from their blocks as float32 times
+    their scales, a few % of its work.
     Each row's sums run in one order whatever rows share its tile (missing ones are zeros) and
     whatever else the pass holds.
     """
@@ -406,14 +423,17 @@ def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, ou
         s = chunk_seq[c]
         i0, i1 = chunk_at[c], min(chunk_at[c] + QCHUNK, first[s + 1])
         L = ends[s]
-        kt = np.zeros((hd, (L + 15) // 16 * 16), np.float32)      # keys [hd, L] and values [L, hd],
-        vs = np.zeros((kt.shape[1], (hd + 15) // 16 * 16), np.float32)   # zeros up to whole steps
+        kt = np.empty((hd, (L + 15) // 16 * 16), np.float32)      # keys [hd, L] and values [L, hd],
+        vs = np.empty((kt.shape[1], (hd + 15) // 16 * 16), np.float32)   # zeros up to whole steps
         _gather(k_cache, k_scale, rows.tables[s], h // group, L, kt, True)
         _gather(v_cache, v_scale, rows.tables[s], h // group, L, vs, False)
+        kt[:, L:] = 0
+        vs[L:] = 0
+        vs[:L, hd:] = 0
         qt = np.zeros((QROWS, hd), np.float32)
         p = np.empty((QROWS, kt.shape[1]), np.float32)
         o = np.empty((QROWS, vs.shape[1]), np.float32)
-        totals = np.empty(QROWS, np.float32)
+        inverse = np.empty(QROWS, np.float32)   # 1 / each row's softmax divisor
         for r0 in range(i0, i1, QROWS):
             n = min(QROWS, i1 - r0)
             for r in range(n):
@@ -422,11 +442,11 @@ def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, ou
             qt[n:] = 0
             _scores(qt, kt, p)
             for r in range(QROWS):
-                totals[r] = _softmax(p[r], L, sinks, h)
+                inverse[r] = np.float32(1.0) / _softmax(p[r], L, sinks, h)
             _weigh(p, vs, L, o)
             for r in range(n):
                 for i in range(hd):
-                    out[order[r0 + r], h, i] = o[r, i] / totals[r]
+                    out[order[r0 + r], h, i] = o[r, i] * inverse[r]
 
 
 @njit(inline="always", **_jit)
@@ -473,8 +493,14 @@ def _scores(qt, kt, p):
 @njit(inline="always", **_jit)
 def _softmax(s, L, sinks, h):
     """s[:L] = exp(s - max) and -> their sum, the sink's term with them (the softmax's divisor)."""
+    L8 = L - L % 8
     best = s[0]
-    for j in range(1, L):
+    if L8:   # 8 lanes at a time: LLVM does not vectorize a scalar loop of max
+        m = load_f32x8(s, 0)
+        for j in range(8, L8, 8):
+            m = vmax(m, load_f32x8(s, j))
+        best = hmax(m)
+    for j in range(L8, L):
         best = max(best, s[j])
     total = np.float32(0.0)
     if sinks.shape[0]:
