@@ -12,7 +12,8 @@ rng = np.random.default_rng(0)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("T,K,N", [(1, 96, 40), (7, 96, 42), (70, 33, 21), (71, 96, 42)])   # tiles and their edges
+# decode; tiles and their edges; a w packed in two parts (cpu.PACKED), the second a part of a panel
+@pytest.mark.parametrize("T,K,N", [(1, 96, 40), (7, 96, 42), (70, 33, 21), (71, 96, 42), (20, 1024, 1031)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_matmul(T, K, N, accumulate):
     x, w, out = f32(T, K), f32(N, K), f32(T, N)

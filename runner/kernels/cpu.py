@@ -28,10 +28,11 @@ def matmul(x, w, out, accumulate):
 
     Decode (T <= SMALL) is bound by reading w: rows split across threads, each row read once and
     dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill is bound by
-    arithmetic: w is first packed into panels of PANEL rows, transposed (wp[p, k]: the PANEL
-    weights of column k of panel p, one cache line), then each task multiplies BLOCK_ROWS rows of
-    x by one panel (_tile_6x16). Each output is one chain of FMAs along k, so a row's result is
-    the same whatever T (past SMALL) and whatever rows beside it.
+    arithmetic: w is packed into panels of PANEL rows, transposed (wp[p, k]: the PANEL weights of
+    column k of panel p, one cache line), then each task multiplies BLOCK_ROWS rows of x by one
+    panel (_tile_6x16). Up to PACKED floats of panels at a time: a bounded copy of a large w (an
+    output head's), kept in L3 while every block of x passes over it. Each output is one chain of
+    FMAs along k, so a row's result is the same whatever T (past SMALL) and whatever rows beside it.
     """
     T, K = x.shape
     N = w.shape[0]
@@ -42,27 +43,31 @@ def matmul(x, w, out, accumulate):
                 out[t, n] = out[t, n] + acc if accumulate else acc
         return
     panels = (N + PANEL - 1) // PANEL
-    wp = np.empty((panels, K, PANEL), np.float32)
-    for p in prange(panels):
-        for c in range(PANEL):
-            n = p * PANEL + c
-            for k in range(K):
-                wp[p, k, c] = w[n, k] if n < N else 0
+    step = max(1, PACKED // (K * PANEL))
+    wp = np.empty((min(step, panels), K, PANEL), np.float32)
     blocks = (T + BLOCK_ROWS - 1) // BLOCK_ROWS
-    for task in prange(blocks * panels):
-        # consecutive tasks share a block of x (kept in L2): each thread runs a contiguous range
-        b, p = np.int64(task) // panels, np.int64(task) % panels
-        t0, t1 = b * BLOCK_ROWS, min(T, b * BLOCK_ROWS + BLOCK_ROWS)
-        tile = np.empty((BLOCK_ROWS, PANEL), np.float32)
-        for t in range(t0, t1, 6):
-            _tile_6x16(x, t, t1 - 1, wp[p], tile, t - t0)
-        n0 = p * PANEL
-        for t in range(t0, t1):
-            for c in range(min(PANEL, N - n0)):
-                out[t, n0 + c] = out[t, n0 + c] + tile[t - t0, c] if accumulate else tile[t - t0, c]
+    for p0 in range(0, panels, step):
+        n_panels = min(step, panels - p0)
+        for p in prange(n_panels):
+            for c in range(PANEL):
+                n = (p0 + p) * PANEL + c
+                for k in range(K):
+                    wp[p, k, c] = w[n, k] if n < N else 0
+        for task in prange(blocks * n_panels):
+            # consecutive tasks share a block of x (kept in L2): each thread runs a contiguous range
+            b, p = np.int64(task) // n_panels, np.int64(task) % n_panels
+            t0, t1 = b * BLOCK_ROWS, min(T, b * BLOCK_ROWS + BLOCK_ROWS)
+            tile = np.empty((BLOCK_ROWS, PANEL), np.float32)
+            for t in range(t0, t1, 6):
+                _tile_6x16(x, t, t1 - 1, wp[p], tile, t - t0)
+            n0 = (p0 + p) * PANEL
+            for t in range(t0, t1):
+                for c in range(min(PANEL, N - n0)):
+                    out[t, n0 + c] = out[t, n0 + c] + tile[t - t0, c] if accumulate else tile[t - t0, c]
 
 
 PANEL, BLOCK_ROWS = 16, 48   # prefill: columns (two vectors) and rows (8 micro-tiles) a task
+PACKED = 1 << 20             # floats of w packed at a time (4 MB)
 
 
 @njit(inline="always", **_jit)
