@@ -393,9 +393,8 @@ def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, ou
 
     A task is one head of up to QCHUNK rows of one sequence (an encoder's whole text, mostly): it
     first gathers the sequence's keys (transposed) and values from their blocks as float32 times
-    their scales, a few % of its work.
-    Each row's sums run in one order whatever rows share its tile (missing ones are zeros) and
-    whatever else the pass holds.
+    their scales, a few % of its work. Each row's sums run in one order whatever rows share its
+    tile (missing ones are zeros) and whatever else the pass holds.
     """
     T, H, hd = q.shape
     S = rows.tables.shape[0]
