@@ -19,14 +19,17 @@ RNG = np.random.default_rng(0)
 
 
 def test_layernorm_and_gelu_match_their_twins():
-    x = (RNG.standard_normal((5, 48)) * 3 + 1).astype(np.float32)
-    w, b = RNG.standard_normal(48).astype(np.float32), RNG.standard_normal(48).astype(np.float32)
+    x, y = ((RNG.standard_normal((5, 48)) * 3 + 1).astype(np.float32) for _ in range(2))
+    w, b, add = (RNG.standard_normal(48).astype(np.float32) for _ in range(3))
     out = np.empty_like(x)
     cpu.layernorm(x, w, b, 1e-5, out)
     np.testing.assert_allclose(out, reference.layernorm(x, w, b, 1e-5), rtol=1e-5, atol=1e-5)
+    residual = x.copy()
+    cpu.add_layernorm(residual, y, add, w, b, 1e-5)
+    np.testing.assert_allclose(residual, reference.layernorm(x + y + add, w, b, 1e-5), rtol=1e-5, atol=1e-5)
     g = x.copy()
-    cpu.gelu(g)
-    np.testing.assert_allclose(g, reference.gelu(x), rtol=1e-6, atol=1e-6)
+    cpu.gelu(g, add)
+    np.testing.assert_allclose(g, reference.gelu(x + add), rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ rng = np.random.default_rng(0)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("T,K,N", [(1, 96, 40), (7, 96, 42), (70, 33, 21), (71, 96, 42)])   # tiles and their edges
+# decode; tiles and their edges; a w packed in two parts (cpu.PACKED), the second a part of a panel
+@pytest.mark.parametrize("T,K,N", [(1, 96, 40), (7, 96, 42), (70, 33, 21), (71, 96, 42), (20, 1024, 1031)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_matmul(T, K, N, accumulate):
     x, w, out = f32(T, K), f32(N, K), f32(T, N)
@@ -187,6 +188,41 @@ def test_attention_when_each_key_sets_a_new_maximum():
     kv = (np.abs(k) * rising, v, ones, ones)
     rows = Rows.single(ctx - T, T, np.arange(ctx // BLOCK))
     np.testing.assert_allclose(attend(q, kv, rows, 0), want_attention(q, kv, rows, 0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_bidirectional_attention_of_several_sequences(dtype, with_sinks):
+    """window < 0 (an encoder's): each row sees every position of its sequence, later ones too;
+    sequences of 1 to 70 rows (tiles of rows and steps of keys with edges), their rows shuffled
+    in the pass, through shuffled blocks; an int8 cache times its scales. Each row equals its
+    sequence attended alone, bit for bit."""
+    H, Hkv, hd, lengths = 6, 2, 8, [1, 17, 70, 5]
+    shape = (20, Hkv, BLOCK, hd)
+    if dtype == np.int8:
+        k, v = (rng.integers(-127, 128, shape).astype(np.int8) for _ in range(2))
+        ks, vs = (rng.uniform(0.001, 0.02, shape[:3]).astype(np.float32) for _ in range(2))
+        kv = (k, v, ks, vs)
+    else:
+        kv = pool(20, Hkv, hd)
+    tables = rng.permutation(20).reshape(4, 5)
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    seq = np.repeat(np.arange(4), lengths)
+    shuffled = rng.permutation(len(positions))
+    rows = Rows.of(positions[shuffled], seq[shuffled], tables)
+    q = f32(len(positions), H, hd)
+    sinks = np.array([-30, -1, 0, 1, 3, 30], np.float32) if with_sinks else None
+    got = attend(q, kv, rows, -1, sinks)
+    k, v, ks, vs = kv
+    for t, (p, s) in enumerate(zip(rows.positions, rows.seq)):
+        n = lengths[s]
+        want = reference.attention(q[t:t + 1].astype(np.float64), reference.paged(k, ks, tables[s], n),
+                                   reference.paged(v, vs, tables[s], n), np.array([n - 1]), sinks=sinks)[0]
+        np.testing.assert_allclose(got[t], want, rtol=1e-4, atol=1e-5)
+    mine = np.flatnonzero(rows.seq == 2)
+    mine = mine[np.argsort(rows.positions[mine])]   # in order: other rows share each one's tile
+    alone = Rows.of(rows.positions[mine], np.zeros(len(mine)), tables[2:3])
+    np.testing.assert_array_equal(got[mine], attend(q[mine], kv, alone, -1, sinks))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int8])

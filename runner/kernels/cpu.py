@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import f32_from_bits, fma, hsum, load_f32x8, zero_f32
+from .simd import f32_from_bits, fma, hmax, hsum, load_f32x8, splat_f32, store_f32x8, vmax, zero_f32
 
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
@@ -27,9 +27,12 @@ def matmul(x, w, out, accumulate):
     """out[T, N] (+)= x[T, K] @ w[N, K].T -- by far the most time is spent here.
 
     Decode (T <= SMALL) is bound by reading w: rows split across threads, each row read once and
-    dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill multiplies
-    in tiles of 16 rows x 64 tokens (about 100 KB, kept in L2) with a register-blocked 2-token x
-    4-row micro-kernel, so each load feeds several FMAs.
+    dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill is bound by
+    arithmetic: w is packed into panels of PANEL rows, transposed (wp[p, k]: the PANEL weights of
+    column k of panel p, one cache line), then each task multiplies BLOCK_ROWS rows of x by one
+    panel (_tile_6x16). Up to PACKED floats of panels at a time: a bounded copy of a large w (an
+    output head's), kept in L3 while every block of x passes over it. Each output is one chain of
+    FMAs along k, so a row's result is the same whatever T (past SMALL) and whatever rows beside it.
     """
     T, K = x.shape
     N = w.shape[0]
@@ -39,62 +42,67 @@ def matmul(x, w, out, accumulate):
                 acc = _dot(x, t, w, n)
                 out[t, n] = out[t, n] + acc if accumulate else acc
         return
-    for nb in prange((N + ROWS - 1) // ROWS):
-        n_end = min(N, nb * ROWS + ROWS)
-        for t0 in range(0, T, TOKENS):
-            t_end = min(T, t0 + TOKENS)
-            n = nb * ROWS
-            while n + 4 <= n_end:
-                t = t0
-                while t + 2 <= t_end:
-                    _tile_2x4(x, w, out, t, n, accumulate)
-                    t += 2
-                if t < t_end:
-                    _dots(x, w, out, t, t_end, n, n + 4, accumulate)
-                n += 4
-            _dots(x, w, out, t0, t_end, n, n_end, accumulate)
+    panels = (N + PANEL - 1) // PANEL
+    step = max(1, PACKED // (K * PANEL))
+    wp = np.empty((min(step, panels), K, PANEL), np.float32)
+    blocks = (T + BLOCK_ROWS - 1) // BLOCK_ROWS
+    for p0 in range(0, panels, step):
+        n_panels = min(step, panels - p0)
+        for p in prange(n_panels):
+            for c in range(PANEL):
+                n = (p0 + p) * PANEL + c
+                for k in range(K):
+                    wp[p, k, c] = w[n, k] if n < N else 0
+        for task in prange(blocks * n_panels):
+            # consecutive tasks share a block of x (kept in L2): each thread runs a contiguous range
+            b, p = np.int64(task) // n_panels, np.int64(task) % n_panels
+            t0, t1 = b * BLOCK_ROWS, min(T, b * BLOCK_ROWS + BLOCK_ROWS)
+            tile = np.empty((BLOCK_ROWS, PANEL), np.float32)
+            for t in range(t0, t1, 6):
+                _tile_6x16(x, t, t1 - 1, wp[p], tile, t - t0)
+            n0 = (p0 + p) * PANEL
+            for t in range(t0, t1):
+                for c in range(min(PANEL, N - n0)):
+                    out[t, n0 + c] = out[t, n0 + c] + tile[t - t0, c] if accumulate else tile[t - t0, c]
 
 
-ROWS, TOKENS = 16, 64   # prefill tile
+PANEL, BLOCK_ROWS = 16, 48   # prefill: columns (two vectors) and rows (8 micro-tiles) a task
+PACKED = 1 << 20             # floats of w packed at a time (4 MB)
 
 
 @njit(inline="always", **_jit)
-def _tile_2x4(x, w, out, t, n, accumulate):
-    """out[t:t+2, n:n+4] (+)= x[t:t+2] @ w[n:n+4].T: 8 accumulators, 6 loads a step."""
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+def _tile_6x16(x, t, last, wp, tile, r):
+    """tile[r:r+6] = x[t:t+6] @ wp [K, 16], rows past `last` repeating it (unused): 12 vector
+    accumulators, each step 2 loads of wp and 6 of x (broadcast) for 12 FMAs."""
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero_f32()
+    t1, t2, t3, t4, t5 = min(t + 1, last), min(t + 2, last), min(t + 3, last), min(t + 4, last), min(t + 5, last)
     for k in range(x.shape[1]):
-        x0, x1 = x[t, k], x[t + 1, k]
-        w0, w1, w2, w3 = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
-        a00 += x0 * w0
-        a01 += x0 * w1
-        a02 += x0 * w2
-        a03 += x0 * w3
-        a10 += x1 * w0
-        a11 += x1 * w1
-        a12 += x1 * w2
-        a13 += x1 * w3
-    if accumulate:
-        a00 += out[t, n]
-        a01 += out[t, n + 1]
-        a02 += out[t, n + 2]
-        a03 += out[t, n + 3]
-        a10 += out[t + 1, n]
-        a11 += out[t + 1, n + 1]
-        a12 += out[t + 1, n + 2]
-        a13 += out[t + 1, n + 3]
-    out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = a00, a01, a02, a03
-    out[t + 1, n], out[t + 1, n + 1], out[t + 1, n + 2], out[t + 1, n + 3] = a10, a11, a12, a13
-
-
-@njit(inline="always", **_jit)
-def _dots(x, w, out, t0, t1, n0, n1, accumulate):
-    """The edges of a tile, one dot product at a time."""
-    for n in range(n0, n1):
-        for t in range(t0, t1):
-            acc = np.float32(0.0)
-            for k in range(x.shape[1]):
-                acc += x[t, k] * w[n, k]
-            out[t, n] = out[t, n] + acc if accumulate else acc
+        w0, w1 = load_f32x8(wp, k * PANEL), load_f32x8(wp, k * PANEL + 8)
+        u = splat_f32(np.float32(x[t, k]))
+        a00, a01 = fma(u, w0, a00), fma(u, w1, a01)
+        u = splat_f32(np.float32(x[t1, k]))
+        a10, a11 = fma(u, w0, a10), fma(u, w1, a11)
+        u = splat_f32(np.float32(x[t2, k]))
+        a20, a21 = fma(u, w0, a20), fma(u, w1, a21)
+        u = splat_f32(np.float32(x[t3, k]))
+        a30, a31 = fma(u, w0, a30), fma(u, w1, a31)
+        u = splat_f32(np.float32(x[t4, k]))
+        a40, a41 = fma(u, w0, a40), fma(u, w1, a41)
+        u = splat_f32(np.float32(x[t5, k]))
+        a50, a51 = fma(u, w0, a50), fma(u, w1, a51)
+    at = r * PANEL
+    store_f32x8(tile, at, a00)
+    store_f32x8(tile, at + 8, a01)
+    store_f32x8(tile, at + PANEL, a10)
+    store_f32x8(tile, at + PANEL + 8, a11)
+    store_f32x8(tile, at + 2 * PANEL, a20)
+    store_f32x8(tile, at + 2 * PANEL + 8, a21)
+    store_f32x8(tile, at + 3 * PANEL, a30)
+    store_f32x8(tile, at + 3 * PANEL + 8, a31)
+    store_f32x8(tile, at + 4 * PANEL, a40)
+    store_f32x8(tile, at + 4 * PANEL + 8, a41)
+    store_f32x8(tile, at + 5 * PANEL, a50)
+    store_f32x8(tile, at + 5 * PANEL + 8, a51)
 
 
 def _dot(x, t, w, n):
@@ -209,32 +217,48 @@ def swiglu(x, w_gate, w_up, out):
             out[t, f] = g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-@njit(**_jit)
+@njit(parallel=True, **_jit)
 def layernorm(x, weight, bias, eps, out):
     """out[T, D] = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias (BERT's LayerNorm; out may
     be x)."""
-    T, D = x.shape
-    for t in range(T):
-        mean = np.float32(0.0)
-        for d in range(D):
-            mean += x[t, d]
-        mean /= D
-        var = np.float32(0.0)
-        for d in range(D):
-            var += (x[t, d] - mean) * (x[t, d] - mean)
-        scale = np.float32(1.0) / np.sqrt(var / D + np.float32(eps))
-        for d in range(D):
-            out[t, d] = (x[t, d] - mean) * scale * weight[d] + bias[d]
+    for t in prange(x.shape[0]):
+        _normalize(x, t, weight, bias, eps, out)
 
 
 @njit(parallel=True, **_jit)
-def gelu(x):
-    """x[T, F] = gelu(x) in place, GELU with erf (not tanh's approximation), as BERT's hidden_act
-    "gelu"."""
+def add_layernorm(x, y, add, weight, bias, eps):
+    """x[T, D] = layernorm(x + y + add) in place: BERT's norm after a residual add, x the residual
+    stream, y [T, D] a block's output before its bias `add` [D]; one pass over the rows."""
+    for t in prange(x.shape[0]):
+        for d in range(x.shape[1]):
+            x[t, d] = x[t, d] + y[t, d] + add[d]
+        _normalize(x, t, weight, bias, eps, x)
+
+
+@njit(inline="always", **_jit)
+def _normalize(x, t, weight, bias, eps, out):
+    D = x.shape[1]
+    mean = np.float32(0.0)
+    for d in range(D):
+        mean += x[t, d]
+    mean /= D
+    var = np.float32(0.0)
+    for d in range(D):
+        var += (x[t, d] - mean) * (x[t, d] - mean)
+    scale = np.float32(1.0) / np.sqrt(var / D + np.float32(eps))
+    for d in range(D):
+        out[t, d] = (x[t, d] - mean) * scale * weight[d] + bias[d]
+
+
+@njit(parallel=True, **_jit)
+def gelu(x, bias):
+    """x[T, F] = gelu(x + bias) in place (bias [F]), GELU with erf (not tanh's approximation), as
+    BERT's hidden_act "gelu"."""
     r = np.float32(1 / math.sqrt(2))
     for t in prange(x.shape[0]):
         for f in range(x.shape[1]):
-            x[t, f] = np.float32(0.5) * x[t, f] * (np.float32(1.0) + erf(x[t, f] * r))
+            v = x[t, f] + bias[f]
+            x[t, f] = np.float32(0.5) * v * (np.float32(1.0) + erf(v * r))
 
 
 @njit(inline="always", **_jit)
@@ -299,22 +323,24 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     [blocks, Hkv, BLOCK]), already holding that sequence's positions 0..p in the blocks its table
     rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
     its last `window` positions (Mistral's sliding window); window < 0 lets it see every position
-    of its sequence that this pass stores, later ones too (an encoder's sequences come whole). The scores are q . k times `scale`
-    (1/sqrt(hd) but for Gemma's and Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit
-    per head that joins every row's softmax with no value to weigh. One (row, head) pair per task, with
-    an online softmax: one pass over the keys and values, keeping a running maximum, sum and
-    weighted sum of values, the scores of one block of positions at a time (their dot products
-    independent of each other, the sums rescaled once a block); no T x T matrix, no whole row. A row's result
-    depends on its own sequence only: the same whatever else is in the pass.
+    of its sequence that this pass stores, later ones too (an encoder's sequences come whole:
+    _bidirectional). The scores are q . k times `scale` (1/sqrt(hd) but for Gemma's and
+    Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit per head that joins every row's
+    softmax with no value to weigh. A row's result depends on its own sequence only: the same
+    whatever else is in the pass.
+
+    Causal: one (row, head) pair per task, with an online softmax: one pass over the keys and
+    values, keeping a running maximum, sum and weighted sum of values, the scores of one block of
+    positions at a time (their dot products independent of each other, the sums rescaled once a
+    block); no T x T matrix, no whole row.
     """
+    if window < 0:
+        _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, out)
+        return
     T, H, hd = q.shape
     B = k_cache.shape[2]
     group = H // k_cache.shape[1]
     scale = np.float32(scale)
-    ends = np.zeros(rows.tables.shape[0], np.int64)   # bidirectional: each sequence's length
-    if window < 0:
-        for t in range(T):
-            ends[rows.seq[t]] = max(ends[rows.seq[t]], rows.positions[t] + 1)
     for task in prange(T * H):
         # the rows from both ends taken in turn: a prompt's later rows attend to more positions,
         # and each thread runs a contiguous range of tasks
@@ -322,7 +348,7 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
         t = i // 2 if i % 2 == 0 else T - 1 - i // 2
         kv = h // group
         table = rows.tables[rows.seq[t]]
-        end = ends[rows.seq[t]] if window < 0 else rows.positions[t] + 1
+        end = rows.positions[t] + 1
         start = max(0, end - window) if window > 0 else 0
         acc = np.zeros(hd, np.float32)
         scores = np.empty(B, np.float32)
@@ -353,6 +379,167 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
                     acc[i] += p * v_cache[blk, kv, j, i]
         for i in range(hd):
             out[t, h, i] = acc[i] / total
+
+
+QROWS, QCHUNK = 4, 256   # bidirectional attention: query rows a tile, and a task
+
+
+@njit(parallel=True, **_jit)
+def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, out):
+    """attention for window < 0. All the rows of a sequence see the same keys, its positions
+    0..L-1 (L one past the last this pass stores), so a tile of QROWS of its rows shares each key
+    and value loaded: the scores Q K^T and the sum P V as small matrix products in registers, 16
+    keys or 16 dims at a time, and each row's softmax taken whole (all its L scores are at hand).
+
+    A task is one head of up to QCHUNK rows of one sequence (an encoder's whole text, mostly): it
+    first gathers the sequence's keys (transposed) and values from their blocks as float32 times
+    their scales, a few % of its work. Each row's sums run in one order whatever rows share its
+    tile (missing ones are zeros) and whatever else the pass holds.
+    """
+    T, H, hd = q.shape
+    S = rows.tables.shape[0]
+    group = H // k_cache.shape[1]
+    scale = np.float32(scale)
+    count = np.zeros(S, np.int64)   # each sequence's rows in this pass, and its length L
+    ends = np.zeros(S, np.int64)
+    for t in range(T):
+        s = rows.seq[t]
+        count[s] += 1
+        ends[s] = max(ends[s], rows.positions[t] + 1)
+    first = np.zeros(S + 1, np.int64)   # order[first[s]:first[s + 1]]: sequence s's rows
+    chunks = 0
+    for s in range(S):
+        first[s + 1] = first[s] + count[s]
+        chunks += (count[s] + QCHUNK - 1) // QCHUNK
+    order = np.empty(T, np.int64)
+    filled = first[:S].copy()
+    for t in range(T):
+        order[filled[rows.seq[t]]] = t
+        filled[rows.seq[t]] += 1
+    chunk_seq, chunk_at = np.empty(chunks, np.int64), np.empty(chunks, np.int64)
+    c = 0
+    for s in range(S):
+        for at in range(first[s], first[s + 1], QCHUNK):
+            chunk_seq[c], chunk_at[c] = s, at
+            c += 1
+    for task in prange(chunks * H):
+        c, h = np.int64(task) // H, np.int64(task) % H
+        s = chunk_seq[c]
+        i0, i1 = chunk_at[c], min(chunk_at[c] + QCHUNK, first[s + 1])
+        L = ends[s]
+        kt = np.empty((hd, (L + 15) // 16 * 16), np.float32)      # keys [hd, L] and values [L, hd],
+        vs = np.empty((kt.shape[1], (hd + 15) // 16 * 16), np.float32)   # zeros up to whole steps
+        _gather(k_cache, k_scale, rows.tables[s], h // group, L, kt, True)
+        _gather(v_cache, v_scale, rows.tables[s], h // group, L, vs, False)
+        kt[:, L:] = 0
+        vs[L:] = 0
+        vs[:L, hd:] = 0
+        qt = np.zeros((QROWS, hd), np.float32)
+        p = np.empty((QROWS, kt.shape[1]), np.float32)
+        o = np.empty((QROWS, vs.shape[1]), np.float32)
+        inverse = np.empty(QROWS, np.float32)   # 1 / each row's softmax divisor
+        for r0 in range(i0, i1, QROWS):
+            n = min(QROWS, i1 - r0)
+            for r in range(n):
+                for i in range(hd):
+                    qt[r, i] = q[order[r0 + r], h, i] * scale
+            qt[n:] = 0
+            _scores(qt, kt, p)
+            for r in range(QROWS):
+                inverse[r] = np.float32(1.0) / _softmax(p[r], L, sinks, h)
+            _weigh(p, vs, L, o)
+            for r in range(n):
+                for i in range(hd):
+                    out[order[r0 + r], h, i] = o[r, i] * inverse[r]
+
+
+@njit(inline="always", **_jit)
+def _gather(cache, scales, table, kv, L, to, transpose):
+    """Positions 0..L-1 of kv head `kv` of a sequence's blocks, times their scales, into to[:L,
+    :hd], or to[:hd, :L] if transpose."""
+    B = cache.shape[2]
+    for j in range(L):
+        blk, b = table[j // B], j % B
+        sj = scales[blk, kv, b]
+        for i in range(cache.shape[3]):
+            if transpose:
+                to[i, j] = cache[blk, kv, b, i] * sj
+            else:
+                to[j, i] = cache[blk, kv, b, i] * sj
+
+
+@njit(inline="always", **_jit)
+def _scores(qt, kt, p):
+    """p[:QROWS, :Lp] = qt[QROWS, hd] @ kt[hd, Lp]: 16 keys at a time, 8 accumulators."""
+    hd, Lp = kt.shape
+    for j in range(0, Lp, 16):
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_f32()
+        for i in range(hd):
+            k0, k1 = load_f32x8(kt, i * Lp + j), load_f32x8(kt, i * Lp + j + 8)
+            u = splat_f32(qt[0, i])
+            a00, a01 = fma(u, k0, a00), fma(u, k1, a01)
+            u = splat_f32(qt[1, i])
+            a10, a11 = fma(u, k0, a10), fma(u, k1, a11)
+            u = splat_f32(qt[2, i])
+            a20, a21 = fma(u, k0, a20), fma(u, k1, a21)
+            u = splat_f32(qt[3, i])
+            a30, a31 = fma(u, k0, a30), fma(u, k1, a31)
+        store_f32x8(p, j, a00)
+        store_f32x8(p, j + 8, a01)
+        store_f32x8(p, Lp + j, a10)
+        store_f32x8(p, Lp + j + 8, a11)
+        store_f32x8(p, 2 * Lp + j, a20)
+        store_f32x8(p, 2 * Lp + j + 8, a21)
+        store_f32x8(p, 3 * Lp + j, a30)
+        store_f32x8(p, 3 * Lp + j + 8, a31)
+
+
+@njit(inline="always", **_jit)
+def _softmax(s, L, sinks, h):
+    """s[:L] = exp(s - max) and -> their sum, the sink's term with them (the softmax's divisor)."""
+    L8 = L - L % 8
+    best = s[0]
+    if L8:   # 8 lanes at a time: LLVM does not vectorize a scalar loop of max
+        m = load_f32x8(s, 0)
+        for j in range(8, L8, 8):
+            m = vmax(m, load_f32x8(s, j))
+        best = hmax(m)
+    for j in range(L8, L):
+        best = max(best, s[j])
+    total = np.float32(0.0)
+    if sinks.shape[0]:
+        best = max(best, sinks[h])
+        total = exp(sinks[h] - best)
+    for j in range(L):
+        s[j] = exp(s[j] - best)
+        total += s[j]
+    return total
+
+
+@njit(inline="always", **_jit)
+def _weigh(p, vs, L, o):
+    """o[:QROWS, :dp] = p[:QROWS, :L] @ vs[:L, :dp]: 16 dims at a time, 8 accumulators."""
+    dp = vs.shape[1]
+    for c in range(0, dp, 16):
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_f32()
+        for j in range(L):
+            v0, v1 = load_f32x8(vs, j * dp + c), load_f32x8(vs, j * dp + c + 8)
+            u = splat_f32(p[0, j])
+            a00, a01 = fma(u, v0, a00), fma(u, v1, a01)
+            u = splat_f32(p[1, j])
+            a10, a11 = fma(u, v0, a10), fma(u, v1, a11)
+            u = splat_f32(p[2, j])
+            a20, a21 = fma(u, v0, a20), fma(u, v1, a21)
+            u = splat_f32(p[3, j])
+            a30, a31 = fma(u, v0, a30), fma(u, v1, a31)
+        store_f32x8(o, c, a00)
+        store_f32x8(o, c + 8, a01)
+        store_f32x8(o, dp + c, a10)
+        store_f32x8(o, dp + c + 8, a11)
+        store_f32x8(o, 2 * dp + c, a20)
+        store_f32x8(o, 2 * dp + c + 8, a21)
+        store_f32x8(o, 3 * dp + c, a30)
+        store_f32x8(o, 3 * dp + c + 8, a31)
 
 
 @njit(**_jit)

@@ -50,19 +50,15 @@ def encoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
                           window, w.attention_scale, none)             # [T, D]
     if collect:
         cpu.add_squares(attn, act_sq[1])
-    h = x.copy()
-    linear(attn, w.wo, h, True)                                        # h = x + attn @ wo.T
-    h += w.bo
-    cpu.layernorm(h, w.attention_norm, w.attention_norm_bias, eps, x)
+    h = np.empty_like(x)
+    linear(attn, w.wo, h, False)                                       # h = attn @ wo.T
+    cpu.add_layernorm(x, h, w.bo, w.attention_norm, w.attention_norm_bias, eps)
     if collect:
         cpu.add_squares(x, act_sq[2])
     f = np.empty((T, out_features(w.w_in)), np.float32)                # [T, F]
     linear(x, w.w_in, f, False)
-    f += w.b_in
-    cpu.gelu(f)
+    cpu.gelu(f, w.b_in)
     if collect:
         cpu.add_squares(f, act_sq[3])
-    h[:] = x
-    linear(f, w.w_out, h, True)                                        # h = x + gelu(...) @ w_out.T
-    h += w.b_out
-    cpu.layernorm(h, w.out_norm, w.out_norm_bias, eps, x)
+    linear(f, w.w_out, h, False)                                       # h = gelu(...) @ w_out.T
+    cpu.add_layernorm(x, h, w.b_out, w.out_norm, w.out_norm_bias, eps)

@@ -93,6 +93,16 @@ def load_f32x8(typingctx, arr, i):
     return F32(arr, i), codegen
 
 
+@intrinsic
+def store_f32x8(typingctx, arr, i, v):
+    """arr.flat[i:i+8] = v (float32)."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_element(context, builder, sig, args, 0), _ll(F32).as_pointer())
+        builder.store(args[2], ptr, align=4)
+        return context.get_dummy_value()
+    return types.none(arr, i, v), codegen
+
+
 def _widen_half(builder, v, bf16):
     """i16 bits (a scalar or a vector) -> float32: the top half of a float32 if bf16 (an i1) else
     IEEE half. Both are made and one selected: bf16 is constant in a loop, and LLVM folds or
@@ -559,6 +569,31 @@ def scale_add(typingctx, acc, a, scale):
     def codegen(context, builder, sig, args):
         return _fma(builder, builder.sitofp(args[1], _ll(F32)), args[2], args[0])
     return F32(acc, a, scale), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """The larger of a and b, lane by lane (no NaN: one vmaxps on x86)."""
+    def codegen(context, builder, sig, args):
+        return _max(builder, *args)
+    return F32(a, b), codegen
+
+
+def _max(builder, a, b):
+    ty = a.type
+    fn = builder.module.declare_intrinsic(f"llvm.maxnum.v{ty.count}f32", fnty=ir.FunctionType(ty, [ty, ty]))
+    return builder.call(fn, [a, b], fastmath=_FAST)
+
+
+@intrinsic
+def hmax(typingctx, v):
+    """The largest of the 8 float lanes."""
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        for half in (4, 2, 1):
+            v = _max(builder, _shuffle(builder, v, v, range(half)), _shuffle(builder, v, v, range(half, 2 * half)))
+        return builder.extract_element(v, ir.Constant(_i32, 0))
+    return types.float32(v), codegen
 
 
 @intrinsic
