@@ -444,10 +444,10 @@ def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, ou
                 for i in range(hd):
                     qt[r, i] = q[order[r0 + r], h, i] * scale
             qt[n:] = 0
-            _scores(qt, kt, p)
+            _times(qt, kt, hd, p)
             for r in range(QROWS):
                 inverse[r] = np.float32(1.0) / _softmax(p[r], L, sinks, h)
-            _weigh(p, vs, L, o)
+            _times(p, vs, L, o)
             for r in range(n):
                 for i in range(hd):
                     out[order[r0 + r], h, i] = o[r, i] * inverse[r]
@@ -469,29 +469,30 @@ def _gather(cache, scales, table, kv, L, to, transpose):
 
 
 @njit(inline="always", **_jit)
-def _scores(qt, kt, p):
-    """p[:QROWS, :Lp] = qt[QROWS, hd] @ kt[hd, Lp]: 16 keys at a time, 8 accumulators."""
-    hd, Lp = kt.shape
-    for j in range(0, Lp, 16):
+def _times(a, b, K, out):
+    """out[:QROWS, :N] = a[:QROWS, :K] @ b[:K, :N], N = b's and out's width (a multiple of 16): 16
+    columns at a time, 8 accumulators. Q K^T (b the keys transposed) and P V (b the values)."""
+    N = b.shape[1]
+    for c in range(0, N, 16):
         a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_f32()
-        for i in range(hd):
-            k0, k1 = load_f32x8(kt, i * Lp + j), load_f32x8(kt, i * Lp + j + 8)
-            u = splat_f32(qt[0, i])
-            a00, a01 = fma(u, k0, a00), fma(u, k1, a01)
-            u = splat_f32(qt[1, i])
-            a10, a11 = fma(u, k0, a10), fma(u, k1, a11)
-            u = splat_f32(qt[2, i])
-            a20, a21 = fma(u, k0, a20), fma(u, k1, a21)
-            u = splat_f32(qt[3, i])
-            a30, a31 = fma(u, k0, a30), fma(u, k1, a31)
-        store_f32x8(p, j, a00)
-        store_f32x8(p, j + 8, a01)
-        store_f32x8(p, Lp + j, a10)
-        store_f32x8(p, Lp + j + 8, a11)
-        store_f32x8(p, 2 * Lp + j, a20)
-        store_f32x8(p, 2 * Lp + j + 8, a21)
-        store_f32x8(p, 3 * Lp + j, a30)
-        store_f32x8(p, 3 * Lp + j + 8, a31)
+        for k in range(K):
+            b0, b1 = load_f32x8(b, k * N + c), load_f32x8(b, k * N + c + 8)
+            u = splat_f32(a[0, k])
+            a00, a01 = fma(u, b0, a00), fma(u, b1, a01)
+            u = splat_f32(a[1, k])
+            a10, a11 = fma(u, b0, a10), fma(u, b1, a11)
+            u = splat_f32(a[2, k])
+            a20, a21 = fma(u, b0, a20), fma(u, b1, a21)
+            u = splat_f32(a[3, k])
+            a30, a31 = fma(u, b0, a30), fma(u, b1, a31)
+        store_f32x8(out, c, a00)
+        store_f32x8(out, c + 8, a01)
+        store_f32x8(out, N + c, a10)
+        store_f32x8(out, N + c + 8, a11)
+        store_f32x8(out, 2 * N + c, a20)
+        store_f32x8(out, 2 * N + c + 8, a21)
+        store_f32x8(out, 3 * N + c, a30)
+        store_f32x8(out, 3 * N + c + 8, a31)
 
 
 @njit(inline="always", **_jit)
@@ -514,32 +515,6 @@ def _softmax(s, L, sinks, h):
         s[j] = exp(s[j] - best)
         total += s[j]
     return total
-
-
-@njit(inline="always", **_jit)
-def _weigh(p, vs, L, o):
-    """o[:QROWS, :dp] = p[:QROWS, :L] @ vs[:L, :dp]: 16 dims at a time, 8 accumulators."""
-    dp = vs.shape[1]
-    for c in range(0, dp, 16):
-        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_f32()
-        for j in range(L):
-            v0, v1 = load_f32x8(vs, j * dp + c), load_f32x8(vs, j * dp + c + 8)
-            u = splat_f32(p[0, j])
-            a00, a01 = fma(u, v0, a00), fma(u, v1, a01)
-            u = splat_f32(p[1, j])
-            a10, a11 = fma(u, v0, a10), fma(u, v1, a11)
-            u = splat_f32(p[2, j])
-            a20, a21 = fma(u, v0, a20), fma(u, v1, a21)
-            u = splat_f32(p[3, j])
-            a30, a31 = fma(u, v0, a30), fma(u, v1, a31)
-        store_f32x8(o, c, a00)
-        store_f32x8(o, c + 8, a01)
-        store_f32x8(o, dp + c, a10)
-        store_f32x8(o, dp + c + 8, a11)
-        store_f32x8(o, 2 * dp + c, a20)
-        store_f32x8(o, 2 * dp + c + 8, a21)
-        store_f32x8(o, 3 * dp + c, a30)
-        store_f32x8(o, 3 * dp + c + 8, a31)
 
 
 @njit(**_jit)
