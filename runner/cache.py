@@ -61,15 +61,16 @@ def identity_table(blocks: int) -> np.ndarray:
 @dataclass
 class HostKV:
     """Keys and values of a run of layers on the CPU, in blocks."""
-    k: np.ndarray         # [layers, blocks, Hkv, BLOCK, hd] float32, or int8 rows ...
-    v: np.ndarray         # [layers, blocks, Hkv, BLOCK, hd]
+    k: np.ndarray         # [layers, blocks, Hkv, hd, BLOCK] float32, or int8 ... (a block's keys
+    v: np.ndarray         # [layers, blocks, Hkv, BLOCK, hd]    transposed: kernels.cpu.attention)
     k_scale: np.ndarray   # [layers, blocks, Hkv, BLOCK] ... times these scales (ones for float32)
     v_scale: np.ndarray   # [layers, blocks, Hkv, BLOCK]
 
     @classmethod
     def allocate(cls, layers: int, n_kv_heads: int, blocks: int, head_dim: int, dtype) -> "HostKV":
         shape = (layers, blocks, n_kv_heads, BLOCK, head_dim)
-        return cls(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype),
+        keys = (layers, blocks, n_kv_heads, head_dim, BLOCK)
+        return cls(_lazy_zeros(keys, dtype), _lazy_zeros(shape, dtype),
                    np.ones(shape[:4], np.float32), np.ones(shape[:4], np.float32))
 
     def layer(self, i: int) -> tuple:

@@ -175,10 +175,14 @@ def attention(q, k, v, positions, window=0, scale=None, sinks=None):
     return np.einsum("hts,shd->thd", p[..., :k.shape[0]], v)
 
 
-def paged(cache, scales, table, length):
+def paged(cache, scales, table, length, keys=False):
     """[length, Hkv, hd] float64: positions 0..length-1 of one sequence, read through its block
-    table from a cache [blocks, Hkv, BLOCK, hd] times its scales [blocks, Hkv, BLOCK]."""
-    blocks = cache[table].astype(np.float64) * scales[table][..., None]   # [n, Hkv, BLOCK, hd]
+    table from a cache [blocks, Hkv, BLOCK, hd] (keys: [blocks, Hkv, hd, BLOCK]) times its scales
+    [blocks, Hkv, BLOCK]."""
+    blocks = cache[table].astype(np.float64)
+    if keys:
+        blocks = blocks.swapaxes(2, 3)
+    blocks = blocks * scales[table][..., None]   # [n, Hkv, BLOCK, hd]
     n, Hkv, block, hd = blocks.shape
     return blocks.transpose(0, 2, 1, 3).reshape(n * block, Hkv, hd)[:length]
 

@@ -107,7 +107,7 @@ def test_truncating_into_a_hashed_block_copies_it(tiny):
     pool = new_pool(tiny, 8)
     written = ids(40)
     seq = prefill(pool, written)
-    k = pool.kv.parts[0].k                  # [layers, blocks, Hkv, BLOCK, hd]
+    k = pool.kv.parts[0].k                  # [layers, blocks, Hkv, hd, BLOCK]
     k[:, 1] = np.random.default_rng(0).standard_normal(k[:, 1].shape)   # what block 1 holds
     pool.truncate(seq, written, 20)   # inside block 1, which is hashed: keep it for its hash
     assert seq.blocks == [0, 3] and len(seq.hashes) == 1

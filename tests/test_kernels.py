@@ -114,9 +114,9 @@ def test_rope(rotated):
 
 
 def pool(blocks, Hkv, hd):
-    """A float32 KV pool full of keys and values, and its scales (ones)."""
+    """A float32 KV pool full of keys (a block's transposed) and values, and its scales (ones)."""
     ones = np.ones((blocks, Hkv, BLOCK), np.float32)
-    return f32(blocks, Hkv, BLOCK, hd), f32(blocks, Hkv, BLOCK, hd), ones, ones
+    return f32(blocks, Hkv, hd, BLOCK), f32(blocks, Hkv, BLOCK, hd), ones, ones
 
 
 def attend(q, kv, rows, window, sinks=None):
@@ -132,7 +132,7 @@ def want_attention(q, kv, rows, window, sinks=None):
     want = np.empty(q.shape)
     for t, (p, s) in enumerate(zip(rows.positions, rows.seq)):
         table = rows.tables[s]
-        want[t] = reference.attention(q[t:t + 1].astype(np.float64), reference.paged(k, ks, table, p + 1),
+        want[t] = reference.attention(q[t:t + 1].astype(np.float64), reference.paged(k, ks, table, p + 1, True),
                                       reference.paged(v, vs, table, p + 1), np.array([p]), window,
                                       sinks=sinks)[0]
     return want
@@ -184,10 +184,35 @@ def test_attention_when_each_key_sets_a_new_maximum():
     T, H, Hkv, hd, ctx = 3, 4, 2, 8, 48
     q = np.abs(f32(T, H, hd)) * 4
     k, v, ones, _ = pool(ctx // BLOCK, Hkv, hd)
-    rising = np.linspace(0.1, 2, ctx, dtype=np.float32).reshape(ctx // BLOCK, 1, BLOCK, 1)
+    rising = np.linspace(0.1, 2, ctx, dtype=np.float32).reshape(ctx // BLOCK, 1, 1, BLOCK)
     kv = (np.abs(k) * rising, v, ones, ones)
     rows = Rows.single(ctx - T, T, np.arange(ctx // BLOCK))
     np.testing.assert_allclose(attend(q, kv, rows, 0), want_attention(q, kv, rows, 0), rtol=1e-4, atol=1e-5)
+
+
+def int8_pool(blocks, Hkv, hd):
+    """An int8 KV pool of random rows and scales."""
+    k = rng.integers(-127, 128, (blocks, Hkv, hd, BLOCK)).astype(np.int8)
+    v = rng.integers(-127, 128, (blocks, Hkv, BLOCK, hd)).astype(np.int8)
+    ks, vs = rng.uniform(0.001, 0.02, (2, blocks, Hkv, BLOCK)).astype(np.float32)
+    return k, v, ks, vs
+
+
+@pytest.mark.parametrize("window,kv_type,with_sinks", [(0, "f32", False), (0, "int8", True), (300, "f32", True), (7, "int8", False)])
+def test_prefilled_rows_equal_each_row_decoded_alone(window, kv_type, with_sinks):
+    """A prompt's 40 rows at positions 560-599 (two tasks of rows; keys in three splits, a
+    window across their edges), heads of 64 dims (the cache's own values, no copy): each row
+    equals the reference, and, bit for bit, that row decoded alone (its splits on all threads)."""
+    H, Hkv, hd = 6, 2, 64
+    kv = pool(40, Hkv, hd) if kv_type == "f32" else int8_pool(40, Hkv, hd)
+    table = rng.permutation(40)
+    q = f32(40, H, hd)
+    sinks = np.array([-30, -1, 0, 1, 3, 30], np.float32) if with_sinks else None
+    got = attend(q, kv, Rows.single(560, 40, table), window, sinks)
+    np.testing.assert_allclose(got, want_attention(q, kv, Rows.single(560, 40, table), window, sinks),
+                               rtol=1e-4, atol=1e-5)
+    for t in range(40):
+        np.testing.assert_array_equal(got[t], attend(q[t:t + 1], kv, Rows.single(560 + t, 1, table), window, sinks)[0])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int8])
@@ -200,7 +225,7 @@ def test_bidirectional_attention_of_several_sequences(dtype, with_sinks):
     H, Hkv, hd, lengths = 6, 2, 8, [1, 17, 70, 5]
     shape = (20, Hkv, BLOCK, hd)
     if dtype == np.int8:
-        k, v = (rng.integers(-127, 128, shape).astype(np.int8) for _ in range(2))
+        k, v = (rng.integers(-127, 128, s).astype(np.int8) for s in ((20, Hkv, hd, BLOCK), shape))
         ks, vs = (rng.uniform(0.001, 0.02, shape[:3]).astype(np.float32) for _ in range(2))
         kv = (k, v, ks, vs)
     else:
@@ -216,7 +241,7 @@ def test_bidirectional_attention_of_several_sequences(dtype, with_sinks):
     k, v, ks, vs = kv
     for t, (p, s) in enumerate(zip(rows.positions, rows.seq)):
         n = lengths[s]
-        want = reference.attention(q[t:t + 1].astype(np.float64), reference.paged(k, ks, tables[s], n),
+        want = reference.attention(q[t:t + 1].astype(np.float64), reference.paged(k, ks, tables[s], n, True),
                                    reference.paged(v, vs, tables[s], n), np.array([n - 1]), sinks=sinks)[0]
         np.testing.assert_allclose(got[t], want, rtol=1e-4, atol=1e-5)
     mine = np.flatnonzero(rows.seq == 2)
@@ -227,23 +252,26 @@ def test_bidirectional_attention_of_several_sequences(dtype, with_sinks):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int8])
 def test_store_kv_through_a_block_table(dtype):
-    """Rows stored at their positions in their sequences' blocks read back through the tables: a
-    float32 cache as they were, an int8 one to 1/254 of each head's largest value; attention over
-    an int8 cache equals attention over the rows it decodes to."""
-    Hkv, hd, blocks = 2, 16, 6
-    cache = np.zeros((blocks, Hkv, BLOCK, hd), dtype)
-    scales = np.ones((blocks, Hkv, BLOCK), np.float32)
+    """Rows stored at their positions in their sequences' blocks read back through the tables,
+    keys into a block's columns and values into its rows: a float32 cache as they were, an int8
+    one to 1/254 of each head's largest value; attention over an int8 cache equals attention
+    over the rows it decodes to."""
+    Hkv, hd, blocks = 2, 8, 6
+    keys, values = np.zeros((blocks, Hkv, hd, BLOCK), dtype), np.zeros((blocks, Hkv, BLOCK, hd), dtype)
+    k_scales, v_scales = np.ones((2, blocks, Hkv, BLOCK), np.float32)
     tables = np.array([[4, 1, 5], [0, 3, 2]], np.int32)
     rows = Rows.of(np.r_[0:40, 0:20], np.r_[[0] * 40, [1] * 20], tables)
     x = f32(60, Hkv, hd)
     for t in range(60):
-        cpu.store_kv(cache, scales, x[t], rows, t)
+        cpu.store_kv(keys, k_scales, x[t], rows, t, True)
+        cpu.store_kv(values, v_scales, x[t], rows, t, False)
     for s, (first, n) in enumerate([(0, 40), (40, 20)]):
-        got, want = reference.paged(cache, scales, tables[s], n), x[first:first + n]
-        assert np.all(np.abs(got - want) <= np.abs(want).max(-1, keepdims=True) / 254 + 1e-7)
-        if dtype == np.float32:
-            np.testing.assert_array_equal(got, want)
-    kv = (cache, cache, scales, scales)
+        want = x[first:first + n]
+        for got in (reference.paged(keys, k_scales, tables[s], n, True), reference.paged(values, v_scales, tables[s], n)):
+            assert np.all(np.abs(got - want) <= np.abs(want).max(-1, keepdims=True) / 254 + 1e-7)
+            if dtype == np.float32:
+                np.testing.assert_array_equal(got, want)
+    kv = (keys, values, k_scales, v_scales)
     q, rows = f32(3, 4, hd), Rows.single(37, 3, tables[0])
     np.testing.assert_allclose(attend(q, kv, rows, 0), want_attention(q, kv, rows, 0), rtol=1e-4, atol=1e-5)
 

@@ -8,7 +8,7 @@ from numba import cuda
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import quantize_model
-from nibble.runner.cache import Rows
+from nibble.runner.cache import BLOCK, Rows
 from nibble.runner.kernels import cpu
 from nibble.runner.loader import from_model_dir
 from nibble.runner.model import NonFinite
@@ -40,14 +40,15 @@ def test_attention_over_a_non_finite_key_is_not_finite_for_the_queries_that_see_
     T, H, Hkv, hd = 4, 2, 1, 8
     rng = np.random.default_rng(1)
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    k, v = rng.standard_normal((2, Hkv, T, hd)).astype(np.float32)
+    k, v = rng.standard_normal((2, Hkv, BLOCK, hd)).astype(np.float32)
     k[0, 2, 3] = np.inf   # the key of position 2: queries 2 and 3 see it
-    ones = np.ones((Hkv, T), np.float32)
+    ones = np.ones((Hkv, BLOCK), np.float32)
     out = np.empty_like(q)
-    one_block = Rows.single(0, T, np.zeros(1))   # the cache as one block of T positions
-    cpu.attention(q, k[None], v[None], ones[None], ones[None], one_block, 0, 1 / np.sqrt(hd), np.zeros(0, np.float32), out)
+    one_block = Rows.single(0, T, np.zeros(1))   # the cache as one block, its first T positions
+    cpu.attention(q, k.swapaxes(1, 2)[None].copy(), v[None], ones[None], ones[None], one_block, 0, 1 / np.sqrt(hd),
+                  np.zeros(0, np.float32), out)
     with np.errstate(invalid="ignore"):
-        want = reference.attention(q.astype(np.float64), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
+        want = reference.attention(q.astype(np.float64), k[:, :T].transpose(1, 0, 2), v[:, :T].transpose(1, 0, 2),
                                    np.arange(T))
     assert not np.isfinite(out[2:]).all() and not np.isfinite(want[2:]).all()
     np.testing.assert_allclose(out[:2], want[:2], rtol=1e-4, atol=1e-5)

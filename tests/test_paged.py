@@ -120,7 +120,8 @@ def test_new_cache_is_an_identity_table_on_a_private_pool():
     model = tiny_model()
     cache = model.new_cache(40)
     assert cache.pool.blocks == 3 and list(cache.table) == [0, 1, 2] and cache.size == 40
-    assert cache.parts[0].k.shape == (2, 3, 2, BLOCK, 16)   # [layers, blocks, Hkv, BLOCK, hd]
+    assert cache.parts[0].k.shape == (2, 3, 2, 16, BLOCK)   # [layers, blocks, Hkv, hd, BLOCK]
+    assert cache.parts[0].v.shape == (2, 3, 2, BLOCK, 16)
     assert cache.stages is model.stages
 
 

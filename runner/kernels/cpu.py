@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import f32_from_bits, fma, hmax, hsum, load_f32x8, splat_f32, store_f32x8, vmax, zero_f32
+from .simd import f32_from_bits, fma, hsum, load_f32x8, splat_f32, store_f32x8, zero_f32
 
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
@@ -313,169 +313,235 @@ def rope(x, cos, sin, positions):
                 x[t, h, i + half] = x2 * c[i] + x1 * s[i]
 
 
+QROWS = 4     # rows of queries a tile (_times)
+SPLIT = 256   # positions of keys a split takes: a decoded row's tasks, where every row's sums merge
+QPOS = 32     # positions of one sequence's rows a prompt's task takes
+_NONE = np.float32(-1e30)   # the maximum of no score (finite: fast math assumes no infinities)
+# a row's sums in one order wherever it is computed: no regrouping, no fusing that the context decides
+_PRECISE = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
+
+
 @njit(parallel=True, **_jit)
 def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks, out):
-    """Grouped-query attention of new queries against the cache, read through block tables: causal,
-    or bidirectional where window < 0 (an encoder's).
+    """Grouped-query attention of new queries against the cache, read through block tables:
+    causal, sliding, or bidirectional where window < 0 (an encoder's).
 
     q: [T, H, hd], row t the query of position p = rows.positions[t] of sequence rows.seq[t];
-    k_cache, v_cache: [blocks, Hkv, BLOCK, hd] (float32, or int8 rows times k_scale, v_scale
-    [blocks, Hkv, BLOCK]), already holding that sequence's positions 0..p in the blocks its table
-    rows.tables[rows.seq[t]] names, in order; out: [T, H, hd]. window > 0 limits each query to
-    its last `window` positions (Mistral's sliding window); window < 0 lets it see every position
-    of its sequence that this pass stores, later ones too (an encoder's sequences come whole:
-    _bidirectional). The scores are q . k times `scale` (1/sqrt(hd) but for Gemma's and
-    Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit per head that joins every row's
-    softmax with no value to weigh. A row's result depends on its own sequence only: the same
-    whatever else is in the pass.
+    k_cache [blocks, Hkv, hd, BLOCK] (a block's keys transposed) and v_cache [blocks, Hkv, BLOCK,
+    hd], float32, or int8 times k_scale, v_scale [blocks, Hkv, BLOCK], already holding that
+    sequence's positions 0..p in the blocks its table rows.tables[rows.seq[t]] names, in order;
+    out: [T, H, hd]. Row t sees positions 0..p; window > 0 only the last `window` of them
+    (Mistral's sliding window); window < 0 every position of its sequence this pass stores, later
+    ones too (an encoder's sequences come whole). The scores are q . k times `scale` (1/sqrt(hd)
+    but for Gemma's and Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit per head that
+    joins every row's softmax with no value to weigh.
 
-    Causal: one (row, head) pair per task, with an online softmax: one pass over the keys and
-    values, keeping a running maximum, sum and weighted sum of values, the scores of one block of
-    positions at a time (their dot products independent of each other, the sums rescaled once a
-    block); no T x T matrix, no whole row.
+    Flash attention's tiles: the rows of a sequence that share a KV head (its query heads at each
+    of its positions) go QROWS at a time through each block of keys, Q K^T and P V as
+    register-blocked products (_times) on the cache's own layout, the softmax online (a running
+    maximum, sum and weighted sum of values, rescaled once a block). The keys come in splits of
+    SPLIT positions whose sums merge in order: a decoded row (its sequence's only row in the pass)
+    runs its splits on every thread at once; a prompt's rows, in tasks of QPOS positions, merge
+    them as they go. A row's arithmetic is the same either way and whatever else the pass holds:
+    decoded alone, in a batch or prefilled, the same bits.
     """
-    if window < 0:
-        _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, out)
-        return
     T, H, hd = q.shape
-    B = k_cache.shape[2]
-    group = H // k_cache.shape[1]
-    scale = np.float32(scale)
-    for task in prange(T * H):
-        # the rows from both ends taken in turn: a prompt's later rows attend to more positions,
-        # and each thread runs a contiguous range of tasks
-        i, h = np.int64(task) // H, np.int64(task) % H
-        t = i // 2 if i % 2 == 0 else T - 1 - i // 2
-        kv = h // group
-        table = rows.tables[rows.seq[t]]
-        end = rows.positions[t] + 1
-        start = max(0, end - window) if window > 0 else 0
+    Hkv = v_cache.shape[1]
+    group = H // Hkv
+    order = np.argsort(rows.seq.astype(np.int64) * (rows.positions.max() + 1) + rows.positions)
+    lo, hi = np.empty(T, np.int64), np.empty(T, np.int64)   # each row sees positions lo..hi-1
+    for t in range(T):
+        hi[t] = rows.positions[t] + 1
+        lo[t] = max(0, hi[t] - window) if window > 0 else 0
+    tasks = heads = 0
+    a = 0
+    while a < T:   # the rows of one sequence, order[a:b], by position
+        b = _run_end(order, rows.seq, a)
+        if window < 0:
+            hi[order[a:b]] = hi[order[b - 1]]
+        if b - a == 1:
+            tasks += Hkv * ((hi[order[a]] - 1) // SPLIT - lo[order[a]] // SPLIT + 1)
+            heads += Hkv
+        else:
+            tasks += Hkv * ((b - a + QPOS - 1) // QPOS)
+        a = b
+    first, count = np.empty(tasks, np.int64), np.empty(tasks, np.int64)
+    kv_of, split = np.empty(tasks, np.int64), np.empty(tasks, np.int64)
+    head_task, head_splits = np.empty(heads, np.int64), np.empty(heads, np.int64)
+    i = j = a = 0
+    while a < T:
+        b = _run_end(order, rows.seq, a)
+        for kv in range(Hkv):
+            if b - a == 1:   # decoded: a task a split
+                s0 = lo[order[a]] // SPLIT
+                head_task[j], head_splits[j] = i, (hi[order[a]] - 1) // SPLIT - s0 + 1
+                for s in range(s0, s0 + head_splits[j]):
+                    first[i], count[i], kv_of[i], split[i] = a, 1, kv, s
+                    i += 1
+                j += 1
+            else:            # a prompt's: a task QPOS positions
+                for c in range(a, b, QPOS):
+                    first[i], count[i], kv_of[i], split[i] = c, min(QPOS, b - c), kv, -1
+                    i += 1
+        a = b
+    pm, pl = np.empty((tasks, group), np.float32), np.empty((tasks, group), np.float32)
+    pacc = np.empty((tasks, group, hd), np.float32)   # a split task's sums
+    for i in prange(tasks):
+        # from both ends in turn: a prompt's later rows see more keys, and each thread runs a
+        # contiguous range of tasks
+        task = i // 2 if i % 2 == 0 else tasks - 1 - i // 2
+        c, kv = first[task], kv_of[task]
+        R = count[task] * group   # row r: position order[c + r // group], head kv * group + r % group
+        qs = np.zeros((R + QROWS, hd), np.float32)
+        rlo, rhi = np.empty(R, np.int64), np.empty(R, np.int64)
+        for r in range(R):
+            t = order[c + r // group]
+            rlo[r], rhi[r] = lo[t], hi[t]
+            for d in range(hd):
+                qs[r, d] = q[t, kv * group + r % group, d] * np.float32(scale)
+        table = rows.tables[rows.seq[order[c]]]
+        m, l, acc = np.full(R, _NONE), np.zeros(R, np.float32), np.zeros((R, hd), np.float32)
+        if split[task] >= 0:
+            _split(qs, rlo, rhi, split[task], k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc)
+            pm[task] = m
+            pl[task] = l
+            pacc[task] = acc
+            continue
+        tm, tl, tacc = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros((R, hd), np.float32)
+        for r in range(R):
+            tm[r], tl[r] = _sink(sinks, kv * group + r % group)
+        for s in range(rlo.min() // SPLIT, (rhi.max() - 1) // SPLIT + 1):
+            m[:] = _NONE
+            l[:] = 0
+            acc[:] = 0
+            _split(qs, rlo, rhi, s, k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc)
+            for r in range(R):
+                tm[r], tl[r] = _merge(tm[r], tl[r], tacc[r], m[r], l[r], acc[r])
+        for r in range(R):
+            inverse = np.float32(1.0) / tl[r]   # as the decoded rows' (fast math would choose)
+            for d in range(hd):
+                out[order[c + r // group], kv * group + r % group, d] = tacc[r, d] * inverse
+    for j in prange(heads):   # each decoded row's splits, merged in order
+        i0 = head_task[j]
+        t, kv = order[first[i0]], kv_of[i0]
         acc = np.zeros(hd, np.float32)
-        scores = np.empty(B, np.float32)
-        best, total = np.float32(-np.inf), np.float32(0.0)
-        if sinks.shape[0]:   # the sink's term, exp(sink - best) with best the sink so far
-            best, total = sinks[h], np.float32(1.0)
-        for jb in range(start // B, (end + B - 1) // B):   # one table lookup a block
-            blk = table[jb]
-            j0, j1 = max(start, jb * B) - jb * B, min(end, jb * B + B) - jb * B
-            top = best
-            for j in range(j0, j1):   # the block's scores first: independent of each other
-                s = np.float32(0.0)
-                for i in range(hd):
-                    s += q[t, h, i] * k_cache[blk, kv, j, i]
-                scores[j] = s * scale * k_scale[blk, kv, j]
-                top = max(top, scores[j])
-            if top > best:   # a new maximum: rescale what was summed against the old one, once a block
-                c = np.exp(best - top)
-                total *= c
-                for i in range(hd):
-                    acc[i] *= c
-                best = top
-            for j in range(j0, j1):
-                p = np.exp(scores[j] - best)
-                total += p
-                p *= v_scale[blk, kv, j]
-                for i in range(hd):
-                    acc[i] += p * v_cache[blk, kv, j, i]
-        for i in range(hd):
-            out[t, h, i] = acc[i] / total
-
-
-QROWS, QCHUNK = 4, 256   # bidirectional attention: query rows a tile, and a task
-
-
-@njit(parallel=True, **_jit)
-def _bidirectional(q, k_cache, v_cache, k_scale, v_scale, rows, scale, sinks, out):
-    """attention for window < 0. All the rows of a sequence see the same keys, its positions
-    0..L-1 (L one past the last this pass stores), so a tile of QROWS of its rows shares each key
-    and value loaded: the scores Q K^T and the sum P V as small matrix products in registers, 16
-    keys or 16 dims at a time, and each row's softmax taken whole (all its L scores are at hand).
-
-    A task is one head of up to QCHUNK rows of one sequence (an encoder's whole text, mostly): it
-    first gathers the sequence's keys (transposed) and values from their blocks as float32 times
-    their scales, a few % of its work. Each row's sums run in one order whatever rows share its
-    tile (missing ones are zeros) and whatever else the pass holds.
-    """
-    T, H, hd = q.shape
-    S = rows.tables.shape[0]
-    group = H // k_cache.shape[1]
-    scale = np.float32(scale)
-    count = np.zeros(S, np.int64)   # each sequence's rows in this pass, and its length L
-    ends = np.zeros(S, np.int64)
-    for t in range(T):
-        s = rows.seq[t]
-        count[s] += 1
-        ends[s] = max(ends[s], rows.positions[t] + 1)
-    first = np.zeros(S + 1, np.int64)   # order[first[s]:first[s + 1]]: sequence s's rows
-    chunks = 0
-    for s in range(S):
-        first[s + 1] = first[s] + count[s]
-        chunks += (count[s] + QCHUNK - 1) // QCHUNK
-    order = np.empty(T, np.int64)
-    filled = first[:S].copy()
-    for t in range(T):
-        order[filled[rows.seq[t]]] = t
-        filled[rows.seq[t]] += 1
-    chunk_seq, chunk_at = np.empty(chunks, np.int64), np.empty(chunks, np.int64)
-    c = 0
-    for s in range(S):
-        for at in range(first[s], first[s + 1], QCHUNK):
-            chunk_seq[c], chunk_at[c] = s, at
-            c += 1
-    for task in prange(chunks * H):
-        c, h = np.int64(task) // H, np.int64(task) % H
-        s = chunk_seq[c]
-        i0, i1 = chunk_at[c], min(chunk_at[c] + QCHUNK, first[s + 1])
-        L = ends[s]
-        kt = np.empty((hd, (L + 15) // 16 * 16), np.float32)      # keys [hd, L] and values [L, hd],
-        vs = np.empty((kt.shape[1], (hd + 15) // 16 * 16), np.float32)   # zeros up to whole steps
-        _gather(k_cache, k_scale, rows.tables[s], h // group, L, kt, True)
-        _gather(v_cache, v_scale, rows.tables[s], h // group, L, vs, False)
-        kt[:, L:] = 0
-        vs[L:] = 0
-        vs[:L, hd:] = 0
-        qt = np.zeros((QROWS, hd), np.float32)
-        p = np.empty((QROWS, kt.shape[1]), np.float32)
-        o = np.empty((QROWS, vs.shape[1]), np.float32)
-        inverse = np.empty(QROWS, np.float32)   # 1 / each row's softmax divisor
-        for r0 in range(i0, i1, QROWS):
-            n = min(QROWS, i1 - r0)
-            for r in range(n):
-                for i in range(hd):
-                    qt[r, i] = q[order[r0 + r], h, i] * scale
-            qt[n:] = 0
-            _times(qt, kt, hd, p)
-            for r in range(QROWS):
-                inverse[r] = np.float32(1.0) / _softmax(p[r], L, sinks, h)
-            _times(p, vs, L, o)
-            for r in range(n):
-                for i in range(hd):
-                    out[order[r0 + r], h, i] = o[r, i] * inverse[r]
+        for g in range(group):
+            m, l = _sink(sinks, kv * group + g)
+            acc[:] = 0
+            for i in range(i0, i0 + head_splits[j]):
+                m, l = _merge(m, l, acc, pm[i, g], pl[i, g], pacc[i, g])
+            inverse = np.float32(1.0) / l
+            for d in range(hd):
+                out[t, kv * group + g, d] = acc[d] * inverse
 
 
 @njit(inline="always", **_jit)
-def _gather(cache, scales, table, kv, L, to, transpose):
-    """Positions 0..L-1 of kv head `kv` of a sequence's blocks, times their scales, into to[:L,
-    :hd], or to[:hd, :L] if transpose."""
-    B = cache.shape[2]
-    for j in range(L):
-        blk, b = table[j // B], j % B
-        sj = scales[blk, kv, b]
-        for i in range(cache.shape[3]):
-            if transpose:
-                to[i, j] = cache[blk, kv, b, i] * sj
-            else:
-                to[j, i] = cache[blk, kv, b, i] * sj
+def _run_end(order, seq, a):
+    """One past the last of order[a:]'s rows of sequence seq[order[a]]."""
+    b = a + 1
+    while b < order.shape[0] and seq[order[b]] == seq[order[a]]:
+        b += 1
+    return b
 
 
 @njit(inline="always", **_jit)
-def _times(a, b, K, out):
-    """out[:QROWS, :N] = a[:QROWS, :K] @ b[:K, :N], N = b's and out's width (a multiple of 16): 16
-    columns at a time, 8 accumulators. Q K^T (b the keys transposed) and P V (b the values)."""
+def _sink(sinks, h):
+    """A row's sums before its first key: the sink's term (exp(sink - max), the max the sink), or none."""
+    if sinks.shape[0]:
+        return sinks[h], np.float32(1.0)
+    return _NONE, np.float32(0.0)
+
+
+@njit(**_PRECISE)
+def _merge(m, l, acc, sm, sl, sacc):
+    """-> the maximum and sum of a row's sums (m, l, acc) and a split's (sm, sl, sacc), acc
+    updated in place."""
+    if sl == 0:   # the split held none of the row's keys
+        return m, l
+    best = max(m, sm)
+    a, b = exp(m - best), exp(sm - best)
+    for d in range(acc.shape[0]):
+        acc[d] = acc[d] * a + sacc[d] * b
+    return best, l * a + sl * b
+
+
+@njit(**_PRECISE)
+def _split(qs, lo, hi, s, k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc):
+    """The keys of split s through rows' sums m, l, acc [R, hd] (see attention): row r's query
+    qs[r] (times the score scale), its keys lo[r]..hi[r]-1. Rows that see the same keys of a
+    block share a tile."""
+    R, hd = acc.shape
+    B = v_cache.shape[2]
+    j_lo, j_hi = max(lo.min(), s * SPLIT), min(hi.max(), (s + 1) * SPLIT)
+    p = np.empty((QROWS, B), np.float32)
+    width = (hd + 15) // 16 * 16   # P V's width: whole steps of 16
+    o = np.empty((QROWS, width), np.float32)
+    c = np.empty(QROWS, np.float32)
+    keys, values = np.empty((hd, B), np.float32), np.zeros((B, width), np.float32)
+    for jb in range(j_lo // B, (j_hi - 1) // B + 1):
+        b0 = jb * B
+        kb = _floats(k_cache, k_scale, table[jb], kv, True, keys)
+        vb = _floats(v_cache, v_scale, table[jb], kv, False, values)
+        r = 0
+        while r < R:
+            j0, j1 = min(max(lo[r] - b0, 0), B), min(max(hi[r] - b0, 0), B)
+            e = r + 1
+            while e < min(R, r + QROWS) and lo[e] == lo[r] and hi[e] == hi[r]:
+                e += 1
+            if j0 < j1:
+                _times(qs[r:r + QROWS], kb, 0, hd, p)
+                for i in range(e - r):
+                    top = _NONE
+                    for j in range(j0, j1):
+                        top = max(top, p[i, j])
+                    best = max(m[r + i], top)
+                    c[i] = exp(m[r + i] - best)
+                    total = np.float32(0.0)
+                    for j in range(j0, j1):
+                        p[i, j] = exp(p[i, j] - best)
+                        total += p[i, j]
+                    m[r + i], l[r + i] = best, l[r + i] * c[i] + total
+                _times(p, vb, j0, j1, o)
+                for i in range(e - r):
+                    for d in range(hd):
+                        acc[r + i, d] = acc[r + i, d] * c[i] + o[i, d]
+            r = e
+
+
+def _floats(cache, scales, blk, kv, keys, scratch):
+    """Block blk of KV head kv as float32: keys [hd, BLOCK] or values [BLOCK, width], the cache's
+    own where it is so (float32, as wide as scratch), else times its scales into scratch."""
+
+
+@overload(_floats, jit_options=_PRECISE)
+def _floats_typed(cache, scales, blk, kv, keys, scratch):
+    if cache.dtype == types.float32:
+        def as_is(cache, scales, blk, kv, keys, scratch):
+            x = cache[blk, kv]
+            if x.shape[1] == scratch.shape[1]:
+                return x
+            scratch[:, :x.shape[1]] = x
+            return scratch
+        return as_is
+
+    def times_scales(cache, scales, blk, kv, keys, scratch):
+        x, s = cache[blk, kv], scales[blk, kv]
+        for i in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                scratch[i, j] = x[i, j] * s[j if keys else i]
+        return scratch
+    return times_scales
+
+
+@njit(inline="always", **_jit)
+def _times(a, b, k0, k1, out):
+    """out[:QROWS, :N] = a[:QROWS, k0:k1] @ b[k0:k1, :N], N = b's and out's width (a multiple of
+    16): 16 columns at a time, 8 accumulators, each output one chain of FMAs along k. Q K^T (b a
+    block's keys, transposed) and P V (b its values)."""
     N = b.shape[1]
     for c in range(0, N, 16):
         a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_f32()
-        for k in range(K):
+        for k in range(k0, k1):
             b0, b1 = load_f32x8(b, k * N + c), load_f32x8(b, k * N + c + 8)
             u = splat_f32(a[0, k])
             a00, a01 = fma(u, b0, a00), fma(u, b1, a01)
@@ -495,48 +561,28 @@ def _times(a, b, K, out):
         store_f32x8(out, 3 * N + c + 8, a31)
 
 
-@njit(inline="always", **_jit)
-def _softmax(s, L, sinks, h):
-    """s[:L] = exp(s - max) and -> their sum, the sink's term with them (the softmax's divisor)."""
-    L8 = L - L % 8
-    best = s[0]
-    if L8:   # 8 lanes at a time: LLVM does not vectorize a scalar loop of max
-        m = load_f32x8(s, 0)
-        for j in range(8, L8, 8):
-            m = vmax(m, load_f32x8(s, j))
-        best = hmax(m)
-    for j in range(L8, L):
-        best = max(best, s[j])
-    total = np.float32(0.0)
-    if sinks.shape[0]:
-        best = max(best, sinks[h])
-        total = exp(sinks[h] - best)
-    for j in range(L):
-        s[j] = exp(s[j] - best)
-        total += s[j]
-    return total
-
-
 @njit(**_jit)
-def store_kv(cache, scales, x, rows, t):
-    """Row t's keys or values x [Hkv, hd] into the cache [blocks, Hkv, BLOCK, hd] at its position
-    in its sequence's blocks (see attention). An int8 cache keeps each head's row as round(x / s)
-    with s = max|x| / 127 in scales [blocks, Hkv, BLOCK]; a float32 cache keeps x as it is (its
-    scales stay 1)."""
-    B = cache.shape[2]
+def store_kv(cache, scales, x, rows, t, keys):
+    """Row t's keys (keys=True: into a block's columns, the cache [blocks, Hkv, hd, BLOCK]) or
+    values (its rows, [blocks, Hkv, BLOCK, hd]) x [Hkv, hd] at its position in its sequence's
+    blocks (see attention). An int8 cache keeps each head's row as round(x / s) with s = max|x| /
+    127 in scales [blocks, Hkv, BLOCK]; a float32 cache keeps x as it is (its scales stay 1)."""
+    B = scales.shape[2]
     pos = rows.positions[t]
     blk, j = rows.tables[rows.seq[t], pos // B], pos % B
     for h in range(x.shape[0]):
+        s = np.float32(1.0)
         if cache.itemsize == 1:
             s = np.abs(x[h]).max() / np.float32(127.0)
             if s == 0:
                 s = np.float32(1.0)
             scales[blk, h, j] = s
-            for i in range(x.shape[1]):
-                cache[blk, h, j, i] = np.int8(np.rint(x[h, i] / s))
-        else:
-            for i in range(x.shape[1]):
-                cache[blk, h, j, i] = x[h, i]
+        for i in range(x.shape[1]):
+            y = np.rint(x[h, i] / s) if cache.itemsize == 1 else x[h, i]
+            if keys:
+                cache[blk, h, i, j] = y
+            else:
+                cache[blk, h, j, i] = y
 
 
 @njit(**_jit)

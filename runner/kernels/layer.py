@@ -153,7 +153,7 @@ def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin
     (RMSNorm of each head or of the whole row, before RoPE)."""
     k_cache, v_cache, k_scale, v_scale = kv
     T = h.shape[0]
-    Hkv, hd = k_cache.shape[1], k_cache.shape[3]
+    Hkv, hd = v_cache.shape[1], v_cache.shape[3]
     H = out_features(wq) // hd
     q = np.empty((T, H * hd), np.float32)
     k = np.empty((T, Hkv * hd), np.float32)
@@ -173,8 +173,8 @@ def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin
     cpu.rope(q, cos, sin, rows.positions)
     cpu.rope(k, cos, sin, rows.positions)
     for t in range(T):
-        cpu.store_kv(k_cache, k_scale, k[t], rows, t)
-        cpu.store_kv(v_cache, v_scale, v[t], rows, t)
+        cpu.store_kv(k_cache, k_scale, k[t], rows, t, True)
+        cpu.store_kv(v_cache, v_scale, v[t], rows, t, False)
     attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
     cpu.attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks, attn.reshape(T, H, hd))
     return attn

@@ -572,31 +572,6 @@ def scale_add(typingctx, acc, a, scale):
 
 
 @intrinsic
-def vmax(typingctx, a, b):
-    """The larger of a and b, lane by lane (no NaN: one vmaxps on x86)."""
-    def codegen(context, builder, sig, args):
-        return _max(builder, *args)
-    return F32(a, b), codegen
-
-
-def _max(builder, a, b):
-    ty = a.type
-    fn = builder.module.declare_intrinsic(f"llvm.maxnum.v{ty.count}f32", fnty=ir.FunctionType(ty, [ty, ty]))
-    return builder.call(fn, [a, b], fastmath=_FAST)
-
-
-@intrinsic
-def hmax(typingctx, v):
-    """The largest of the 8 float lanes."""
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        for half in (4, 2, 1):
-            v = _max(builder, _shuffle(builder, v, v, range(half)), _shuffle(builder, v, v, range(half, 2 * half)))
-        return builder.extract_element(v, ir.Constant(_i32, 0))
-    return types.float32(v), codegen
-
-
-@intrinsic
 def hsum(typingctx, v):
     """Sum of the 8 float lanes."""
     def codegen(context, builder, sig, args):
