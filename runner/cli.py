@@ -6,6 +6,7 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -70,6 +71,9 @@ def _one_line_errors():
 @click.version_option(package_name="nibble")
 def main():
     """nibble: run quantized language models on your own computer."""
+    if os.environ.get("NIBBLE_CPU"):   # a bad value: one line before anything loads (numba: only when set)
+        from .kernels import target
+        target.choice()
 
 
 def model_option(f):

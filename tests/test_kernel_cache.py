@@ -10,6 +10,7 @@ import numpy as np
 
 from nibble.formats.model_dir import write_model_dir
 from tests.hand_safetensors import write_safetensors_by_hand
+from tests.test_target import needs_avx2
 from tests.tiny import TEXT, tiny_model_dir
 
 ROOT = Path(__file__).parent.parent
@@ -23,7 +24,9 @@ cpu.rmsnorm(x, np.ones(8, np.float32), 1e-5, x)
 
 
 def _env(home: Path) -> dict:
-    return {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | {"NIBBLE_HOME": str(home)}
+    """This environment's, with nibble's cache in `home` and this CPU's own kernels (NIBBLE_CPU unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NIBBLE_CPU")}
+    return env | {"NIBBLE_HOME": str(home)}
 
 
 def test_kernels_are_cached_per_version_of_their_sources(tmp_path):
@@ -37,6 +40,24 @@ def test_kernels_are_cached_per_version_of_their_sources(tmp_path):
     (current,) = (tmp_path / "numba").iterdir()
     assert current.name != stale.name and len(current.name) == 16
     assert any(p.name.startswith("cpu.rmsnorm") and p.suffix == ".nbi" for p in current.rglob("*"))
+
+
+@needs_avx2
+def test_kernels_without_avx512_keep_a_folder_of_their_own(tmp_path):
+    """NIBBLE_CPU=avx2's kernels and this CPU's own are cached side by side: a compile deletes the
+    older folders of its own kind only, so runs with and without NIBBLE_CPU keep each other's."""
+    stale, stale_avx2 = tmp_path / "numba" / "0123456789abcdef", tmp_path / "numba" / "avx2-0123456789abcdef"
+    for folder in (stale, stale_avx2):
+        folder.mkdir(parents=True)
+    env = {k: v for k, v in _env(tmp_path).items() if not k.startswith("NUMBA_CPU")}
+    run = lambda **more: subprocess.run([sys.executable, "-c", RUN_A_KERNEL], env=env | more, cwd=ROOT, check=True)
+    run(NIBBLE_CPU="avx2")
+    (avx2,) = set((tmp_path / "numba").iterdir()) - {stale}
+    assert avx2.name.startswith("avx2-") and avx2 != stale_avx2 and stale.is_dir()
+    run(NIBBLE_CPU="")                                           # unset: this CPU's own
+    (own,) = set((tmp_path / "numba").iterdir()) - {avx2}
+    assert own != stale and len(own.name) == 16 and own.name != avx2.name[5:] and avx2.is_dir()
+    assert any(p.name.startswith("cpu.rmsnorm") and p.suffix == ".nbi" for p in avx2.rglob("*"))
 
 
 def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_path):

@@ -5,12 +5,11 @@ only by float32 rounding of its sums (1e-6 of the magnitude bound |x| @ |W|.T). 
 activations (quant_decode.py) is checked against the same twin in test_quant_kernels."""
 import numpy as np
 import pytest
-from llvmlite import binding as llvm
 from numba import njit, types
 from numba.extending import intrinsic
 
 from nibble.quant.affine import QuantizedTensor
-from nibble.runner.kernels import prefill_int8
+from nibble.runner.kernels import prefill_int8, target
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.kernels.linear import gated_mlp, prepare, project_qkv, qmatmul
 from nibble.runner.kernels.prefill_int8 import matmul_int8
@@ -20,7 +19,7 @@ from tests.test_quant_kernels import mlx_weight, twin_dequantize, twin_integers
 rng = np.random.default_rng(14)
 needs_int_dots = pytest.mark.skipif(prefill_int8.DOT is None, reason="this CPU has no byte dot product: "
                                     "prefill takes the float tiles (test_quant_kernels)")
-FEATURES = llvm.get_host_cpu_features()
+FEATURES = target.features() or {}   # what numba compiles for: NIBBLE_CPU=avx2 leaves VNNI out
 KINDS = [k for k, has in (("vnni", FEATURES.get("avx512vnni") and FEATURES.get("avx512vl")),
                           ("avx2", FEATURES.get("avx2"))) if has]
 

@@ -3,8 +3,10 @@
 The cache lives in nibble's cache directory, in a folder named after a hash of these sources:
 numba checks each function against its own file only, and a kernel that inlines another file's
 (decoder_layer inlines cpu's, linear's, quant_decode's, half's and prefill's) would keep the old
-code after an upgrade or an edit. The folders of older sources are deleted when this process first compiles a kernel.
-A NUMBA_CACHE_DIR set by the user is left alone.
+code after an upgrade or an edit. Kernels compiled for this CPU without AVX-512 (NIBBLE_CPU=avx2,
+target.py) have folders of their own, `avx2-<hash>`. The folders of older sources of the same
+kind are deleted when this process first compiles a kernel: a run with NIBBLE_CPU and one without
+keep each other's. A NUMBA_CACHE_DIR set by the user is left alone.
 
 Loading a cached kernel skips two steps of numba's that only a compile needs (cache_load.py);
 compiling one skips copies of the same IR that numba makes again (compile_time.py) and calls
@@ -20,6 +22,7 @@ import numba
 from numba.core import event
 
 from nibble.formats.paths import kernels_dir
+from . import target   # first: numba.config's CPU, before anything compiles
 from . import cache_load, compile_time, compiling, linking
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.
@@ -38,13 +41,19 @@ def _kernel_cache_dir() -> Path:
     # Every file here whose code a cached kernel may inline; the CUDA kernels are compiled at run
     # time, never cached: they do not name the folder.
     sources = sorted(p for p in Path(__file__).parent.glob("*.py") if not p.name.startswith("cuda"))
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
-    return kernels_dir() / digest
+    kind = target.CHOICE or ""
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources) + kind.encode()).hexdigest()[:16]
+    return kernels_dir() / (f"{kind}-{digest}" if kind else digest)
+
+
+def _kind(folder: Path) -> str:
+    """The CPU a cache folder's kernels compile for: '' (this one's own instructions) or a choice of NIBBLE_CPU."""
+    return folder.name.rpartition("-")[0]
 
 
 class _RemoveOlderKernels(event.Listener):
     """At this process's first compile (numba is about to write to the cache), deletes the cache
-    folders of other kernel sources: they will not be read again."""
+    folders of other kernel sources compiled for the same CPU (`_kind`): they will not be read again."""
 
     def __init__(self, current: Path):
         self.current = current
@@ -55,7 +64,7 @@ class _RemoveOlderKernels(event.Listener):
             return
         self.done = True
         for folder in self.current.parent.iterdir() if self.current.parent.is_dir() else []:
-            if folder != self.current:
+            if folder != self.current and _kind(folder) == _kind(self.current):
                 shutil.rmtree(folder, ignore_errors=True)
 
     def on_end(self, ev):

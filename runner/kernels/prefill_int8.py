@@ -1,7 +1,8 @@
 """Prefill (more than cpu.SMALL tokens) through a quantized weight on integer dot products:
 out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor W, on CPUs that multiply bytes (x86:
 AVX-512 VNNI's vpdpbusd, else AVX2's vpmaddubsw); elsewhere, and for 16-bit weights, prefill.py's
-float tiles. The choice is made when the kernels compile, from the CPU numba compiles for.
+float tiles. The choice is made when the kernels compile, from the CPU numba compiles for
+(target.py: NIBBLE_CPU=avx2 takes AVX2's on a CPU with VNNI too).
 
 x is quantized once per call to int8 per block of 32 (dx: its scale, as llama.cpp's Q8 blocks);
 W's integers q (0..15 or 0..255) stay as they are, and
@@ -22,15 +23,14 @@ A tile of W's rows is unpacked to bytes in that order once, with its scales and 
 the lanes, and multiplied with every row of x by a register-blocked micro-kernel (4 rows of x by 3
 of W); tiles run in parallel.
 """
-import numba
 import numpy as np
-from llvmlite import binding as llvm, ir
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from nibble.formats import planes
 from nibble.quant.affine import QuantizedTensor
-from . import prefill
+from . import prefill, target
 from .cpu import _jit
 from .simd import (F32, I32, Vec, _ll, _load, block_highs, fma, group_scale_bias, high_mask, high_of, hsum, load_f32x8,
                    plane_at, plane_count, table_ops, widen_bits, zero_f32, zero_i32)
@@ -41,11 +41,12 @@ TILE = 24   # W's rows unpacked at a time: 24 x K bytes stay in L1/L2 while ever
 
 
 def host_dot():
-    """'vnni', 'avx2' or None: the byte dot product of the CPU numba compiles for (None where it
-    compiles for another CPU than this one, NUMBA_CPU_NAME: a portable cache gets the float tiles)."""
-    if numba.config.CPU_NAME:
+    """'vnni', 'avx2' or None: the byte dot product of the CPU numba compiles for (target.py:
+    NIBBLE_CPU=avx2 takes AVX-512 away; None where the user's NUMBA_CPU_NAME names another CPU
+    than this one: a portable cache gets the float tiles)."""
+    features = target.features()
+    if features is None:
         return None
-    features = llvm.get_host_cpu_features()
     if features.get("avx512vnni") and features.get("avx512vl"):
         return "vnni"
     return "avx2" if features.get("avx2") else None
