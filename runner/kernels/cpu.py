@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import f32_from_bits, fma, hsum, load_f32x8, splat_f32, store_f32x8, zero_f32
+from .simd import f32_from_bits, fma, hsum, load_f32x8, prefetch, splat_f32, store_f32x8, zero_f32
 
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
@@ -477,9 +477,13 @@ def _split(qs, lo, hi, s, k_cache, v_cache, k_scale, v_scale, table, kv, m, l, a
     width = (hd + 15) // 16 * 16   # P V's width: whole steps of 16
     o = np.empty((QROWS, width), np.float32)
     c = np.empty(QROWS, np.float32)
-    keys, values = np.empty((hd, B), np.float32), np.zeros((B, width), np.float32)
-    for jb in range(j_lo // B, (j_hi - 1) // B + 1):
+    keys, values = np.empty((hd, B), np.float32), np.empty((B, width), np.float32)
+    last = (j_hi - 1) // B
+    for jb in range(j_lo // B, last + 1):
         b0 = jb * B
+        if jb < last:   # the next block's keys and values, asked for while this one is worked on
+            _ahead(k_cache, table[jb + 1], kv)
+            _ahead(v_cache, table[jb + 1], kv)
         kb = _floats(k_cache, k_scale, table[jb], kv, True, keys)
         vb = _floats(v_cache, v_scale, table[jb], kv, False, values)
         r = 0
@@ -491,21 +495,32 @@ def _split(qs, lo, hi, s, k_cache, v_cache, k_scale, v_scale, table, kv, m, l, a
             if j0 < j1:
                 _times(qs[r:r + QROWS], kb, 0, hd, p)
                 for i in range(e - r):
+                    row = p[i, j0:j1]   # indexes from 0: loops that vectorize
                     top = _NONE
-                    for j in range(j0, j1):
-                        top = max(top, p[i, j])
+                    for j in range(row.shape[0]):
+                        top = max(top, row[j])
                     best = max(m[r + i], top)
                     c[i] = exp(m[r + i] - best)
+                    for j in range(row.shape[0]):   # apart from the sum, which would keep it from vectorizing
+                        row[j] = exp(row[j] - best)
                     total = np.float32(0.0)
-                    for j in range(j0, j1):
-                        p[i, j] = exp(p[i, j] - best)
-                        total += p[i, j]
+                    for j in range(row.shape[0]):
+                        total += row[j]
                     m[r + i], l[r + i] = best, l[r + i] * c[i] + total
                 _times(p, vb, j0, j1, o)
                 for i in range(e - r):
                     for d in range(hd):
                         acc[r + i, d] = acc[r + i, d] * c[i] + o[i, d]
             r = e
+
+
+@njit(inline="always", **_jit)
+def _ahead(cache, blk, kv):
+    """Prefetch block blk of KV head kv, a cache line at a time: blocks lie apart in the pool, and
+    the hardware prefetchers start over at each."""
+    x = cache[blk, kv]
+    for i in range(0, x.size, 64 // x.itemsize):
+        prefetch(x, i)
 
 
 def _floats(cache, scales, blk, kv, keys, scratch):
@@ -521,6 +536,7 @@ def _floats_typed(cache, scales, blk, kv, keys, scratch):
             if x.shape[1] == scratch.shape[1]:
                 return x
             scratch[:, :x.shape[1]] = x
+            scratch[:, x.shape[1]:] = 0
             return scratch
         return as_is
 
@@ -529,6 +545,7 @@ def _floats_typed(cache, scales, blk, kv, keys, scratch):
         for i in range(x.shape[0]):
             for j in range(x.shape[1]):
                 scratch[i, j] = x[i, j] * s[j if keys else i]
+        scratch[:, x.shape[1]:] = 0
         return scratch
     return times_scales
 

@@ -90,7 +90,6 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     when not collecting.
     """
     w = weights
-    T = x.shape[0]
     h = np.empty_like(x)                                     # [T, D]
     # attention block
     cpu.rmsnorm(x, w.input_norm, eps, h)
