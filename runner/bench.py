@@ -17,10 +17,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import numba
 import numpy as np
 from numba import njit, prange
 
+from nibble.quant.affine import QuantizedTensor
+
 from .cache import Rows, blocks_for
+from .kernels.layer import weights_of
+from .kernels.moe import MoEWeights
 from .model import Model
 
 # Ordinary English to tokenize for the prompt (the text of ../shared/reference/llamacpp_bench.py
@@ -66,6 +71,8 @@ class BenchResult:
     bandwidth_gbs: float       # parallel float32 sum over 1 GiB, same run
     repeats: int
     gpu: GPUFigures | None = None   # with GPU layers only (the CPU-only output stays as it was)
+    prefill_gops: float = 0.0  # operations of prefill (prefill_ops) a second
+    peak_gops: float | None = None   # this CPU's byte dot products at their peak (a quantized model's prefill)
 
     @property
     def decode_fraction(self) -> float:
@@ -89,7 +96,14 @@ class BenchResult:
                 f"first token {self.ttft_s * 1000:.0f} ms | peak RSS {self.peak_rss_mb:.0f} MB\n"
                 f"weights read per token {self.weight_bytes_per_token / 1e6:.1f} MB | memory bandwidth "
                 f"{self.bandwidth_gbs:.1f} GB/s | decode at {self.decode_fraction:.0%} of it "
-                f"(median of {self.repeats})")
+                f"(median of {self.repeats})\n" + self._compute_summary())
+
+    def _compute_summary(self) -> str:
+        done = f"prefill {self.prefill_gops:.1f} GOPS"
+        if not self.peak_gops:
+            return done
+        return (f"{done} | byte dot products at their peak {self.peak_gops:.1f} GOPS | "
+                f"prefill at {self.prefill_gops / self.peak_gops:.0%} of it")
 
 
 def run_bench(model: Model, prompt_ids: list[int], gen_tokens: int = 128, repeats: int = 3,
@@ -103,8 +117,10 @@ def run_bench(model: Model, prompt_ids: list[int], gen_tokens: int = 128, repeat
     on_gpu = model.gpu_stage
     gpu = GPUFigures(len(on_gpu.layers), on_gpu.weight_nbytes, gpu_memory_bandwidth(),
                      med(3), on_gpu.graph_error) if on_gpu else None
-    return BenchResult(len(prompt_ids), gen_tokens, med(0), med(1), med(2), weight_bytes_per_token(model),
-                       peak_rss, memory_bandwidth(), repeats, gpu)
+    T = len(prompt_ids)
+    return BenchResult(T, gen_tokens, med(0), med(1), med(2), weight_bytes_per_token(model),
+                       peak_rss, memory_bandwidth(), repeats, gpu, prefill_ops(model, T) * med(0) / T / 1e9,
+                       peak_gops() if _quantized(model) else None)
 
 
 def _one_run(model, cache, prompt_ids, gen_tokens):
@@ -211,6 +227,54 @@ def weight_bytes_per_token(model: Model) -> int:
     """Every matrix and norm is read once per decoded token; of the embedding, one row."""
     layers_and_head = sum(stage.weight_nbytes for stage in model.stages)
     return layers_and_head + model.embed.nbytes // model.config.vocab_size
+
+
+def prefill_ops(model: Model, T: int) -> float:
+    """Operations (a multiply and an add each) of prefilling T tokens: every matrix of the
+    layers for each token (of a mixture's experts, the routed ones), attention's Q K^T and P V
+    over T (T + 1) / 2 pairs of positions a head, the head's for the last token."""
+    c = model.config
+    per_token = sum(_products(w) for layer in model.layers for w in weights_of(layer))
+    attention = c.num_hidden_layers * c.num_attention_heads * c.head_dim * T * (T + 1)
+    return 2.0 * (T * per_token + attention + _products(model.lm_head))
+
+
+def _products(w, routed: int = 0) -> float:
+    """Multiply-adds of one row through weight w: a matrix's, a stack of experts' `routed` ones,
+    the parts' of a mixture or of weights held together; a vector's none."""
+    if isinstance(w, QuantizedTensor):
+        (n, k), stack = w.shape, (w.weight.shape[0] if w.weight.ndim == 3 else 0)
+    elif isinstance(w, MoEWeights):
+        return (_products(w.router) + _products(w.shared)
+                + sum(_products(x, w.top_k) for x in (w.w_gate, w.w_up, w.w_down)))
+    elif isinstance(w, tuple):
+        return sum(_products(v, routed) for v in w)
+    elif getattr(w, "ndim", 0) >= 2:
+        *rest, n, k = w.shape
+        stack = rest[0] if rest else 0
+    else:
+        return 0.0
+    return float(n) * k * (min(routed, stack) if stack else 1)
+
+
+def _quantized(model: Model) -> bool:
+    return any(isinstance(w, QuantizedTensor) for layer in model.layers for w in weights_of(layer))
+
+
+def peak_gops(steps: int = 20_000_000, repeats: int = 3) -> float | None:
+    """GOPS of the byte dot products prefill's tiles use, on all the kernels' threads (None on a
+    CPU without them: prefill runs float tiles there)."""
+    from .kernels import prefill_int8
+    if not prefill_int8.DOT:
+        return None
+    sums = np.zeros(numba.get_num_threads())
+    prefill_int8.peak_products(1, sums)   # compiled or loaded before timing
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ops = prefill_int8.peak_products(steps, sums)
+        times.append(time.perf_counter() - start)
+    return ops / min(times) / 1e9
 
 
 def gpu_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:

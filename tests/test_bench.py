@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from nibble.runner import synthetic
-from nibble.runner.bench import memory_bandwidth, weight_bytes_per_token
+from nibble.runner.bench import memory_bandwidth, peak_gops, prefill_ops, weight_bytes_per_token
+from nibble.runner.kernels import prefill_int8
 from nibble.runner.loader import from_model_dir
 from tests.test_cli import assert_one_line_error, invoke
 from tests.tiny import tiny_model_dir
@@ -20,6 +21,33 @@ def test_bench_json(tiny_dir):
     assert f["prefill_tps"] > 0 and f["decode_tps"] > 0 and f["bandwidth_gbs"] > 0
     want = f["decode_tps"] * f["weight_bytes_per_token"] / (f["bandwidth_gbs"] * 1e9)
     assert abs(f["decode_fraction"] - want) < 1e-9
+    model, _ = from_model_dir(tiny_model_dir())
+    assert f["prefill_gops"] == pytest.approx(prefill_ops(model, 16) * f["prefill_tps"] / 16 / 1e9)
+    assert f["peak_gops"] is None   # a float model: its prefill runs float tiles
+
+
+def test_prefill_ops_count_each_product_once():
+    """Every matrix for each token, attention's two products over the T (T + 1) / 2 pairs of
+    positions of each head, the head for the last token; a multiply and an add each."""
+    model, _ = from_model_dir(tiny_model_dir())
+    c = model.config
+    D, F, H, Hkv, hd, L, T = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                              c.head_dim, c.num_hidden_layers, 16)
+    per_layer = (H + 2 * Hkv) * hd * D + H * hd * D + 3 * D * F
+    assert prefill_ops(model, T) == 2 * (T * L * per_layer + L * H * hd * T * (T + 1) + c.vocab_size * D)
+
+
+def test_prefill_ops_of_a_mixture_count_its_routed_experts():
+    moe = dict(SMALL, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    model = synthetic.random_model(moe, bits=4, group_size=32)
+    dense = (4 + 2 * 2) * 16 * 64 + 4 * 16 * 64         # q, k, v and o: hd 16
+    routed = 8 * 64 + 2 * 3 * 64 * 64                    # the router, 2 of 8 experts' 3 matrices
+    assert prefill_ops(model, 1) == 2 * (2 * (dense + routed) + 2 * 4 * 16 * 1 * 2 + 96 * 64)
+
+
+def test_peak_of_the_byte_dot_products_is_measured():
+    peak = peak_gops(steps=10_000, repeats=1)
+    assert (peak is None) if prefill_int8.DOT is None else peak > 0
 
 
 def test_weight_bytes_count_every_matrix_once():

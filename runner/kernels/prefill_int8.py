@@ -33,7 +33,7 @@ from nibble.quant.affine import QuantizedTensor
 from . import prefill, target
 from .cpu import _jit
 from .simd import (F32, I32, Vec, _ll, _load, block_highs, fma, group_scale_bias, high_mask, high_of, hsum, load_f32x8,
-                   plane_at, plane_count, table_ops, widen_bits, zero_f32, zero_i32)
+                   plane_at, plane_count, splat_f32, table_ops, vadd, widen_bits, zero_f32, zero_i32)
 
 f32 = np.float32
 U8 = Vec(types.uint8, 32)
@@ -137,6 +137,23 @@ udot, udot2 = dot_intrinsic(DOT or "avx2")   # compiled only where DOT is set (s
 
 
 @intrinsic
+def sdot(typingctx, acc, w, x):
+    """acc + in each lane the sum of 4 adjacent products of (w - 128) (w uint8 x 32) and x (int8
+    x 32, each within +-127): AVX2's products of 8-bit weights in one vpmaddubsw and one vpmaddwd,
+    where udot's take two of each. w - 128 is a signed byte: its magnitude times x with its sign
+    (vpabsb, vpsignb) stays within int16 in pairs (2 * 128 * 127); the caller adds 128 * x's sums."""
+    def codegen(context, builder, sig, args):
+        acc, w, x = args
+        i8x32, i16x16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
+        signed = builder.xor(w, ir.Constant(i8x32, [-128] * 32))
+        magnitude = _call(builder, "llvm.abs.v32i8", i8x32, signed, ir.Constant(ir.IntType(1), 0))
+        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", i16x16, magnitude,
+                  _call(builder, "llvm.x86.avx2.psign.b", i8x32, x, signed))
+        return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _ll(I32), p, ir.Constant(i16x16, [1] * 16)))
+    return I32(acc, w, x), codegen
+
+
+@intrinsic
 def hadd(typingctx, a, b):
     """AVX2's vphaddd: in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of its lanes."""
     def codegen(context, builder, sig, args):
@@ -153,6 +170,29 @@ def halves_add(typingctx, a, b):
         high = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), [4, 5, 6, 7, 12, 13, 14, 15]))
         return builder.add(low, high)
     return I32(a, b), codegen
+
+
+@njit(parallel=True, **_jit)
+def peak_products(steps, sums):
+    """The byte dot products at their peak, the figure prefill's speed is judged against: on each
+    of len(sums) threads, `steps` steps of the tiles' products of 4-bit weights (udot2, 64
+    multiply-adds), 8 independent ones a step on registers, the weight bytes loaded anew each
+    step so that none is computed once for all. sums: each thread's total, kept so that none is
+    optimized away. -> operations done (a multiply and an add each)."""
+    for i in prange(sums.shape[0]):
+        w, x = np.arange(64).astype(np.uint8) % 16, np.arange(128).astype(np.int8)
+        x0, x1, x2, x3 = load_u8x32(x, 0), load_u8x32(x, 32), load_u8x32(x, 64), load_u8x32(x, 96)
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero_i32()
+        for s in range(steps):
+            w0, w1 = load_u8x32(w, s % 32), load_u8x32(w, 31 - s % 32)
+            a0, a1 = udot2(a0, w0, x0, w1, x1, True), udot2(a1, w0, x1, w1, x2, True)
+            a2, a3 = udot2(a2, w0, x2, w1, x3, True), udot2(a3, w0, x3, w1, x0, True)
+            a4, a5 = udot2(a4, w1, x0, w0, x2, True), udot2(a5, w1, x1, w0, x3, True)
+            a6, a7 = udot2(a6, w1, x2, w0, x0, True), udot2(a7, w1, x3, w0, x1, True)
+        total = vadd(vadd(vadd(a0, a1), vadd(a2, a3)), vadd(vadd(a4, a5), vadd(a6, a7)))
+        one = splat_f32(np.float32(1.0))
+        sums[i] = hsum(scale_add(zero_f32(), total, one, one))
+    return np.float64(sums.shape[0]) * steps * 8 * 64 * 2
 
 
 @intrinsic

@@ -26,7 +26,7 @@ from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 
 from . import prefill_int8
 from .cpu import _jit
-from .prefill_int8 import halves_add, hadd, levels, load_u8x32, lookup, nibble_sized, nibbles, udot, udot2, with_high
+from .prefill_int8 import halves_add, hadd, levels, load_u8x32, lookup, nibble_sized, nibbles, sdot, udot, udot2, with_high
 from .simd import (chunk_scales, fold_order, group_value, high_of, hsum, level, levels16, load_16x16, load_u8x16,
                    lookup16, madd, next_scales, nibble, plane_at, plane_count, prefetch, row_dot, scale_add, spread,
                    vadd, with_high16, zero_f32, zero_i32)
@@ -140,6 +140,9 @@ def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
 
 
 INT8 = prefill_int8.DOT is not None   # decode on int8 activations (set where prefill_int8's is)
+# 8-bit weights on AVX2 (int8 x): products of q - 128 (prefill_int8.sdot, half udot's multiplies),
+# 128 times the scales . x's group sums added once a row, as the biases' part is
+SIGNED8 = prefill_int8.DOT == "avx2"
 
 
 def round_rows(x, G, bits):
@@ -202,11 +205,20 @@ def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, hi, hb, e
             v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, rep, G, bf16, lut, hi, hb)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
-            _put(out, o + r, h, H, pair, v0 + row_dot(b, bf16, i, xs, r), v1 + row_dot(b, bf16, m, xs, r),
-                 accumulate)
+            _put(out, o + r, h, H, pair, v0 + _offsets(b, s, bf16, i, xs, r, bits, xq),
+                 v1 + _offsets(b, s, bf16, m, xs, r, bits, xq), accumulate)
             if two:
-                _put(out, o + r + 1, h, H, pair, v2 + row_dot(b, bf16, i, xs, r + 1),
-                     v3 + row_dot(b, bf16, m, xs, r + 1), accumulate)
+                _put(out, o + r + 1, h, H, pair, v2 + _offsets(b, s, bf16, i, xs, r + 1, bits, xq),
+                     v3 + _offsets(b, s, bf16, m, xs, r + 1, bits, xq), accumulate)
+
+
+@njit(inline="always", **_jit)
+def _offsets(b, s, bf16, n, xs, r, bits, xq):
+    """Row n's biases . x row r's group sums; for 8-bit weights whose products took q - 128
+    (SIGNED8, on int8 x), 128 times its scales' too."""
+    if bits == 8 and SIGNED8 and xq.itemsize == 1:
+        return row_dot(b, bf16, n, xs, r) + f32(128.0) * row_dot(s, bf16, n, xs, r)
+    return row_dot(b, bf16, n, xs, r)
 
 
 def _x_rows_a_pass(xq):
@@ -504,6 +516,8 @@ def _udots(v0, v1, xq, j, bits, table, hi, h0, h1, hb):
         x, y = load_u8x32(xq, j), load_u8x32(xq, j + 32)
         return udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)
     x = load_u8x32(xq, j)
+    if SIGNED8:
+        return sdot(zero_i32(), v0, x), sdot(zero_i32(), v1, x)
     return udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
 
 
