@@ -281,8 +281,9 @@ def test_decoder_layer_matches_the_cpu(kind, window, tol):
     D, H, Hkv, hd, F, ctx, eps = 64, 2, 1, 16, 32, 8, 1e-5
     weights = tiny_layer(kind, D, H, Hkv, hd, F)
     _, cos, sin = rope_tables(hd, ctx)
-    zeros = lambda: np.zeros((1, Hkv, ctx, hd), np.float32)   # the CPU's cache: one block of ctx positions
-    kv_cpu = (zeros(), zeros(), np.ones((1, Hkv, ctx), np.float32), np.ones((1, Hkv, ctx), np.float32))
+    # the CPU's cache: one block of ctx positions, its keys transposed
+    kv_cpu = (np.zeros((1, Hkv, hd, ctx), np.float32), np.zeros((1, Hkv, ctx, hd), np.float32),
+              np.ones((1, Hkv, ctx), np.float32), np.ones((1, Hkv, ctx), np.float32))
     kv_gpu = gpu.allocate_kv(Hkv, ctx, hd)
     on_gpu = gpu.upload_layer(weights)
     cos_dev, sin_dev = on_device(cos, sin)
@@ -297,4 +298,5 @@ def test_decoder_layer_matches_the_cpu(kind, window, tol):
         np.testing.assert_allclose(x_dev.copy_to_host(), x, rtol=tol, atol=tol * np.abs(x).max())
         pos0 += T
     k_gpu = kv_gpu[0].copy_to_host()[:, :pos0]
-    np.testing.assert_allclose(k_gpu, kv_cpu[0][0, :, :pos0], rtol=tol, atol=tol * np.abs(k_gpu).max())
+    k_cpu = kv_cpu[0][0, :, :, :pos0].swapaxes(1, 2)
+    np.testing.assert_allclose(k_gpu, k_cpu, rtol=tol, atol=tol * np.abs(k_gpu).max())

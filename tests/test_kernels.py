@@ -163,6 +163,15 @@ def test_attention_through_a_shuffled_block_table(T, pos0, window):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_attention_refuses_keys_not_transposed():
+    """Keys laid out as the values are ([blocks, Hkv, BLOCK, hd]): an error, not reads and writes
+    past the cache."""
+    H, Hkv, hd = 4, 2, 8
+    k, v, ks, vs = pool(2, Hkv, hd)
+    with pytest.raises(ValueError, match="keys .blocks, Hkv, hd, BLOCK."):
+        attend(f32(1, H, hd), (v.copy(), v, ks, vs), Rows.single(3, 1, np.arange(2)), 0)
+
+
 @pytest.mark.parametrize("window", [0, 7])
 def test_attention_of_several_sequences_in_one_pass(window):
     """Decoded rows of three sequences and a chunk of a fourth's prompt, each at its own position

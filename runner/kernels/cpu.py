@@ -347,6 +347,8 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     """
     T, H, hd = q.shape
     Hkv = v_cache.shape[1]
+    if k_cache.shape[2] != hd or k_cache.shape[3] != v_cache.shape[2]:   # else it reads and writes past them
+        raise ValueError("attention: keys [blocks, Hkv, hd, BLOCK] and values [blocks, Hkv, BLOCK, hd] expected")
     group = H // Hkv
     order = np.argsort(rows.seq.astype(np.int64) * (rows.positions.max() + 1) + rows.positions)
     lo, hi = np.empty(T, np.int64), np.empty(T, np.int64)   # each row sees positions lo..hi-1

@@ -81,8 +81,8 @@ def weight_nbytes(block: tuple) -> int:
 def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     """One transformer block on the residual stream x[T, D], in place; row t is position
     rows.positions[t] of sequence rows.seq[t] (cache.Rows), its k/v written into that sequence's
-    blocks of the layer's cache kv = (k, v [blocks, Hkv, BLOCK, hd], k_scale, v_scale [blocks,
-    Hkv, BLOCK]). One call per layer keeps Python out of the token loop's inner steps.
+    blocks of the layer's cache kv = (k [blocks, Hkv, hd, BLOCK], v [blocks, Hkv, BLOCK, hd],
+    k_scale, v_scale [blocks, Hkv, BLOCK]). One call per layer keeps Python out of the token loop's inner steps.
 
     weights: LayerWeights or MoELayerWeights. act_sq: float64 sums of the squared inputs of
     the q/k/v, o, gate/up and down projections, a row each (for the importance matrix of
