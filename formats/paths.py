@@ -1,4 +1,5 @@
-"""Where nibble keeps its files: a cache (models fetched by alias, compiled kernels) and data (chats).
+"""Where nibble keeps its files: a cache (models fetched by alias, compiled kernels, KV blocks) and data
+(chats).
 
 $NIBBLE_HOME holds both when set; otherwise they follow the XDG base directories. These
 functions only compute paths: creating the folders is left to whoever writes there.
@@ -30,6 +31,11 @@ def quantized_dir() -> Path:
 def kernels_dir() -> Path:
     """Compiled kernels, a folder per version of their sources."""
     return cache_home() / "numba"
+
+
+def kv_dir() -> Path:
+    """The KV cache's blocks kept on disk, a folder per model (runner/kv_disk.py)."""
+    return cache_home() / "kv"
 
 
 def _home(xdg_variable: str, default_under_home: Path) -> Path:

@@ -56,10 +56,11 @@ def temp_dir(dest: Path, tag: str = "tmp") -> Iterator[Path]:
 
 
 @contextmanager
-def temp_file(dest: Path) -> Iterator[tuple[Path, BinaryIO]]:
+def temp_file(dest: Path, clean: bool = True) -> Iterator[tuple[Path, BinaryIO]]:
     """A new file beside `dest`, open for writing and locked while the block runs; removed at
-    its end unless it was renamed into place."""
-    path, fd = _create(dest, "tmp", lambda p: os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+    its end unless it was renamed into place. clean=False: the folder's leftovers are not looked
+    for (a writer of many small files that removed them once, when it started)."""
+    path, fd = _create(dest, "tmp", lambda p: os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), clean)
     with os.fdopen(fd, "r+b") as f:
         try:
             yield path, f
@@ -80,15 +81,16 @@ def locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def remove_leftovers(folder: Path) -> list[Leftover]:
-    """Remove the temporaries in `folder` whose writer died, and say so in one line on stderr.
-    An interrupted replace's old directory whose new one never arrived is put back instead."""
+def remove_leftovers(folder: Path, say: bool = True) -> list[Leftover]:
+    """Remove the temporaries in `folder` whose writer died, and say so in one line on stderr
+    (unless not `say`). An interrupted replace's old directory whose new one never arrived is put
+    back instead."""
     try:
         names = sorted(e.name for e in os.scandir(folder) if _LEFTOVER.fullmatch(e.name))
     except OSError:   # no such folder yet: nothing left over
         return []
     found = [f for f in (_remove_if_dead(folder / name) for name in names) if f is not None]
-    if found:
+    if found and say:
         print(f"nibble: {describe(found)}", file=sys.stderr)
     return found
 
@@ -104,9 +106,10 @@ def describe(found: list[Leftover]) -> str:
     return "; ".join(one(f) for f in found)
 
 
-def _create(dest: Path, tag: str, make: Callable[[Path], int]) -> tuple[Path, int]:
-    """Remove dest's folder's leftovers, then make (and lock) a new temporary beside `dest`."""
-    remove_leftovers(dest.parent)
+def _create(dest: Path, tag: str, make: Callable[[Path], int], clean: bool = True) -> tuple[Path, int]:
+    """Remove dest's folder's leftovers (if `clean`), then make (and lock) a new temporary beside `dest`."""
+    if clean:
+        remove_leftovers(dest.parent)
     while True:
         path = sibling(dest, tag)
         fd = make(path)

@@ -6,6 +6,10 @@ its end, so a prefix common to several conversations (a system prompt, a shared 
 stored once, and a new sequence starts on the longest run of blocks its ids spell. A block nobody
 holds stays cached until the pool needs it, least recently used first.
 
+With a disk tier (runner/kv_disk.py), every full block is also kept on disk when it is hashed,
+and a prefix the pool no longer holds (evicted, or held by a process that ended) is read back
+from there.
+
 Writes never land in a block another sequence reads: matching stops before the last id (it
 always runs, since its logits choose the reply's first token), so a sequence writes only past
 the full blocks it shares; a partly filled block is matched only while nobody holds it, and is
@@ -22,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nibble.formats.errors import NibbleError
-from .cache import BLOCK, HostKV, KVPool
+from .cache import BLOCK, HostKV, KVCache, KVPool
+from .kv_disk import DiskBlocks
 
 ROOT = bytes(16)   # the parent of a sequence's first block
 
@@ -36,7 +41,8 @@ class SeqBlocks:
     """One sequence's blocks: position p lives in blocks[p // BLOCK], at offset p % BLOCK."""
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)   # the chain of its leading full blocks
-    cached: int = 0   # positions found in the pool when the sequence was made
+    cached: int = 0      # positions found in the pool when the sequence was made
+    from_disk: int = 0   # of those, the ones read back from the disk tier
 
     @property
     def parent(self) -> bytes:
@@ -54,7 +60,7 @@ def block_hash(parent: bytes, ids: Sequence[int], partial: bool = False) -> byte
 class BlockPool:
     """Refcounted blocks, their hashes, and the LRU of the hashed blocks nobody holds.
 
-        pool = BlockPool(model.new_pool(blocks))
+        pool = BlockPool(model.new_pool(blocks), disk)   # disk: kv_disk.open_disk(...) or None
         seq = pool.sequence(ids)          # seq.cached positions are already there
         pool.reserve(seq, len(ids))       # blocks for the rest; run ids[seq.cached:]
         pool.commit(seq, ids)             # hash the blocks that became full
@@ -64,8 +70,8 @@ class BlockPool:
     a pool at a time.
     """
 
-    def __init__(self, kv: KVPool):
-        self.kv = kv
+    def __init__(self, kv: KVPool, disk: DiskBlocks | None = None):
+        self.kv, self.disk = kv, disk
         self.blocks = blocks = kv.blocks
         self.free = list(range(blocks - 1, -1, -1))   # popped from the end: block 0 first
         self.refs = [0] * blocks
@@ -80,14 +86,17 @@ class BlockPool:
 
     def sequence(self, ids: Sequence[int]) -> SeqBlocks:
         """A sequence for a prompt of `ids`, holding the longest prefix of them that the pool
-        has (at most len(ids) - 1 positions: the last id always runs)."""
+        has, or its disk tier (at most len(ids) - 1 positions: the last id always runs)."""
         seq, limit = SeqBlocks(), len(ids) - 1
         while (len(seq.blocks) + 1) * BLOCK <= limit:
             start = len(seq.blocks) * BLOCK
             h = block_hash(seq.parent, ids[start:start + BLOCK])
             block = self.by_hash.get(h)
             if block is None:
-                break
+                block = self._from_disk(h)
+                if block is None:
+                    break
+                seq.from_disk += BLOCK
             self._hold(block)
             seq.blocks.append(block)
             seq.hashes.append(h)
@@ -118,6 +127,8 @@ class BlockPool:
             seq.hashes.append(h)
             if h not in self.by_hash:
                 self._hash(seq.blocks[i], h)
+                if self.disk is not None:
+                    self.disk.save(h, self._views(seq.blocks[i]))
 
     def release(self, seq: SeqBlocks, ids: Sequence[int]):
         """The sequence is done: its blocks become cache (hashed: full ones, and its partly
@@ -155,6 +166,24 @@ class BlockPool:
             self._unref(block)
         del seq.blocks[keep:]
 
+    def _from_disk(self, h: bytes) -> int | None:
+        """A block of the pool holding the disk tier's block `h`, hashed and cache; None if the
+        disk has it not whole, or the pool has no block to spare."""
+        if self.disk is None or h not in self.disk:
+            return None
+        try:
+            block = self._allocate()
+        except PoolFull:
+            return None
+        if not self.disk.load(h, self._views(block)):
+            self.free.append(block)
+            return None
+        self._hash(block, h)
+        return block
+
+    def _views(self, block: int) -> list[memoryview]:
+        return [v for part in self.kv.parts for v in part.block_views(block)]
+
     def _hold(self, block: int):
         self.cached.pop(block, None)
         self.refs[block] += 1
@@ -185,6 +214,17 @@ class BlockPool:
         if h is not None:
             del self.by_hash[h]
         self.cached.pop(block, None)
+
+
+def resume(pool: BlockPool, ids: Sequence[int], size: int) -> tuple[KVCache, SeqBlocks]:
+    """A cache of `size` positions on `pool` (blocks for all of them reserved) holding the longest
+    prefix of `ids` that the pool or its disk tier has (its positions filled: run ids[cache.pos:]);
+    and its blocks, to commit once it ran."""
+    seq = pool.sequence(ids)
+    pool.reserve(seq, size)
+    cache = KVCache.on_pool(pool.kv, seq.blocks, size)
+    cache.advance(ids[:seq.cached])
+    return cache, seq
 
 
 def _copy(kv: KVPool, src: int, dst: int):

@@ -73,6 +73,11 @@ class HostKV:
         return cls(_lazy_zeros(keys, dtype), _lazy_zeros(shape, dtype),
                    np.ones(shape[:4], np.float32), np.ones(shape[:4], np.float32))
 
+    def block_views(self, block: int) -> list[memoryview]:
+        """Block `block`'s bytes: each array's slice of it, layer by layer (each contiguous)."""
+        return [memoryview(a[i, block]).cast("B") for a in (self.k, self.v, self.k_scale, self.v_scale)
+                for i in range(a.shape[0])]
+
     def layer(self, i: int) -> tuple:
         """The arrays of the part's layer i, as kernels.layer.decoder_layer takes them."""
         return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]

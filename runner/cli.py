@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import importlib
 import json
 import os
 import sys
@@ -93,6 +94,31 @@ kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, t
                                help="KV cache precision: int8 keeps a quarter of the memory.")
 
 
+class Parsed(click.ParamType):
+    """A value that nibble's function `parse` ("module:function", imported when first used) reads;
+    the NibbleError of a wrong one a usage error."""
+
+    def __init__(self, name: str, parse: str):
+        self.name, self.parse = name, parse
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        module, function = self.parse.split(":")
+        parse = getattr(importlib.import_module(module, __package__), function)
+        try:
+            return parse(value)
+        except NibbleError as e:
+            self.fail(str(e), param, ctx)
+
+
+kv_disk_option = click.option("--kv-disk", default="8G", show_default=True, type=Parsed("size", ".kv_disk:parse_size"),
+                              envvar="NIBBLE_KV_DISK",
+                              help="Disk kept for KV cache blocks, every model's together (in nibble's cache "
+                                   "folder): a prompt's prefix seen before, even before a restart, is read "
+                                   "back instead of prefilled. 0: none.")
+
+
 def sampling_options(f):
     """--temp, --top-k, --top-p, --min-p, --repeat-penalty, the --dry-* flags and --seed, handed to the
     command as one `sampling` dict: the flags given, by SamplerSettings' names, to lay over the
@@ -144,6 +170,7 @@ def generation_options(f):
                      help=f"Context size in tokens, at most the model's [default: {DEFAULT_CTX}, or the "
                           f"model's if smaller]."),
         kv_cache_option,
+        kv_disk_option,
         draft_options,
     ]
     return functools.reduce(lambda g, option: option(g), reversed(options), f)
@@ -262,8 +289,8 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--json-object", is_flag=True, help="Reply with a JSON object (say in the prompt what it should hold).")
 @thinking_options
 @click.option("--hide-thinking", is_flag=True, help="Do not print what a model that thinks thinks (it still thinks).")
-def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, draft,
-        gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object, thinking, hide_thinking):
+def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk,
+        draft, gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object, thinking, hide_thinking):
     """Answer PROMPT (or -p, or stdin) and stream the reply to stdout (a model's thinking, dimmed,
     to stderr)."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
@@ -284,24 +311,45 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     else:
         prompt_text, split = chat_prompt(tokenizer, build_messages(text, system), thinking, forced=grammar is not None)
         ids = tokenizer.encode(prompt_text)
-    cache = llm.new_cache(ctx_size, kv_cache)
+    cache, pool, seq = _prompt_cache(llm, ids, ctx_size, kv_cache, kv_disk)
+    cached = cache.pos
     constraint = grammar.constraint(tokenizer) if grammar else None
     shown = Shown(as_json, hide_thinking)
     last = None
     try:
-        for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling, tokenizer),
+        for last in stream_generate(llm, tokenizer, ids[cached:], sampler=make_sampler(sampling, tokenizer),
                                     max_tokens=max_tokens, stop=stop, cache=cache, constraint=constraint,
                                     draft=draft, reasoning=split):
             shown.add(last.thinking, last.text)
     except KeyboardInterrupt:
         # Ctrl-C: keep what was printed, report, and exit as interrupted programs do.
         shown.end()
-        _report(last, shown, as_json, interrupted=True)
+        _report(last, shown, as_json, cached, interrupted=True)
         sys.exit(130)
+    finally:   # what ran is kept on disk for the next run with the same prefix
+        if pool is not None:
+            pool.commit(seq, cache.tokens)
     shown.end()
     if grammar and last and last.finish_reason != "stop":
         _say(f"the reply ended ({last.finish_reason}) before its JSON was complete: raise -n or -c")
-    _report(last, shown, as_json)
+    _report(last, shown, as_json, cached)
+
+
+def _prompt_cache(llm, ids: list[int], ctx_size: int, kv_type: str, kv_disk: int):
+    """-> (the cache run's reply goes on, holding what the disk tier has of `ids`; the pool and the
+    sequence of blocks to keep on disk once it ran, or None, None where there is no disk tier)."""
+    from .blocks import BlockPool, resume
+    from .cache import blocks_for
+    from .kv_disk import open_disk
+    if llm.gpu_stage is not None:   # a pool of blocks lives on the CPU only
+        return llm.new_cache(ctx_size, kv_type), None, None
+    kv = llm.new_pool(blocks_for(ctx_size), kv_type)
+    disk = open_disk(llm.source, kv, kv_disk)
+    if disk is None:
+        return llm.new_cache(ctx_size, kv_type), None, None
+    pool = BlockPool(kv, disk)
+    cache, seq = resume(pool, ids, ctx_size)
+    return cache, pool, seq
 
 
 class Shown:
@@ -350,9 +398,12 @@ def _grammar(json_schema: str | None, json_object: bool):
         raise GrammarError(f"{json_schema}: {e}") from None
 
 
-def _report(r, shown: Shown, as_json: bool, interrupted: bool = False):
+def _report(r, shown: Shown, as_json: bool, cached: int, interrupted: bool = False):
+    """The stats line (or --json's object); `cached`: the prompt's tokens read back from the disk
+    tier rather than prefilled (prompt_tps counts the others)."""
     finish = "interrupted" if interrupted else (r.finish_reason if r else None)
-    stats = dict(prompt_tokens=r.prompt_tokens if r else 0, prompt_tps=r.prompt_tps if r else 0.0,
+    stats = dict(prompt_tokens=cached + (r.prompt_tokens if r else 0), cached_tokens=cached,
+                 prompt_tps=r.prompt_tps if r else 0.0,
                  generation_tokens=r.generation_tokens if r else 0,
                  generation_tps=r.generation_tps if r else 0.0,
                  ttft=r.ttft if r and r.generation_tokens else None)   # None: stopped in the prefill
@@ -363,7 +414,8 @@ def _report(r, shown: Shown, as_json: bool, interrupted: bool = False):
         return
     sys.stdout.flush()   # the reply's last newline before the stats line
     ttft = f"{stats['ttft']:.2f} s" if stats["ttft"] is not None else "-"
-    click.echo(f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tps']:.1f} tok/s | "
+    from_disk = f" ({cached} from the disk cache)" if cached else ""
+    click.echo(f"prompt {stats['prompt_tokens']} tokens{from_disk}, {stats['prompt_tps']:.1f} tok/s | "
                f"reply {stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s | "
                f"first token {ttft} | {finish}", err=True)
 
@@ -374,8 +426,8 @@ def _report(r, shown: Shown, as_json: bool, interrupted: bool = False):
 @generation_options
 @thinking_options
 @gpu_options
-def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, draft, thinking, gpu_layers,
-         require_gpu):
+def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk, draft, thinking,
+         gpu_layers, require_gpu):
     """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
@@ -386,7 +438,8 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     # the thinking flags hold in every chat whose settings leave thinking at its default.
     # -c above a model's context: each session is as long as its model's (runner.session).
     seed = sampling.pop("seed", None)
-    ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, threads=threads, seed=seed,
+    ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, kv_disk=kv_disk,
+            threads=threads, seed=seed,
             system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
             require_gpu=require_gpu, draft=draft, thinking=thinking).run()
 
@@ -406,20 +459,6 @@ def _fetch_if_needed(ref: str):
             pass
 
 
-class KeepAlive(click.ParamType):
-    """--keep-alive: ollama's durations (serve.models.parse_keep_alive), a wrong one a usage error."""
-    name = "duration"
-
-    def convert(self, value, param, ctx):
-        if not isinstance(value, str):
-            return value
-        from .serve.models import parse_keep_alive
-        try:
-            return parse_keep_alive(value)
-        except NibbleError as e:
-            self.fail(str(e), param, ctx)
-
-
 @main.command()
 @model_option
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
@@ -437,6 +476,7 @@ class KeepAlive(click.ParamType):
               help=f"Each reply's context in tokens, at most the model's [default: {DEFAULT_CTX}, or the "
                    f"model's if smaller].")
 @kv_cache_option
+@kv_disk_option
 @click.option("--cache-tokens", type=click.IntRange(min=1),
               help="KV cache positions kept for all replies, finished conversations included "
                    "[default: --parallel times the context].")
@@ -445,7 +485,8 @@ class KeepAlive(click.ParamType):
                    "nibble's and the Hugging Face cache, loaded when a request names it].")
 @click.option("--max-models", default=3, show_default=True, type=click.IntRange(min=1),
               help="Models kept loaded at once; loading one more unloads the least recently used idle one.")
-@click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION", type=KeepAlive(),
+@click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION",
+              type=Parsed("duration", ".serve.models:parse_keep_alive"),
               help="Unload a model idle this long: 30s, 5m, 1h, 0 (once its replies end) or -1 (never).")
 @click.option("--allowed-hosts", metavar="A,B,...",
               help="Host names served beside localhost's while listening on loopback (a name this "
@@ -458,7 +499,7 @@ class KeepAlive(click.ParamType):
 @draft_options
 @gpu_options
 @click.pass_context
-def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, cache_tokens,
+def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, kv_disk, cache_tokens,
           only, max_models, keep_alive, allowed_hosts, cors_origins, thinking, draft, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) and Anthropic's and ollama's: MODEL loaded at start, the others when a request
@@ -478,7 +519,7 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
     sock = listen(host, port)                 # a port in use, are said before the model loads
     log = functools.partial(click.echo, err=True)
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, _threads(threads), cache_tokens,
-                            quant, thinking, draft)
+                            quant, thinking, draft, kv_disk)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
     if models.embeds(default):   # an embedding model: /v1/embeddings
         models.load_now(default)

@@ -53,6 +53,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int        # of the prompt's, found in the pool rather than prefilled
+    disk_tokens: int = 0      # of those, read back from the disk tier (runner/kv_disk.py)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class Decoding:
                   and (r.reasoning is None or r.reasoning.budget is None))
         self.drafter = PromptLookup(min(r.draft, SMALL - 1)) if drafts else None
         self.cached = 0                           # of the prompt's positions, found in a cache
+        self.from_disk = 0                        # of those, read back from the disk tier
         self.unsent: list[int] = []               # ids not yet in an event (end tokens left out)
         self.logprobs: list[TokenLogprob] = []    # of those
 
@@ -162,7 +164,7 @@ class Decoding:
         return Event("", (), "error", self.usage(), error)
 
     def usage(self) -> Usage:
-        return Usage(len(self.request.prompt_ids), self.reply.tokens, self.cached)
+        return Usage(len(self.request.prompt_ids), self.reply.tokens, self.cached, self.from_disk)
 
     def _sample(self, logits: np.ndarray, events: list[Event]):
         r = self.request

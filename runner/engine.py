@@ -24,6 +24,7 @@ from .blocks import BlockPool, SeqBlocks
 from .cache import BLOCK, Rows, blocks_for
 from .decoding import Decoding, Event, Request, Usage, check
 from .generate import PREFILL_CHUNK
+from .kv_disk import open_disk
 from .model import Model
 from .tokenizer import Tokenizer
 
@@ -95,11 +96,14 @@ class Engine(ModelThread):
     `emit` runs on the engine thread: it must be quick and must not block (the server hands the
     event to its event loop). The last event of a reply has a finish_reason and the usage. Drained,
     it ends every reply at its next step with finish_reason "stop".
+
+    kv_disk: the bytes the disk tier of the pool's blocks may take (runner/kv_disk.py; 0: none),
+    so that a prefix seen before a restart, or evicted since, is read back rather than prefilled.
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, *, parallel: int = 4, queue: int = 16,
                  ctx: int | None = None, kv_type: str = "f32", threads: int | None = None,
-                 cache_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 cache_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK, kv_disk: int = 0):
         if parallel < 1 or queue < 0:
             raise NibbleError(f"parallel must be at least 1 and queue at least 0, got {parallel} and {queue}")
         if model.gpu_stage is not None:
@@ -113,7 +117,8 @@ class Engine(ModelThread):
         # Room for every running sequence's whole context, so that a step never runs out of
         # blocks (no preemption); what they do not hold is cache.
         blocks = max(blocks_for(cache_tokens or 0), parallel * blocks_for(self.ctx))
-        self.pool = BlockPool(model.new_pool(blocks, kv_type))
+        kv = model.new_pool(blocks, kv_type)
+        self.pool = BlockPool(kv, open_disk(model.source, kv, kv_disk))
         super().__init__()
         self._waiting: deque[Handle] = deque()
         self._running: list[_Sequence] = []
@@ -200,7 +205,7 @@ class Engine(ModelThread):
         r = handle.request
         blocks = self.pool.sequence(r.prompt_ids)
         decoding = Decoding(r, self.tokenizer, self.ctx)
-        decoding.cached = blocks.cached
+        decoding.cached, decoding.from_disk = blocks.cached, blocks.from_disk
         return _Sequence(handle, blocks, decoding, blocks.cached)
 
     def _step(self, running: list[_Sequence]):

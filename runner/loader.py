@@ -1,4 +1,5 @@
 """From a model reference to a runnable model and its tokenizer."""
+from nibble.formats.catalog import identity
 from nibble.formats.errors import NibbleError
 from nibble.formats.hub import resolve
 from nibble.formats.model_dir import ModelDir, read_model_dir
@@ -57,4 +58,5 @@ def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:
 
 
 def from_model_dir(model_dir: ModelDir) -> tuple[Model, Tokenizer]:
-    return Model(model_dir.config, model_dir.tensors), Tokenizer(model_dir)
+    source = identity(model_dir.path) if model_dir.path is not None else None
+    return Model(model_dir.config, model_dir.tensors, source=source), Tokenizer(model_dir)

@@ -25,10 +25,14 @@ class NonFinite(NibbleError):
 
 
 class Model:
-    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], head: bool = True):
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], head: bool = True,
+                 source: str | None = None):
         """head=False: the blocks and the final norm only (an embedder's: a checkpoint saved
-        without its head may hold none)."""
+        without its head may hold none). source: what names the weights (catalog.identity of
+        their files), which the disk tier of the KV cache keeps blocks under; None: weights
+        built in memory, no disk tier."""
         self.config = config
+        self.source = source
         c = config
         D = c.hidden_size
         self.family = family(c)

@@ -40,6 +40,7 @@ class TurnStats:
     """What one turn cost, and where the context stands."""
     prompt_tokens: int = 0        # the conversation as rendered for this turn
     reused: int = 0               # of those, already in the KV cache
+    from_disk: int = 0            # of those, read back from the disk tier (runner/kv_disk.py)
     prefilled: int = 0            # of those, run this turn (prompt_tokens - reused)
     dropped: int = 0              # oldest messages left out so that the reply fits the context
     generation_tokens: int = 0
@@ -185,11 +186,12 @@ class ChatSession:
         # Keep what the cache shares with the new prompt; the last prompt token always runs,
         # since its logits choose the reply's first token.
         reused = min(_common_prefix(cache.tokens, ids), len(ids) - 1)
+        from_disk = 0
         if self.pool is None:
             cache.truncate(reused)
         else:
-            reused = self._place(ids, reused, min(len(ids) + max_tokens, cache.size))
-        stats = TurnStats(prompt_tokens=len(ids), reused=reused, prefilled=len(ids) - reused,
+            reused, from_disk = self._place(ids, reused, min(len(ids) + max_tokens, cache.size))
+        stats = TurnStats(prompt_tokens=len(ids), reused=reused, from_disk=from_disk, prefilled=len(ids) - reused,
                           dropped=dropped, ctx_used=cache.pos, ctx_size=cache.size)
         yield ChatChunk("", stats)
 
@@ -207,16 +209,20 @@ class ChatSession:
         finally:   # also when the consumer stops the turn: note what the cache now holds
             thought = prompt.split is not None and prompt.split.thinking_tokens > 0
             self._remember(prompt, None if thought else "".join(answer))
+            if self.pool is not None:   # its full blocks shared, and kept on disk where the pool has a tier
+                self.pool.commit(self.blocks, cache.tokens)
 
-    def _place(self, ids: list[int], reused: int, positions: int) -> int:
+    def _place(self, ids: list[int], reused: int, positions: int) -> tuple[int, int]:
         """Put the cache where the pool holds most of `ids`: on its own blocks, cut to the
         `reused` positions it shares with them, or on the blocks of a conversation it left
-        earlier if they hold more. Give it blocks for `positions` positions. -> positions reused."""
+        earlier if they hold more (the pool's, or its disk tier's). Give it blocks for `positions`
+        positions. -> (positions reused, of those read back from disk)."""
         pool, cache = self.pool, self.cache
         found = pool.sequence(ids)
-        if found.cached > reused:   # another chat, say, that the pool still holds
+        from_disk = 0
+        if found.cached > reused:   # another chat, say, that the pool (or its disk) still holds
             pool.release(self.blocks, cache.tokens)
-            self.blocks, reused = found, found.cached
+            self.blocks, reused, from_disk = found, found.cached, found.from_disk
             cache.tokens[:] = ids[:reused]
             cache.pos = reused
         else:
@@ -225,7 +231,7 @@ class ChatSession:
             cache.truncate(reused)
         pool.reserve(self.blocks, positions)
         cache.table = np.array(self.blocks.blocks, np.int32)
-        return reused
+        return reused, from_disk
 
     def _remember(self, prompt: Prompt, answer: str | None):
         """Note the ids behind the cache's text: the prompt, then the reply as far as its tokens

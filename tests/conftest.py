@@ -3,6 +3,9 @@ import os
 
 # CI has no GPU: the CUDA kernels run in numba's simulator (NUMBA_ENABLE_CUDASIM=0 on a real GPU).
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# The commands' disk tier of KV blocks off (--kv-disk's default), so that a test's replies and
+# counts do not depend on what the tests before it ran; tests/test_kv_disk.py turns it on.
+os.environ["NIBBLE_KV_DISK"] = "0"
 import subprocess
 import sys
 import zipfile

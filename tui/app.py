@@ -76,7 +76,7 @@ class ChatApp(App):
     ]
 
     def __init__(self, model: str | None = "smollm2", *, quant: str | None = None, ctx_size: int = 4096,
-                 kv_cache: str = "f32", threads: int | None = None, seed: int | None = None,
+                 kv_cache: str = "f32", kv_disk: int = 0, threads: int | None = None, seed: int | None = None,
                  system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
                  store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,
                  require_gpu: bool = False, draft: int = DEFAULT_DRAFT,
@@ -85,13 +85,15 @@ class ChatApp(App):
         New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
         `sampling` ({SamplerSettings field: value}, the command line's flags) laid over them.
         `draft`: the most tokens a decode pass guesses ahead (0: none; runner/draft.py).
+        `kv_disk`: bytes for the KV blocks kept on disk (0: none; runner/kv_disk.py), so that a
+        chat reopened after a restart goes on without prefilling what it held.
         `thinking`: what is asked of a model that thinks (--think, --reasoning-budget), in every
         chat whose settings do not say otherwise.
         `load(ref, quant) -> (model, tokenizer)` replaces runner.loader.load (tests share one
         loaded model this way)."""
         super().__init__()
         self.requested_model = model
-        self.quant, self.ctx_size, self.kv_cache = quant, ctx_size, kv_cache
+        self.quant, self.ctx_size, self.kv_cache, self.kv_disk = quant, ctx_size, kv_cache, kv_disk
         self.threads, self.seed = threads, seed
         self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
         self.draft = draft
@@ -188,8 +190,10 @@ class ChatApp(App):
             return None
         from nibble.runner.blocks import BlockPool
         from nibble.runner.cache import blocks_for
+        from nibble.runner.kv_disk import open_disk
         ctx = min(self.ctx_size, model.config.max_position_embeddings)
-        return BlockPool(model.new_pool(POOL_CONTEXTS * blocks_for(ctx), self.kv_cache))
+        kv = model.new_pool(POOL_CONTEXTS * blocks_for(ctx), self.kv_cache)
+        return BlockPool(kv, open_disk(model.source, kv, self.kv_disk))
 
     def on_load_progress(self, m: LoadProgress):
         if m.ref == self.loading:

@@ -312,10 +312,11 @@ class Stamp:
 
 
 def usage(u) -> dict:
-    """An engine Usage -> OpenAI's usage, with the reused prompt tokens as cached_tokens."""
+    """An engine Usage -> OpenAI's usage, with the reused prompt tokens as cached_tokens and,
+    nibble's own, those of them read back from its disk tier as disk_tokens."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "disk_tokens": u.disk_tokens}}
 
 
 def chat_completion(stamp: Stamp, content: str | None, tool_calls: list[dict], finish_reason: str,

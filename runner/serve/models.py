@@ -53,6 +53,7 @@ class EngineOptions:
     quant: str | None = None      # as loader.load takes it
     thinking: ThinkingOptions = ThinkingOptions()   # --think, --reasoning-budget: each request may say otherwise
     draft: int = DEFAULT_DRAFT    # --draft: the most tokens a pass guesses ahead, for a reply decoding alone
+    kv_disk: int = 0              # --kv-disk: bytes for KV blocks on disk (runner/kv_disk.py)
 
 
 def parse_keep_alive(text: str) -> float | None:
@@ -233,7 +234,7 @@ class Models:
         """A model that generates, its engine started."""
         o = self.options
         engine = Engine(model, tokenizer, parallel=o.parallel, queue=o.queue, ctx=o.ctx, kv_type=o.kv_type,
-                        threads=o.threads, cache_tokens=o.cache_tokens)
+                        threads=o.threads, cache_tokens=o.cache_tokens, kv_disk=o.kv_disk)
         engine.start()   # returns once a first pass has run: the kernels are compiled or loaded
         if tokenizer.sampling_note:
             self._log(f"{name}: {tokenizer.sampling_note}")

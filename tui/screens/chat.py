@@ -214,7 +214,8 @@ class ChatScreen(Screen):
                 turn.view.set_meta(
                     f"{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s…"
                     if stats.generation_tokens else
-                    f"prefilling {stats.prefilled} tokens ({stats.reused} reused)…")
+                    f"prefilling {stats.prefilled} tokens ({stats.reused} reused"
+                    f"{f', {stats.from_disk} from disk' if stats.from_disk else ''})…")
         if stats.finish_reason:
             await self._end_turn(turn, stats.finish_reason)
 

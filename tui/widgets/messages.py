@@ -38,7 +38,8 @@ def describe(stats: dict, finish: str | None) -> str:
     if tps := stats.get("generation_tps"):
         parts.append(f"{tps:.1f} tok/s")
     if "prefilled" in stats:
-        reused = f", {stats['reused']} reused" if stats.get("reused") else ""
+        disk = f" ({stats['from_disk']} from disk)" if stats.get("from_disk") else ""
+        reused = f", {stats['reused']} reused{disk}" if stats.get("reused") else ""
         parts.append(f"prefill {stats['prefilled']} tokens{reused}")
     if stats.get("dropped"):
         parts.append(f"{stats['dropped']} oldest messages left out")
