@@ -88,18 +88,21 @@ class BlockPool:
         """A sequence for a prompt of `ids`, holding the longest prefix of them that the pool
         has, or its disk tier (at most len(ids) - 1 positions: the last id always runs)."""
         seq, limit = SeqBlocks(), len(ids) - 1
+        reading = []   # the indices in seq.blocks of the blocks that the disk tier fills
         while (len(seq.blocks) + 1) * BLOCK <= limit:
             start = len(seq.blocks) * BLOCK
             h = block_hash(seq.parent, ids[start:start + BLOCK])
             block = self.by_hash.get(h)
-            if block is None:
-                block = self._from_disk(h)
-                if block is None:
-                    break
-                seq.from_disk += BLOCK
-            self._hold(block)
+            if block is not None:
+                self._hold(block)
+            elif self.disk is not None and h in self.disk and (block := self._spare()) is not None:
+                reading.append(len(seq.blocks))
+            else:
+                break
             seq.blocks.append(block)
             seq.hashes.append(h)
+        if reading:
+            self._read(seq, reading)
         seq.cached = start = len(seq.blocks) * BLOCK
         for n in range(min(BLOCK - 1, limit - start), 0, -1):   # the longest partly filled block
             block = self.by_hash.get(block_hash(seq.parent, ids[start:start + n], partial=True))
@@ -166,20 +169,27 @@ class BlockPool:
             self._unref(block)
         del seq.blocks[keep:]
 
-    def _from_disk(self, h: bytes) -> int | None:
-        """A block of the pool holding the disk tier's block `h`, hashed and cache; None if the
-        disk has it not whole, or the pool has no block to spare."""
-        if self.disk is None or h not in self.disk:
-            return None
+    def _spare(self) -> int | None:
+        """A block held once, taken from the free ones or the cache; None if the pool has none."""
         try:
             block = self._allocate()
         except PoolFull:
             return None
-        if not self.disk.load(h, self._views(block)):
-            self.free.append(block)
-            return None
-        self._hash(block, h)
+        self.refs[block] = 1
         return block
+
+    def _read(self, seq: SeqBlocks, reading: list[int]):
+        """Fill the blocks seq.blocks[i] for i in `reading` from the disk tier, all at once. Each
+        one read whole is hashed; the sequence ends before the first that is not."""
+        read = self.disk.load_all([(seq.hashes[i], self._views(seq.blocks[i])) for i in reading])
+        end = next((i for i, whole in zip(reading, read) if not whole), len(seq.blocks))
+        for i, whole in zip(reading, read):
+            if whole:
+                self._hash(seq.blocks[i], seq.hashes[i])
+        seq.from_disk = BLOCK * sum(i < end for i in reading)
+        for block in reversed(seq.blocks[end:]):   # the ones read whole past it stay as cache
+            self._unref(block)
+        del seq.blocks[end:], seq.hashes[end:]
 
     def _views(self, block: int) -> list[memoryview]:
         return [v for part in self.kv.parts for v in part.block_views(block)]

@@ -14,6 +14,7 @@ over that sequence's positions up to it.
 """
 import mmap
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -75,7 +76,13 @@ class HostKV:
 
     def block_views(self, block: int) -> list[memoryview]:
         """Block `block`'s bytes: each array's slice of it, layer by layer (each contiguous)."""
-        return [memoryview(a[i, block]).cast("B") for a in (self.k, self.v, self.k_scale, self.v_scale)
+        return [layer[block * size:(block + 1) * size] for layer, size in self._layer_bytes]
+
+    @cached_property
+    def _layer_bytes(self) -> list[tuple[memoryview, int]]:
+        """Each array's layers as bytes, and a block's bytes in each (slicing these is a fifth of
+        the time of making a block's views from the arrays)."""
+        return [(memoryview(a[i]).cast("B"), a[i, 0].nbytes) for a in (self.k, self.v, self.k_scale, self.v_scale)
                 for i in range(a.shape[0])]
 
     def layer(self, i: int) -> tuple:

@@ -20,6 +20,7 @@ import hashlib
 import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -56,6 +57,7 @@ class DiskBlocks:
         folder.mkdir(parents=True, exist_ok=True)
         remove_leftovers(folder, say=False)   # a killed writer's; then never looked for again
         self._used: int | None = None          # bytes of every model's blocks, once measured
+        self._readers: ThreadPoolExecutor | None = None
 
     def path(self, h: bytes) -> Path:
         return self.folder / (h.hex() + _SUFFIX)
@@ -111,6 +113,13 @@ class DiskBlocks:
             os.close(fd)
         path.unlink(missing_ok=True)
         return False
+
+    def load_all(self, blocks: list[tuple[bytes, list[memoryview]]]) -> list[bool]:
+        """load(h, views) for each (h, views) of `blocks`, on a few threads at once (the reads and
+        checksums let go of the GIL: one core alone copies and checks at about half the rate)."""
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="nibble kv disk")
+        return list(self._readers.map(lambda block: self.load(*block), blocks))
 
     def _grow(self, n: int):
         if self._used is None:

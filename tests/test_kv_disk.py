@@ -130,6 +130,7 @@ def test_a_damaged_block_is_deleted_and_never_used(tiny, home, damage):
     cache, again = resume(pool, ids, CTX)
     assert again.cached == again.from_disk == BLOCK   # the first block; the rest leads through the damaged one
     assert not second.exists()
+    assert len(pool.cached) == 2 and len(pool.by_hash) == 3   # the two read whole past it kept as cache
     assert reply(model, tok, ids, cache) == text
 
 
