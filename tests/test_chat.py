@@ -1,6 +1,6 @@
 """Chat templates rendered as Hugging Face renders them, checked against llama.cpp's SmolLM2 prompts;
 hostile templates end in one line, soon."""
-import time
+import re
 
 import jinja2.sandbox
 import pytest
@@ -116,12 +116,15 @@ def test_the_limits_change_nothing_jinja_renders(source):
     assert ChatTemplate(source).render(messages) == want
 
 
-def refused(source: str, messages=None, limits=Limits()) -> str:
-    """The one line that rendering `source` ends in, once it has ended well before a hang would."""
-    start = time.monotonic()
+# The limits but the deadline: which limit a template meets first then does not depend on how
+# busy the machine is.
+NO_DEADLINE = Limits(seconds=float("inf"))
+
+
+def refused(source: str, messages=None, limits=NO_DEADLINE) -> str:
+    """The one line that rendering `source` ends in."""
     with pytest.raises(NibbleError) as e:
         ChatTemplate(source, limits=limits).render(messages or build_messages("q", system="s"))
-    assert time.monotonic() - start < 30   # it ended: a hang check, not a speed test
     message = str(e.value)
     assert "\n" not in message and message.startswith("the model's chat template "), message
     return message
@@ -209,5 +212,7 @@ def test_nibble_run_says_what_the_template_did_in_one_line(tmp_path):
     path = write_model_dir(model, tmp_path / "hostile")
     result = CliRunner().invoke(main, ["run", "-m", str(path), "-n", "2", "hi"])
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert result.stderr.strip().splitlines() == [
-        "Error: the model's chat template took more than 10,000,000 steps (an endless loop?); pass --raw to skip it"]
+    # the steps' limit, or on a busy machine the deadline's, whichever comes first
+    [line] = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"Error: the model's chat template (took more than 10,000,000 steps|ran longer than 10 s) "
+                        r"\(an endless loop\?\); pass --raw to skip it", line), line

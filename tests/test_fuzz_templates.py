@@ -1,9 +1,8 @@
 """Fuzzing chat templates: hypothesis writes templates from a grammar of Jinja's constructs (loops,
 macros, recursion, filters, string methods, arithmetic, lookups on messages, raise_exception, huge
 ranges and products, sandbox escapes, unclosed tags) and renders them with realistic and hostile
-conversations. Each must end in text, or in one ChatTemplateError line, within its time limit."""
+conversations. Each must end in text, or in one ChatTemplateError line (the sandbox's limits end it)."""
 import re
-import time
 
 import pytest
 from hypothesis import event, given
@@ -16,7 +15,6 @@ from nibble.runner.sandbox import Limits
 # The mechanism is the same at any size; a smaller step budget than the default's ten million
 # keeps a case that loops for ever to milliseconds, so 200 cases take seconds.
 LIMITS = Limits(steps=20_000)
-MARGIN = 5.0   # seconds past the limit: compiling, and the one step that crosses the deadline
 
 FILTERS = ["length", "string", "list", "upper", "title", "trim", "striptags", "e", "pprint", "first", "last",
            "reverse", "sort", "unique", "sum", "min", "max", "int", "float", "abs", "items", "dictsort",
@@ -124,7 +122,6 @@ def _kind(message: str) -> str:
 @pytest.mark.fuzz
 @given(source=templates, conversation=conversations)
 def test_a_template_ends_in_text_or_one_line(source, conversation):
-    start = time.monotonic()
     try:
         text = ChatTemplate(source, {"bos_token": "<s>"}, limits=LIMITS).render(conversation)
     except NibbleError as e:
@@ -134,4 +131,3 @@ def test_a_template_ends_in_text_or_one_line(source, conversation):
     else:
         assert isinstance(text, str)
         event("outcome: text")
-    assert time.monotonic() - start < LIMITS.seconds + MARGIN
