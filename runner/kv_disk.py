@@ -29,7 +29,6 @@ from nibble.formats.paths import kv_dir
 from nibble.formats.tempfiles import remove_leftovers, temp_file
 from .cache import HostKV, KVPool
 
-DEFAULT_LIMIT = 8 << 30
 MAGIC = b"nibbleKV"
 _HEADER = struct.Struct("<8sQI16s")   # magic, payload bytes, CRC-32 of the payload, the block's hash
 _SUFFIX = ".kv"
@@ -181,10 +180,14 @@ def _files() -> list[tuple[int, int, Path]]:
 def open_disk(source: str | None, kv: KVPool, limit: int) -> DiskBlocks | None:
     """The disk tier of a pool's blocks of the weights named `source` (Model.source), bounded by
     `limit` bytes; None where it is off (limit 0), where the weights have no files to name them
-    by, or where a part of the pool is not on the CPU."""
+    by, where a part of the pool is not on the CPU, or where its folder cannot be made (a
+    read-only cache folder: the tier is a cache, the model runs without it)."""
     if not limit or source is None or not all(isinstance(p, HostKV) for p in kv.parts):
         return None
-    return DiskBlocks(kv_dir() / fingerprint(source, kv), limit)
+    try:
+        return DiskBlocks(kv_dir() / fingerprint(source, kv), limit)
+    except OSError:
+        return None
 
 
 def fingerprint(source: str, kv: KVPool) -> str:

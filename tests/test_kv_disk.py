@@ -153,6 +153,12 @@ def test_no_disk_tier_where_it_is_off_or_the_weights_have_no_files(tiny, home):
     assert not (home / "kv").exists()
 
 
+def test_a_cache_folder_that_cannot_be_made_leaves_the_model_running_without_the_tier(tiny_dir, home):
+    (home / "kv").write_text("a file where the folder would be")
+    r = invoke("run", "-m", tiny_dir, "--temp", "0", "-n", "3", "--kv-disk", "1G", "Tell me about the fox. " * 6)
+    assert r.exit_code == 0 and "disk cache" not in r.stderr, r.output
+
+
 def test_the_bound_is_kept_least_recently_used_first(home):
     views = [memoryview(np.full(1000, i, np.uint8)) for i in range(3)]
     disk = DiskBlocks(home / "kv" / "model", limit=2500)
