@@ -153,25 +153,6 @@ def sdot(typingctx, acc, w, x):
     return I32(acc, w, x), codegen
 
 
-@intrinsic
-def hadd(typingctx, a, b):
-    """AVX2's vphaddd: in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of its lanes."""
-    def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.x86.avx2.phadd.d", _ll(I32), *args)
-    return I32(a, b), codegen
-
-
-@intrinsic
-def halves_add(typingctx, a, b):
-    """[a's low half + a's high half, b's low half + b's high half] (int32 lanes)."""
-    def codegen(context, builder, sig, args):
-        a, b = args
-        low = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0, 1, 2, 3, 8, 9, 10, 11]))
-        high = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), [4, 5, 6, 7, 12, 13, 14, 15]))
-        return builder.add(low, high)
-    return I32(a, b), codegen
-
-
 @njit(parallel=True, **_jit)
 def peak_products(steps, sums):
     """The byte dot products at their peak, the figure prefill's speed is judged against: on each

@@ -12,11 +12,18 @@ vpdpbusd, or AVX2, as prefill_int8) x is rounded to int8 in blocks b of 32 as pr
 32 u8 x s8 products an instruction, which made SmolLM2's decode a fifth faster on a Xeon where the
 int16 path was bound by its instructions (layers and head, 6.2 ms a token then 4.9). Elsewhere x is
 rounded to int16 per group (b: the group), 16 multiply-adds an instruction (x86 vpmaddwd), close
-to float: matvec_rows16, which the tests run on every CPU. Several rows of x (the decoded tokens of several sequences)
-share each weight read from memory: a task unpacks two weight rows and dots them with the rows of
-x, from L1 again for the next (two at a time on int16 x, one on int8 x: _x_rows_a_pass). Each output is summed in the same order whatever
-B and whichever x rows it is paired with (the integer sums are exact): a row's result does not
-depend on the other rows, which makes a batch of sequences decode as each would alone.
+to float: matvec_rows16, which the tests run on every CPU.
+
+Several rows of x (the decoded tokens of several sequences) share each weight read from memory: on
+int8 x a weight row's bytes are unpacked once for four rows of x (_rows_x8), on int16 x two weight
+rows are unpacked for two rows of x. Each output is summed in the same order whatever B and
+whichever x rows it is paired with (the integer sums are exact, and each float sum is its own): a
+row's result does not depend on the other rows, which makes a batch of sequences decode as each
+would alone.
+
+Decode here is bound by the instructions, not by memory: on an AMD EPYC (Zen 1, AVX2) one stream
+of SmolLM2 reads its weights at a quarter of the bandwidth, and each x row costs its own byte
+products (two vpmaddubsw and a vpmaddwd for 64 weights) and their scaling, which no batch shares.
 """
 import numpy as np
 from numba import njit, prange, types
@@ -26,10 +33,11 @@ from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 
 from . import prefill_int8
 from .cpu import _jit
-from .prefill_int8 import halves_add, hadd, levels, load_u8x32, lookup, nibble_sized, nibbles, sdot, udot, udot2, with_high
-from .simd import (chunk_scales, fold_order, group_value, high_of, hsum, level, levels16, load_16x16, load_u8x16,
-                   lookup16, madd, next_scales, nibble, plane_at, plane_count, prefetch, row_dot, scale_add, spread,
-                   vadd, with_high16, zero_f32, zero_i32)
+from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, sdot, udot, udot2, with_high
+from .simd import (chunk_scales, fma, group_count, group_value, group_values8, high_of, hsum, level, levels16,
+                   load_16x16, load_f32x8, load_first_f32x8, load_u8x16, lookup16, madd, next_scales, nibble, plane_at,
+                   plane_count, prefetch, row_dot, scale_add, splat_f32, spread, unit_scales, vadd, vmul, with_high16,
+                   zero_f32, zero_i32)
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -127,13 +135,19 @@ def _rows_of_kind(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
 
 @overload(_rows_of_kind, inline="always", jit_options=_jit)
 def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
-    # bits and rep as constants: numba compiles a function once for each constant argument's value,
-    # so each kernel is its own function, none inlined into another (numba copies a callee's IR to
-    # inline it, at a cost that grows with its size squared). On int8 x rep is G // 32 (0: groups
-    # of 16, two in each of x's blocks); on int16 x the groups in a block of 64 where it holds
-    # several (2 or 4), else 0. G itself is a value too, for the int16 kernels' loop bounds
+    # bits and the group shapes as constants: numba compiles a function once for each constant
+    # argument's value, so each kernel is its own function, none inlined into another (numba copies
+    # a callee's IR to inline it, at a cost that grows with its size squared)
     bits, G = qw.instance_class.KIND
-    rep = G // 32 if xq.dtype == types.int8 else 64 // G if G <= 32 else 0
+    if xq.dtype == types.int8:
+        per = 256 // bits   # weights in a unit of 32 bytes: groups in one, and units in a group
+        count, upg = max(1, per // G), max(1, G // per)
+        return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: _rows_x8(
+            xq, dx, xs, x, bits, count, upg, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
+            qw.bf16, qw.values, qw.high, plane_count(qw.high, x.shape[1]), experts, own_x, out)
+    # rep: the groups in a block of 64 where it holds several (2 or 4), else 0; G itself is a
+    # value too, for the loop bounds
+    rep = 64 // G if G <= 32 else 0
     return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: _rows(
         xq, dx, xs, x, bits, rep, qw.group_size, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
         qw.bf16, qw.values, qw.high, plane_count(qw.high, x.shape[1]), experts, own_x, out)
@@ -141,7 +155,7 @@ def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
 
 INT8 = prefill_int8.DOT is not None   # decode on int8 activations (set where prefill_int8's is)
 # 8-bit weights on AVX2 (int8 x): products of q - 128 (prefill_int8.sdot, half udot's multiplies),
-# 128 times the scales . x's group sums added once a row, as the biases' part is
+# 128 times the scales . x's group sums added with the biases' part
 SIGNED8 = prefill_int8.DOT == "avx2"
 
 
@@ -181,7 +195,8 @@ def _round8(x, G, bits):
 
 @njit(parallel=True, **_jit)
 def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
-    """Every weight row's dot products with the rows of x, two weight rows (h, h + H) a task: two
+    """Every weight row's dot products with the rows of x (int16), two weight rows (h, h + H) and
+    two x rows a task: two
     rows far apart are two sequential streams, a range of tasks two ranges of rows. Of stacked
     experts' rows (expert_products), the N = out.shape[1] rows from experts[j] * N, into out[j]
     on x row j (own_x) or out[j * B + r] on each x row r; a plain weight is expert 0 of itself.
@@ -196,70 +211,39 @@ def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, hi, hb, e
         pair = h + H < N
         m = i + H if pair else i
         first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
-        per_pass = _x_rows_a_pass(xq)
-        for r in range(first, stop, per_pass):
+        for r in range(first, stop, 2):
             # `two` a value, not a constant: the pair inlined once, not once for each (half this
             # kernel's compile); the simd intrinsics neither regroup nor fuse sums, so a row sums
             # alike whichever copy of the loop LLVM makes for one row and for two
-            two = per_pass == 2 and r + 1 < stop
+            two = r + 1 < stop
             v0, v1, v2, v3 = _pair(xq, dx, x, q, s, i, m, r, two, bits, rep, G, bf16, lut, hi, hb)
             # the biases' part: each row's biases dotted with x's group sums, once a row (in the
             # loop over groups, their 16-bit loads and widening cost as much as the weights')
-            _put(out, o + r, h, H, pair, v0 + _offsets(b, s, bf16, i, xs, r, bits, xq),
-                 v1 + _offsets(b, s, bf16, m, xs, r, bits, xq), accumulate)
+            _put_pair(out, o + r, h, H, pair, v0 + row_dot(b, bf16, i, xs, r),
+                 v1 + row_dot(b, bf16, m, xs, r), accumulate)
             if two:
-                _put(out, o + r + 1, h, H, pair, v2 + _offsets(b, s, bf16, i, xs, r + 1, bits, xq),
-                     v3 + _offsets(b, s, bf16, m, xs, r + 1, bits, xq), accumulate)
+                _put_pair(out, o + r + 1, h, H, pair, v2 + row_dot(b, bf16, i, xs, r + 1),
+                     v3 + row_dot(b, bf16, m, xs, r + 1), accumulate)
 
 
 @njit(inline="always", **_jit)
-def _offsets(b, s, bf16, n, xs, r, bits, xq):
-    """Row n's biases . x row r's group sums; for 8-bit weights whose products took q - 128
-    (SIGNED8, on int8 x), 128 times its scales' too."""
-    if bits == 8 and SIGNED8 and xq.itemsize == 1:
-        return row_dot(b, bf16, n, xs, r) + f32(128.0) * row_dot(s, bf16, n, xs, r)
-    return row_dot(b, bf16, n, xs, r)
-
-
-def _x_rows_a_pass(xq):
-    """Rows of x that share a pass over the weight rows: 2 on int16 x, 1 on int8 x (njit code
-    only). On int8 x the products cost more than the unpacking that two rows would share, and
-    two rows' sums and scales (16 vectors) do not fit AVX2's registers: in pairs one row took 25%
-    longer (a Q4_K-shaped 2048 x 8192 matrix, an AMD EPYC: 1.03 ms, 0.82 alone) and two no less
-    (1.68 ms, 1.61 one at a time)."""
-
-
-@overload(_x_rows_a_pass, inline="always", jit_options=_jit)
-def _x_rows_a_pass_typed(xq):
-    per_pass = 1 if xq.dtype == types.int8 else 2
-    return lambda xq: per_pass
-
-
-@njit(inline="always", **_jit)
-def _put(out, r, h, H, pair, v0, v1, accumulate):
+def _put_pair(out, r, h, H, pair, v0, v1, accumulate):
     out[r, h] = out[r, h] + v0 if accumulate else v0
     if pair:
         out[r, h + H] = out[r, h + H] + v1 if accumulate else v1
 
 
 def _pair(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb):
-    """(rows n, m) . (x rows r, and r + 1 if `two`) for constant bits and rep (G // 32), 4-bit
+    """(rows n, m) . (x rows r, and r + 1 if `two`) on int16 x for constant bits and rep, 4-bit
     integers read as their levels in lut where it is a table (QuantizedTensor.values), or with
-    their high bits from the hb planes hi (QuantizedTensor.high) where there are some: on
-    int16 x _pair8, _pair4 or _pair4_small, on int8 x _pair_x8, the one chosen from the
-    types of xq and the constants (the overload below), inlined alone."""
+    their high bits from the hb planes hi (QuantizedTensor.high) where there are some: _pair8,
+    _pair4 or _pair4_small, the one chosen from the constants (the overload below), inlined alone."""
 
 
 @overload(_pair, inline="always", jit_options=_jit)
 def _pair_typed(xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb):
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(rep, types.IntegerLiteral):
         return None
-    if xq.dtype == types.int8:
-        if bits.literal_value == 4:
-            if rep.literal_value == 0:   # 4 groups of 16 a unit of 64 weights
-                return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, bf16, 4, 2, lut, rep, hi, hb, 4)
-            return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, bf16, 4, 2, lut, rep, hi, hb, 2)
-        return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair_x8(xq, dx, q, s, n, m, r, bf16, 8, 1, lut, rep, hi, hb, 1)
     if bits.literal_value == 8:
         return lambda xq, dx, x, q, s, n, m, r, two, bits, rep, G, bf16, lut, hi, hb: _pair8(xq, dx, q, s, n, m, r, two, bf16, G)
     if rep.literal_value:
@@ -321,7 +305,7 @@ def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for g in range(Kb // G):
         if g % 8 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two, 1)
+            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         k = g * G
         while True:   # G a multiple of 32: two steps of 16 a pass (a while loop: no trip count to work out)
@@ -338,13 +322,12 @@ def _pair8(xq, dx, q, s, n, m, r, two, bf16, G):
 
 
 @njit(inline="always", **_jit)
-def _chunk(s, n, m, g, dx, r, bf16, two, rep):
-    """The scales (weight's times x's) of x's groups (or blocks: rep, chunk_scales') g..g+7 of
-    rows n, m with x rows r and r + 1 (if `two`): one vector each, a unit's taken from its front
-    (_scale)."""
-    s0, s1 = chunk_scales(s, n, g, dx, r, bf16, rep), chunk_scales(s, m, g, dx, r, bf16, rep)
+def _chunk(s, n, m, g, dx, r, bf16, two):
+    """The scales (weight's times x's) of groups g..g+7 of rows n, m with x rows r and r + 1 (if
+    `two`): one vector each, a unit's taken from its front (_scale)."""
+    s0, s1 = chunk_scales(s, n, g, dx, r, bf16), chunk_scales(s, m, g, dx, r, bf16)
     if two:
-        return s0, s1, chunk_scales(s, n, g, dx, r + 1, bf16, rep), chunk_scales(s, m, g, dx, r + 1, bf16, rep)
+        return s0, s1, chunk_scales(s, n, g, dx, r + 1, bf16), chunk_scales(s, m, g, dx, r + 1, bf16)
     return s0, s1, s0, s1
 
 
@@ -362,11 +345,9 @@ def _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per):
 
 @njit(inline="always", **_jit)
 def _ahead(q, i0, i1, k):
-    """Prefetch the bytes AHEAD of byte k of the rows at i0 and i1 of q, once a cache line (see
-    AHEAD; past the end of q it reads nothing)."""
-    if k % 64 == 0:
-        prefetch(q, i0 + k + AHEAD)
-        prefetch(q, i1 + k + AHEAD)
+    """_ahead1 for the rows at i0 and i1."""
+    _ahead1(q, i0, k)
+    _ahead1(q, i1, k)
 
 
 @njit(inline="always", **_jit)
@@ -401,7 +382,7 @@ def _pair4(xq, dx, q, s, n, m, r, two, bf16, G, lut, hi, hb):
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for g in range(2 * Kb // G):
         if g % 8 == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two, 1)
+            s0, s1, s2, s3 = _chunk(s, n, m, g, dx, r, bf16, two)
         a0, a1, a2, a3 = zero_i32(), zero_i32(), zero_i32(), zero_i32()
         for c in range(g * (G // 64), (g + 1) * (G // 64)):
             a0, a1, a2, a3 = _block4(a0, a1, a2, a3, q, n * Kb, m * Kb, xq, j0, j1, c, two, table, hi,
@@ -422,7 +403,7 @@ def _pair4_small(xq, dx, x, q, s, n, m, r, two, bf16, lut, hi, hb, per):
     s0, s1, s2, s3 = zero_f32(), zero_f32(), zero_f32(), zero_f32()
     for c in range(K // 64):
         if c % (8 // per) == 0:
-            s0, s1, s2, s3 = _chunk(s, n, m, per * c, dx, r, bf16, two, 1)
+            s0, s1, s2, s3 = _chunk(s, n, m, per * c, dx, r, bf16, two)
         a0, a1, a2, a3 = _block4(zero_i32(), zero_i32(), zero_i32(), zero_i32(), q, n * Kb, m * Kb, xq, j0, j1, c, two,
                                  table, hi, plane_at(hi, n, c, hb), plane_at(hi, m, c, hb), hb)
         f0, f1, f2, f3, s0, s1, s2, s3 = _scale(f0, f1, f2, f3, a0, a1, a2, a3, s0, s1, s2, s3, two, per)
@@ -501,84 +482,143 @@ def round_int8(x, G, bits, xq, dx, xs):
         xs[g] = total
 
 
+@njit(parallel=True, **_jit)
+def _rows_x8(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
+    """_rows on int8 x: each weight row dotted with four rows of x a pass while four remain (its
+    bytes unpacked once for the four), then with one. A unit of 32 weight bytes (64 weights at 4
+    bits, 32 at 8) gives 8 int32 lanes, each summing 8 or 4 adjacent products (one block's); each
+    lane becomes float and is scaled by its own group's and block's scales, and a lane's float sum
+    runs over the units in order: every (weight row, x row) is the same lane arithmetic in a pass
+    of four or of one, whatever the other rows (a batch decodes as each sequence alone), and the
+    four rows share no sum (more registers than that spill). `count` groups (a literal) in a unit,
+    and `upg` units in a group. The weight rows of a task are h and h + H, as _rows pairs them."""
+    N, B = out.shape[1], x.shape[0]
+    H = (N + 1) // 2
+    dxs = _lane_scales(dx, bits)
+    for t in prange(experts.shape[0] * H):   # each thread: a range of rows and the same range + H
+        j, h = divmod(np.int64(t), H)        # prange's index is unsigned: h + H would type as float
+        i = experts[j] * N + h
+        first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
+        _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i, h, first, stop, o, out)
+        if h + H < N:
+            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + H, h + H,
+                        first, stop, o, out)
+
+
+@njit(**_jit)
+def _lane_scales(dx, bits):
+    """x's block scales as decode's lanes meet them: [B, units * 8], lane k of unit u the scale of
+    the block its products lie in (4 bits: blocks 2u, lanes 0-3, and 2u + 1; 8 bits: block u)."""
+    B, blocks = dx.shape
+    per = 2 if bits == 4 else 1   # blocks a unit
+    units = blocks // per
+    out = np.empty((B, units * 8), np.float32)
+    for r in range(B):
+        for u in range(units):
+            for k in range(8):
+                out[r, 8 * u + k] = dx[r, per * u + k * per // 8]
+    return out
+
+
 @njit(inline="always", **_jit)
-def _udots(v0, v1, xq, j, bits, table, hi, h0, h1, hb):
-    """Integer sums of 32 weight bytes of rows n (v0) and m (v1) with x (xq at j): 8 int32 lanes
-    each; 4 bits: both nibbles of each byte (64 weights), as their levels in `table`
-    (prefill_int8.levels'), or with their high bits from the planes of hi at h0 and h1
-    (simd.plane_at's)."""
+def _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, n, col, first, stop, o, out):
+    """Weight row n (output column col) with x rows first..stop into out[o + r, col]: four x rows
+    a pass, then two, then one (each pass a copy of _dots that LLVM makes for its constant)."""
+    r = first
+    while r + 4 <= stop:
+        _put(out, o + r, col, 4, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 4, bits, count, upg), accumulate)
+        r += 4
+    if r + 2 <= stop:
+        _put(out, o + r, col, 2, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 2, bits, count, upg), accumulate)
+        r += 2
+    if r < stop:
+        _put(out, o + r, col, 1, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 1, bits, count, upg), accumulate)
+
+
+@njit(inline="always", **_jit)
+def _put(out, r, col, rows, v, accumulate):
+    """out[r + k, col] (+)= v[k] for the first `rows` of the four sums v."""
+    for k in range(rows):
+        out[r + k, col] = out[r + k, col] + v[k] if accumulate else v[k]
+
+
+@njit(inline="always", **_jit)
+def _unpacked(v, bits, table, hi, h, hb):
+    """A unit's 32 weight bytes as the byte products take them: at 4 bits their low and high
+    nibbles, as levels in `table` (prefill_int8.levels') or with their high bits from the planes
+    of hi at h (simd.plane_at's); at 8 bits the bytes themselves."""
     if bits == 4:
-        lo0 = with_high(lookup(table, nibbles(v0, False)), hi, h0, hb, False)
-        hi0 = with_high(lookup(table, nibbles(v0, True)), hi, h0, hb, True)
-        lo1 = with_high(lookup(table, nibbles(v1, False)), hi, h1, hb, False)
-        hi1 = with_high(lookup(table, nibbles(v1, True)), hi, h1, hb, True)
-        small = nibble_sized(table)
-        x, y = load_u8x32(xq, j), load_u8x32(xq, j + 32)
-        return udot2(zero_i32(), lo0, x, hi0, y, small), udot2(zero_i32(), lo1, x, hi1, y, small)
-    x = load_u8x32(xq, j)
-    if SIGNED8:
-        return sdot(zero_i32(), v0, x), sdot(zero_i32(), v1, x)
-    return udot(zero_i32(), v0, x, False), udot(zero_i32(), v1, x, False)
+        return (with_high(lookup(table, nibbles(v, False)), hi, h, hb, False),
+                with_high(lookup(table, nibbles(v, True)), hi, h, hb, True))
+    return v, v
 
 
 @njit(inline="always", **_jit)
-def _pair_x8(xq, dx, q, s, n, m, r, bf16, bits, per, lut, rep, hi, hb, step):
-    """(rows n, m) . x row r on int8 x (one x row a pass: _x_rows_a_pass): a unit of 32 weight
-    bytes holds `per` blocks of 32 weights (2 at 4 bits: int32 lanes 0-3 the first, 4-7 the
-    second), each scaled by chunk_scales' product of its x block's scale and its group's (groups
-    of 32 * rep: a scale spread over rep blocks' lanes, one product a block as in groups of 32;
-    rep 0, groups of 16: two lanes a group). `step` (a literal) is a unit's scales, per or 4
-    groups of 16; a chunk of 8 scales spans 8 // step units, whose integer sums _fold gathers
-    into one vector, one lane a scale, before they become float: one conversion and one
-    multiply-add a chunk, not a unit. Returns _pair's four sums, the second x row's zero."""
+def _step(f, w0, w1, sw, xq, dxs, r, u, bits, small):
+    """f + unit u's lanes of x row r times the unit's weights w0, w1 (_unpacked), each lane's
+    integer sum scaled by its group's scale sw and its block's (dxs)."""
+    j = r * xq.shape[1] + (256 // bits) * u
+    if bits == 4:
+        a = udot2(zero_i32(), w0, load_u8x32(xq, j), w1, load_u8x32(xq, j + 32), small)
+    elif SIGNED8:
+        a = sdot(zero_i32(), w0, load_u8x32(xq, j))
+    else:
+        a = udot(zero_i32(), w0, load_u8x32(xq, j), False)
+    return scale_add(f, a, vmul(sw, load_f32x8(dxs, r * dxs.shape[1] + 8 * u)))
+
+
+@njit(inline="always", **_jit)
+def _offset_lanes(f, c, xs, r, g, groups):
+    """f + the coefficients c of x row r's group sums g..g+7 (zero past the last) times them."""
+    return fma(c, load_first_f32x8(xs, r * groups + g, min(groups - g, 8)), f)
+
+
+@njit(inline="always", **_jit)
+def _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, rows, bits, count, upg):
+    """Row n . x rows r..r + rows - 1 (rows: 1, 2 or 4; the sums past them zero): its units' lanes,
+    then the biases' part in the same lanes (8 groups of biases times x's group sums a step; for
+    8-bit weights whose products took q - 128, SIGNED8, 128 times the scales too), then at 4 bits
+    with an odd number of groups of 32 the last one's products."""
     Kb = q.shape[1]
-    K = Kb * 8 // bits
-    j = r * K
-    zero = zero_i32()
-    st0 = st1 = (zero_f32(), zero, zero, zero)
-    s0, s1 = zero_f32(), zero_f32()
     table = levels(lut)
-    chunk = 8 // step    # units a chunk
-    units = K // (32 * per)
-    for u in range(units):
-        if u % chunk == 0:
-            s0 = fold_order(chunk_scales(s, n, step * u, dx, r, bf16, rep), step)
-            s1 = fold_order(chunk_scales(s, m, step * u, dx, r, bf16, rep), step)
-        _ahead(q, n * Kb, m * Kb, 32 * u)
-        a0, a1 = _udots(load_u8x32(q, n * Kb + 32 * u), load_u8x32(q, m * Kb + 32 * u), xq, j + 32 * per * u,
-                        bits, table, hi, plane_at(hi, n, u, hb), plane_at(hi, m, u, hb), hb)
-        st0, st1 = _fold(st0, a0, s0, u % chunk, step), _fold(st1, a1, s1, u % chunk, step)
-    for u in range(units, -(-units // chunk) * chunk):   # the last chunk's missing units: zeros
-        st0, st1 = _fold(st0, zero, s0, u % chunk, step), _fold(st1, zero, s1, u % chunk, step)
-    t0, t1 = f32(0.0), f32(0.0)
-    if K % (32 * per):   # 4 bits, an odd number of groups of 32 (rep 1): the last one in scalars
+    small = nibble_sized(table)
+    f0 = f1 = f2 = f3 = zero_f32()
+    for u in range(Kb // 32):
+        _ahead1(q, n * Kb, 32 * u)
+        w0, w1 = _unpacked(load_u8x32(q, n * Kb + 32 * u), bits, table, hi, plane_at(hi, n, u, hb), hb)
+        sw = unit_scales(s, n, (u // upg) * count, count, bf16)
+        f0 = _step(f0, w0, w1, sw, xq, dxs, r, u, bits, small)
+        if rows > 1:
+            f1 = _step(f1, w0, w1, sw, xq, dxs, r + 1, u, bits, small)
+        if rows > 2:
+            f2 = _step(f2, w0, w1, sw, xq, dxs, r + 2, u, bits, small)
+            f3 = _step(f3, w0, w1, sw, xq, dxs, r + 3, u, bits, small)
+    groups = group_count(b)
+    for g in range(0, groups, 8):
+        c = group_values8(b, n, g, bf16)
+        if bits == 8 and SIGNED8:
+            c = fma(group_values8(s, n, g, bf16), splat_f32(f32(128.0)), c)
+        f0 = _offset_lanes(f0, c, xs, r, g, groups)
+        if rows > 1:
+            f1 = _offset_lanes(f1, c, xs, r + 1, g, groups)
+        if rows > 2:
+            f2 = _offset_lanes(f2, c, xs, r + 2, g, groups)
+            f3 = _offset_lanes(f3, c, xs, r + 3, g, groups)
+    K = xq.shape[1]
+    if bits == 4 and K % 64:
         g = K // 32 - 1
-        t0 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r, g, K)
-        t1 = _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, m, r, g, K)
-    return hsum(st0[0]) + t0, hsum(st1[0]) + t1, f32(0.0), f32(0.0)
+        return (hsum(f0) + _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r, g, K),
+                hsum(f1) + (_tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 1, g, K) if rows > 1 else f32(0.0)),
+                hsum(f2) + (_tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 2, g, K) if rows > 2 else f32(0.0)),
+                hsum(f3) + (_tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 3, g, K) if rows > 2 else f32(0.0)))
+    return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
 
 
 @njit(inline="always", **_jit)
-def _fold(state, a, s, j, step):
-    """Unit j of a chunk, with integer sums a (8 int32 lanes, `step` blocks' sums spread over them),
-    into state = (f, h, b, q): the float sums f, and the integer sums waiting for a partner: h of
-    an even unit, b of a chunk's first two units, q of its first four (8 units: step 1). vphaddd
-    adds adjacent lanes, and once the chunk is whole its block sums lie one a lane (in
-    simd.FOLD_ORDERS[step]), multiplied by their scales s and added to f."""
-    f, h, b, q = state
-    if j % 2 == 0:
-        return f, a, b, q
-    p = hadd(h, a)
-    if step == 4:
-        return scale_add(f, p, s), h, b, q
-    if j % 4 == 1:
-        return f, h, p, q
-    d = hadd(b, p)
-    if step == 2:
-        return scale_add(f, d, s), h, b, q
-    if j == 3:
-        return f, h, b, d
-    return scale_add(f, halves_add(q, d), s), h, b, q
+def _ahead1(q, i, k):
+    """Prefetch the bytes AHEAD of byte k of the row at i of q, once a cache line (see AHEAD)."""
+    if k % 64 == 0:
+        prefetch(q, i + k + AHEAD)
 
 
 @njit(inline="always", **_jit)

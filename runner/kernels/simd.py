@@ -401,28 +401,19 @@ def _splat(builder, value, n):
     return _shuffle(builder, v, v, [0] * n)
 
 
-@intrinsic(prefer_literal=True)
-def _scales8(typingctx, s, si, dx, di, bf16, count_s, count, rep):
-    """Lanes k = 0..7: s.flat[si + k // rep] * dx.flat[di + k] as float32, lanes past the first
-    `count` zero (and no scale read past the first count_s): s weight scales as group_value reads
-    them (float32, or 16-bit bits widened together, bf16 saying which), dx float32; rep (a literal
-    1, 2 or 4) lanes share a scale."""
-    if (s.dtype not in (types.float32, types.uint16) or not isinstance(count, types.Integer)
-            or not isinstance(rep, types.IntegerLiteral)):
+@intrinsic
+def _values8(typingctx, a, i, bf16, count):
+    """Lanes k = 0..7: a.flat[i + k] as float32 (float32, or 16-bit bits widened together, bf16
+    saying which), lanes past the first `count` zero (and not read)."""
+    if a.dtype not in (types.float32, types.uint16) or not isinstance(count, types.Integer):
         return None
-    k = rep.literal_value
 
     def codegen(context, builder, sig, args):
-        count_s, count = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (5, 6))
-        if s.dtype == types.uint16:
-            v = _load_first(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8 // k), 2, count_s)
-            v = _widen_half(builder, v, args[4])
-        else:
-            v = _load_first(context, builder, sig, args, ir.VectorType(ir.FloatType(), 8 // k), 4, count_s)
-        if k > 1:
-            v = _shuffle(builder, v, v, [i // k for i in range(8)])
-        return builder.fmul(v, _load_first(context, builder, sig, args, _ll(F32), 4, count, at=2), flags=_FAST)
-    return F32(s, si, dx, di, bf16, count_s, count, rep), codegen
+        count = context.cast(builder, args[3], sig.args[3], types.int64)
+        if a.dtype == types.uint16:
+            return _widen_half(builder, _load_first(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8), 2, count), args[2])
+        return _load_first(context, builder, sig, args, _ll(F32), 4, count)
+    return F32(a, i, bf16, count), codegen
 
 
 @intrinsic
@@ -445,6 +436,45 @@ def _ints8(typingctx, arr, i):
     return F32(arr, i), codegen
 
 
+@intrinsic(prefer_literal=True)
+def _spread_values(typingctx, a, i, bf16, count):
+    """Lanes k = 0..7: a.flat[i + k * count // 8] as float32, `count` values (a literal 1, 2 or 4)
+    spread over the 8 lanes: float32, 16-bit bits widened (bf16 saying which), or bytes (a
+    two-level's integers, int8 with their signs)."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None
+    c, dtype = count.literal_value, a.dtype
+
+    def codegen(context, builder, sig, args):
+        if dtype == types.float32:
+            v = _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), c), 4)
+        elif dtype == types.uint16:
+            v = _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), c), 2), args[2])
+        else:
+            ints = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), c), 1)
+            f32s = ir.VectorType(ir.FloatType(), c)
+            v = builder.sitofp(ints, f32s) if dtype == types.int8 else builder.uitofp(ints, f32s)
+        return _shuffle(builder, v, v, [k * c // 8 for k in range(8)])
+    return F32(a, i, bf16, count), codegen
+
+
+def unit_scales(s, n, g, count, bf16):
+    """Lanes k = 0..7: the value of group g + k * count // 8 of row n of a prepared weight's scales
+    (as group_value reads them), `count` groups (a literal 1, 2 or 4) spread over the lanes of a
+    unit of decode's byte products (njit code only)."""
+
+
+@overload(unit_scales, inline="always")
+def _unit_scales_typed(s, n, g, count, bf16):
+    if s.ndim == 3:
+        def two_level(s, n, g, count, bf16):
+            S, p = _super_at(s, g)
+            i = (n * s.shape[1] + S) * s.shape[2]
+            return vmul(_spread_values(s, i + 2 + p, bf16, count), splat_f32(load_super(s, i)))
+        return two_level
+    return lambda s, n, g, count, bf16: _spread_values(s, n * s.shape[1] + g, bf16, count)
+
+
 @njit(inline="always")
 def _super_at(a, g):
     """Which super-block of scales or biases in two levels holds group g, and where in it. P = 256
@@ -464,17 +494,6 @@ def super_values8(a, n, g):
 
 
 @intrinsic
-def _dx_pairs(typingctx, dx, i, count):
-    """Lanes k = 0..7: dx.flat[i + k // 2] (float32), lanes past the first `count` pairs zero (and
-    not read): x's block scales for groups of 16, two a block."""
-    def codegen(context, builder, sig, args):
-        x = _load_first(context, builder, sig, args, ir.VectorType(ir.FloatType(), 4), 4,
-                        context.cast(builder, args[2], sig.args[2], types.int64))
-        return _shuffle(builder, x, x, [k // 2 for k in range(8)])
-    return F32(dx, i, count), codegen
-
-
-@intrinsic
 def vmul(typingctx, a, b):
     """a * b, lane by lane."""
     def codegen(context, builder, sig, args):
@@ -490,35 +509,18 @@ def load_first_f32x8(typingctx, arr, i, count):
     return F32(arr, i, count), codegen
 
 
-def chunk_scales(s, n, g, dx, r, bf16, rep):
-    """Lanes k = 0..7: s[n, (g + k) // rep] * dx[r, g + k] (zero past the last of dx's), s a
-    prepared weight's scales as group_value reads them, dx float32 [rows, groups * rep]: x's
-    scales by group (rep 1), or by block of 32 in groups of 32 * rep (rep a literal 1, 2 or 4,
-    g a multiple of 8); scales in two levels rep 1, or rep 0: groups of 16 in x's blocks of 32,
-    s[n, g + k] * dx[r, (g + k) // 2] (njit code only)."""
+def chunk_scales(s, n, g, dx, r, bf16):
+    """Lanes k = 0..7: s[n, g + k] * dx[r, g + k] (zero past the last group), s a prepared
+    weight's scales as group_value reads them, dx x's float32 scales by group [rows, groups], g a
+    multiple of 8 (njit code only)."""
 
 
 @overload(chunk_scales, inline="always")
-def _chunk_scales_typed(s, n, g, dx, r, bf16, rep):
-    if s.ndim == 3:
-        if not isinstance(rep, types.IntegerLiteral):
-            return None   # typed again with rep's value
-        if rep.literal_value == 0:
-            def two_level_halves(s, n, g, dx, r, bf16, rep):
-                blocks = group_count(s) // 2
-                return vmul(super_values8(s, n, g), _dx_pairs(dx, r * blocks + g // 2, min(blocks - g // 2, 4)))
-            return two_level_halves
-
-        def two_level(s, n, g, dx, r, bf16, rep):
-            return vmul(super_values8(s, n, g), load_f32x8(dx, r * group_count(s) + g))
-        return two_level
-
-    def one_level(s, n, g, dx, r, bf16, rep):
-        groups = s.shape[1]
-        blocks = groups * rep
-        return _scales8(s, n * groups + g // rep, dx, r * blocks + g, bf16, min(groups - g // rep, 8 // rep),
-                        min(blocks - g, 8), rep)
-    return one_level
+def _chunk_scales_typed(s, n, g, dx, r, bf16):
+    def scales(s, n, g, dx, r, bf16):
+        groups = group_count(s)
+        return vmul(group_values8(s, n, g, bf16), load_first_f32x8(dx, r * groups + g, min(groups - g, 8)))
+    return scales
 
 
 @intrinsic(prefer_literal=True)
@@ -533,22 +535,6 @@ def spread(typingctx, v, per):
     def codegen(context, builder, sig, args):
         return _shuffle(builder, args[0], args[0], lanes)
     return F32(v, per), codegen
-
-
-FOLD_ORDERS = {1: range(8), 2: (0, 2, 4, 6, 1, 3, 5, 7), 4: (0, 1, 4, 5, 2, 3, 6, 7)}
-
-
-@intrinsic(prefer_literal=True)
-def fold_order(typingctx, v, step):
-    """v's lanes in the order that a chunk's block sums come out of decode's fold (quant_decode._fold)
-    for units of `step` (a literal 1, 2 or 4) blocks: [v[o] for o in FOLD_ORDERS[step]]."""
-    if not isinstance(step, types.IntegerLiteral):
-        return None
-    order = FOLD_ORDERS[step.literal_value]
-
-    def codegen(context, builder, sig, args):
-        return _shuffle(builder, args[0], args[0], order)
-    return F32(v, step), codegen
 
 
 @intrinsic(prefer_literal=True)
@@ -608,18 +594,6 @@ def _group_value_typed(a, n, g, bf16):
         return lambda a, n, g, bf16: half_to_f32(a[n, g], bf16)
 
 
-def load_group8(a, i, bf16):
-    """8 float32 lanes of a.flat[i:i+8], scales or biases stored as group_value reads them."""
-
-
-@overload(load_group8)
-def _load_group8_typed(a, i, bf16):
-    if a.dtype == types.float32:
-        return lambda a, i, bf16: load_f32x8(a, i)
-    if a.dtype == types.uint16:
-        return lambda a, i, bf16: load_half_f32x8(a, i, bf16)
-
-
 @njit(inline="always")
 def row_dot(w, bf16, n, v, r):
     """sum over g of w[n, g] * v[r, g]: w the scales or biases of a prepared weight (stored as
@@ -627,7 +601,7 @@ def row_dot(w, bf16, n, v, r):
     groups = group_count(w)
     acc = zero_f32()
     for g in range(0, groups - 7, 8):
-        acc = fma(_group8(w, n, g, bf16), load_f32x8(v, r * groups + g), acc)
+        acc = fma(group_values8(w, n, g, bf16), load_f32x8(v, r * groups + g), acc)
     total = hsum(acc)
     for g in range(groups - groups % 8, groups):
         total += group_value(w, n, g, bf16) * v[r, g]
@@ -645,12 +619,17 @@ def _group_count_typed(a):
     return lambda a: a.shape[1]
 
 
-def _group8(a, n, g, bf16):
-    """Values of groups g..g+7 of row n of scales or biases, 8 float32 lanes (njit code only)."""
+def group_values8(a, n, g, bf16):
+    """Values of groups g..g+7 of row n of scales or biases (g a multiple of 8), 8 float32 lanes,
+    zero past the last group (njit code only)."""
 
 
-@overload(_group8)
-def _group8_typed(a, n, g, bf16):
-    if a.ndim == 3:
+@overload(group_values8, inline="always")
+def _group_values8_typed(a, n, g, bf16):
+    if a.ndim == 3:   # two levels: whole super-blocks of 8 or 16 groups
         return lambda a, n, g, bf16: super_values8(a, n, g)
-    return lambda a, n, g, bf16: load_group8(a, n * a.shape[1] + g, bf16)
+
+    def one_level(a, n, g, bf16):
+        groups = a.shape[1]
+        return _values8(a, n * groups + g, bf16, min(groups - g, 8))
+    return one_level
