@@ -499,9 +499,8 @@ def _rows_x8(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi
         j, h = divmod(np.int64(t), H)        # prange's index is unsigned: h + H would type as float
         i = experts[j] * N + h
         first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
-        _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i, h, first, stop, o, out)
-        if h + H < N:
-            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + H, h + H,
+        for k in range(2 if h + H < N else 1):   # a loop: the row's kernel inlined once, not twice
+            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k * H, h + k * H,
                         first, stop, o, out)
 
 
