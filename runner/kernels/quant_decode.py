@@ -485,11 +485,11 @@ def round_int8(x, G, bits, xq, dx, xs):
 @njit(parallel=True, **_jit)
 def _rows_x8(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
     """_rows on int8 x: each weight row dotted with four rows of x a pass while four remain (its
-    bytes unpacked once for the four), then with one. A unit of 32 weight bytes (64 weights at 4
+    bytes unpacked once for the four), then with two, then with one. A unit of 32 weight bytes (64 weights at 4
     bits, 32 at 8) gives 8 int32 lanes, each summing 8 or 4 adjacent products (one block's); each
     lane becomes float and is scaled by its own group's and block's scales, and a lane's float sum
     runs over the units in order: every (weight row, x row) is the same lane arithmetic in a pass
-    of four or of one, whatever the other rows (a batch decodes as each sequence alone), and the
+    of four, two or one, whatever the other rows (a batch decodes as each sequence alone), and the
     four rows share no sum (more registers than that spill). `count` groups (a literal) in a unit,
     and `upg` units in a group. The weight rows of a task are h and h + H, as _rows pairs them."""
     N, B = out.shape[1], x.shape[0]
