@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import target   # noqa: F401  (numba's CPU, chosen before the njit below makes numba's target)
+
 
 def search_affine(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, imp: np.ndarray | None,
                   nmax: int, rmin: float = -1.0, rdelta: float = 0.4, nstep: int = 5,

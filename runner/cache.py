@@ -32,6 +32,11 @@ def kv_dtype(kv_type: str) -> np.dtype:
     return np.dtype(KV_TYPES[kv_type])
 
 
+def kv_type(dtype: np.dtype) -> str:
+    """The name of a host KV cache whose elements are `dtype` (kv_dtype's inverse)."""
+    return next(name for name, t in KV_TYPES.items() if np.dtype(t) == dtype)
+
+
 def blocks_for(positions: int) -> int:
     """Blocks that hold `positions` positions."""
     return -(-positions // BLOCK)

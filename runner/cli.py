@@ -73,7 +73,7 @@ def _one_line_errors():
 def main():
     """nibble: run quantized language models on your own computer."""
     if os.environ.get("NIBBLE_CPU"):   # a bad value: one line before anything loads (numba: only when set)
-        from .kernels import target
+        from nibble.quant import target
         target.choice()
 
 
@@ -212,10 +212,13 @@ def gpu_options(f):
                         help="Run the last N layers on an NVIDIA GPU (-1: all, and the output head).")(f)
 
 
-def _load(model: str, quant: str | None, gpu_layers: int, require_gpu: bool, ctx_size: int | None = None):
-    """load(), saying in one line on stderr what became of the GPU layers (if anything)."""
+def _load(model: str, quant: str | None, gpu_layers: int, require_gpu: bool, ctx_size: int | None = None,
+          background: bool = True):
+    """load(), saying in one line on stderr what became of the GPU layers (if anything); on a
+    first run the full kernels compile in the background (runner/background.py) unless
+    `background` is False."""
     from .loader import load
-    llm, tokenizer = load(model, quant, gpu_layers, require_gpu, ctx_size)
+    llm, tokenizer = load(model, quant, gpu_layers, require_gpu, ctx_size, background)
     _say(llm.offload_note)
     return llm, tokenizer
 
@@ -641,7 +644,7 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         llm = random_model(shapes, QUANT_BITS[quant or "int4"])
         _say(llm.offload_layers(gpu_layers, ctx, require_gpu))
     else:
-        llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx)
+        llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx, background=False)   # the full kernels' speed
     llm.threads.pin(threads)
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:
         raise NibbleError(f"{prompt_tokens} + {gen_tokens} tokens do not fit in the model's context "

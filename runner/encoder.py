@@ -8,6 +8,7 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import NibbleError
+from .background import Background
 from .cache import HostKV, Rows, blocks_for
 from .kernels import compiling, cpu, prefill
 from .model import Model, TensorGetter
@@ -35,6 +36,7 @@ class Encoder:
             self.layers, self.ropes = self.decoder.layers, self.decoder.ropes
         self.stages = [CPUStage(self, 0, len(self.layers), head=False)]
         self.threads = ThreadChooser()
+        self.background = Background()   # none: an embedder compiles its kernels whole (runner/background.py)
 
     @property
     def nbytes(self) -> int:

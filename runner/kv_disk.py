@@ -194,7 +194,8 @@ def fingerprint(source: str, kv: KVPool) -> str:
     """What makes a block's bytes: the weights, each array of the pool's layout and type, nibble's
     sources and the CPU's arithmetic (the byte products a CPU has, or not, round differently)."""
     from llvmlite import binding as llvm
-    from .kernels import prefill_int8, target
+    from nibble.quant import target
+    from .kernels import prefill_int8
     layout = [(a.shape[0], a.shape[2:], a.dtype.str) for p in kv.parts for a in (p.k, p.v, p.k_scale, p.v_scale)]
     cpu = (llvm.get_host_cpu_name(), target.CHOICE, prefill_int8.DOT)
     return hashlib.sha1(repr((source, layout, cpu, _sources_digest())).encode()).hexdigest()[:20]

@@ -5,6 +5,7 @@ from nibble.formats.hub import resolve
 from nibble.formats.model_dir import ModelDir, read_model_dir
 from nibble.formats.sentence_transformers import embeds
 from nibble.quant.convert import count_params, is_quantized
+from .background import Background
 from .model import Model
 from .tokenizer import Tokenizer
 
@@ -23,17 +24,22 @@ def open_model(ref: str) -> ModelDir:
 
 
 def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: bool = False,
-         ctx_size: int | None = None) -> tuple[Model, Tokenizer]:
+         ctx_size: int | None = None, background: bool = False) -> tuple[Model, Tokenizer]:
     """The model at `ref`, a float one quantized as `quant` says (see as_quantized).
 
     gpu_layers: run the last N layers on the GPU (-1: all; see Model.offload_layers, which plans
     for a KV cache of `ctx_size` positions). The line to show the user (no GPU, or only some layers
-    fit) is in model.offload_note; require_gpu raises NoGPU instead of running on the CPU."""
+    fit) is in model.offload_note; require_gpu raises NoGPU instead of running on the CPU.
+    background: on a first run, answer on kernels that compile quickly while the full ones compile
+    in the background (runner/background.py): what the commands that answer people ask for."""
     model_dir = open_model(ref)
     if embeds(model_dir.path, model_dir.config.model_type):   # before a first use quantizes it
         raise NibbleError(f"{ref} is an embedding model: it computes vectors of texts (nibble embed), "
                           "it does not generate")
-    model, tokenizer = from_model_dir(as_quantized(ref, model_dir, quant))
+    running = as_quantized(ref, model_dir, quant)
+    model, tokenizer = from_model_dir(running)
+    if background and running.path is not None:
+        model.background = Background(running.path, as_stored=not is_quantized(running.config))
     model.offload_layers(gpu_layers, ctx_size, require_gpu)
     return model, tokenizer
 

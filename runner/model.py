@@ -8,6 +8,7 @@ from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import read_linear
+from .background import Background
 from .cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
 from .kernels import compiling, prefill
 from .kernels.linear import SMALL, Weight, prepare
@@ -52,6 +53,7 @@ class Model:
         self.ropes = self.family.ropes(c, c.max_position_embeddings)   # each layer's (cos, sin)
         self.stages = [CPUStage(self, 0, len(self.layers), head=head)]   # see stages.py
         self.offload_note = ""   # what offload_layers has to tell the user
+        self.background = Background()   # none: a first run compiles the full kernels first (see background.py)
         self.threads = ThreadChooser()   # the kernels' thread count, pass by pass (threads.py)
 
     @property

@@ -6,6 +6,9 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 # The commands' disk tier of KV blocks off (--kv-disk's default), so that a test's replies and
 # counts do not depend on what the tests before it ran; tests/test_kv_disk.py turns it on.
 os.environ["NIBBLE_KV_DISK"] = "0"
+# The commands compile a first run's kernels in full before answering, not in the background (see
+# runner/background.py): no process outlives a test; tests/test_background.py turns it on.
+os.environ["NIBBLE_BACKGROUND_COMPILE"] = "0"
 import subprocess
 import sys
 import zipfile

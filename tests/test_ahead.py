@@ -40,7 +40,7 @@ def test_a_table_of_levels_and_high_planes_are_in_the_text():
 
 
 def test_kinds_of_other_bits_or_groups_are_other_types():
-    types = {numba.typeof(ahead.example(f"{bits} {G} uint16 0 rrr 0 0")) for bits, G in quant_decode.KINDS}
+    types = {numba.typeof(ahead.example(f"{bits} {G} uint16 0 rrr 0 0 0")) for bits, G in quant_decode.KINDS}
     assert len(types) == len(quant_decode.KINDS)
 
 
@@ -59,7 +59,7 @@ def test_the_cache_index_tells_what_is_compiled(tmp_path, monkeypatch):
 
 
 def test_the_other_process_caches_the_decode_kernels_and_says_so():
-    kinds = ["4 32 uint16 0 rrr 0 0", "8 32 uint16 0 rrr 0 0"]
+    kinds = ["4 32 uint16 0 rrr 0 0 0", "8 32 uint16 0 rrr 0 0 0"]
     done = subprocess.run([sys.executable, "-m", "nibble.runner.kernels.ahead", *kinds], capture_output=True,
                           text=True, check=True)
     assert done.stdout.splitlines() == kinds

@@ -9,7 +9,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from nibble.quant.affine import QuantizedTensor
-from nibble.runner.kernels import prefill_int8, target
+from nibble.quant import target
+from nibble.runner.kernels import prefill_int8
 from nibble.runner.kernels.cpu import SMALL
 from nibble.runner.kernels.linear import gated_mlp, prepare, project_qkv, qmatmul
 from nibble.runner.kernels.prefill_int8 import matmul_int8

@@ -126,17 +126,27 @@ def test_a_compile_nobody_ends_is_ended_once_idle(monkeypatch):
     assert err.getvalue() == before
 
 
-def test_named_steps_say_which_of_how_many_and_the_time_left_at_the_pace_so_far():
+def test_named_steps_say_which_of_how_many_and_the_time_left_at_the_pace_so_far(monkeypatch):
+    monkeypatch.setattr(compiling, "machine_pace", lambda: 1.5)   # this machine half as slow again as the reference
     steps = compiling.Steps([("the matrix kernels", 10.0), ("the layer", 20.0)])
     steps.began = steps.step_began = 100.0
-    assert steps.left(104.0) == 26.0   # nothing done yet: as expected
-    assert steps.say(104.0) == "4 s so far, about 26 s left; step 1 of 2, the matrix kernels"
+    assert steps.left(104.0) == 41.0   # nothing done yet: as expected, at the machine's pace
+    assert steps.say(104.0) == "4 s so far, about 41 s left; step 1 of 2, the matrix kernels"
     steps.done, steps.step_began = 1, 120.0   # the first step took twice as long as expected
     assert steps.left(125.0) == 35.0
     assert steps.say(125.0) == "25 s so far, about 35 s left; step 2 of 2, the layer"
     assert steps.say(170.0).startswith("70 s so far, a few seconds left;")   # slower still: never a negative time
     steps.done = 2
     assert steps.left(171.0) == 0.0
+
+
+def test_the_machine_s_pace_is_its_time_for_a_piece_of_python_against_the_reference_machine_s(monkeypatch):
+    monkeypatch.setattr(compiling, "_probe", lambda: 2 * compiling.REFERENCE_PROBE)
+    compiling.machine_pace.cache_clear()
+    try:
+        assert compiling.machine_pace() == 2.0
+    finally:
+        compiling.machine_pace.cache_clear()
 
 
 def test_the_compile_line_names_the_step_while_steps_are_planned():

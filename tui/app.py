@@ -6,6 +6,7 @@ up) while the window already takes keys; a message sent meanwhile is answered on
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -158,8 +159,9 @@ class ChatApp(App):
             from nibble.formats import progress
             from nibble.runner.session import ChatSession
             load = self._load_fn
-            if load is None:
+            if load is None:   # the full kernels compile in the background on a first run
                 from nibble.runner.loader import load
+                load = functools.partial(load, background=True)
             self._post(LoadProgress(ref, 1, "reading the model"))
             gpu = (dict(gpu_layers=self.gpu_layers, require_gpu=self.require_gpu, ctx_size=self.ctx_size)
                    if self.gpu_layers else {})

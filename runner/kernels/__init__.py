@@ -4,7 +4,7 @@ The cache lives in nibble's cache directory, in a folder named after a hash of t
 numba checks each function against its own file only, and a kernel that inlines another file's
 (decoder_layer inlines cpu's, linear's, quant_decode's, half's and prefill's) would keep the old
 code after an upgrade or an edit. Kernels compiled for this CPU without AVX-512 (NIBBLE_CPU=avx2,
-target.py) have folders of their own, `avx2-<hash>`. The folders of older sources of the same
+quant/target.py) have folders of their own, `avx2-<hash>`. The folders of older sources of the same
 kind are deleted when this process first compiles a kernel: a run with NIBBLE_CPU and one without
 keep each other's. A NUMBA_CACHE_DIR set by the user is left alone.
 
@@ -22,7 +22,7 @@ import numba
 from numba.core import event
 
 from nibble.formats.paths import kernels_dir
-from . import target   # first: numba.config's CPU, before anything compiles
+from nibble.quant import target   # numba.config's CPU, set before anything compiled (quant/target.py)
 from . import cache_load, compile_time, compiling, linking
 
 # `workqueue` costs ~0.1 ms per parallel region (~20 ms a token): prefer OpenMP, then TBB.

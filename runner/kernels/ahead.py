@@ -1,15 +1,14 @@
-"""A first run's compile on two cores or more at once: the decode kernels of a model's quantized
-weights compile in a second process (the output head's, if of another kind, in a third) while
-this one compiles the rest, into the same on-disk cache.
+"""A first run's compile on two cores at once: the decode kernels of a model's quantized weights
+(then the output head's, if of another kind) compile in a second process while this one compiles
+the rest, into the same on-disk cache.
 
-Numba compiles on one core, and a first run spends a minute or more in it. The decode kernel of
-each kind of weight (quant_decode's, the biggest: 10-20 s each on 2 cores) depends on nothing
-the rest compiles, and the rest finds it in the cache once it is there. So the other process gets
-a weight's kind as a line of text (bits, group, the scales' dtype, which arrays are writable: all
-that makes its numba type), makes a tiny weight of that type, runs the decode kernel on it, and
-prints the line back when it is cached. Meanwhile this process compiles the prefill kernels,
-then waits for the decode kernels before compiling the layer that calls them (a kernel it
-compiled itself first would be compiled twice).
+Numba compiles on one core. The decode kernel of each kind of weight depends on nothing the rest
+compiles, and the rest finds it in the cache once it is there. So the other process gets a
+weight's kind as a line of text (bits, group, the scales' dtype, which arrays are writable,
+whether a first run's kind: all that makes its numba type), makes a tiny weight of that type, runs
+the decode kernel on it, and prints the line back when it is cached. Meanwhile this process
+compiles the prefill kernels and attention, then waits for the decode kernels before compiling
+the layer that calls them (a kernel it compiled itself first would be compiled twice).
 
 A first run is told from a warm one by numba's cache index: whether it holds the layer for its
 argument types (`is_cached`), looked up without loading anything.
@@ -26,15 +25,19 @@ from numba.core.dispatcher import Dispatcher
 
 from nibble.quant.affine import QuantizedTensor
 from . import compiling
-from .quant_decode import KINDS
+from .quant_decode import FIRST_KINDS, KINDS
 
 T = TypeVar("T")
 
-# Seconds each step of a first pass takes on two cores of a 2.x GHz Xeon (the compile's progress
-# line scales them by the pace of the steps done): the decode and prefill kernels of one kind of
-# weight (side by side: the longer of the two), then the layer, which calls them.
-KIND_SECONDS = 35.0
-LAYER_SECONDS = 18.0
+# Seconds a first pass's compile takes on compiling.machine_pace's reference machine, by a first
+# run's kinds (True) or the full ones: the decode kernel of a kind of weight in the other process,
+# its prefill kernels and attention here (a step lasts the longer of the two, and a quarter more for
+# the cores they share with the rest), then the layer, which calls them.
+DECODE_SECONDS = {True: 3.0, False: 7.0}
+PREFILL_SECONDS = {True: 0.0, False: 5.0}
+ATTENTION_SECONDS = 6.5
+LAYER_SECONDS = {True: 4.5, False: 5.0}
+SHARED = 1.25
 
 
 def is_cached(dispatcher: Dispatcher, sig: tuple) -> bool:
@@ -49,14 +52,16 @@ def is_cached(dispatcher: Dispatcher, sig: tuple) -> bool:
 
 
 def spec(w: QuantizedTensor) -> str:
-    """The text of a prepared weight's numba type: its kind, scales, table of levels and planes."""
+    """The text of a prepared weight's numba type: its kind (a first run's or not), scales, table
+    of levels and planes."""
     writable = "".join("w" if a.flags.writeable else "r" for a in (w.weight, w.scales, w.biases))
-    return f"{w.bits} {w.group_size} {w.scales.dtype} {int(w.bf16)} {writable} {int(w.values is not None)} {int(w.high is not None)}"
+    return (f"{w.bits} {w.group_size} {w.scales.dtype} {int(w.bf16)} {writable} {int(w.values is not None)} "
+            f"{int(w.high is not None)} {int(type(w).FIRST)}")
 
 
 def example(text: str) -> QuantizedTensor:
     """A tiny prepared weight (2 rows of one group) of the type `text` (spec) describes."""
-    bits, G, dtype, bf16, writable, levels, planes = text.split()
+    bits, G, dtype, bf16, writable, levels, planes, first = text.split()
     bits, G = int(bits), int(G)
     if dtype in ("uint8", "int8"):   # scales in two levels: one super-block of 256 weights
         arrays = [np.zeros((2, 256 * bits // 32), np.uint32), *(np.zeros((2, 1, 2 + 256 // G), dtype) for _ in "sb")]
@@ -69,7 +74,7 @@ def example(text: str) -> QuantizedTensor:
     for a in (values, high):
         if a is not None:
             a.flags.writeable = False   # as prepare keeps them
-    return KINDS[bits, G](*arrays, bits, G, bool(int(bf16)), values, high)
+    return (FIRST_KINDS if first == "1" else KINDS)[bits, G](*arrays, bits, G, bool(int(bf16)), values, high)
 
 
 def compile_decode(text: str):
@@ -104,27 +109,34 @@ class Ahead:
             self.proc.wait()
 
 
-def first_pass(layers: list, head, compile_layers: Callable[[], T]) -> T:
-    """compile_layers() on a first run, on two cores or more: the decode kernels of the quantized
-    weights of `layers` (named tuples of weights) in another process, those of `head` (None:
-    none) in a third where its kind is not theirs, their prefill kernels here, then the layers'
-    kernel itself once the kernels it calls are cached. Returns what compile_layers returns, once
-    the head's decode kernel is cached too."""
+def first_pass(layers: list, head, compile_layers: Callable[[], T], meanwhile: list[tuple] = ()) -> T:
+    """compile_layers() on a first run, on two cores: the decode kernels of the quantized weights
+    of `layers` (named tuples of weights) in another process, then those of `head` (None: none)
+    where its kind is not theirs; here meanwhile their prefill kernels (none for a first run's
+    kinds, which never prefill) and the kernels `meanwhile` ((dispatcher, signature) pairs: what
+    the layers call beside them), then the layers' kernel itself once the kernels it calls are
+    cached. Returns what compile_layers returns, once the head's decode kernel is cached too."""
     from .linear import qprefill
     quantized = lambda ws: [w for w in ws if isinstance(w, QuantizedTensor)]
     kinds = list({spec(w): w for layer in layers for w in quantized(layer)}.values())
     heads = [w for w in quantized([head]) if spec(w) not in set(map(spec, kinds))]
-    expected = [("the matrix kernels", KIND_SECONDS * len(kinds)), ("the layer", LAYER_SECONDS)]
+    first = all(type(w).FIRST for w in kinds + heads)
+    matrices = max(DECODE_SECONDS[first] * len(kinds + heads), ATTENTION_SECONDS + PREFILL_SECONDS[first] * len(kinds))
+    expected = [("the matrix kernels", SHARED * matrices), ("the layer", LAYER_SECONDS[first])]
     with compiling.steps(expected) as steps:
-        other, the_head = Ahead(kinds), Ahead(heads)
+        other = Ahead(kinds + heads)   # one process beside this one: two cores
         for w in kinds:
+            if type(w).FIRST:
+                continue
             N, K = w.shape
             x, out = np.zeros((2, K), np.float32), np.zeros((2, N), np.float32)
             qprefill.compile(tuple(map(qprefill.typeof_pyval, (x, w, out, False))))
+        for kernel, sig in meanwhile:
+            kernel.compile(sig)
         other.wait(kinds)
         steps.next()
         compiled = compile_layers()
-        the_head.wait(heads)
+        other.wait(heads)
     return compiled
 
 

@@ -10,6 +10,7 @@ library, tests) has its line ended (cleared) once nothing has compiled for IDLE 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,9 @@ from nibble.formats import progress
 
 TICK = 1.0   # seconds between two updates of the line
 IDLE = 3.0   # seconds without a compile after which the line is left as it is
+# _probe() on the machine whose compile the steps' expected seconds were measured on (an AMD EPYC,
+# Zen 5, two cores): a compile is mostly Python and LLVM on one core, which scale alike
+REFERENCE_PROBE = 0.0026
 
 
 class _Compiles(event.Listener):
@@ -31,6 +35,7 @@ class _Compiles(event.Listener):
         self.kernel = ""                  # the outermost kernel compiling
         self.last = 0.0                   # when the last compile ended
         self.steps: Steps | None = None   # the steps ahead, if the caller named them
+        self.rest = False                 # the full kernels compile in the background (runner/background.py)
 
     def on_start(self, ev):
         with self.lock:
@@ -108,13 +113,17 @@ class _Compiles(event.Listener):
     def finish(self):
         with self.lock:
             start, self.start = self.start, None
+            rest, self.rest = self.rest, False
         if start is not None:
-            progress.done(f"compiled the kernels for this CPU in {time.monotonic() - start:.0f} s; "
-                          "later runs load them at once")
+            took = time.monotonic() - start
+            progress.done(f"compiled the kernels a first answer needs in {took:.0f} s; the rest compile in the "
+                          f"background, for later runs" if rest else
+                          f"compiled the kernels for this CPU in {took:.0f} s; later runs load them at once")
 
 
 class Steps:
-    """The steps of a compile, in order, each with the seconds it is expected to take."""
+    """The steps of a compile, in order, each with the seconds it is expected to take on the
+    machine of REFERENCE_PROBE."""
 
     def __init__(self, expected: list[tuple[str, float]]):
         self.expected = expected
@@ -129,9 +138,10 @@ class Steps:
 
     def left(self, now: float) -> float:
         """Seconds the steps not done are expected to take from `now`, at the pace of those done
-        (a machine twice as slow takes twice as long; before any is done, as expected)."""
+        (a machine twice as slow takes twice as long; before any is done, at this machine's
+        pace())."""
         before = sum(seconds for _, seconds in self.expected[:self.done])
-        pace = (self.step_began - self.began) / before if before > 0 else 1.0
+        pace = (self.step_began - self.began) / before if before > 0 else machine_pace()
         rest = [pace * seconds for _, seconds in self.expected[self.done:]]
         if not rest:
             return 0.0
@@ -145,6 +155,24 @@ class Steps:
         left = self.left(now)
         ahead = f"about {left:.0f} s left" if left >= 3 else "a few seconds left"
         return f"{now - self.began:.0f} s so far, {ahead}; step {min(self.done + 1, n)} of {n}, {what}"
+
+
+@functools.cache
+def machine_pace() -> float:
+    """How much longer than the reference machine this one takes to compile, from a short piece
+    of Python timed at its best of a dozen runs (some 30 ms, once)."""
+    return _probe() / REFERENCE_PROBE
+
+
+def _probe() -> float:
+    best = float("inf")
+    for _ in range(12):
+        start = time.perf_counter()
+        total = 0
+        for i in range(100_000):
+            total += i % 7
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _name(dispatcher) -> str:
@@ -172,6 +200,12 @@ def steps(expected: list[tuple[str, float]]):
     in order): the line says which is under way and about how long is left. The yielded
     Steps' next() says that one has ended."""
     return _compiles.planned(Steps(expected))
+
+
+def rest_in_background():
+    """This compile is a first run's kernels; the full ones compile in the background (finish's line says so)."""
+    with _compiles.lock:
+        _compiles.rest = True
 
 
 def finish():

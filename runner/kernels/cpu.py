@@ -349,8 +349,27 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     Hkv = v_cache.shape[1]
     if k_cache.shape[2] != hd or k_cache.shape[3] != v_cache.shape[2]:   # else it reads and writes past them
         raise ValueError("attention: keys [blocks, Hkv, hd, BLOCK] and values [blocks, Hkv, BLOCK, hd] expected")
-    group = H // Hkv
-    order = np.argsort(rows.seq.astype(np.int64) * (rows.positions.max() + 1) + rows.positions)
+    order, lo, hi, first, count, kv_of, split, lone, head_task, head_splits, merged, pm, pl, pacc = _plan(
+        rows, Hkv, H // Hkv, hd, window)
+    tasks = first.shape[0]
+    for i in prange(tasks):
+        # from both ends in turn: a prompt's later rows see more keys, and each thread runs a
+        # contiguous range of tasks
+        task = i // 2 if i % 2 == 0 else tasks - 1 - i // 2
+        _attend(task, first, count, kv_of, split, lone, order, lo, hi, q, scale, rows, k_cache, v_cache, k_scale,
+                v_scale, sinks, pm, pl, pacc, out)
+    if merged.shape[0]:   # (a parallel region costs a few microseconds, some 200 a token)
+        for j in prange(merged.shape[0]):
+            i0 = head_task[merged[j]]
+            _finish(out, order[first[i0]], kv_of[i0], sinks, pm, pl, pacc, i0, head_splits[merged[j]])
+
+
+@njit(**_jit)
+def _plan(rows, Hkv, group, hd, window):
+    """attention's tasks (see there), and the sums of its split tasks: the parallel loops apart
+    from the rest (numba compiles a parallel function's code twice over)."""
+    T = rows.positions.shape[0]
+    order = _by_sequence(rows)
     lo, hi = np.empty(T, np.int64), np.empty(T, np.int64)   # each row sees positions lo..hi-1
     for t in range(T):
         hi[t] = rows.positions[t] + 1
@@ -360,7 +379,9 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     while a < T:   # the rows of one sequence, order[a:b], by position
         b = _run_end(order, rows.seq, a)
         if window < 0:
-            hi[order[a:b]] = hi[order[b - 1]]
+            end = hi[order[b - 1]]
+            for i in range(a, b):
+                hi[order[i]] = end
         if b - a == 1:
             tasks += Hkv * ((hi[order[a]] - 1) // SPLIT - lo[order[a]] // SPLIT + 1)
             heads += Hkv
@@ -397,50 +418,76 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
         else:
             merged[n_merged] = j
             n_merged += 1
-    for i in prange(tasks):
-        # from both ends in turn: a prompt's later rows see more keys, and each thread runs a
-        # contiguous range of tasks
-        task = i // 2 if i % 2 == 0 else tasks - 1 - i // 2
-        c, kv = first[task], kv_of[task]
-        R = count[task] * group   # row r: position order[c + r // group], head kv * group + r % group
-        qs = np.zeros((R + QROWS, hd), np.float32)
-        rlo, rhi = np.empty(R, np.int64), np.empty(R, np.int64)
+    return order, lo, hi, first, count, kv_of, split, lone, head_task, head_splits, merged[:n_merged], pm, pl, pacc
+
+
+@njit(**_jit)
+def _attend(task, first, count, kv_of, split, lone, order, lo, hi, q, scale, rows, k_cache, v_cache, k_scale, v_scale,
+            sinks, pm, pl, pacc, out):
+    """Task `task` of attention's (see there): a function of its own, so that the parallel loop's
+    body is a call (numba compiles a parallel loop's body twice over)."""
+    group, hd = pacc.shape[1], pacc.shape[2]
+    c, kv = first[task], kv_of[task]
+    R = count[task] * group   # row r: position order[c + r // group], head kv * group + r % group
+    qs = np.zeros((R + QROWS, hd), np.float32)
+    rlo, rhi = np.empty(R, np.int64), np.empty(R, np.int64)
+    for r in range(R):
+        t = order[c + r // group]
+        rlo[r], rhi[r] = lo[t], hi[t]
+        for d in range(hd):
+            qs[r, d] = q[t, kv * group + r % group, d] * np.float32(scale)
+    table = rows.tables[rows.seq[order[c]]]
+    m, l, acc = np.full(R, _NONE), np.zeros(R, np.float32), np.zeros((R, hd), np.float32)
+    if split[task] >= 0:
+        _split(qs, rlo, rhi, split[task], k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc)
+        _copy(pm[task], m)
+        _copy(pl[task], l)
+        _copy(pacc[task], acc)
+        if lone[task]:
+            _finish(out, order[c], kv, sinks, pm, pl, pacc, task, 1)
+        return
+    tm, tl, tacc = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros((R, hd), np.float32)
+    for r in range(R):
+        tm[r], tl[r] = _sink(sinks, kv * group + r % group)
+    for s in range(rlo.min() // SPLIT, (rhi.max() - 1) // SPLIT + 1):
+        m[:] = _NONE
+        l[:] = 0
+        acc[:] = 0
+        _split(qs, rlo, rhi, s, k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc)
         for r in range(R):
-            t = order[c + r // group]
-            rlo[r], rhi[r] = lo[t], hi[t]
-            for d in range(hd):
-                qs[r, d] = q[t, kv * group + r % group, d] * np.float32(scale)
-        table = rows.tables[rows.seq[order[c]]]
-        m, l, acc = np.full(R, _NONE), np.zeros(R, np.float32), np.zeros((R, hd), np.float32)
-        if split[task] >= 0:
-            _split(qs, rlo, rhi, split[task], k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc)
-            pm[task] = m
-            pl[task] = l
-            pacc[task] = acc
-            if lone[task]:
-                _finish(out, order[c], kv, sinks, pm, pl, pacc, task, 1)
-            continue
-        tm, tl, tacc = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros((R, hd), np.float32)
-        for r in range(R):
-            tm[r], tl[r] = _sink(sinks, kv * group + r % group)
-        for s in range(rlo.min() // SPLIT, (rhi.max() - 1) // SPLIT + 1):
-            m[:] = _NONE
-            l[:] = 0
-            acc[:] = 0
-            _split(qs, rlo, rhi, s, k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc)
-            for r in range(R):
-                tm[r], tl[r] = _merge(tm[r], tl[r], tacc[r], m[r], l[r], acc[r])
-        for r in range(R):
-            inverse = np.float32(1.0) / tl[r]   # as the decoded rows' (fast math would choose)
-            for d in range(hd):
-                out[order[c + r // group], kv * group + r % group, d] = tacc[r, d] * inverse
-    if n_merged:   # (a parallel region costs a few microseconds, some 200 a token)
-        for j in prange(n_merged):
-            i0 = head_task[merged[j]]
-            _finish(out, order[first[i0]], kv_of[i0], sinks, pm, pl, pacc, i0, head_splits[merged[j]])
+            tm[r], tl[r] = _merge(tm[r], tl[r], tacc[r], m[r], l[r], acc[r])
+    for r in range(R):
+        inverse = np.float32(1.0) / tl[r]   # as the decoded rows' (fast math would choose)
+        for d in range(hd):
+            out[order[c + r // group], kv * group + r % group, d] = tacc[r, d] * inverse
 
 
 @njit(inline="always", **_jit)
+def _by_sequence(rows):
+    """The rows' indices in order of sequence, then position: an insertion sort, which a pass's
+    rows (a sequence's consecutive positions, sequences in order) keep at one comparison a row
+    (numba's argsort takes a second of a first run to compile)."""
+    T = rows.seq.shape[0]
+    order = np.arange(T)
+    for i in range(1, T):
+        t = order[i]
+        j = i
+        while j > 0 and (rows.seq[order[j - 1]], rows.positions[order[j - 1]]) > (rows.seq[t], rows.positions[t]):
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = t
+    return order
+
+
+@njit(inline="always", **_jit)
+def _copy(dst, src):
+    """dst[...] = src, src's shape: numba's own array copy compiles a message formatting both
+    shapes for a mismatch (seconds of a first run, in unicode's and repr's code)."""
+    for i in np.ndindex(src.shape):
+        dst[i] = src[i]
+
+
+@njit(**_jit)
 def _finish(out, t, kv, sinks, pm, pl, pacc, i0, n):
     """Row t's query heads of KV head kv: the sums of its splits i0..i0+n-1 merged in order."""
     group, hd = pacc.shape[1], pacc.shape[2]
@@ -555,8 +602,9 @@ def _floats_typed(cache, scales, blk, kv, keys, scratch):
             x = cache[blk, kv]
             if x.shape[1] == scratch.shape[1]:
                 return x
-            scratch[:, :x.shape[1]] = x
-            scratch[:, x.shape[1]:] = 0
+            for i in range(x.shape[0]):
+                for j in range(scratch.shape[1]):
+                    scratch[i, j] = x[i, j] if j < x.shape[1] else 0
             return scratch
         return as_is
 

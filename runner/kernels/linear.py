@@ -169,7 +169,7 @@ def linear(x, w, out, accumulate):
     than SMALL rows by the head never compiles its prefill kernel.
     """
     if isinstance(w, (QuantizedTensor, HalfTensor)):
-        (qmatvec if x.shape[0] <= SMALL else qprefill)(x, w, out, accumulate)
+        (qmatvec if x.shape[0] <= SMALL or getattr(w, "FIRST", False) else qprefill)(x, w, out, accumulate)
     else:
         cpu.matmul(x, w, out, accumulate)
 
@@ -178,6 +178,8 @@ def linear(x, w, out, accumulate):
 def _linear_typed(x, w, out, accumulate):
     if isinstance(w, types.Array):
         return lambda x, w, out, accumulate: cpu.matmul(x, w, out, accumulate)
+    if quant_decode.is_first(w):   # a first run's: the decode kernels whatever the rows
+        return lambda x, w, out, accumulate: qmatvec(x, w, out, accumulate)
     if isinstance(w, types.BaseNamedTuple) and issubclass(w.instance_class, (QuantizedTensor, HalfTensor)):
         return lambda x, w, out, accumulate: qmatmul(x, w, out, accumulate)
 
@@ -205,6 +207,8 @@ def _project_qkv(x, wq, wk, wv, q, k, v):
     if all(isinstance(w, types.Array) for w in (wq, wk, wv)):
         return lambda x, wq, wk, wv, q, k, v: cpu.project_qkv(x, wq, wk, wv, q, k, v)
     if _rounded_alike(wq, wk, wv):
+        if quant_decode.is_first(wq):
+            return lambda x, wq, wk, wv, q, k, v: _qkv_decoded(x, wq, wk, wv, q, k, v)
         return lambda x, wq, wk, wv, q, k, v: _qkv_rounded_once(x, wq, wk, wv, q, k, v)
     return lambda x, wq, wk, wv, q, k, v: _qkv_each(x, wq, wk, wv, q, k, v)
 
@@ -214,7 +218,7 @@ def _rounded_alike(*weights) -> bool:
     one kind (the same bits and groups), they share x rounded once for them all (a fifth of
     SmolLM2's prefill matmul time went to rounding x)."""
     kinds = {w.instance_class if isinstance(w, types.BaseNamedTuple) else None for w in weights}
-    return quant_decode.INT8 and len(kinds) == 1 and kinds.pop() in quant_decode.KINDS.values()
+    return quant_decode.INT8 and len(kinds) == 1 and getattr(kinds.pop(), "KIND", None) is not None
 
 
 @njit(**_jit)
@@ -227,15 +231,21 @@ def _qkv_each(x, wq, wk, wv, q, k, v):
 @njit(**_jit)
 def _qkv_rounded_once(x, wq, wk, wv, q, k, v):
     if x.shape[0] <= SMALL:
-        rounded = quant_decode.round_rows(x, wq.group_size, wq.bits)
-        _decode_rounded(rounded, x, wq, q)
-        _decode_rounded(rounded, x, wk, k)
-        _decode_rounded(rounded, x, wv, v)
+        _qkv_decoded(x, wq, wk, wv, q, k, v)
     else:
         rounded = prefill_int8.round_rows(x, wq.group_size, wq.bits)
         _prefill_rounded(rounded, x, wq, q)
         _prefill_rounded(rounded, x, wk, k)
         _prefill_rounded(rounded, x, wv, v)
+
+
+@njit(inline="always", **_jit)
+def _qkv_decoded(x, wq, wk, wv, q, k, v):
+    """_qkv_rounded_once through the decode kernels."""
+    rounded = quant_decode.round_rows(x, wq.group_size, wq.bits)
+    _decode_rounded(rounded, x, wq, q)
+    _decode_rounded(rounded, x, wk, k)
+    _decode_rounded(rounded, x, wv, v)
 
 
 @njit(inline="always", **_jit)
@@ -267,6 +277,8 @@ def _gated_mlp(x, w_gate, w_up, out, gelu):
         return lambda x, w_gate, w_up, out, gelu: cpu.swiglu(x, w_gate, w_up, out)   # decode: one pass
     # gelu goes on as a constant: numba compiles a function once for each constant's value
     if _rounded_alike(w_gate, w_up):
+        if quant_decode.is_first(w_gate):
+            return lambda x, w_gate, w_up, out, gelu: _gated_decoded(x, w_gate, w_up, out, gelu)
         return lambda x, w_gate, w_up, out, gelu: _gated_rounded_once(x, w_gate, w_up, out, gelu)
     return lambda x, w_gate, w_up, out, gelu: _gated_each(x, w_gate, w_up, out, gelu)
 
@@ -294,13 +306,21 @@ def _gated_each(x, w_gate, w_up, out, gelu):
 
 @njit(**_jit)
 def _gated_rounded_once(x, w_gate, w_up, out, gelu):
-    up = np.empty_like(out)
     if x.shape[0] <= SMALL:
-        rounded = quant_decode.round_rows(x, w_gate.group_size, w_gate.bits)
-        _decode_rounded(rounded, x, w_gate, out)
-        _decode_rounded(rounded, x, w_up, up)
-    else:
-        rounded = prefill_int8.round_rows(x, w_gate.group_size, w_gate.bits)
-        _prefill_rounded(rounded, x, w_gate, out)
-        _prefill_rounded(rounded, x, w_up, up)
+        _gated_decoded(x, w_gate, w_up, out, gelu)
+        return
+    up = np.empty_like(out)
+    rounded = prefill_int8.round_rows(x, w_gate.group_size, w_gate.bits)
+    _prefill_rounded(rounded, x, w_gate, out)
+    _prefill_rounded(rounded, x, w_up, up)
+    _activate(out, up, gelu)
+
+
+@njit(inline="always", **_jit)
+def _gated_decoded(x, w_gate, w_up, out, gelu):
+    """_gated_rounded_once through the decode kernels."""
+    up = np.empty_like(out)
+    rounded = quant_decode.round_rows(x, w_gate.group_size, w_gate.bits)
+    _decode_rounded(rounded, x, w_gate, out)
+    _decode_rounded(rounded, x, w_up, up)
     _activate(out, up, gelu)

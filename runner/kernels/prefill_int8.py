@@ -2,7 +2,7 @@
 out[T, N] (+)= x[T, K] @ W.T for a prepared QuantizedTensor W, on CPUs that multiply bytes (x86:
 AVX-512 VNNI's vpdpbusd, else AVX2's vpmaddubsw); elsewhere, and for 16-bit weights, prefill.py's
 float tiles. The choice is made when the kernels compile, from the CPU numba compiles for
-(target.py: NIBBLE_CPU=avx2 takes AVX2's on a CPU with VNNI too).
+(quant/target.py: NIBBLE_CPU=avx2 takes AVX2's on a CPU with VNNI too).
 
 x is quantized once per call to int8 per block of 32 (dx: its scale, as llama.cpp's Q8 blocks);
 W's integers q (0..15 or 0..255) stay as they are, and
@@ -29,8 +29,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from nibble.formats import planes
+from nibble.quant import target
 from nibble.quant.affine import QuantizedTensor
-from . import prefill, target
+from . import prefill
 from .cpu import _jit
 from .simd import (F32, I32, Vec, _ll, _load, block_highs, fma, group_scale_bias, high_mask, high_of, hsum, load_f32x8,
                    plane_at, plane_count, splat_f32, table_ops, vadd, widen_bits, zero_f32, zero_i32)
@@ -41,7 +42,7 @@ TILE = 24   # W's rows unpacked at a time: 24 x K bytes stay in L1/L2 while ever
 
 
 def host_dot():
-    """'vnni', 'avx2' or None: the byte dot product of the CPU numba compiles for (target.py:
+    """'vnni', 'avx2' or None: the byte dot product of the CPU numba compiles for (quant/target.py:
     NIBBLE_CPU=avx2 takes AVX-512 away; None where the user's NUMBA_CPU_NAME names another CPU
     than this one: a portable cache gets the float tiles)."""
     features = target.features()

@@ -66,19 +66,35 @@ def matvec_rows16(x, qw, out, accumulate):
     products(_round16(x, qw.group_size, qw.bits), x, qw, out, accumulate)
 
 
-def _kind(bits: int, G: int) -> type:
-    name = f"Int{bits}G{G}"
-    doc = f"A prepared QuantizedTensor of {bits}-bit weights in groups of {G}: its own numba type."
+def _kind(bits: int, G: int, first: bool) -> type:
+    name = f"Int{bits}G{G}" + ("First" if first else "")
+    doc = (f"A prepared QuantizedTensor of {bits}-bit weights in groups of {G}: its own numba type"
+           + (", for a first run's kernels (see FIRST_KINDS)." if first else "."))
     return type(name, (QuantizedTensor,), {"__slots__": (), "__module__": __name__, "__qualname__": name,
-                                          "__doc__": doc, "KIND": (bits, G)})
+                                          "__doc__": doc, "KIND": (bits, G), "FIRST": first})
 
 
 # One class of QuantizedTensor for each (bits, G), which linear.prepare gives every weight: numba
 # types a named tuple by its class, so a kernel compiles only the decode loop of its weights'
-# bits and groups, not all of them (each takes 10-20 s to compile on 2 cores). Module globals by
-# name, so that cached kernels name their types when loaded again.
-KINDS = {(bits, G): _kind(bits, G) for bits, G in KERNEL_KINDS}
-globals().update({kind.__name__: kind for kind in KINDS.values()})
+# bits and groups, not all of them. Module globals by name, so that cached kernels name their
+# types when loaded again.
+KINDS = {(bits, G): _kind(bits, G, False) for bits, G in KERNEL_KINDS}
+# The same weights for a first run's kernels, which compile in a fraction of the time: every
+# product one x row at a time (_rows_x8's passes of four and two rows are most of its code) and
+# no prefill tiles, whatever the rows (linear.py). A first answer runs on them while the kernels
+# of KINDS compile in the background (runner/warmup.py).
+FIRST_KINDS = {(bits, G): _kind(bits, G, True) for bits, G in KERNEL_KINDS}
+globals().update({kind.__name__: kind for kind in (*KINDS.values(), *FIRST_KINDS.values())})
+
+
+def first_kind(w: QuantizedTensor) -> QuantizedTensor:
+    """A prepared weight as its first run's kind (the same arrays)."""
+    return FIRST_KINDS[type(w).KIND](*w)
+
+
+def is_first(w) -> bool:
+    """Whether a numba type is a weight of a first run's kind."""
+    return isinstance(w, types.BaseNamedTuple) and getattr(w.instance_class, "FIRST", False)
 
 
 @njit(**_jit)
@@ -142,7 +158,8 @@ def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
     if xq.dtype == types.int8:
         per = 256 // bits   # weights in a unit of 32 bytes: groups in one, and units in a group
         count, upg = max(1, per // G), max(1, G // per)
-        return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: _rows_x8(
+        rows = _rows_x8_alone if qw.instance_class.FIRST else _rows_x8
+        return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: rows(
             xq, dx, xs, x, bits, count, upg, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
             qw.bf16, qw.values, qw.high, plane_count(qw.high, x.shape[1]), experts, own_x, out)
     # rep: the groups in a block of 64 where it holds several (2 or 4), else 0; G itself is a
@@ -492,16 +509,35 @@ def _rows_x8(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi
     of four, two or one, whatever the other rows (a batch decodes as each sequence alone), and the
     four rows share no sum (more registers than that spill). `count` groups (a literal) in a unit,
     and `upg` units in a group. The weight rows of a task are h and h + H, as _rows pairs them."""
-    N, B = out.shape[1], x.shape[0]
-    H = (N + 1) // 2
+    H = (out.shape[1] + 1) // 2
     dxs = _lane_scales(dx, bits)
     for t in prange(experts.shape[0] * H):   # each thread: a range of rows and the same range + H
-        j, h = divmod(np.int64(t), H)        # prange's index is unsigned: h + H would type as float
-        i = experts[j] * N + h
-        first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
-        for k in range(2 if h + H < N else 1):   # a loop: the row's kernel inlined once, not twice
-            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k * H, h + k * H,
-                        first, stop, o, out)
+        i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)
+        for k in range(2 if pair else 1):   # a loop: the row's kernel inlined once, not twice
+            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k * H,
+                        h + k * H, first, stop, o, out)
+
+
+@njit(parallel=True, **_jit)
+def _rows_x8_alone(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
+    """_rows_x8 one x row a pass: a first run's (quant_decode.FIRST_KINDS), a fifth of the code."""
+    H = (out.shape[1] + 1) // 2
+    dxs = _lane_scales(dx, bits)
+    for t in prange(experts.shape[0] * H):
+        i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)
+        for k in range(2 if pair else 1):
+            _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k * H,
+                              h + k * H, first, stop, o, out)
+
+
+@njit(inline="always", **_jit)
+def _task(t, H, N, B, experts, own_x):
+    """Task t of _rows_x8's (N weight rows an expert, B rows of x): its first weight row i (of
+    expert experts[j], output column h), the x rows first..stop and where their outputs begin (o),
+    and whether row i + H (column h + H) is the task's too."""
+    j, h = divmod(np.int64(t), H)        # prange's index is unsigned: h + H would type as float
+    first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
+    return experts[j] * N + h, h, first, stop, o, h + H < N
 
 
 @njit(**_jit)
@@ -532,6 +568,15 @@ def _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lu
         r += 2
     if r < stop:
         _put(out, o + r, col, 1, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 1, bits, count, upg), accumulate)
+
+
+@njit(inline="always", **_jit)
+def _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, n, col, first, stop,
+                      o, out):
+    """_weight_row one x row a pass."""
+    for r in range(first, stop):
+        _put(out, o + r, col, 1, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 1, bits, count, upg),
+             accumulate)
 
 
 @njit(inline="always", **_jit)

@@ -224,7 +224,7 @@ class Models:
         from ..loader import as_quantized, load, open_model
         o, ref = self.options, self.refs[name]
         if not self.embeds(name):
-            return self._served(name, *load(ref, o.quant, 0, False, o.ctx))
+            return self._served(name, *load(ref, o.quant, 0, False, o.ctx, background=True))
         embedder = Embedder(as_quantized(ref, open_model(ref), o.quant), name)
         engine = EmbedEngine(embedder, parallel=o.parallel, queue=o.queue, threads=o.threads)
         engine.start()

@@ -4,8 +4,10 @@ runs (and the tests check) the path such a laptop takes: prefill_int8's AVX2 byt
 loops vectorized without AVX-512's registers and masks. Its other instructions (AVX2, FMA, F16C
 among them) and its name, which LLVM tunes for, stay.
 
-Numba makes its one target machine at its first compile, from numba.config's CPU_NAME and
-CPU_FEATURES: this module is imported by the kernels package before anything compiles.
+Numba makes its one target machine when the first jitted function is made (decorated), from
+numba.config's CPU_NAME and CPU_FEATURES: this module is imported first by every module that
+makes one, the quantizer's search here and runner's kernels, so that the choice holds whichever
+of them a program imports first. It lives in quant, the lowest layer that uses numba.
 """
 import os
 
