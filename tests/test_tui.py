@@ -694,8 +694,8 @@ async def test_thinking_streams_open_then_folds_above_the_answer_and_is_stored_a
         await ready(pilot)
         await send(pilot, "Hello there", wait=False)
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.turn is not None and screen.turn.view.thinking is not None,
-                       what="the thinking")
+        await wait_for(pilot, lambda: screen.turn is not None and screen.turn.view.thinking is not None
+                       and screen.turn.view.thinking.query("CollapsibleTitle"), what="the thinking")
         view = screen.turn.view
         await wait_for(pilot, lambda: replies() and replies()[0][1], what="the thinking on disk")
         assert not view.thinking.collapsed and title(view).endswith("Thinking…") and view.source == ""

@@ -91,7 +91,10 @@ class MarkdownBody(Vertical):
 
     async def append(self, text: str):
         self.source += text
-        tail = self.query_one(".tail", Static)
+        tails = self.query(".tail")
+        if not tails:   # mounted but not composed yet (a ThinkingView's, inside its Collapsible): compose shows it all
+            return
+        tail = tails.first(Static)
         end = frozen_length(self.source, self._frozen)
         if end > self._frozen:
             await self.mount(Static(self._markdown(self.source[self._frozen:end]), classes="frozen"),
@@ -104,7 +107,8 @@ class MarkdownBody(Vertical):
         self.streaming = False
         await self.query(".frozen").remove()
         self._frozen = 0
-        self.query_one(".tail", Static).update(self._markdown(self.source))
+        for tail in self.query(".tail"):   # none before compose, which shows it all
+            tail.update(self._markdown(self.source))
 
 
 def thinking_title(tokens: int, thinking: bool = False) -> str:
