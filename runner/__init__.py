@@ -3,7 +3,7 @@
 Two calls run a model:
 
     from nibble.runner import load, stream_generate
-    model, tokenizer = load("smollm2")
+    model, tokenizer = load("qwen3-1.7b")
     for r in stream_generate(model, tokenizer, tokenizer.prompt("Hi")): print(r.text, end="")
 """
 import importlib

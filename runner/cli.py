@@ -14,6 +14,7 @@ from dataclasses import replace
 import click
 
 from nibble.formats.errors import NibbleError, one_line
+from nibble.formats.hub import DEFAULT_MODEL, FALLBACK_MODEL
 
 from .cli_embed import embed
 from .cli_models import ls, ps, pull, rm
@@ -25,7 +26,6 @@ from .settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 # the process. (Registered before the library's exit handlers, it runs after them.)
 atexit.register(gc.freeze)
 
-DEFAULT_MODEL = "smollm2"
 DEFAULT_CTX = 4096   # -c when not given (or the model's context, if smaller)
 
 
@@ -83,8 +83,16 @@ def model_option(f):
     f = click.option("--quant", type=click.Choice(["int8", "int4"]),
                      help="Quantize a float model, once (kept in nibble's cache) [default: int4 for a "
                           "float model of more than 1B weights].")(f)
-    return click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, envvar="NIBBLE_MODEL",
+    return click.option("-m", "--model", envvar="NIBBLE_MODEL", show_default=f"{DEFAULT_MODEL}; offline, {FALLBACK_MODEL}",
                         help="A model directory, .gguf or .safetensors file, hub id (org/name) or alias.")(f)
+
+
+def _model_or_default(model: str | None) -> str:
+    """-m's model, or the default one (downloaded once; offline, the fallback, said on stderr)."""
+    if model is not None:
+        return model
+    from nibble.formats.hub import default_model
+    return default_model()
 
 
 threads_option = click.option("-t", "--threads", type=click.IntRange(min=1),
@@ -189,19 +197,26 @@ def draft_options(f):
                              "checked in the same pass (the reply is the same, often sooner).")(command)
 
 
-def thinking_options(f):
+def thinking_options(f=None, *, off=False):
     """--think/--no-think and --reasoning-budget (`run`, `chat`, `serve`), for models that think
-    before they answer, handed to the command as one `thinking` (reasoning.ThinkingOptions)."""
+    before they answer, handed to the command as one `thinking` (reasoning.ThinkingOptions).
+    `off`: a model that thinks answers without thinking unless a flag asks for it (`run`: a
+    question answered at once)."""
+    if f is None:
+        return functools.partial(thinking_options, off=off)
+
     @functools.wraps(f)
     def command(think, reasoning_budget, **kwargs):
         from .reasoning import ThinkingOptions
+        if off and think is None and reasoning_budget is None:
+            think = False
         return f(thinking=ThinkingOptions(think, reasoning_budget), **kwargs)
     command = click.option("--reasoning-budget", type=click.IntRange(min=-1), metavar="N",
                            help="Think at most N tokens, then answer (0: do not think; -1: no bound) "
                                 "[default: -1].")(command)
     return click.option("--think/--no-think", default=None,
                         help="Let a model that can think before it answers do so, or not "
-                             "[default: as the model does].")(command)
+                             f"[default: {'not' if off else 'as the model does'}].")(command)
 
 
 def gpu_options(f):
@@ -290,7 +305,7 @@ def _read_prompt(prompt: str | None) -> str:
 @click.option("--json-schema", type=click.Path(dir_okay=False),
               help="Reply with JSON that validates against the JSON schema in this file.")
 @click.option("--json-object", is_flag=True, help="Reply with a JSON object (say in the prompt what it should hold).")
-@thinking_options
+@thinking_options(off=True)
 @click.option("--hide-thinking", is_flag=True, help="Do not print what a model that thinks thinks (it still thinks).")
 def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk,
         draft, gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object, thinking, hide_thinking):
@@ -300,6 +315,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     system = _text(system, "the system prompt") if system is not None else None
     grammar = _grammar(json_schema, json_object)   # a bad schema is refused before the model loads
     threads = _threads(threads)
+    model = _model_or_default(model)
     from .chat import build_messages
     from .generate import stream_generate
     from .reasoning import chat_prompt
@@ -435,6 +451,7 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
     threads = _threads(threads)
+    model = _model_or_default(model)
     _fetch_if_needed(model)
     from nibble.tui.app import ChatApp
     # The seed is the app's, for every chat; the other flags lie over each model's defaults in new chats;
@@ -501,8 +518,7 @@ def _fetch_if_needed(ref: str):
 @thinking_options
 @draft_options
 @gpu_options
-@click.pass_context
-def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, kv_disk, cache_tokens,
+def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, kv_disk, cache_tokens,
           only, max_models, keep_alive, allowed_hosts, cors_origins, thinking, draft, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) and Anthropic's and ollama's: MODEL loaded at start, the others when a request
@@ -511,15 +527,16 @@ def serve(ctx, model, quant, host, port, parallel, queue, api_key, threads, ctx_
         raise click.UsageError("nibble serve runs on the CPU for now (the GPU has no paged KV cache yet): "
                                "drop -ngl and --require-gpu")
     names = _comma_list(only, "--models", "models")
-    if names and ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT:
+    if names and model is None:
         model = names[0]   # the first of --models, not the default model, is loaded at start
     from .serve.guard import Callers
     from .serve.models import EngineOptions, Models, servable
     from .serve.server import listen, serve as run_server
     callers = Callers.of(host, _comma_list(allowed_hosts, "--allowed-hosts", "host names") or (),
                          _comma_list(cors_origins, "--cors-origins", "origins") or ())
-    refs, default = servable(model, names)   # a name --models gives that is not there, and
-    sock = listen(host, port)                 # a port in use, are said before the model loads
+    sock = listen(host, port)   # a port in use, and a name --models gives that is not there,
+    model = _model_or_default(model)           # are said before the model loads
+    refs, default = servable(model, names)
     log = functools.partial(click.echo, err=True)
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, _threads(threads), cache_tokens,
                             quant, thinking, draft, kv_disk)
@@ -586,7 +603,7 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
     from .loader import load
     from .perplexity import evaluate
     threads = _threads(threads)
-    llm, tokenizer = load(model, quant)
+    llm, tokenizer = load(_model_or_default(model), quant)
     llm.threads.pin(threads)
     ctx = _context("--ctx", ctx, llm)
     with open(text_file, "rb") as f:
@@ -635,6 +652,8 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         return
     from .bench import PROMPT_TEXT, run_bench, run_parallel_bench
     threads = _threads(threads)
+    if not shapes:
+        model = _model_or_default(model)
     if not shapes and _embeds(model):
         return _bench_embedding(model, quant, prompt_tokens, parallel, repeats, threads, as_json)
     ctx = prompt_tokens + gen_tokens + 1

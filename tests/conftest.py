@@ -9,6 +9,9 @@ os.environ["NIBBLE_KV_DISK"] = "0"
 # The commands compile a first run's kernels in full before answering, not in the background (see
 # runner/background.py): no process outlives a test; tests/test_background.py turns it on.
 os.environ["NIBBLE_BACKGROUND_COMPILE"] = "0"
+# No test reaches the real Hugging Face hub (the default model would be 1.3 GB): those that talk to
+# a hub start their own (tests/hub_server.py) and say so (tests/test_hub.py's `isolated`).
+os.environ["HF_HUB_OFFLINE"] = "1"
 import subprocess
 import sys
 import zipfile

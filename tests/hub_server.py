@@ -18,11 +18,14 @@ _FILE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)"
 class FakeHub:
     """repos: repo id -> {path: bytes}, all at one commit. `cut[path] = n`: the next GET of that file
     sends its first n bytes (under the whole file's Content-Length) and drops the connection.
-    `requests` logs (method, path, Range header) in order."""
+    `damaged[path] = n`: the next n GETs of that file send it with its last byte changed (a
+    download damaged on its way, its headers as the file's). `requests` logs (method, path, Range
+    header) in order."""
 
     def __init__(self, repos: dict[str, dict[str, bytes]]):
         self.repos = repos
         self.cut: dict[str, int] = {}
+        self.damaged: dict[str, int] = {}
         self.requests: list[tuple[str, str, str | None]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -79,6 +82,9 @@ class FakeHub:
                 start = int(re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "bytes=0-")[1])
                 if start:
                     headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+                if body and hub.damaged.get(m["path"]):
+                    hub.damaged[m["path"]] -= 1
+                    data = data[:-1] + bytes([data[-1] ^ 1])
                 part = data[start:]
                 if body and (n := hub.cut.pop(m["path"], None)) is not None:
                     self.send_response(206 if start else 200)

@@ -65,6 +65,17 @@ def test_run_prints_the_thinking_dimmed_on_stderr_and_the_answer_on_stdout(r1_di
     assert "thinking" not in off and off["text"]
 
 
+def test_run_answers_without_thinking_unless_asked(r1_dir):
+    """`run` is a question answered at once: a model that thinks does not, but with --think (or a
+    reasoning budget)."""
+    ask = ["run", "-m", r1_dir, "--temp", 0, "-n", 16, "--json", "Why is the sky blue?"]
+    plain = json.loads(invoke(*ask).stdout)
+    assert "thinking" not in plain and plain["text"]
+    assert plain["text"] == json.loads(invoke(*ask[:-1], "--no-think", ask[-1]).stdout)["text"]
+    thinks = json.loads(invoke(*ask[:-1], "--think", ask[-1]).stdout)
+    assert thinks["thinking"].strip()
+
+
 def test_raw_prompt_skips_the_template(tiny_dir):
     raw = json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "--raw", "Hello").stdout)
     chat = json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "Hello").stdout)
@@ -312,16 +323,21 @@ def test_a_line_break_in_a_quoted_value_stays_on_the_error_s_line(tmp_path):
     assert_one_line_error(invoke("run", "--a\u2028b"), code=2, match="--a\\u2028b")
 
 
+def notes(stderr: str) -> list[str]:
+    """stderr's lines but a first run's compile progress (the kernels this test is the first to run)."""
+    return [line for line in stderr.splitlines() if not line.startswith(("compiling the kernels", "compiled the kernels"))]
+
+
 def test_ctx_and_threads_above_what_can_be_used_are_lowered_in_one_line_each(tiny_dir):
     import numba
     cores = numba.config.NUMBA_NUM_THREADS
     r = invoke("run", "-m", tiny_dir, *GREEDY, "-c", 100000, "-t", 999, "--json", "Hello")
     assert r.exit_code == 0, r.output
-    assert r.stderr.splitlines() == [f"-t 999 is more than the {cores} CPU threads here: using {cores}",
-                                     "-c 100000 is more than the model's context of 256 tokens: using 256"]
+    assert notes(r.stderr) == [f"-t 999 is more than the {cores} CPU threads here: using {cores}",
+                               "-c 100000 is more than the model's context of 256 tokens: using 256"]
     assert json.loads(r.stdout)["text"] == json.loads(invoke("run", "-m", tiny_dir, *GREEDY, "--json", "Hello").stdout)["text"]
     r = invoke("run", "-m", tiny_dir, *GREEDY, "-c", 256, "-t", cores, "Hello")   # the limits themselves
-    assert r.exit_code == 0 and r.stderr.splitlines()[:-1] == []   # the stats line alone
+    assert r.exit_code == 0 and notes(r.stderr)[:-1] == []   # the stats line alone
 
 
 def test_perplexity_and_bench_follow_the_same_rule(tiny_dir, tmp_path):

@@ -103,7 +103,7 @@ def test_unsupported_file(tmp_path):
 
 @pytest.mark.parametrize("ref", ["./no/such/dir", "nothing-here", "a/b/c", "org/bad--name", "org/name@../../x:Q8_0"])
 def test_unknown_reference(ref):
-    with pytest.raises(FormatError, match=f"no model at {ref}: .* aliases: smollm2"):
+    with pytest.raises(FormatError, match=f"no model at {ref}: .* aliases: qwen3-1.7b, smollm2, all-minilm"):
         hub.resolve(ref)
 
 
@@ -425,3 +425,96 @@ def test_pick_gguf(files, tag, chosen):
 def test_pick_gguf_names_the_choices(files, tag, match):
     with pytest.raises(FormatError, match=re.escape(match)):
         hub.pick_gguf(files, tag, "org/m")
+
+
+# --- the default model: pinned on the hub, checked, imported once; SmolLM2 where it cannot be had ---
+
+def tiny_quantized_gguf(path: Path) -> bytes:
+    """A tiny llama model as a Q8_0 GGUF (its matrices quantized, as a published GGUF's are)."""
+    from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
+    from tests.tiny import tiny_config, tiny_tensors
+    config = tiny_config(vocab_size=len(TOKENS))
+    tensors = {name: (gguf.quants.quantize(w, QType.Q8_0), QType.Q8_0) if w.ndim == 2 else w
+               for name, w in llama_cpp_tensors(tiny_tensors(config), config).items()}
+    write_gguf(path, tensors, config=config)
+    return path.read_bytes()
+
+
+@pytest.fixture
+def pinned(fake_hub, monkeypatch, tmp_path):
+    """The default model pinned to a tiny quantized GGUF, at its commit, that a hub started here serves."""
+    from tests.hub_server import FakeHub
+    data = tiny_quantized_gguf(tmp_path / "m-Q8_0.gguf")
+    fake = fake_hub({"org/m-GGUF": {"m-Q8_0.gguf": data}})
+    source = hub.PinnedGGUF("org/m-GGUF", FakeHub.commit("org/m-GGUF"), "m-Q8_0.gguf",
+                            hashlib.sha256(data).hexdigest(), len(data), {"temperature": 0.5}, "a tiny model")
+    monkeypatch.setitem(hub.ALIASES, hub.DEFAULT_MODEL, source)
+    return fake
+
+
+def file_gets(fake) -> int:
+    return sum(method == "GET" and "/resolve/" in path for method, path, _ in fake.requests)
+
+
+def test_the_default_model_is_downloaded_checked_and_imported_once(pinned, isolated, capfd):
+    assert hub.default_model() == hub.DEFAULT_MODEL
+    out = isolated / "nibble" / "models" / hub.DEFAULT_MODEL
+    assert hub.resolve(hub.DEFAULT_MODEL) == out and hub.is_fetched(hub.DEFAULT_MODEL)
+    assert "quantization" in json.loads((out / "config.json").read_text())   # kept quantized
+    assert json.loads((out / "generation_config.json").read_text())["temperature"] == 0.5   # the card's advice
+    assert sorted(p.name for p in out.parent.iterdir()) == [hub.DEFAULT_MODEL]   # the download is gone
+    assert file_gets(pinned) == 1
+    assert capfd.readouterr().err.splitlines()[-1] == f"nibble: imported m-Q8_0.gguf into {out}"
+    pinned.requests.clear()
+    assert hub.default_model() == hub.DEFAULT_MODEL and pinned.requests == []   # then without the hub
+
+
+def test_a_damaged_download_is_refused_by_its_checksum_and_fetched_again(pinned, capfd):
+    pinned.damaged["m-Q8_0.gguf"] = 1
+    assert hub.default_model() == hub.DEFAULT_MODEL
+    assert file_gets(pinned) == 2
+    assert "nibble: m-Q8_0.gguf does not match its checksum; downloading it again" in capfd.readouterr().err
+
+
+def test_a_download_damaged_twice_is_never_run(pinned, isolated):
+    pinned.damaged["m-Q8_0.gguf"] = 2
+    with pytest.raises(NibbleError) as e:
+        hub.resolve(hub.DEFAULT_MODEL)
+    assert re.fullmatch(r"org/m-GGUF@[0-9a-f]{12}/m-Q8_0.gguf was downloaded twice and neither matches its "
+                        r"checksum \(\d+ bytes, SHA-256 [0-9a-f]{16}\.\.\.; expected \d+ bytes, [0-9a-f]{16}\.\.\.\): "
+                        r"it was not run", one_line(e))
+    assert not hub.is_fetched(hub.DEFAULT_MODEL)
+    assert list((isolated / "nibble" / "models").iterdir()) == []   # nothing to run, nothing half-written
+
+
+def test_a_cut_download_goes_on_from_where_it_stopped(pinned):
+    pinned.cut["m-Q8_0.gguf"] = 1000
+    assert hub.default_model() == hub.DEFAULT_MODEL
+    ranges = [r for method, p, r in pinned.requests if method == "GET" and "/resolve/" in p]
+    assert len(ranges) == 2 and ranges[0] is None
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_where_the_hub_cannot_be_reached_the_fallback_runs_and_says_so_in_one_line(monkeypatch, capfd, offline):
+    set_offline(monkeypatch, offline)   # else: the closed port of `isolated`
+    assert hub.default_model() == hub.FALLBACK_MODEL
+    err = capfd.readouterr().err.splitlines()
+    why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached (127.0.0.1: Connection refused)"
+    assert err == [f"nibble: running smollm2 (SmolLM2-135M-Instruct, a 135M model that often gets facts wrong): "
+                   f"the default, qwen3-1.7b (Qwen3-1.7B, a 1.7B chat model, 1.3 GB), is not downloaded and "
+                   f"{why}; online, `nibble pull qwen3-1.7b` fetches it"]
+
+
+def test_the_default_model_named_offline_is_an_error_not_the_fallback(monkeypatch):
+    set_offline(monkeypatch, True)
+    with pytest.raises(hub.HubUnreachable, match="HF_HUB_OFFLINE is set"):
+        hub.resolve(hub.DEFAULT_MODEL)
+
+
+def test_offline_a_cached_repo_without_a_default_tag_lists_its_tags(monkeypatch, isolated):
+    lay_out_snapshot(isolated / "hf-hub", "org/m-GGUF", {"m-Q8_0.gguf": b"q8", "m-Q5_K_M.gguf": b"q5"})
+    set_offline(monkeypatch, True)
+    with pytest.raises(FormatError) as e:
+        hub.resolve("org/m-GGUF")
+    assert one_line(e) == ("org/m-GGUF holds several GGUF models: name one, as org/m-GGUF:TAG, with TAG one of "
+                           "Q5_K_M, Q8_0")

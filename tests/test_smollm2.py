@@ -113,3 +113,17 @@ def test_int8_activations_are_as_close_as_llamacpps_q8(smollm2, smollm2_f32, tmp
     for decode in (False, True):
         int8 = evaluate(smollm2[0], tokens, ctx=512, decode=decode, kl_base=str(tmp_path / "f32.bin"))
         assert int8.kl_mean < 1.25 * q8["kl_mean"] and int8.top1_agree > q8["top1_agree"] - 0.01, (decode, int8)
+
+
+def test_without_m_offline_the_fallback_answers_and_says_why_in_one_line(nibble_home, smollm2_dir):
+    """The default model is not here and the hub cannot be reached (HF_HUB_OFFLINE, as in the
+    suite): `nibble run` runs SmolLM2, its first line says so, and the answer is SmolLM2's."""
+    from tests.test_cli import invoke
+    r = invoke("run", "--temp", 0, "-n", 8, "What is the capital of France?", env={"NIBBLE_HOME": str(nibble_home)})
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0].startswith("nibble: running smollm2 (SmolLM2-135M-Instruct")
+    assert r.stderr.splitlines()[0].endswith("is not downloaded and HF_HUB_OFFLINE is set; online, "
+                                            "`nibble pull qwen3-1.7b` fetches it")
+    same = invoke("run", "-m", "smollm2", "--temp", 0, "-n", 8, "What is the capital of France?",
+                  env={"NIBBLE_HOME": str(nibble_home)})
+    assert r.stdout == same.stdout and "nibble: running" not in same.stderr

@@ -17,6 +17,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.message import Message
 
+from nibble.formats.hub import DEFAULT_MODEL
 from nibble.runner.reasoning import ThinkingOptions
 from nibble.runner.settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
@@ -76,7 +77,7 @@ class ChatApp(App):
                 tooltip="Quit (a reply being written is kept)"),
     ]
 
-    def __init__(self, model: str | None = "smollm2", *, quant: str | None = None, ctx_size: int = 4096,
+    def __init__(self, model: str | None = DEFAULT_MODEL, *, quant: str | None = None, ctx_size: int = 4096,
                  kv_cache: str = "f32", kv_disk: int = 0, threads: int | None = None, seed: int | None = None,
                  system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
                  store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,

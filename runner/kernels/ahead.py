@@ -33,10 +33,10 @@ T = TypeVar("T")
 # run's kinds (True) or the full ones: the decode kernel of a kind of weight in the other process,
 # its prefill kernels and attention here (a step lasts the longer of the two, and a quarter more for
 # the cores they share with the rest), then the layer, which calls them.
-DECODE_SECONDS = {True: 3.0, False: 7.0}
+DECODE_SECONDS = {True: 4.5, False: 7.0}
 PREFILL_SECONDS = {True: 0.0, False: 5.0}
 ATTENTION_SECONDS = 6.5
-LAYER_SECONDS = {True: 4.5, False: 5.0}
+LAYER_SECONDS = {True: 5.0, False: 5.0}
 SHARED = 1.25
 
 
