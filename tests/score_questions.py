@@ -38,7 +38,7 @@ def main():
     p.add_argument("--json", type=Path, help="write every reply here")
     args = p.parse_args()
     over = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-    llm, tok = load(args.model or default_model())
+    llm, tok = load(args.model or default_model()[0])
     questions = json.loads(QUESTIONS.read_text())["questions"]
     rows = []
     for seed in args.seeds:

@@ -458,7 +458,7 @@ def file_gets(fake) -> int:
 
 
 def test_the_default_model_is_downloaded_checked_and_imported_once(pinned, isolated, capfd):
-    assert hub.default_model() == hub.DEFAULT_MODEL
+    assert hub.default_model() == (hub.DEFAULT_MODEL, "")
     out = isolated / "nibble" / "models" / hub.DEFAULT_MODEL
     assert hub.resolve(hub.DEFAULT_MODEL) == out and hub.is_fetched(hub.DEFAULT_MODEL)
     assert "quantization" in json.loads((out / "config.json").read_text())   # kept quantized
@@ -467,12 +467,12 @@ def test_the_default_model_is_downloaded_checked_and_imported_once(pinned, isola
     assert file_gets(pinned) == 1
     assert capfd.readouterr().err.splitlines()[-1] == f"nibble: imported m-Q8_0.gguf into {out}"
     pinned.requests.clear()
-    assert hub.default_model() == hub.DEFAULT_MODEL and pinned.requests == []   # then without the hub
+    assert hub.default_model() == (hub.DEFAULT_MODEL, "") and pinned.requests == []   # then without the hub
 
 
 def test_a_damaged_download_is_refused_by_its_checksum_and_fetched_again(pinned, capfd):
     pinned.damaged["m-Q8_0.gguf"] = 1
-    assert hub.default_model() == hub.DEFAULT_MODEL
+    assert hub.default_model() == (hub.DEFAULT_MODEL, "")
     assert file_gets(pinned) == 2
     assert "nibble: m-Q8_0.gguf does not match its checksum; downloading it again" in capfd.readouterr().err
 
@@ -490,7 +490,7 @@ def test_a_download_damaged_twice_is_never_run(pinned, isolated):
 
 def test_a_cut_download_goes_on_from_where_it_stopped(pinned):
     pinned.cut["m-Q8_0.gguf"] = 1000
-    assert hub.default_model() == hub.DEFAULT_MODEL
+    assert hub.default_model() == (hub.DEFAULT_MODEL, "")
     ranges = [r for method, p, r in pinned.requests if method == "GET" and "/resolve/" in p]
     assert len(ranges) == 2 and ranges[0] is None
 
@@ -498,12 +498,13 @@ def test_a_cut_download_goes_on_from_where_it_stopped(pinned):
 @pytest.mark.parametrize("offline", [True, False])
 def test_where_the_hub_cannot_be_reached_the_fallback_runs_and_says_so_in_one_line(monkeypatch, capfd, offline):
     set_offline(monkeypatch, offline)   # else: the closed port of `isolated`
-    assert hub.default_model() == hub.FALLBACK_MODEL
-    err = capfd.readouterr().err.splitlines()
+    model, note = hub.default_model()
     why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached (127.0.0.1: Connection refused)"
-    assert err == [f"nibble: running smollm2 (SmolLM2-135M-Instruct, a 135M model that often gets facts wrong): "
-                   f"the default, qwen3-1.7b (Qwen3-1.7B, a 1.7B chat model, 1.3 GB), is not downloaded and "
-                   f"{why}; online, `nibble pull qwen3-1.7b` fetches it"]
+    assert model == hub.FALLBACK_MODEL
+    assert note == (f"nibble: running smollm2 (SmolLM2-135M-Instruct, a 135M model that often gets facts wrong): "
+                    f"the default, qwen3-1.7b (Qwen3-1.7B, a 1.7B chat model, 1.3 GB), is not downloaded and "
+                    f"{why}; online, `nibble pull qwen3-1.7b` fetches it")
+    assert capfd.readouterr().err == ""   # the command says it, where its user reads (stderr, the chat app)
 
 
 def test_the_default_model_named_offline_is_an_error_not_the_fallback(monkeypatch):

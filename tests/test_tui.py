@@ -59,6 +59,15 @@ def views(app):
     return app.chat_screen.chat_view.views()
 
 
+async def test_the_line_that_says_which_model_runs_instead_of_the_default_is_shown(home, tiny):
+    """`nibble chat` without -m, offline: the app says that the fallback runs, and why (stderr is
+    under the app's screen)."""
+    app = make_app(tiny, note="nibble: running smollm2 (...): the default, qwen3-1.7b, is not downloaded ...")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert "running smollm2 (...): the default, qwen3-1.7b, is not downloaded ..." in notes(app)
+
+
 async def test_a_message_gets_a_streamed_reply_and_both_are_stored(home, tiny):
     app = make_app(tiny)
     async with app.run_test(size=SIZE) as pilot:

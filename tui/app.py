@@ -82,7 +82,7 @@ class ChatApp(App):
                  system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
                  store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,
                  require_gpu: bool = False, draft: int = DEFAULT_DRAFT,
-                 thinking: ThinkingOptions = ThinkingOptions()):
+                 thinking: ThinkingOptions = ThinkingOptions(), note: str = ""):
         """`model` is loaded at start (None: none until one is picked with ctrl+o).
         New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
         `sampling` ({SamplerSettings field: value}, the command line's flags) laid over them.
@@ -92,7 +92,8 @@ class ChatApp(App):
         `thinking`: what is asked of a model that thinks (--think, --reasoning-budget), in every
         chat whose settings do not say otherwise.
         `load(ref, quant) -> (model, tokenizer)` replaces runner.loader.load (tests share one
-        loaded model this way)."""
+        loaded model this way). `note`: a line shown at start (which model runs instead of the
+        default, and why)."""
         super().__init__()
         self.requested_model = model
         self.quant, self.ctx_size, self.kv_cache, self.kv_disk = quant, ctx_size, kv_cache, kv_disk
@@ -100,6 +101,7 @@ class ChatApp(App):
         self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
         self.draft = draft
         self.thinking = thinking
+        self.note = note
         self.system, self.sampling, self.max_tokens = system, dict(sampling or {}), max_tokens
         self.defaults = self.new_chat_settings(SamplerSettings())   # until a model is loaded
         self.store_path = store_path
@@ -115,6 +117,8 @@ class ChatApp(App):
         await self.push_screen(self.chat_screen)
         if warning:
             self.notify(warning, title="History", severity="warning", markup=False, timeout=20)
+        if self.note:
+            self.notify(self.note.removeprefix("nibble: "), title="Model", markup=False, timeout=30)
         if self.requested_model:
             self.load_model(self.requested_model)
         else:
