@@ -251,7 +251,11 @@ def _fetch_pinned(name: str, source: PinnedGGUF) -> Path:
     if is_fetched(name):
         _update_generation_config(out, source.generation_config)
         return out
-    _check_reachable()
+    try:
+        _check_reachable()
+    except HubUnreachable as e:
+        raise HubUnreachable(f"{name} ({source.repo}, {source.size / 1e9:.1f} GB) is not downloaded and {e.why}; "
+                             f"go online with HF_HUB_OFFLINE unset to download it", e.why) from e
     folder = out.with_name(f".{name}.download")
     gguf = _download_checked(source, folder)
     from .gguf import import_gguf

@@ -509,8 +509,10 @@ def test_where_the_hub_cannot_be_reached_the_fallback_runs_and_says_so_in_one_li
 
 def test_the_default_model_named_offline_is_an_error_not_the_fallback(monkeypatch):
     set_offline(monkeypatch, True)
-    with pytest.raises(hub.HubUnreachable, match="HF_HUB_OFFLINE is set"):
+    with pytest.raises(hub.HubUnreachable) as e:
         hub.resolve(hub.DEFAULT_MODEL)
+    assert one_line(e) == ("qwen3-1.7b (ggml-org/Qwen3-1.7B-GGUF, 1.3 GB) is not downloaded and HF_HUB_OFFLINE is "
+                           "set; go online with HF_HUB_OFFLINE unset to download it")
 
 
 def test_offline_a_cached_repo_without_a_default_tag_lists_its_tags(monkeypatch, isolated):
