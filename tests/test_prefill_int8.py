@@ -88,12 +88,12 @@ def integers(w, bits):
 
 @needs_int_dots
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("G,blocks", [(G, blocks) for G in (32, 64, 128) for blocks in (4, 7, 18, 19, 48)
+@pytest.mark.parametrize("G,blocks", [(G, blocks) for G in (32, 64, 128) for blocks in (1, 4, 7, 9, 18, 19, 48)
                                       if blocks % (G // 32) == 0])   # K = 32 blocks: one superblock,
-@pytest.mark.parametrize("accumulate", [False, True])                 # odd, SmolLM2's 576 and 1536
-def test_prefill_matches_the_integer_twin(bits, G, blocks, accumulate):
+@pytest.mark.parametrize("accumulate", [False, True])                 # odd, one step past whole ones
+def test_prefill_matches_the_integer_twin(bits, G, blocks, accumulate):   # (1, 9), SmolLM2's 576 and 1536
     K = 32 * blocks
-    N, T = 37, 45                               # odd: the edges of the 4 x 3 micro-kernel
+    N, T = 37, 45                               # odd: the edges of the 4 x 3 and 4 x 2 micro-kernels
     w, s, b = mlx_weight(N, K, bits, G)
     x = rng.standard_normal((T, K)).astype(np.float32)
     x[3, 5] = 40.0                              # an outlier channel, as LLM activations have

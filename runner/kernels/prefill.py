@@ -97,6 +97,14 @@ def _tile_4x3(x, w, out, t, r, n, accumulate):
 
 
 @njit(inline="always", **_jit)
+def _put2(out, t, n, v0, v1, accumulate):
+    if accumulate:
+        v0 += out[t, n]
+        v1 += out[t, n + 1]
+    out[t, n], out[t, n + 1] = v0, v1
+
+
+@njit(inline="always", **_jit)
 def _put3(out, t, n, v0, v1, v2, accumulate):
     if accumulate:
         v0 += out[t, n]

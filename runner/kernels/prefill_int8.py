@@ -21,7 +21,8 @@ fill a block count that is not 1, 2, 4 or 8.
 
 A tile of W's rows is unpacked to bytes in that order once, with its scales and biases spread over
 the lanes, and multiplied with every row of x by a register-blocked micro-kernel (4 rows of x by 3
-of W); tiles run in parallel.
+of W; on AVX2 4 by 2, two steps at a time, where its instructions allow fewer multiplies: 4-bit
+weights add two steps' products before they widen, 8-bit ones take q - 128); tiles run in parallel.
 """
 import numpy as np
 from llvmlite import ir
@@ -251,6 +252,35 @@ def _with_high_typed(v, hi, i, hb, odd):
     if isinstance(hi, types.NoneType):
         return lambda v, hi, i, hb, odd: v
     return lambda v, hi, i, hb, odd: _or_high(v, hi, i, hb, odd)
+
+
+def small_bytes(qw):
+    """Whether every byte a weight unpacks to is at most 63 (udot's `small`): 4-bit integers, with
+    up to 2 high planes, not levels from a table; a constant where the kernels compile, so that
+    AVX2's loops hold only the sequence it picks (njit code only)."""
+
+
+@overload(small_bytes, inline="always")
+def _small_bytes_typed(qw):
+    kind = getattr(qw.instance_class, "KIND", None)
+    if kind is None:   # a plain QuantizedTensor: its bits known when it runs
+        return lambda qw: qw.bits == 4 and nibble_sized(qw.values)
+    small = kind[0] == 4 and isinstance(dict(zip(qw.fields, qw.types))["values"], types.NoneType)
+    return lambda qw: small
+
+
+def signed_bytes(qw):
+    """Whether a weight's products take q - 128 (sdot), its biases 128 times its scales more:
+    8-bit weights on AVX2, where udot splits each byte in two nibbles (njit code only)."""
+
+
+@overload(signed_bytes, inline="always")
+def _signed_bytes_typed(qw):
+    kind = getattr(qw.instance_class, "KIND", None)
+    if kind is None:
+        return lambda qw: DOT == "avx2" and qw.bits == 8
+    signed = DOT == "avx2" and kind[0] == 8
+    return lambda qw: signed
 
 
 def nibble_sized(values):
@@ -524,7 +554,9 @@ def matmul_rounded(rounded, qw, out, accumulate):
 def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
     T, Kp = xq.shape
     N, lanes = qw.weight.shape[0], lane_group.shape[0]
-    small = qw.bits == 4 and nibble_sized(qw.values)
+    small = small_bytes(qw)
+    signed = signed_bytes(qw)
+    pairs = signed or (small and DOT == "avx2")   # VNNI adds each step's products in one instruction
     span = 128 if qw.group_size == 16 else 256   # bytes of a lane's integer sum: 4 steps or 8
     for tile in prange((N + TILE - 1) // TILE):
         n0 = tile * TILE
@@ -534,15 +566,22 @@ def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
         bw = np.empty((TILE, lanes), np.float32)
         for r in range(rows):
             _unpack(qw, n0 + r, units, lane_group, wq[r], sw[r], bw[r])
+            if signed:   # the products take q - 128 (sdot): 128 q's scale . x's sums back with the biases
+                bw[r] += f32(128.0) * sw[r]
         t = 0
         while t + 4 <= T:
             r = 0
-            while r + 3 <= rows:
-                _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, span, accumulate)
-                r += 3
-            _dots(xq, dx, xs, wq, sw, bw, out, t, t + 4, r, rows, n0, small, span, accumulate)
+            if pairs:
+                while r + 2 <= rows:
+                    _tile_4x2(xq, dx, xs, wq, sw, bw, out, t, r, n0, signed, span, accumulate)
+                    r += 2
+            else:
+                while r + 3 <= rows:
+                    _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, span, accumulate)
+                    r += 3
+            _dots(xq, dx, xs, wq, sw, bw, out, t, t + 4, r, rows, n0, small, signed, span, accumulate)
             t += 4
-        _dots(xq, dx, xs, wq, sw, bw, out, t, T, 0, rows, n0, small, span, accumulate)
+        _dots(xq, dx, xs, wq, sw, bw, out, t, T, 0, rows, n0, small, signed, span, accumulate)
 
 
 @njit(inline="always", **_jit)
@@ -588,7 +627,66 @@ def _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, span, accumulate):
 
 
 @njit(inline="always", **_jit)
-def _dots(xq, dx, xs, wq, sw, bw, out, t0, t1, r0, r1, n0, small, span, accumulate):
+def _tile_4x2(xq, dx, xs, wq, sw, bw, out, t, r, n0, signed, span, accumulate):
+    """_tile_4x3 on 4 rows of x by 2 of W, two steps at a time, for small bytes (small_bytes: udot2
+    adds two steps' products before they widen, on AVX2 a third fewer multiplies) or signed ones
+    (signed_bytes: sdot, half the multiplies of 8-bit bytes split in nibbles); its 8 accumulators
+    leave AVX2's 16 registers room for two steps' weights, where a 4x3 tile's would not."""
+    Kp = xq.shape[1]
+    f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = zero_f32()
+    for c in range(0, Kp, span):
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_i32()
+        end = min(c + span, Kp)
+        for k in range(c, end - 32, 64):
+            w0, v0 = load_u8x32(wq, r * Kp + k), load_u8x32(wq, r * Kp + k + 32)
+            w1, v1 = load_u8x32(wq, (r + 1) * Kp + k), load_u8x32(wq, (r + 1) * Kp + k + 32)
+            a00, a01 = _two(a00, a01, w0, v0, w1, v1, xq, t * Kp + k, signed)
+            a10, a11 = _two(a10, a11, w0, v0, w1, v1, xq, (t + 1) * Kp + k, signed)
+            a20, a21 = _two(a20, a21, w0, v0, w1, v1, xq, (t + 2) * Kp + k, signed)
+            a30, a31 = _two(a30, a31, w0, v0, w1, v1, xq, (t + 3) * Kp + k, signed)
+        if (end - c) % 64:   # a last superblock of one step
+            k = end - 32
+            w0, w1 = load_u8x32(wq, r * Kp + k), load_u8x32(wq, (r + 1) * Kp + k)
+            a00, a01 = _one(a00, a01, w0, w1, xq, t * Kp + k, signed)
+            a10, a11 = _one(a10, a11, w0, w1, xq, (t + 1) * Kp + k, signed)
+            a20, a21 = _one(a20, a21, w0, w1, xq, (t + 2) * Kp + k, signed)
+            a30, a31 = _one(a30, a31, w0, w1, xq, (t + 3) * Kp + k, signed)
+        v = c * 8 // span
+        f00, f01 = _finish(f00, a00, dx, xs, sw, bw, t, r, v), _finish(f01, a01, dx, xs, sw, bw, t, r + 1, v)
+        f10, f11 = _finish(f10, a10, dx, xs, sw, bw, t + 1, r, v), _finish(f11, a11, dx, xs, sw, bw, t + 1, r + 1, v)
+        f20, f21 = _finish(f20, a20, dx, xs, sw, bw, t + 2, r, v), _finish(f21, a21, dx, xs, sw, bw, t + 2, r + 1, v)
+        f30, f31 = _finish(f30, a30, dx, xs, sw, bw, t + 3, r, v), _finish(f31, a31, dx, xs, sw, bw, t + 3, r + 1, v)
+    n = n0 + r
+    prefill._put2(out, t, n, hsum(f00), hsum(f01), accumulate)
+    prefill._put2(out, t + 1, n, hsum(f10), hsum(f11), accumulate)
+    prefill._put2(out, t + 2, n, hsum(f20), hsum(f21), accumulate)
+    prefill._put2(out, t + 3, n, hsum(f30), hsum(f31), accumulate)
+
+
+@njit(inline="always", **_jit)
+def _two(a0, a1, w0, v0, w1, v1, xq, j, signed):
+    """Two steps (weights w then v of two rows) times the x bytes at j and j + 32, into a0 and a1."""
+    u, y = load_u8x32(xq, j), load_u8x32(xq, j + 32)
+    if signed:
+        return sdot(sdot(a0, w0, u), v0, y), sdot(sdot(a1, w1, u), v1, y)
+    return udot2(a0, w0, u, v0, y, True), udot2(a1, w1, u, v1, y, True)
+
+
+@njit(inline="always", **_jit)
+def _one(a0, a1, w0, w1, xq, j, signed):
+    """One step of two rows times the x bytes at j, into a0 and a1."""
+    u = load_u8x32(xq, j)
+    return _dot(a0, w0, u, True, signed), _dot(a1, w1, u, True, signed)
+
+
+@njit(inline="always", **_jit)
+def _dot(a, w, u, small, signed):
+    """a + the step's products: sdot's of q - 128 where `signed`, else udot's."""
+    return sdot(a, w, u) if signed else udot(a, w, u, small)
+
+
+@njit(inline="always", **_jit)
+def _dots(xq, dx, xs, wq, sw, bw, out, t0, t1, r0, r1, n0, small, signed, span, accumulate):
     """The edges of a tile, one dot product at a time."""
     Kp = xq.shape[1]
     for t in range(t0, t1):
@@ -597,7 +695,7 @@ def _dots(xq, dx, xs, wq, sw, bw, out, t0, t1, r0, r1, n0, small, span, accumula
             for c in range(0, Kp, span):
                 a = zero_i32()
                 for k in range(c, min(c + span, Kp), 32):
-                    a = udot(a, load_u8x32(wq, r * Kp + k), load_u8x32(xq, t * Kp + k), small)
+                    a = _dot(a, load_u8x32(wq, r * Kp + k), load_u8x32(xq, t * Kp + k), small, signed)
                 f = _finish(f, a, dx, xs, sw, bw, t, r, c * 8 // span)
             n = n0 + r
             out[t, n] = out[t, n] + hsum(f) if accumulate else hsum(f)
