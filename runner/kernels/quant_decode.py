@@ -508,14 +508,16 @@ def _rows_x8(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi
     runs over the units in order: every (weight row, x row) is the same lane arithmetic in a pass
     of four, two or one, whatever the other rows (a batch decodes as each sequence alone), and the
     four rows share no sum (more registers than that spill). `count` groups (a literal) in a unit,
-    and `upg` units in a group. The weight rows of a task are h and h + H, as _rows pairs them."""
+    and `upg` units in a group. A task is two adjacent weight rows, one after the other: a thread's
+    range of rows is one stream of each of the weight's arrays (rows h and h + H, as _rows pairs
+    them in step, would be two, which the prefetchers serve worse)."""
     H = (out.shape[1] + 1) // 2
     dxs = _lane_scales(dx, bits)
-    for t in prange(experts.shape[0] * H):   # each thread: a range of rows and the same range + H
+    for t in prange(experts.shape[0] * H):
         i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)
         for k in range(2 if pair else 1):   # a loop: the row's kernel inlined once, not twice
-            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k * H,
-                        h + k * H, first, stop, o, out)
+            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k,
+                        h + k, first, stop, o, out)
 
 
 @njit(parallel=True, **_jit)
@@ -526,18 +528,19 @@ def _rows_x8_alone(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, l
     for t in prange(experts.shape[0] * H):
         i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)
         for k in range(2 if pair else 1):
-            _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k * H,
-                              h + k * H, first, stop, o, out)
+            _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k,
+                              h + k, first, stop, o, out)
 
 
 @njit(inline="always", **_jit)
 def _task(t, H, N, B, experts, own_x):
     """Task t of _rows_x8's (N weight rows an expert, B rows of x): its first weight row i (of
     expert experts[j], output column h), the x rows first..stop and where their outputs begin (o),
-    and whether row i + H (column h + H) is the task's too."""
-    j, h = divmod(np.int64(t), H)        # prange's index is unsigned: h + H would type as float
+    and whether row i + 1 (column h + 1) is the task's too: H = ceil(N / 2) tasks an expert."""
+    j, p = divmod(np.int64(t), H)        # prange's index is unsigned: 2 * p + 1 would type as float
     first, stop, o = (j, j + 1, 0) if own_x else (0, B, j * B)
-    return experts[j] * N + h, h, first, stop, o, h + H < N
+    h = 2 * p
+    return experts[j] * N + h, h, first, stop, o, h + 1 < N
 
 
 @njit(**_jit)
