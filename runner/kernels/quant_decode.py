@@ -629,17 +629,25 @@ def _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, rows, bits, count, 
     Kb = q.shape[1]
     table = levels(lut)
     small = nibble_sized(table)
-    f0 = f1 = f2 = f3 = zero_f32()
+    f0 = f1 = f2 = f3 = sv = zero_f32()
     for u in range(Kb // 32):
         _ahead1(q, n * Kb, 32 * u)
         w0, w1 = _unpacked(load_u8x32(q, n * Kb + 32 * u), bits, table, hi, plane_at(hi, n, u, hb), hb)
-        sw = unit_scales(s, n, (u // upg) * count, count, bf16)
+        g = (u // upg) * count   # the unit's first group
+        if s.ndim == 3:   # in two levels: 8 groups' scales read and scaled at once, then moved down
+            if u % upg == 0 and g % 8 == 0:   # a unit's at a time (one level: a unit's own are fewer
+                sv = group_values8(s, n, g, bf16)   # instructions)
+            sw = spread(sv, count)
+        else:
+            sw = unit_scales(s, n, g, count, bf16)
         f0 = _step(f0, w0, w1, sw, xq, dxs, r, u, bits, small)
         if rows > 1:
             f1 = _step(f1, w0, w1, sw, xq, dxs, r + 1, u, bits, small)
         if rows > 2:
             f2 = _step(f2, w0, w1, sw, xq, dxs, r + 2, u, bits, small)
             f3 = _step(f3, w0, w1, sw, xq, dxs, r + 3, u, bits, small)
+        if s.ndim == 3 and (u + 1) % upg == 0:
+            sv = next_scales(sv, count)
     groups = group_count(b)
     for g in range(0, groups, 8):
         c = group_values8(b, n, g, bf16)

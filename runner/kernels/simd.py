@@ -439,8 +439,7 @@ def _ints8(typingctx, arr, i):
 @intrinsic(prefer_literal=True)
 def _spread_values(typingctx, a, i, bf16, count):
     """Lanes k = 0..7: a.flat[i + k * count // 8] as float32, `count` values (a literal 1, 2 or 4)
-    spread over the 8 lanes: float32, 16-bit bits widened (bf16 saying which), or bytes (a
-    two-level's integers, int8 with their signs)."""
+    spread over the 8 lanes: float32, or 16-bit bits widened (bf16 saying which)."""
     if not isinstance(count, types.IntegerLiteral):
         return None
     c, dtype = count.literal_value, a.dtype
@@ -448,31 +447,18 @@ def _spread_values(typingctx, a, i, bf16, count):
     def codegen(context, builder, sig, args):
         if dtype == types.float32:
             v = _load(context, builder, sig, args, ir.VectorType(ir.FloatType(), c), 4)
-        elif dtype == types.uint16:
-            v = _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), c), 2), args[2])
         else:
-            ints = _load(context, builder, sig, args, ir.VectorType(ir.IntType(8), c), 1)
-            f32s = ir.VectorType(ir.FloatType(), c)
-            v = builder.sitofp(ints, f32s) if dtype == types.int8 else builder.uitofp(ints, f32s)
+            v = _widen_half(builder, _load(context, builder, sig, args, ir.VectorType(ir.IntType(16), c), 2), args[2])
         return _shuffle(builder, v, v, [k * c // 8 for k in range(8)])
     return F32(a, i, bf16, count), codegen
 
 
+@njit(inline="always")
 def unit_scales(s, n, g, count, bf16):
     """Lanes k = 0..7: the value of group g + k * count // 8 of row n of a prepared weight's scales
-    (as group_value reads them), `count` groups (a literal 1, 2 or 4) spread over the lanes of a
-    unit of decode's byte products (njit code only)."""
-
-
-@overload(unit_scales, inline="always")
-def _unit_scales_typed(s, n, g, count, bf16):
-    if s.ndim == 3:
-        def two_level(s, n, g, count, bf16):
-            S, p = _super_at(s, g)
-            i = (n * s.shape[1] + S) * s.shape[2]
-            return vmul(_spread_values(s, i + 2 + p, bf16, count), splat_f32(load_super(s, i)))
-        return two_level
-    return lambda s, n, g, count, bf16: _spread_values(s, n * s.shape[1] + g, bf16, count)
+    in one level (float32 or 16-bit), `count` groups (a literal 1, 2 or 4) spread over the lanes of
+    a unit of decode's byte products."""
+    return _spread_values(s, n * s.shape[1] + g, bf16, count)
 
 
 @njit(inline="always")
