@@ -262,10 +262,7 @@ def small_bytes(qw):
 
 @overload(small_bytes, inline="always")
 def _small_bytes_typed(qw):
-    kind = getattr(qw.instance_class, "KIND", None)
-    if kind is None:   # a plain QuantizedTensor: its bits known when it runs
-        return lambda qw: qw.bits == 4 and nibble_sized(qw.values)
-    small = kind[0] == 4 and isinstance(dict(zip(qw.fields, qw.types))["values"], types.NoneType)
+    small = qw.instance_class.KIND[0] == 4 and isinstance(dict(zip(qw.fields, qw.types))["values"], types.NoneType)
     return lambda qw: small
 
 
@@ -276,10 +273,7 @@ def signed_bytes(qw):
 
 @overload(signed_bytes, inline="always")
 def _signed_bytes_typed(qw):
-    kind = getattr(qw.instance_class, "KIND", None)
-    if kind is None:
-        return lambda qw: DOT == "avx2" and qw.bits == 8
-    signed = DOT == "avx2" and kind[0] == 8
+    signed = DOT == "avx2" and qw.instance_class.KIND[0] == 8
     return lambda qw: signed
 
 
