@@ -161,12 +161,22 @@ def exp(x):
     return (p * r * r + r + np.float32(1.0)) * f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-@njit(parallel=True, **_jit)
+# no approximate reciprocal or regrouping: an activation is the same value computed in a vector
+# loop or in its scalar remainder, wherever a loop's range starts (team.py's chunks cut rows anywhere)
+ACTIVATION = dict(_jit, fastmath={"nnan", "ninf", "nsz", "contract"})
+
+
+@njit(parallel=True, **ACTIVATION)
 def silu_mul(g, up):
     """g[T, F] = silu(g) * up, in place"""
     for t in prange(g.shape[0]):
         for f in range(g.shape[1]):
-            g[t, f] = g[t, f] / (np.float32(1.0) + exp(-g[t, f])) * up[t, f]
+            g[t, f] = silu_times(g[t, f], up[t, f])
+
+
+@njit(inline="always", **ACTIVATION)
+def silu_times(g, u):
+    return g / (np.float32(1.0) + exp(-g)) * u
 
 
 @njit(parallel=True, **_jit)
@@ -347,25 +357,34 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     """
     T, H, hd = q.shape
     Hkv = v_cache.shape[1]
-    if k_cache.shape[2] != hd or k_cache.shape[3] != v_cache.shape[2]:   # else it reads and writes past them
-        raise ValueError("attention: keys [blocks, Hkv, hd, BLOCK] and values [blocks, Hkv, BLOCK, hd] expected")
-    order, lo, hi, first, count, kv_of, split, lone, head_task, head_splits, merged, pm, pl, pacc = _plan(
+    check_cache(k_cache, v_cache, hd)
+    order, lo, hi, first, count, kv_of, split, lone, head_task, head_splits, merged, pm, pl, pacc = plan(
         rows, Hkv, H // Hkv, hd, window)
     tasks = first.shape[0]
     for i in prange(tasks):
-        # from both ends in turn: a prompt's later rows see more keys, and each thread runs a
-        # contiguous range of tasks
-        task = i // 2 if i % 2 == 0 else tasks - 1 - i // 2
-        _attend(task, first, count, kv_of, split, lone, order, lo, hi, q, scale, rows, k_cache, v_cache, k_scale,
-                v_scale, sinks, pm, pl, pacc, out)
+        attend(from_both_ends(i, tasks), first, count, kv_of, split, lone, order, lo, hi, q, scale, rows, k_cache,
+               v_cache, k_scale, v_scale, sinks, pm, pl, pacc, out)
     if merged.shape[0]:   # (a parallel region costs a few microseconds, some 200 a token)
         for j in prange(merged.shape[0]):
             i0 = head_task[merged[j]]
-            _finish(out, order[first[i0]], kv_of[i0], sinks, pm, pl, pacc, i0, head_splits[merged[j]])
+            finish(out, order[first[i0]], kv_of[i0], sinks, pm, pl, pacc, i0, head_splits[merged[j]])
+
+
+@njit(inline="always", **_jit)
+def check_cache(k_cache, v_cache, hd):
+    if k_cache.shape[2] != hd or k_cache.shape[3] != v_cache.shape[2]:   # else attention reads and writes past them
+        raise ValueError("attention: keys [blocks, Hkv, hd, BLOCK] and values [blocks, Hkv, BLOCK, hd] expected")
+
+
+@njit(inline="always", **_jit)
+def from_both_ends(i, tasks):
+    """attention's i-th task taken from both ends in turn: a prompt's later rows see more keys, and
+    each thread runs a contiguous range of tasks."""
+    return i // 2 if i % 2 == 0 else tasks - 1 - i // 2
 
 
 @njit(**_jit)
-def _plan(rows, Hkv, group, hd, window):
+def plan(rows, Hkv, group, hd, window):
     """attention's tasks (see there), and the sums of its split tasks: the parallel loops apart
     from the rest (numba compiles a parallel function's code twice over)."""
     T = rows.positions.shape[0]
@@ -422,7 +441,7 @@ def _plan(rows, Hkv, group, hd, window):
 
 
 @njit(**_jit)
-def _attend(task, first, count, kv_of, split, lone, order, lo, hi, q, scale, rows, k_cache, v_cache, k_scale, v_scale,
+def attend(task, first, count, kv_of, split, lone, order, lo, hi, q, scale, rows, k_cache, v_cache, k_scale, v_scale,
             sinks, pm, pl, pacc, out):
     """Task `task` of attention's (see there): a function of its own, so that the parallel loop's
     body is a call (numba compiles a parallel loop's body twice over)."""
@@ -444,7 +463,7 @@ def _attend(task, first, count, kv_of, split, lone, order, lo, hi, q, scale, row
         _copy(pl[task], l)
         _copy(pacc[task], acc)
         if lone[task]:
-            _finish(out, order[c], kv, sinks, pm, pl, pacc, task, 1)
+            finish(out, order[c], kv, sinks, pm, pl, pacc, task, 1)
         return
     tm, tl, tacc = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros((R, hd), np.float32)
     for r in range(R):
@@ -488,7 +507,7 @@ def _copy(dst, src):
 
 
 @njit(**_jit)
-def _finish(out, t, kv, sinks, pm, pl, pacc, i0, n):
+def finish(out, t, kv, sinks, pm, pl, pacc, i0, n):
     """Row t's query heads of KV head kv: the sums of its splits i0..i0+n-1 merged in order."""
     group, hd = pacc.shape[1], pacc.shape[2]
     acc = np.zeros(hd, np.float32)
@@ -644,6 +663,41 @@ def _times(a, b, k0, k1, out):
         store_f32x8(out, 2 * N + c + 8, a21)
         store_f32x8(out, 3 * N + c, a30)
         store_f32x8(out, 3 * N + c + 8, a31)
+
+
+@njit(**_jit)
+def place_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps):
+    """The projections q [T, H, hd], k and v [T, Hkv, hd] made ready for attention, in place: the
+    biases added (zeros, or shape (0,): none), q and k RMSNormed (each head on its own, or each
+    row's whole width; shape (0,): not), RoPE'd, and k and v stored in the layer's cache kv (as
+    decoder_layer's)."""
+    T, H, hd = q.shape
+    Hkv = k.shape[1]
+    if bq.shape[0]:
+        for t in range(T):
+            _add(q[t], bq)
+            _add(k[t], bk)
+            _add(v[t], bv)
+    if q_norm.shape[0]:   # before RoPE, in place: each head on its own, or each row's whole width
+        n, m = q_norm.shape[0], k_norm.shape[0]
+        rmsnorm(q.reshape(T * H * hd // n, n), q_norm, eps, q.reshape(T * H * hd // n, n))
+        rmsnorm(k.reshape(T * Hkv * hd // m, m), k_norm, eps, k.reshape(T * Hkv * hd // m, m))
+    rope(q, cos, sin, rows.positions)
+    rope(k, cos, sin, rows.positions)
+    k_cache, v_cache, k_scale, v_scale = kv
+    for t in range(T):
+        store_kv(k_cache, k_scale, k[t], rows, t, True)
+        store_kv(v_cache, v_scale, v[t], rows, t, False)
+
+
+@njit(inline="always", **_jit)
+def _add(x, b):
+    """x[H, hd] += b[H * hd]: a bias of each head's row (numba's broadcasting of b.reshape costs
+    microseconds here)."""
+    H, hd = x.shape
+    for h in range(H):
+        for i in range(hd):
+            x[h, i] += b[h * hd + i]
 
 
 @njit(**_jit)

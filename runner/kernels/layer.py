@@ -13,6 +13,7 @@ from numba.extending import overload
 from . import cpu
 from .linear import Weight, gated_mlp, linear, out_features, project_qkv
 from .moe import MoEWeights, moe_mlp
+from .team import decoded_in_one_region
 
 
 class LayerWeights(NamedTuple):
@@ -89,6 +90,8 @@ def decoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
     quantization; a mixture's experts have rows of their own: moe.moe_mlp), or shape (0, 0)
     when not collecting.
     """
+    if decoded_in_one_region(x, weights, kv, rows, cos, sin, eps, window, act_sq):   # decode: the team's
+        return
     w = weights
     h = np.empty_like(x)                                     # [T, D]
     # attention block
@@ -158,22 +161,8 @@ def self_attention(h, wq, wk, wv, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin
     k = np.empty((T, Hkv * hd), np.float32)
     v = np.empty((T, Hkv * hd), np.float32)
     project_qkv(h, wq, wk, wv, q, k, v)
-    if bq.shape[0]:
-        q += bq
-        k += bk
-        v += bv
-    if q_norm.shape[0]:   # before RoPE, in place: each head on its own, or each row's whole width
-        n, m = q_norm.shape[0], k_norm.shape[0]
-        cpu.rmsnorm(q.reshape(T * H * hd // n, n), q_norm, eps, q.reshape(T * H * hd // n, n))
-        cpu.rmsnorm(k.reshape(T * Hkv * hd // m, m), k_norm, eps, k.reshape(T * Hkv * hd // m, m))
     q = q.reshape(T, H, hd)
-    k = k.reshape(T, Hkv, hd)
-    v = v.reshape(T, Hkv, hd)
-    cpu.rope(q, cos, sin, rows.positions)
-    cpu.rope(k, cos, sin, rows.positions)
-    for t in range(T):
-        cpu.store_kv(k_cache, k_scale, k[t], rows, t, True)
-        cpu.store_kv(v_cache, v_scale, v[t], rows, t, False)
+    cpu.place_qkv(q, k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd), bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps)
     attn = np.empty((T, H * hd), np.float32)                # [T, H*hd]
     cpu.attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks, attn.reshape(T, H, hd))
     return attn

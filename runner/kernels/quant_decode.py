@@ -37,7 +37,8 @@ from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, sdo
 from .simd import (chunk_scales, fma, group_count, group_value, group_values8, high_of, hsum, level, levels16,
                    load_16x16, load_f32x8, load_first_f32x8, load_u8x16, lookup16, madd, next_scales, nibble, plane_at,
                    plane_count, prefetch, row_dot, scale_add, splat_f32, spread, unit_scales, vadd, vmul, with_high16,
-                   zero_f32, zero_i32)
+                   zero_f32, zero_i32, borrowed)
+from .sync import threads
 
 f32 = np.float32
 # no reassociation or contraction: LLVM may not regroup or fuse a row's float sums differently for one
@@ -156,12 +157,8 @@ def _rows_of_kind_typed(xq, dx, xs, x, qw, experts, own_x, accumulate, out):
     # a callee's IR to inline it, at a cost that grows with its size squared)
     bits, G = qw.instance_class.KIND
     if xq.dtype == types.int8:
-        per = 256 // bits   # weights in a unit of 32 bytes: groups in one, and units in a group
-        count, upg = max(1, per // G), max(1, G // per)
-        rows = _rows_x8_alone if qw.instance_class.FIRST else _rows_x8
-        return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: rows(
-            xq, dx, xs, x, bits, count, upg, accumulate, qw.weight.view(np.uint8), qw.scales, qw.biases,
-            qw.bf16, qw.values, qw.high, plane_count(qw.high, x.shape[1]), experts, own_x, out)
+        return lambda xq, dx, xs, x, qw, experts, own_x, accumulate, out: _rows_x8(
+            (xq, dx, xs, _lane_scales(dx, bits)), x, qw, experts, own_x, accumulate, out)
     # rep: the groups in a block of 64 where it holds several (2 or 4), else 0; G itself is a
     # value too, for the loop bounds
     rep = 64 // G if G <= 32 else 0
@@ -500,9 +497,59 @@ def round_int8(x, G, bits, xq, dx, xs):
 
 
 @njit(parallel=True, **_jit)
-def _rows_x8(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
-    """_rows on int8 x: each weight row dotted with four rows of x a pass while four remain (its
-    bytes unpacked once for the four), then with two, then with one. A unit of 32 weight bytes (64 weights at 4
+def _rows_x8(rounded, x, qw, experts, own_x, accumulate, out):
+    """_rows on int8 x (rounded: round_rows' and its _lane_scales): each thread a range of
+    decode_tasks."""
+    tasks = experts.shape[0] * task_count(out)
+    n = threads()
+    for c in prange(n):
+        decode_tasks(tasks * c // n, tasks * (c + 1) // n, rounded, x, qw, experts, own_x, accumulate, out)
+
+
+def task_count(out):
+    """The tasks of decode_tasks' for one expert, writing out[:, N] (njit code only): two weight rows each."""
+
+
+@overload(task_count, inline="always", jit_options=_jit)
+def _task_count_typed(out):
+    return lambda out: (out.shape[1] + 1) // 2
+
+
+def decode_tasks(t0, t1, rounded, x, qw, experts, own_x, accumulate, out):
+    """Tasks t0..t1-1 of the products of int8 x (rounded: (xq, dx, xs, dxs), round_rows' and
+    _lane_scales') with a weight of one of the KINDS, as _rows_of_kind describes; a task is two
+    adjacent weight rows (see _tasks_x8). Its bits and groups compile as constants (njit code only)."""
+
+
+@overload(decode_tasks, inline="always", jit_options=_jit)
+def _decode_tasks_typed(t0, t1, rounded, x, qw, experts, own_x, accumulate, out):
+    bits, G = qw.instance_class.KIND
+    per = 256 // bits   # weights in a unit of 32 bytes: groups in one, and units in a group
+    count, upg = max(1, per // G), max(1, G // per)
+    alone = bool(qw.instance_class.FIRST)   # a first run's: one x row a pass
+    return lambda t0, t1, rounded, x, qw, experts, own_x, accumulate, out: _tasks_x8(
+        t0, t1, rounded[0], rounded[1], rounded[3], rounded[2], x, bits, count, upg, accumulate,
+        qw.weight.view(np.uint8), qw.scales, qw.biases, qw.bf16, qw.values, qw.high, plane_count(qw.high, x.shape[1]),
+        experts, own_x, alone, out)
+
+
+def _borrowed_any(a):
+    """simd.borrowed for an array, None as it is (njit code only)."""
+
+
+@overload(_borrowed_any, inline="always", jit_options=_jit)
+def _borrowed_any_typed(a):
+    if isinstance(a, types.NoneType):
+        return lambda a: a
+    return lambda a: borrowed(a)
+
+
+@njit(**_jit)
+def _tasks_x8(t0, t1, xq, dx, dxs, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x,
+              alone, out):
+    """Tasks t0..t1-1 of _rows on int8 x: each weight row dotted with four rows of x a pass while
+    four remain (its bytes unpacked once for the four), then with two, then with one (`alone`, a
+    first run's: one at a time, a fifth of the code). A unit of 32 weight bytes (64 weights at 4
     bits, 32 at 8) gives 8 int32 lanes, each summing 8 or 4 adjacent products (one block's); each
     lane becomes float and is scaled by its own group's and block's scales, and a lane's float sum
     runs over the units in order: every (weight row, x row) is the same lane arithmetic in a pass
@@ -511,25 +558,20 @@ def _rows_x8(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi
     and `upg` units in a group. A task is two adjacent weight rows, one after the other: a thread's
     range of rows is one stream of each of the weight's arrays (rows h and h + H, as _rows pairs
     them in step, would be two, which the prefetchers serve worse)."""
+    # the loop's arrays without their reference counts: the inlined row kernels would take and drop
+    # one of each at every row (numba's parallel loops pass theirs so)
+    xq, dx, dxs, xs, q, s, b, out = borrowed(xq), borrowed(dx), borrowed(dxs), borrowed(xs), borrowed(q), borrowed(s), borrowed(b), borrowed(out)
+    lut, hi, experts = _borrowed_any(lut), _borrowed_any(hi), borrowed(experts)
     H = (out.shape[1] + 1) // 2
-    dxs = _lane_scales(dx, bits)
-    for t in prange(experts.shape[0] * H):
+    for t in range(t0, t1):
         i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)
         for k in range(2 if pair else 1):   # a loop: the row's kernel inlined once, not twice
-            _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k,
-                        h + k, first, stop, o, out)
-
-
-@njit(parallel=True, **_jit)
-def _rows_x8_alone(xq, dx, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
-    """_rows_x8 one x row a pass: a first run's (quant_decode.FIRST_KINDS), a fifth of the code."""
-    H = (out.shape[1] + 1) // 2
-    dxs = _lane_scales(dx, bits)
-    for t in prange(experts.shape[0] * H):
-        i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)
-        for k in range(2 if pair else 1):
-            _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k,
-                              h + k, first, stop, o, out)
+            if alone:
+                _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k,
+                                  h + k, first, stop, o, out)
+            else:
+                _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k,
+                            h + k, first, stop, o, out)
 
 
 @njit(inline="always", **_jit)
@@ -548,14 +590,51 @@ def _lane_scales(dx, bits):
     """x's block scales as decode's lanes meet them: [B, units * 8], lane k of unit u the scale of
     the block its products lie in (4 bits: blocks 2u, lanes 0-3, and 2u + 1; 8 bits: block u)."""
     B, blocks = dx.shape
+    out = np.empty((B, blocks // (2 if bits == 4 else 1) * 8), np.float32)
+    _lane_scales_into(dx, bits, out)
+    return out
+
+
+@njit(inline="always", **_jit)
+def _lane_scales_into(dx, bits, out):
     per = 2 if bits == 4 else 1   # blocks a unit
-    units = blocks // per
-    out = np.empty((B, units * 8), np.float32)
-    for r in range(B):
-        for u in range(units):
+    for r in range(dx.shape[0]):
+        for u in range(out.shape[1] // 8):
             for k in range(8):
                 out[r, 8 * u + k] = dx[r, per * u + k * per // 8]
-    return out
+
+
+def rounding(x, qw):
+    """Room for x[B, K] rounded for qw's kind, as decode_tasks takes it: (xq, dx, xs, dxs) to
+    be filled by round_into (njit code only, where INT8)."""
+
+
+@overload(rounding, inline="always", jit_options=_jit)
+def _rounding_typed(x, qw):
+    bits, G = qw.instance_class.KIND
+    per = 2 if bits == 4 else 1
+    return lambda x, qw: (np.empty(x.shape, np.int8), np.empty((x.shape[0], x.shape[1] // 32), np.float32),
+                          np.empty((x.shape[0], x.shape[1] // G), np.float32),
+                          np.empty((x.shape[0], x.shape[1] // 32 // per * 8), np.float32))
+
+
+@njit(**_jit)
+def round_into(x, qw, rounded):
+    """x[B, K] rounded for qw's kind into `rounding`'s room: round_rows' and _lane_scales' values."""
+    xq, dx, xs, dxs = rounded
+    for r in range(x.shape[0]):
+        round_int8(x[r], qw.group_size, qw.bits, xq[r], dx[r], xs[r])
+    _lane_scales_into(dx, qw.bits, dxs)
+
+
+def alike(a, b):
+    """Whether weights a and b take their input rounded alike (of one kind; njit code only)."""
+
+
+@overload(alike, inline="always", jit_options=_jit)
+def _alike_typed(a, b):
+    same = a.instance_class.KIND == b.instance_class.KIND
+    return lambda a, b: same
 
 
 @njit(inline="always", **_jit)
