@@ -52,6 +52,7 @@ _jit = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
 # (4096 x 4096 about 2% slower); at 2 KB the Xeon's 4096 x 4096 reads 13.0 / 25.3 and 576 x 1536
 # 11.3 / 18.2 (1 KB: 12.6 / 23.8; 4 KB no faster).
 AHEAD = 2048
+PAIRED = 512   # bytes of a weight row at most that decode reads two rows of in step (_tasks_x8)
 
 
 @njit(**_jit)
@@ -565,6 +566,12 @@ def _tasks_x8(t0, t1, xq, dx, dxs, xs, x, bits, count, upg, accumulate, q, s, b,
     H = (out.shape[1] + 1) // 2
     for t in range(t0, t1):
         i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)
+        # one x row, short rows: the task's two rows in step share x's loads (rows longer than
+        # PAIRED read in step are two streams, which the prefetchers serve worse from memory)
+        if not alone and pair and stop - first == 1 and q.shape[1] <= PAIRED:
+            _put_columns(out, o + first, h, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, i, first, 1, True, bits,
+                                                  count, upg), accumulate)
+            continue
         for k in range(2 if pair else 1):   # a loop: the row's kernel inlined once, not twice
             if alone:
                 _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, i + k,
@@ -643,13 +650,13 @@ def _weight_row(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf16, lu
     a pass, then two, then one (each pass a copy of _dots that LLVM makes for its constant)."""
     r = first
     while r + 4 <= stop:
-        _put(out, o + r, col, 4, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 4, bits, count, upg), accumulate)
+        _put(out, o + r, col, 4, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 4, False, bits, count, upg), accumulate)
         r += 4
     if r + 2 <= stop:
-        _put(out, o + r, col, 2, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 2, bits, count, upg), accumulate)
+        _put(out, o + r, col, 2, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 2, False, bits, count, upg), accumulate)
         r += 2
     if r < stop:
-        _put(out, o + r, col, 1, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 1, bits, count, upg), accumulate)
+        _put(out, o + r, col, 1, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 1, False, bits, count, upg), accumulate)
 
 
 @njit(inline="always", **_jit)
@@ -657,8 +664,15 @@ def _weight_row_alone(xq, dx, dxs, xs, bits, count, upg, accumulate, q, s, b, bf
                       o, out):
     """_weight_row one x row a pass."""
     for r in range(first, stop):
-        _put(out, o + r, col, 1, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 1, bits, count, upg),
+        _put(out, o + r, col, 1, _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, 1, False, bits, count, upg),
              accumulate)
+
+
+@njit(inline="always", **_jit)
+def _put_columns(out, r, col, v, accumulate):
+    """out[r, col], out[r, col + 1] (+)= v[0], v[1]."""
+    out[r, col] = out[r, col] + v[0] if accumulate else v[0]
+    out[r, col + 1] = out[r, col + 1] + v[1] if accumulate else v[1]
 
 
 @njit(inline="always", **_jit)
@@ -700,41 +714,43 @@ def _offset_lanes(f, c, xs, r, g, groups):
 
 
 @njit(inline="always", **_jit)
-def _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, rows, bits, count, upg):
-    """Row n . x rows r..r + rows - 1 (rows: 1, 2 or 4; the sums past them zero): its units' lanes,
-    then the biases' part in the same lanes (8 groups of biases times x's group sums a step; for
-    8-bit weights whose products took q - 128, SIGNED8, 128 times the scales too), then at 4 bits
-    with an odd number of groups of 32 the last one's products."""
+def _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, rows, pair, bits, count, upg):
+    """Row n . x rows r..r + rows - 1 (rows: 1, 2 or 4; the sums past them zero), or where `pair`
+    rows n and n + 1 . x row r (rows 1), which share x's loads: its units' lanes, then the biases'
+    part in the same lanes (8 groups of biases times x's group sums a step; for 8-bit weights
+    whose products took q - 128, SIGNED8, 128 times the scales too), then at 4 bits with an odd
+    number of groups of 32 the last one's products. The second sum is row m = n + 1 with x row r
+    where `pair`, else row n with x row r + 1: each (weight row, x row) the same arithmetic either way."""
     Kb = q.shape[1]
     table = levels(lut)
     small = nibble_sized(table)
-    f0 = f1 = f2 = f3 = sv = zero_f32()
+    m, r1 = (n + 1, r) if pair else (n, r + 1)
+    second = pair or rows > 1
+    f0 = f1 = f2 = f3 = sv = svm = zero_f32()
     for u in range(Kb // 32):
         _ahead1(q, n * Kb, 32 * u)
         w0, w1 = _unpacked(load_u8x32(q, n * Kb + 32 * u), bits, table, hi, plane_at(hi, n, u, hb), hb)
-        g = (u // upg) * count   # the unit's first group
-        if s.ndim == 3:   # in two levels: 8 groups' scales read and scaled at once, then moved down
-            if u % upg == 0 and g % 8 == 0:   # a unit's at a time (one level: a unit's own are fewer
-                sv = group_values8(s, n, g, bf16)   # instructions)
-            sw = spread(sv, count)
-        else:
-            sw = unit_scales(s, n, g, count, bf16)
+        sw, sv = _unit_scales(s, n, u, sv, bf16, count, upg)
+        v0, v1, swm = w0, w1, sw
+        if pair:
+            _ahead1(q, m * Kb, 32 * u)
+            v0, v1 = _unpacked(load_u8x32(q, m * Kb + 32 * u), bits, table, hi, plane_at(hi, m, u, hb), hb)
+            swm, svm = _unit_scales(s, m, u, svm, bf16, count, upg)
         f0 = _step(f0, w0, w1, sw, xq, dxs, r, u, bits, small)
-        if rows > 1:
-            f1 = _step(f1, w0, w1, sw, xq, dxs, r + 1, u, bits, small)
+        if second:
+            f1 = _step(f1, v0, v1, swm, xq, dxs, r1, u, bits, small)
         if rows > 2:
             f2 = _step(f2, w0, w1, sw, xq, dxs, r + 2, u, bits, small)
             f3 = _step(f3, w0, w1, sw, xq, dxs, r + 3, u, bits, small)
         if s.ndim == 3 and (u + 1) % upg == 0:
-            sv = next_scales(sv, count)
+            sv, svm = next_scales(sv, count), next_scales(svm, count)
     groups = group_count(b)
     for g in range(0, groups, 8):
-        c = group_values8(b, n, g, bf16)
-        if bits == 8 and SIGNED8:
-            c = fma(group_values8(s, n, g, bf16), splat_f32(f32(128.0)), c)
+        c = _offsets(s, b, n, g, bits, bf16)
+        cm = _offsets(s, b, m, g, bits, bf16) if pair else c
         f0 = _offset_lanes(f0, c, xs, r, g, groups)
-        if rows > 1:
-            f1 = _offset_lanes(f1, c, xs, r + 1, g, groups)
+        if second:
+            f1 = _offset_lanes(f1, cm, xs, r1, g, groups)
         if rows > 2:
             f2 = _offset_lanes(f2, c, xs, r + 2, g, groups)
             f3 = _offset_lanes(f3, c, xs, r + 3, g, groups)
@@ -742,10 +758,33 @@ def _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, rows, bits, count, 
     if bits == 4 and K % 64:
         g = K // 32 - 1
         return (hsum(f0) + _tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r, g, K),
-                hsum(f1) + (_tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 1, g, K) if rows > 1 else f32(0.0)),
+                hsum(f1) + (_tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, m, r1, g, K) if second else f32(0.0)),
                 hsum(f2) + (_tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 2, g, K) if rows > 2 else f32(0.0)),
                 hsum(f3) + (_tail4_x8(xq, dx, q, s, bf16, lut, hi, hb, n, r + 3, g, K) if rows > 2 else f32(0.0)))
     return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
+
+
+@njit(inline="always", **_jit)
+def _unit_scales(s, n, u, sv, bf16, count, upg):
+    """Row n's scales for unit u's lanes, and the 8 groups' values sv carries on (in two levels:
+    read and scaled 8 groups at once, then moved down a unit's worth; one level: a unit's own,
+    fewer instructions)."""
+    g = (u // upg) * count   # the unit's first group
+    if s.ndim == 3:
+        if u % upg == 0 and g % 8 == 0:
+            sv = group_values8(s, n, g, bf16)
+        return spread(sv, count), sv
+    return unit_scales(s, n, g, count, bf16), sv
+
+
+@njit(inline="always", **_jit)
+def _offsets(s, b, n, g, bits, bf16):
+    """Row n's biases of groups g..g+7 (for 8-bit weights whose products took q - 128, SIGNED8,
+    plus 128 times their scales): what x's group sums are multiplied by."""
+    c = group_values8(b, n, g, bf16)
+    if bits == 8 and SIGNED8:
+        c = fma(group_values8(s, n, g, bf16), splat_f32(f32(128.0)), c)
+    return c
 
 
 @njit(inline="always", **_jit)
