@@ -501,19 +501,10 @@ def round_int8(x, G, bits, xq, dx, xs):
 def _rows_x8(rounded, x, qw, experts, own_x, accumulate, out):
     """_rows on int8 x (rounded: round_rows' and its _lane_scales): each thread a range of
     decode_tasks."""
-    tasks = experts.shape[0] * task_count(out)
+    tasks = experts.shape[0] * ((out.shape[1] + 1) // 2)   # two weight rows a task
     n = threads()
     for c in prange(n):
         decode_tasks(tasks * c // n, tasks * (c + 1) // n, rounded, x, qw, experts, own_x, accumulate, out)
-
-
-def task_count(out):
-    """The tasks of decode_tasks' for one expert, writing out[:, N] (njit code only): two weight rows each."""
-
-
-@overload(task_count, inline="always", jit_options=_jit)
-def _task_count_typed(out):
-    return lambda out: (out.shape[1] + 1) // 2
 
 
 def decode_tasks(t0, t1, rounded, x, qw, experts, own_x, accumulate, out):
@@ -561,8 +552,9 @@ def _tasks_x8(t0, t1, xq, dx, dxs, xs, x, bits, count, upg, accumulate, q, s, b,
     them in step, would be two, which the prefetchers serve worse)."""
     # the loop's arrays without their reference counts: the inlined row kernels would take and drop
     # one of each at every row (numba's parallel loops pass theirs so)
-    xq, dx, dxs, xs, q, s, b, out = borrowed(xq), borrowed(dx), borrowed(dxs), borrowed(xs), borrowed(q), borrowed(s), borrowed(b), borrowed(out)
-    lut, hi, experts = _borrowed_any(lut), _borrowed_any(hi), borrowed(experts)
+    xq, dx, dxs, xs, out = borrowed(xq), borrowed(dx), borrowed(dxs), borrowed(xs), borrowed(out)
+    q, s, b, experts = borrowed(q), borrowed(s), borrowed(b), borrowed(experts)
+    lut, hi = _borrowed_any(lut), _borrowed_any(hi)
     H = (out.shape[1] + 1) // 2
     for t in range(t0, t1):
         i, h, first, stop, o, pair = _task(t, H, out.shape[1], x.shape[0], experts, own_x)

@@ -53,21 +53,26 @@ def _wait(sync, s):
 
 
 @njit(inline="always", **_jit)
+def _tasks(w):
+    """quant_decode.decode_tasks' tasks of w's products: two weight rows each."""
+    return (out_features(w) + 1) // 2
+
+
+@njit(inline="always", **_jit)
 def _chunk_size(w, members):
-    """Tasks a chunk of w's products (quant_decode.decode_tasks'), for CHUNKS chunks a thread."""
-    tasks = (out_features(w) + 1) // 2
-    return max(1, (tasks + CHUNKS * members - 1) // (CHUNKS * members))
+    """Tasks a chunk of w's products, for CHUNKS chunks a thread."""
+    return max(1, (_tasks(w) + CHUNKS * members - 1) // (CHUNKS * members))
 
 
 @njit(inline="always", **_jit)
 def _chunks(w, size):
-    return ((out_features(w) + 1) // 2 + size - 1) // size
+    return (_tasks(w) + size - 1) // size
 
 
 @njit(inline="always", **_jit)
 def _products(c, size, rounded, x, w, experts, accumulate, out):
     """Chunk c (of `size` tasks) of out (+)= x @ w.T."""
-    tasks = (out_features(w) + 1) // 2
+    tasks = _tasks(w)
     # own_x a plain bool, as quant_decode.products passes it: a literal would compile them again
     decode_tasks(c * size, min(tasks, (c + 1) * size), rounded, x, w, experts, bool(False), accumulate, out)
 
