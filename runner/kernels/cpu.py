@@ -14,6 +14,9 @@ from .simd import f32_from_bits, fma, hsum, load_f32x8, prefetch, splat_f32, sto
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
 _jit = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")
+# for kernels only other kernels call: no wrappers for Python to call them through (a wrapper
+# unboxes every argument, seconds of compile for a long list of arrays and named tuples)
+INNER = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 # Most rows that go through the decode kernels (here, quant_decode's, half's), which read each
 # weight once for all rows and compute each row as they would alone; more rows go through the
@@ -383,7 +386,7 @@ def from_both_ends(i, tasks):
     return i // 2 if i % 2 == 0 else tasks - 1 - i // 2
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def plan(rows, Hkv, group, hd, window):
     """attention's tasks (see there), and the sums of its split tasks: the parallel loops apart
     from the rest (numba compiles a parallel function's code twice over)."""
@@ -440,7 +443,7 @@ def plan(rows, Hkv, group, hd, window):
     return order, lo, hi, first, count, kv_of, split, lone, head_task, head_splits, merged[:n_merged], pm, pl, pacc
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def attend(task, first, count, kv_of, split, lone, order, lo, hi, q, scale, rows, k_cache, v_cache, k_scale, v_scale,
             sinks, pm, pl, pacc, out):
     """Task `task` of attention's (see there): a function of its own, so that the parallel loop's
@@ -506,7 +509,7 @@ def _copy(dst, src):
         dst[i] = src[i]
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def finish(out, t, kv, sinks, pm, pl, pacc, i0, n):
     """Row t's query heads of KV head kv: the sums of its splits i0..i0+n-1 merged in order."""
     group, hd = pacc.shape[1], pacc.shape[2]
@@ -551,7 +554,7 @@ def _merge(m, l, acc, sm, sl, sacc):
     return best, l * a + sl * b
 
 
-@njit(**_PRECISE)
+@njit(**_PRECISE, **INNER)
 def _split(qs, lo, hi, s, k_cache, v_cache, k_scale, v_scale, table, kv, m, l, acc):
     """The keys of split s through rows' sums m, l, acc [R, hd] (see attention): row r's query
     qs[r] (times the score scale), its keys lo[r]..hi[r]-1. Rows that see the same keys of a
@@ -665,7 +668,7 @@ def _times(a, b, k0, k1, out):
         store_f32x8(out, 3 * N + c + 8, a31)
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def place_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps):
     """The projections q [T, H, hd], k and v [T, Hkv, hd] made ready for attention, in place: the
     biases added (zeros, or shape (0,): none), q and k RMSNormed (each head on its own, or each

@@ -15,7 +15,7 @@ from nibble.formats import superblocks
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 from . import cpu, half, prefill, prefill_int8, quant_decode
-from .cpu import SMALL, _jit
+from .cpu import INNER, SMALL, _jit
 
 # a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits
 Weight = np.ndarray | QuantizedTensor | HalfTensor
@@ -221,14 +221,14 @@ def _rounded_alike(*weights) -> bool:
     return quant_decode.INT8 and len(kinds) == 1 and getattr(kinds.pop(), "KIND", None) is not None
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _qkv_each(x, wq, wk, wv, q, k, v):
     linear(x, wq, q, False)
     linear(x, wk, k, False)
     linear(x, wv, v, False)
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _qkv_rounded_once(x, wq, wk, wv, q, k, v):
     if x.shape[0] <= SMALL:
         _qkv_decoded(x, wq, wk, wv, q, k, v)
@@ -296,7 +296,7 @@ def _activate_typed(g, up, gelu):
     return lambda g, up, gelu: cpu.silu_mul(g, up)
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _gated_each(x, w_gate, w_up, out, gelu):
     up = np.empty_like(out)
     linear(x, w_gate, out, False)
@@ -304,7 +304,7 @@ def _gated_each(x, w_gate, w_up, out, gelu):
     _activate(out, up, gelu)
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _gated_rounded_once(x, w_gate, w_up, out, gelu):
     if x.shape[0] <= SMALL:
         _gated_decoded(x, w_gate, w_up, out, gelu)

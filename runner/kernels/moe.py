@@ -133,7 +133,7 @@ def moe_mlp(h, w, out, act_sq):
     add_shared(h, w.shared, out, act_sq)
 
 
-@njit(**cpu._jit)
+@njit(**cpu._jit, **cpu.INNER)
 def _by_expert(h, w, experts, probs, out, act_sq):
     """out += each row's experts' outputs, the rows grouped by expert: each expert routed to
     read once for all its rows."""
@@ -179,7 +179,7 @@ def _by_expert(h, w, experts, probs, out, act_sq):
             out[t] += probs[t, slot[t, e]] * y[i]
 
 
-@njit(**cpu._jit)
+@njit(**cpu._jit, **cpu.INNER)
 def _clamped_swiglu(x, w, e, mid):
     """mid = gpt-oss's gating of expert e on rows x: gate and up with their biases, clamped."""
     up = np.empty_like(mid)
@@ -188,7 +188,7 @@ def _clamped_swiglu(x, w, e, mid):
     _clamp(mid, up, w, np.full(mid.shape[0], e, np.int64))
 
 
-@njit(**cpu._jit)
+@njit(**cpu._jit, **cpu.INNER)
 def _clamp(g, up, w, experts):
     """g = gpt-oss's clamped SwiGLU of gate g and up, row i of expert experts[i] (its biases)."""
     limit, alpha, one = w.swiglu_limit, w.swiglu_alpha, np.float32(1.0)
@@ -219,7 +219,7 @@ def _decode_routed_typed(h, w, experts, probs, out):
     return decode
 
 
-@njit(**cpu._jit)
+@njit(**cpu._jit, **cpu.INNER)
 def _decode_experts(h, w, experts, probs, out):
     k, D = experts.shape[0], h.shape[1]
     F = out_features(expert(w.w_gate, 0))

@@ -12,7 +12,7 @@ from numba.extending import overload
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
 from . import half
-from .cpu import _jit
+from .cpu import INNER, _jit
 from .simd import fma, group_scale_bias, high_of, hsum, level, load_f32x8, plane_count, zero_f32
 
 f32 = np.float32
@@ -50,7 +50,7 @@ def _dims(w):
         return lambda w: w.bits.shape
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _dequantize_row(qw, n, w):
     """w[K] = scales * q + biases (q's level, where qw has a table; with its high bits, where it has
     planes) for row n of qw, its words q viewed as bytes (slices keep
@@ -139,7 +139,7 @@ def matmul(x, w, out, accumulate):
         _tiles(xp, w, out, accumulate)
 
 
-@njit(parallel=True, **_jit)
+@njit(parallel=True, **_jit, **INNER)
 def _tiles(x, w, out, accumulate):
     """out (+)= x[T, Kp] @ W.T, x's columns from K on zeros (and so the tiles')."""
     T, Kp = x.shape

@@ -33,7 +33,7 @@ from nibble.formats import planes
 from nibble.quant import target
 from nibble.quant.affine import QuantizedTensor
 from . import prefill
-from .cpu import _jit
+from .cpu import INNER, _jit
 from .simd import (F32, I32, Vec, _ll, _load, block_highs, fma, group_scale_bias, high_mask, high_of, hsum, load_f32x8,
                    plane_at, plane_count, splat_f32, table_ops, vadd, widen_bits, zero_f32, zero_i32)
 
@@ -421,7 +421,7 @@ def _k(unit, j, bits):
     return 4 * unit + j if bits == 8 else 8 * (unit >> 1) + 2 * j + (unit & 1)
 
 
-@njit(parallel=True, **_jit)
+@njit(parallel=True, **_jit, **INNER)
 def quantize_rows(x, units, lane_block, bits, halves):
     """x [T, K] -> (xq int8 [T, Kp] in the layout, each block of 32 rounded to +-127 dx;
     dx and xs float32 [T, lanes]: a lane's block scale and its bytes' sum of x as rounded,
@@ -466,7 +466,7 @@ def inverse_scale(top):
     return f32(127.0) / top if top > 0 else f32(0.0)
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _unpack(qw, n, units, lane_group, wq, sw, bw):
     """Row n of qw into the layout: its integers as bytes wq [Kp], a word of W (or its low or high
     nibbles) at a time, and its scales and biases spread over the lanes, sw and bw [lanes]."""
@@ -529,7 +529,7 @@ def round_rows(x, G, bits):
     return xq, dx, xs, units, lane_block
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def matmul_rounded(rounded, qw, out, accumulate):
     """matmul_int8 on x as round_rows(x, qw.group_size, qw.bits) gave it."""
     xq, dx, xs, units, lane_block = rounded
@@ -544,7 +544,7 @@ def matmul_rounded(rounded, qw, out, accumulate):
     _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate)
 
 
-@njit(parallel=True, **_jit)
+@njit(parallel=True, **_jit, **INNER)
 def _tiles(xq, dx, xs, qw, units, lane_group, out, accumulate):
     T, Kp = xq.shape
     N, lanes = qw.weight.shape[0], lane_group.shape[0]

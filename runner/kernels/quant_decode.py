@@ -32,7 +32,7 @@ from numba.extending import overload
 from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 
 from . import prefill_int8
-from .cpu import _jit
+from .cpu import INNER, _jit
 from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, sdot, udot, udot2, with_high
 from .simd import (chunk_scales, fma, group_count, group_value, group_values8, high_of, hsum, level, levels16,
                    load_16x16, load_f32x8, load_first_f32x8, load_u8x16, lookup16, madd, next_scales, nibble, plane_at,
@@ -186,7 +186,7 @@ def _round_rows_typed(x, G, bits):
     return lambda x, G, bits: _round16(x, G, bits)
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _round16(x, G, bits):
     B, K = x.shape
     xq = np.empty((B, K), np.int16)
@@ -197,7 +197,7 @@ def _round16(x, G, bits):
     return xq, dx, xs
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _round8(x, G, bits):
     B, K = x.shape
     xq = np.empty((B, K), np.int8)
@@ -208,7 +208,7 @@ def _round8(x, G, bits):
     return xq, dx, xs
 
 
-@njit(parallel=True, **_jit)
+@njit(parallel=True, **_jit, **INNER)
 def _rows(xq, dx, xs, x, bits, rep, G, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x, out):
     """Every weight row's dot products with the rows of x (int16), two weight rows (h, h + H) and
     two x rows a task: two
@@ -452,7 +452,7 @@ def _integer4(q, lut, hi, hb, n, k):
 
 # ---- int8 activations, where the CPU multiplies bytes ------------------------------------------
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def round_int8(x, G, bits, xq, dx, xs):
     """x[K] -> xq int8 [K], each block of 32 rounded to +-127 dx[b] as prefill_int8.quantize_rows
     rounds it (the same integers), and xs[g] the sums of x's groups as rounded.
@@ -497,7 +497,7 @@ def round_int8(x, G, bits, xq, dx, xs):
         xs[g] = total
 
 
-@njit(parallel=True, **_jit)
+@njit(parallel=True, **_jit, **INNER)
 def _rows_x8(rounded, x, qw, experts, own_x, accumulate, out):
     """_rows on int8 x (rounded: round_rows' and its _lane_scales): each thread a range of
     decode_tasks."""
@@ -536,7 +536,7 @@ def _borrowed_any_typed(a):
     return lambda a: borrowed(a)
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _tasks_x8(t0, t1, xq, dx, dxs, xs, x, bits, count, upg, accumulate, q, s, b, bf16, lut, hi, hb, experts, own_x,
               alone, out):
     """Tasks t0..t1-1 of _rows on int8 x: each weight row dotted with four rows of x a pass while
@@ -584,7 +584,7 @@ def _task(t, H, N, B, experts, own_x):
     return experts[j] * N + h, h, first, stop, o, h + 1 < N
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _lane_scales(dx, bits):
     """x's block scales as decode's lanes meet them: [B, units * 8], lane k of unit u the scale of
     the block its products lie in (4 bits: blocks 2u, lanes 0-3, and 2u + 1; 8 bits: block u)."""
@@ -617,7 +617,7 @@ def _rounding_typed(x, qw):
                           np.empty((x.shape[0], x.shape[1] // 32 // per * 8), np.float32))
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def round_into(x, qw, rounded):
     """x[B, K] rounded for qw's kind into `rounding`'s room: round_rows' and _lane_scales' values."""
     xq, dx, xs, dxs = rounded

@@ -17,7 +17,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import cpu, quant_decode
-from .cpu import SMALL, _jit
+from .cpu import INNER, SMALL, _jit
 from .linear import out_features
 from .prefill import dims
 from .quant_decode import alike, decode_tasks, round_into, rounding
@@ -144,7 +144,7 @@ def decode_layer(x, w, kv, rows, cos, sin, eps, window):
           w.attention_scale, w.residual_scale, kv, rows, cos, sin, eps, plan, experts, sync)
 
 
-@njit(parallel=True, **_jit)
+@njit(parallel=True, **_jit, **INNER)
 def _team(x, h, q3, k3, v3, attn, ra, o, y, h2, rq, rk, rv, rg, ru, g, u, mlp, rm, scaled, wq, wk, wv, wo, w_gate,
           w_up, w_down, bq, bk, bv, q_norm, k_norm, bo, sinks, post_norm, attention_scale, residual_scale, kv, rows,
           cos, sin, eps, plan, experts, sync):
@@ -224,14 +224,14 @@ def _team(x, h, q3, k3, v3, attn, ra, o, y, h2, rq, rk, rv, rg, ru, g, u, mlp, r
             c = _take(sync, 5)
 
 
-@njit(**cpu.ACTIVATION)
+@njit(**cpu.ACTIVATION, **INNER)
 def _activate(g, u, mlp, j0, j1):
     for t in range(g.shape[0]):
         for j in range(j0, j1):
             mlp[t, j] = cpu.silu_times(g[t, j], u[t, j])
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _attention_out(x, o, bo, s, scaled):
     """decoder_layer's residual after attention, o its output projection's (x itself unless scaled)."""
     if scaled:
@@ -242,6 +242,6 @@ def _attention_out(x, o, bo, s, scaled):
         x += bo
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def _scaled_add(x, y, s):
     x += s * y
