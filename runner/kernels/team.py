@@ -103,7 +103,7 @@ def _decoded_in_one_region_typed(x, w, kv, rows, cos, sin, eps, window, act_sq):
 def decode_layer(x, w, kv, rows, cos, sin, eps, window):
     """decoder_layer for a few rows of x (at most SMALL) and LayerWeights of quantized KINDS on
     int8 activations, as one parallel region (see the module's docstring)."""
-    k_cache, v_cache, k_scale, v_scale = kv
+    k_cache, v_cache = kv[0], kv[1]
     T, D = x.shape
     Hkv, hd = v_cache.shape[1], v_cache.shape[3]
     H = out_features(w.wq) // hd
@@ -116,14 +116,9 @@ def decode_layer(x, w, kv, rows, cos, sin, eps, window):
     # the inputs of q/k/v, rounded before the region; room for the others, filled in it
     h = np.empty_like(x)
     cpu.rmsnorm(x, w.input_norm, eps, h)
-    rq = rounding(h, w.wq)
-    round_into(h, w.wq, rq)
-    rk = rq if alike(w.wk, w.wq) else rounding(h, w.wk)
-    if not alike(w.wk, w.wq):
-        round_into(h, w.wk, rk)
-    rv = rq if alike(w.wv, w.wq) else rounding(h, w.wv)
-    if not alike(w.wv, w.wq):
-        round_into(h, w.wv, rv)
+    rq = _rounded(h, w.wq)
+    rk = rq if alike(w.wk, w.wq) else _rounded(h, w.wk)
+    rv = rq if alike(w.wv, w.wq) else _rounded(h, w.wv)
     q3, k3, v3 = np.empty((T, H, hd), np.float32), np.empty((T, Hkv, hd), np.float32), np.empty((T, Hkv, hd), np.float32)
     attn = np.empty((T, H * hd), np.float32)
     ra = rounding(attn, w.wo)
@@ -142,6 +137,14 @@ def decode_layer(x, w, kv, rows, cos, sin, eps, window):
     _team(x, h, q3, k3, v3, attn, ra, o, y, h2, rq, rk, rv, rg, ru, g, u, mlp, rm, scaled, w.wq, w.wk, w.wv, w.wo,
           w.w_gate, w.w_up, w.w_down, w.bq, w.bk, w.bv, w.q_norm, w.k_norm, w.bo, w.sinks, w.post_norm,
           w.attention_scale, w.residual_scale, kv, rows, cos, sin, eps, plan, experts, sync)
+
+
+@njit(inline="always", **_jit)
+def _rounded(x, w):
+    """x rounded for w's kind (rounding's room, filled)."""
+    r = rounding(x, w)
+    round_into(x, w, r)
+    return r
 
 
 @njit(parallel=True, **_jit, **INNER)
