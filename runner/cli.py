@@ -653,9 +653,12 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1),
               help="Decode N streams together (one forward pass a step, as `nibble serve` does) and "
                    "compare their tokens/s with one stream's, measured in turn.")
+@click.option("--matrices", is_flag=True,
+              help="Instead: each kind of matrix's share of a decoded token, its bytes read from memory and "
+                   "from cache, against the memory bandwidth (where decode's time goes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu,
-          shapes, write_checkpoint, parallel, as_json):
+          shapes, write_checkpoint, parallel, matrices, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth; for an embedding
     model, texts per second (batches of --parallel texts of -p tokens)."""
     if write_checkpoint:
@@ -669,7 +672,12 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
     if not shapes:
         model = _model_or_default(model)
     if not shapes and _embeds(model):
+        if matrices:
+            raise click.UsageError("--matrices profiles a language model's decode; this one embeds")
         return _bench_embedding(model, quant, prompt_tokens, parallel, repeats, threads, as_json)
+    if matrices and (parallel > 1 or gpu_layers):
+        raise click.UsageError("--matrices times the CPU's kernels one product at a time: without --parallel "
+                               "or --gpu-layers")
     ctx = prompt_tokens + gen_tokens + 1
     if shapes:
         from .loader import QUANT_BITS
@@ -679,6 +687,11 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
     else:
         llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx, background=False)   # the full kernels' speed
     llm.threads.pin(threads)
+    if matrices:
+        from .matrix_bench import run_matrix_bench
+        result = run_matrix_bench(llm, repeats)
+        click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
+        return
     if prompt_tokens + gen_tokens >= llm.config.max_position_embeddings:
         raise NibbleError(f"{prompt_tokens} + {gen_tokens} tokens do not fit in the model's context "
                           f"of {llm.config.max_position_embeddings}")

@@ -131,3 +131,47 @@ def test_bench_parallel_json(tiny_dir):
     assert f["single_tps"] > 0 and f["parallel_tps"] > 0
     assert f["speedup"] == f["parallel_tps"] / f["single_tps"]
 
+
+
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def test_bench_matrices_times_each_kind_of_matrix(monkeypatch):
+    """--matrices: every matrix of every layer in exactly one row of its name and kind, and the
+    head; the figures each row's own arithmetic (speed is not asserted)."""
+    monkeypatch.setitem(synthetic.SHAPES, "small", SMALL)
+    r = invoke("bench", "--shapes", "small", "--quant", "int4", "--matrices", "-r", 2, "--json")
+    assert r.exit_code == 0, r.output
+    f = json.loads(r.stdout)
+    model = synthetic.random_model(SMALL, bits=4)
+    rows = {m["name"]: m for m in f["matrices"]}
+    assert len(rows) == len(f["matrices"]) == len(MATRICES) + 1   # one kind each here
+    for name in MATRICES:
+        m, w = rows[name], getattr(model.layers[0], name)
+        assert (m["rows"], m["cols"], m["nbytes"], m["layers"]) == (*w.shape, w.nbytes, 2)
+        assert m["kind"] == f"int4 g{w.group_size}"
+        assert m["memory_s"] > 0 and m["cached_s"] > 0
+        assert m["token_s"] == m["layers"] * m["memory_s"]
+        assert m["memory_gbs"] == pytest.approx(w.nbytes / m["memory_s"] / 1e9)
+        assert m["needed_gws"] == pytest.approx(f["bandwidth_gbs"] * w.shape[0] * w.shape[1] / w.nbytes)
+    assert (rows["head"]["rows"], rows["head"]["layers"]) == (96, 1)
+    assert f["nbytes"] == sum(w.nbytes for layer in model.layers for w in (getattr(layer, n) for n in MATRICES)) + \
+        model.lm_head.nbytes
+    assert f["token_s"] == pytest.approx(sum(m["token_s"] for m in f["matrices"]))
+
+
+def test_bench_matrices_of_a_float_model_as_a_table(tiny_dir):
+    r = invoke("bench", "-m", tiny_dir, "--matrices", "-r", 1)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:2] == ["matrix", "kind"]
+    model, _ = from_model_dir(tiny_model_dir())
+    names = [line.split()[0] for line in lines[1:-2]]
+    assert names == [n for n in model.layers[0]._fields if getattr(model.layers[0], n).ndim == 2] + ["head"]
+    assert all(line.split()[1] == "float32" for line in lines[1:-2])
+    assert lines[-2].startswith("the matrices: ")
+
+
+@pytest.mark.parametrize("flags", [("--parallel", 2), ("--gpu-layers", 1)])
+def test_bench_matrices_alone(tiny_dir, flags):
+    assert_one_line_error(invoke("bench", "-m", tiny_dir, "--matrices", *flags), code=2, match="--matrices times the CPU")
