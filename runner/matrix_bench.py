@@ -17,6 +17,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import numba
 import numpy as np
 
 from nibble.formats import superblocks
@@ -65,6 +66,7 @@ class MatrixProfile:
     matrices: list[MatrixFigures]
     bandwidth_gbs: float   # parallel float32 sum over 1 GiB, same run
     repeats: int
+    threads: int
 
     @property
     def token_s(self) -> float:
@@ -75,7 +77,8 @@ class MatrixProfile:
         return sum(m.layers * m.nbytes for m in self.matrices)
 
     def as_dict(self) -> dict:
-        return {"bandwidth_gbs": self.bandwidth_gbs, "repeats": self.repeats, "token_s": self.token_s,
+        return {"bandwidth_gbs": self.bandwidth_gbs, "repeats": self.repeats, "threads": self.threads,
+                "token_s": self.token_s,
                 "nbytes": self.nbytes,
                 "matrices": [asdict(m) | {"token_s": m.token_s, "memory_gbs": m.memory_gbs,
                                           "cached_gws": m.cached_gws,
@@ -91,7 +94,7 @@ class MatrixProfile:
         at_bandwidth = self.nbytes / (self.bandwidth_gbs * 1e9)
         lines.append(f"the matrices: {self.token_s * 1e3:.2f} ms a token for {self.nbytes / 1e6:.1f} MB; at the "
                      f"memory bandwidth ({self.bandwidth_gbs:.1f} GB/s) {at_bandwidth * 1e3:.2f} ms "
-                     f"(median of {self.repeats})")
+                     f"({self.threads} thread{'s' * (self.threads != 1)}, median of {self.repeats})")
         lines.append("GB/s: from memory, each call another layer's; cached Gw/s: billions of weights a second, "
                      "the same matrix again; needed: what reading at the bandwidth takes")
         return "\n".join(lines)
@@ -107,8 +110,12 @@ def run_matrix_bench(model: Model, repeats: int = 3) -> MatrixProfile:
                 groups.setdefault((name, kind(w)), []).append(w)
     if model.lm_head is not None and _is_matrix(model.lm_head):
         groups[("head", kind(model.lm_head))] = [model.lm_head]
+    # one count throughout: -t's, else the cores free as it starts (a pass's probes would change it)
+    threads = model.threads.next_count(1)
+    numba.set_num_threads(threads)
     bandwidth = memory_bandwidth()
-    return MatrixProfile([_timed(name, k, ws, repeats) for (name, k), ws in groups.items()], bandwidth, repeats)
+    return MatrixProfile([_timed(name, k, ws, repeats) for (name, k), ws in groups.items()], bandwidth, repeats,
+                         threads)
 
 
 def kind(w) -> str:

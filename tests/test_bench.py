@@ -140,7 +140,7 @@ def test_bench_matrices_times_each_kind_of_matrix(monkeypatch):
     """--matrices: every matrix of every layer in exactly one row of its name and kind, and the
     head; the figures each row's own arithmetic (speed is not asserted)."""
     monkeypatch.setitem(synthetic.SHAPES, "small", SMALL)
-    r = invoke("bench", "--shapes", "small", "--quant", "int4", "--matrices", "-r", 2, "--json")
+    r = invoke("bench", "--shapes", "small", "--quant", "int4", "--matrices", "-r", 2, "-t", 1, "--json")
     assert r.exit_code == 0, r.output
     f = json.loads(r.stdout)
     model = synthetic.random_model(SMALL, bits=4)
@@ -158,6 +158,7 @@ def test_bench_matrices_times_each_kind_of_matrix(monkeypatch):
     assert f["nbytes"] == sum(w.nbytes for layer in model.layers for w in (getattr(layer, n) for n in MATRICES)) + \
         model.lm_head.nbytes
     assert f["token_s"] == pytest.approx(sum(m["token_s"] for m in f["matrices"]))
+    assert f["threads"] == 1
 
 
 def test_bench_matrices_of_a_float_model_as_a_table(tiny_dir):
@@ -169,7 +170,7 @@ def test_bench_matrices_of_a_float_model_as_a_table(tiny_dir):
     names = [line.split()[0] for line in lines[1:-2]]
     assert names == [n for n in model.layers[0]._fields if getattr(model.layers[0], n).ndim == 2] + ["head"]
     assert all(line.split()[1] == "float32" for line in lines[1:-2])
-    assert lines[-2].startswith("the matrices: ")
+    assert lines[-2].startswith("the matrices: ") and "median of 1)" in lines[-2]
 
 
 @pytest.mark.parametrize("flags", [("--parallel", 2), ("--gpu-layers", 1)])
