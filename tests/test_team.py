@@ -51,9 +51,15 @@ def _run(layer, model, i, x, kv, rows, one_region):
     c = model.config
     args = (x, layer, kv.layer(0), rows, *model.ropes[i], c.rms_norm_eps, c.windows[i])
     if one_region:
-        team.decode_layer(*args)
+        _one_region(*args)
     else:
         decoder_layer(*args, np.zeros((4, 4 * c.hidden_size + c.intermediate_size)))
+
+
+@numba.njit
+def _one_region(x, w, kv, rows, cos, sin, eps, window):
+    """team.decode_layer, which only kernels call (it compiles without a wrapper for Python)."""
+    team.decode_layer(x, w, kv, rows, cos, sin, eps, window)
 
 
 def _variant(layer, floats, i, head_dim, variant):

@@ -99,7 +99,7 @@ def _decoded_in_one_region_typed(x, w, kv, rows, cos, sin, eps, window, act_sq):
     return one_region
 
 
-@njit(**_jit)
+@njit(**_jit, **INNER)
 def decode_layer(x, w, kv, rows, cos, sin, eps, window):
     """decoder_layer for a few rows of x (at most SMALL) and LayerWeights of quantized KINDS on
     int8 activations, as one parallel region (see the module's docstring)."""
