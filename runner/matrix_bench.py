@@ -133,12 +133,12 @@ def _is_matrix(w) -> bool:
     if isinstance(w, QuantizedTensor):
         return w.weight.ndim == 2
     if isinstance(w, HalfTensor):
-        return w.bits.ndim == 2
+        return w.ndim == 2
     return isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32
 
 
 def _timed(name: str, k: str, ws: list, repeats: int) -> MatrixFigures:
-    N, K = _shape(ws[0])
+    N, K = ws[0].shape
     x = np.random.default_rng(0).standard_normal((1, K)).astype(np.float32)
     out = np.empty((1, N), np.float32)
     kernel = cpu.matmul if isinstance(ws[0], np.ndarray) else linear.qmatvec   # linear.linear's, for one row
@@ -153,16 +153,8 @@ def _timed(name: str, k: str, ws: list, repeats: int) -> MatrixFigures:
             memory.append(_seconds(product, w))
         product(ws[0])
         cached += [_seconds(product, ws[0]) for _ in range(CACHED_CALLS)]
-    return MatrixFigures(name, k, N, K, len(ws), _nbytes(ws[0]), statistics.median(memory),
+    return MatrixFigures(name, k, N, K, len(ws), ws[0].nbytes, statistics.median(memory),
                          statistics.median(cached))
-
-
-def _shape(w) -> tuple[int, int]:
-    return tuple(w.bits.shape) if isinstance(w, HalfTensor) else tuple(w.shape)
-
-
-def _nbytes(w) -> int:
-    return w.bits.nbytes if isinstance(w, HalfTensor) else w.nbytes
 
 
 def _seconds(f, w) -> float:
