@@ -34,10 +34,10 @@ from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 from . import prefill_int8
 from .cpu import INNER, _jit
 from .prefill_int8 import levels, load_u8x32, lookup, nibble_sized, nibbles, sdot, udot, udot2, with_high
-from .simd import (chunk_scales, fadd, fma, group_count, group_value, group_values8, high_of, hsum, level, levels16,
+from .simd import (chunk_scales, fma, group_count, group_value, group_values8, high_of, hsum, level, levels16,
                    load_16x16, load_f32x8, load_first_f32x8, load_u8x16, lookup16, madd, next_scales, nibble, plane_at,
-                   plane_count, prefetch, row_dot, scale_add, splat_f32, spread, spread_at, unit_scales, vadd, vmul,
-                   with_high16, zero_f32, zero_i32, borrowed)
+                   plane_count, prefetch, row_dot, scale_add, splat_f32, spread, unit_scales, vadd, vmul, with_high16,
+                   zero_f32, zero_i32, borrowed)
 from .sync import threads
 
 f32 = np.float32
@@ -713,12 +713,29 @@ def _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, rows, pair, bits, c
     whose products took q - 128, SIGNED8, 128 times the scales too), then at 4 bits with an odd
     number of groups of 32 the last one's products. The second sum is row m = n + 1 with x row r
     where `pair`, else row n with x row r + 1: each (weight row, x row) the same arithmetic either way."""
+    Kb = q.shape[1]
     table = levels(lut)
     small = nibble_sized(table)
     m, r1 = (n + 1, r) if pair else (n, r + 1)
     second = pair or rows > 1
-    f0, f1, f2, f3 = _units(xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, rows, pair, second, bits, count,
-                            upg)
+    f0 = f1 = f2 = f3 = sv = svm = zero_f32()
+    for u in range(Kb // 32):
+        _ahead1(q, n * Kb, 32 * u)
+        w0, w1 = _unpacked(load_u8x32(q, n * Kb + 32 * u), bits, table, hi, plane_at(hi, n, u, hb), hb)
+        sw, sv = _unit_scales(s, n, u, sv, bf16, count, upg)
+        v0, v1, swm = w0, w1, sw
+        if pair:
+            _ahead1(q, m * Kb, 32 * u)
+            v0, v1 = _unpacked(load_u8x32(q, m * Kb + 32 * u), bits, table, hi, plane_at(hi, m, u, hb), hb)
+            swm, svm = _unit_scales(s, m, u, svm, bf16, count, upg)
+        f0 = _step(f0, w0, w1, sw, xq, dxs, r, u, bits, small)
+        if second:
+            f1 = _step(f1, v0, v1, swm, xq, dxs, r1, u, bits, small)
+        if rows > 2:
+            f2 = _step(f2, w0, w1, sw, xq, dxs, r + 2, u, bits, small)
+            f3 = _step(f3, w0, w1, sw, xq, dxs, r + 3, u, bits, small)
+        if s.ndim == 3 and (u + 1) % upg == 0:
+            sv, svm = next_scales(sv, count), next_scales(svm, count)
     groups = group_count(b)
     for g in range(0, groups, 8):
         c = _offsets(s, b, n, g, bits, bf16)
@@ -739,79 +756,16 @@ def _dots(xq, dx, dxs, xs, q, s, b, bf16, lut, hi, hb, n, r, rows, pair, bits, c
     return hsum(f0), hsum(f1), hsum(f2), hsum(f3)
 
 
-def _units(xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, rows, pair, second, bits, count, upg):
-    """_dots' four sums over the row's units, before the biases' part (njit code only)."""
-
-
-@overload(_units, inline="always", jit_options=_jit)
-def _units_typed(xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, rows, pair, second, bits, count, upg):
-    units = _units_split if s.ndim == 3 or s.dtype == types.float32 else _units_in_order
-    return lambda xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, rows, pair, second, bits, count, upg: units(
-        xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, rows, pair, second, bits, count, upg)
-
-
-@njit(inline="always", **_jit)
-def _units_in_order(xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, rows, pair, second, bits, count, upg):
-    """_units one unit after another into each sum."""
-    f0 = f1 = f2 = f3 = sv = svm = zero_f32()
-    for u in range(q.shape[1] // 32):
-        f0, f1, f2, f3, sv, svm = _unit(f0, f1, f2, f3, sv, svm, xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1,
-                                        u, rows, pair, second, bits, count, upg)
-    return f0, f1, f2, f3
-
-
-@njit(inline="always", **_jit)
-def _units_split(xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, rows, pair, second, bits, count, upg):
-    """_units with the even units summed apart from the odd, for a K-quant's scales (in two levels,
-    or float32 where a file's do not fit 16 bits: the same sums either way): one chain of
-    multiply-adds a sum, a unit a link, held Q6_K's single x row to the chain's latency; nibble's
-    own kinds (16-bit scales), their rows shorter and often read in pairs, run no faster split."""
-    f0 = f1 = f2 = f3 = g0 = g1 = g2 = g3 = sv = svm = zero_f32()
-    units = q.shape[1] // 32
-    for u in range(0, units - 1, 2):
-        f0, f1, f2, f3, sv, svm = _unit(f0, f1, f2, f3, sv, svm, xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1,
-                                        u, rows, pair, second, bits, count, upg)
-        g0, g1, g2, g3, sv, svm = _unit(g0, g1, g2, g3, sv, svm, xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1,
-                                        u + 1, rows, pair, second, bits, count, upg)
-    if units % 2:
-        f0, f1, f2, f3, sv, svm = _unit(f0, f1, f2, f3, sv, svm, xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1,
-                                        units - 1, rows, pair, second, bits, count, upg)
-    return fadd(f0, g0), fadd(f1, g1), fadd(f2, g2), fadd(f3, g3)
-
-
-@njit(inline="always", **_jit)
-def _unit(e0, e1, e2, e3, sv, svm, xq, dxs, q, s, bf16, table, small, hi, hb, n, m, r, r1, u, rows, pair, second,
-          bits, count, upg):
-    """_dots' four sums e0..e3 plus unit u's lanes (e1 row m with x row r1, e2 and e3 x rows r + 2 and
-    r + 3 where rows > 2), and the groups' scales sv, svm carried on to the next unit."""
-    Kb = q.shape[1]
-    _ahead1(q, n * Kb, 32 * u)
-    w0, w1 = _unpacked(load_u8x32(q, n * Kb + 32 * u), bits, table, hi, plane_at(hi, n, u, hb), hb)
-    sw, sv = _unit_scales(s, n, u, sv, bf16, count, upg)
-    v0, v1, swm = w0, w1, sw
-    if pair:
-        _ahead1(q, m * Kb, 32 * u)
-        v0, v1 = _unpacked(load_u8x32(q, m * Kb + 32 * u), bits, table, hi, plane_at(hi, m, u, hb), hb)
-        swm, svm = _unit_scales(s, m, u, svm, bf16, count, upg)
-    e0 = _step(e0, w0, w1, sw, xq, dxs, r, u, bits, small)
-    if second:
-        e1 = _step(e1, v0, v1, swm, xq, dxs, r1, u, bits, small)
-    if rows > 2:
-        e2 = _step(e2, w0, w1, sw, xq, dxs, r + 2, u, bits, small)
-        e3 = _step(e3, w0, w1, sw, xq, dxs, r + 3, u, bits, small)
-    return e0, e1, e2, e3, sv, svm
-
-
 @njit(inline="always", **_jit)
 def _unit_scales(s, n, u, sv, bf16, count, upg):
     """Row n's scales for unit u's lanes, and the 8 groups' values sv carries on (in two levels:
-    read and scaled 8 groups at once, then each unit's picked from them; one level: a unit's own,
+    read and scaled 8 groups at once, then moved down a unit's worth; one level: a unit's own,
     fewer instructions)."""
     g = (u // upg) * count   # the unit's first group
     if s.ndim == 3:
         if u % upg == 0 and g % 8 == 0:
             sv = group_values8(s, n, g, bf16)
-        return spread_at(sv, count, g % 8), sv
+        return spread(sv, count), sv
     return unit_scales(s, n, g, count, bf16), sv
 
 

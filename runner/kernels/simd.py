@@ -493,14 +493,6 @@ def super_values8(a, n, g):
 
 
 @intrinsic
-def fadd(typingctx, a, b):
-    """a + b, lane by lane (float32)."""
-    def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1])
-    return F32(a, b), codegen
-
-
-@intrinsic
 def vmul(typingctx, a, b):
     """a * b, lane by lane."""
     def codegen(context, builder, sig, args):
@@ -542,25 +534,6 @@ def spread(typingctx, v, per):
     def codegen(context, builder, sig, args):
         return _shuffle(builder, args[0], args[0], lanes)
     return F32(v, per), codegen
-
-
-@intrinsic(prefer_literal=True)
-def spread_at(typingctx, v, per, first):
-    """spread of v's lanes from lane `first` on (a unit's first group within the 8 of v): one
-    permute from v as read, where moving v down a unit at a time (next_scales) chains each unit's
-    scales on the last's."""
-    if not isinstance(per, types.IntegerLiteral):
-        return None
-    lanes = [k * per.literal_value // 8 for k in range(8)]
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        start = _splat(builder, context.cast(builder, args[2], sig.args[2], types.int32), 8)
-        index = builder.add(start, ir.Constant(ir.VectorType(i32, 8), lanes))
-        fn = builder.module.declare_intrinsic("llvm.x86.avx2.permps",
-                                              fnty=ir.FunctionType(_ll(F32), [_ll(F32), index.type]))
-        return builder.call(fn, [args[0], index])
-    return F32(v, per, first), codegen
 
 
 @intrinsic(prefer_literal=True)
