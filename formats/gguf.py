@@ -40,10 +40,10 @@ SUPPORTED_TYPES = FLOAT_TYPES + tuple(t for t in QType
                                       if t not in FLOAT_TYPES and hasattr(gguf.quants, t.name))
 _DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporaries
 
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
-_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
@@ -478,9 +478,9 @@ def _unpermute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
 
 
 def _hf_name(name: str, layout: families.GGUFArch) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    names = _BLOCK_NAMES | dict(layout.block_names) | {k: hf for hf, kinds in layout.fused.items() for k in kinds}
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    names = BLOCK_NAMES | dict(layout.block_names) | {k: hf for hf, kinds in layout.fused.items() for k in kinds}
     m = _BLOCK_NAME.fullmatch(name)
     if m is None or m[2] not in names:
         raise FormatError(f"GGUF tensor {name} has no Hugging Face counterpart nibble knows")

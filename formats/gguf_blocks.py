@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as QType
 
 from . import mxfp4, planes, superblocks
 from .half import HalfTensor
-from .packing import pack
+from .packing import pack, unpack
 
 GROUP_SIZE = 32   # weights sharing a scale and bias: a ggml block, or a K-quant sub-block
 _STEP = 1 << 22   # weights repacked at a time: bounds the temporaries
@@ -269,3 +269,36 @@ def _narrowed(scales: np.ndarray, biases: np.ndarray, bf16: bool) -> tuple:
     if not any((b & np.uint32(0xFFFF)).any() for b in bits):
         return tuple(HalfTensor((b >> 16).astype(np.uint16), bf16=True) for b in bits)
     return scales, biases
+
+
+def as_blocks(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
+              group_size: int) -> tuple[QType, np.ndarray] | None:
+    """A matrix in MLX's affine layout, its scales and biases as float32 values [(E,) N, K/G],
+    as the blocks of the GGUF type that holds it exactly ([(E,) N, bytes per row]), or None where
+    none does. 4-bit integers in groups of a whole number of blocks of 32, their scales and biases
+    float16 values: Q4_0 where every bias is -8 times its scale, else Q4_1 (a group of 64 is two
+    blocks of the same scale and bias); 8-bit integers whose biases are -128 times their scales,
+    likewise: Q8_0. The inverse of `repack` for those types."""
+    *stacked, n, words = weight.shape
+    K = words * 32 // bits
+    if bits not in (4, 8) or group_size % GROUP_SIZE or K % group_size:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        d, m = (np.repeat(a, group_size // GROUP_SIZE, axis=-1).astype(np.float16) for a in (scales, biases))
+    if not all(np.array_equal(h.astype(np.float32), a.repeat(group_size // GROUP_SIZE, axis=-1))
+               for h, a in ((d, scales), (m, biases))):
+        return None
+    offset = np.float32(1 << (bits - 1))
+    centred = np.array_equal(m.astype(np.float32), -offset * d.astype(np.float32))
+    if bits == 8 and not centred:
+        return None
+    q = unpack(weight.reshape(-1, words), bits).reshape(-1, K // GROUP_SIZE, GROUP_SIZE)
+    head = [d.reshape(-1, K // GROUP_SIZE, 1).view(np.uint8)]
+    if bits == 8:
+        qtype, body = QType.Q8_0, q ^ np.uint8(0x80)   # q - 128 as an int8's byte
+    else:
+        qtype, body = QType.Q4_0 if centred else QType.Q4_1, q[..., :16] | (q[..., 16:] << np.uint8(4))
+        if qtype == QType.Q4_1:
+            head.append(m.reshape(-1, K // GROUP_SIZE, 1).view(np.uint8))
+    blocks = np.concatenate([*head, body], axis=-1)
+    return qtype, blocks.reshape(*stacked, n, -1)

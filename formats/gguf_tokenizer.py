@@ -7,6 +7,8 @@ llama.cpp's parse_special=False mode, in which their text is tokenized as plain 
 """
 from __future__ import annotations
 
+import json
+
 import tokenizers
 from tokenizers import (AddedToken, Regex, decoders, models, normalizers, pre_tokenizers,
                         processors)
@@ -14,7 +16,7 @@ from tokenizers import (AddedToken, Regex, decoders, models, normalizers, pre_to
 from .errors import FormatError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED = 1, 2, 3, 4, 5
 
 # tokenizer.ggml.pre -> the regexes llama-vocab.cpp splits text with, applied one after another.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -151,3 +153,61 @@ def _post_processor(config: dict, tok: tokenizers.Tokenizer):
         single=" ".join(before + ["$A"] + after),
         pair=" ".join(before + ["$A"] + after + before + ["$B:1"] + after),
         special_tokens=[(t, tok.token_to_id(t)) for t in dict.fromkeys(before + after)])
+
+
+# Hugging Face's tokenizer.json spellings of the splits of llama.cpp's pre-tokenizers (the
+# converter's tokenizers): the pre-tokenizer a byte-level BPE is written under, with _PRE_TOKENIZERS'.
+_HF_SPLITS = {
+    "llama-bpe": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "qwen2": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+}
+
+
+def gguf_vocab(tok: tokenizers.Tokenizer, tokenizer_config: dict, vocab_size: int) -> dict:
+    """The tokenizer.* metadata llama.cpp builds this tokenizer from (the inverse of
+    gguf_tokenizer): a byte-level BPE as "gpt2", under the pre-tokenizer whose splits it makes,
+    padded with unused tokens to the embedding's `vocab_size` rows, as llama.cpp's converter
+    does. FormatError for another kind, or splits no pre-tokenizer of llama.cpp makes."""
+    spec = json.loads(tok.to_str())
+    model, pre = spec.get("model") or {}, _pre_name(spec.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or pre is None:
+        raise FormatError("its tokenizer is not a byte-level BPE split as one of llama.cpp's "
+                          f"pre-tokenizers ({', '.join(sorted(_PRE_TOKENIZERS))}); nibble writes those")
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if len(vocab) > vocab_size:
+        raise FormatError(f"its tokenizer has {len(vocab)} tokens, more than the embedding's {vocab_size} rows")
+    tokens, types = [f"[PAD{i}]" for i in range(vocab_size)], [_UNUSED] * vocab_size
+    for text, i in vocab.items():
+        tokens[i], types[i] = text, _NORMAL
+    for added in spec.get("added_tokens", []):
+        types[added["id"]] = _CONTROL if added["special"] else _USER_DEFINED
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])],
+            "tokenizer.ggml.add_bos_token": bool(tokenizer_config.get("add_bos_token", False)),
+            "tokenizer.ggml.add_eos_token": bool(tokenizer_config.get("add_eos_token", False))}
+    for key, id_key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        if isinstance(tokenizer_config.get(key), str) and tokenizer_config[key] in vocab:
+            meta[f"tokenizer.ggml.{id_key}"] = vocab[tokenizer_config[key]]
+    if isinstance(tokenizer_config.get("chat_template"), str):
+        meta["tokenizer.chat_template"] = tokenizer_config["chat_template"]
+    return meta
+
+
+def _pre_name(pre: dict | None) -> str | None:
+    """The name llama.cpp gives the splits of a tokenizer.json's pre_tokenizer, or None."""
+    pre = pre or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not parts or parts[-1].get("type") != "ByteLevel" or parts[-1].get("add_prefix_space"):
+        return None
+    *before, byte_level = parts
+    if byte_level.get("use_regex", True):   # ByteLevel's own split, GPT-2's regex
+        digits = tuple(p.get("type") == "Digits" and p.get("individual_digits") for p in before)
+        return {(): "gpt-2", (True,): "smollm"}.get(digits)
+    regexes = [p.get("pattern", {}).get("Regex") if p.get("type") == "Split" and p.get("behavior") == "Isolated"
+               and not p.get("invert") else None for p in before]
+    return next((name for table in (_PRE_TOKENIZERS, _HF_SPLITS) for name, rs in table.items() if rs == regexes),
+                None)

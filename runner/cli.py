@@ -758,6 +758,19 @@ def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_re
                f"{report.bits_per_weight:.2f} bits per weight", err=True)
 
 
+@main.command()
+@click.argument("model")
+@click.option("--to", "target", required=True, type=click.Choice(["gguf"]),
+              help="The format to write: gguf (llama.cpp, ollama, LM Studio).")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The file to write (.gguf).")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+def export(model, target, output, force):
+    """Write MODEL (directory, .gguf, hub id or alias) for another engine: as a GGUF file that
+    llama.cpp and ollama load, its weights as nibble runs them where a GGUF type holds them."""
+    from .export import export_gguf
+    click.echo(str(export_gguf(model, output, force=force)), err=True)
+
+
 def _progress_bar(stage: str, done: int, total: int, width: int = 30):
     filled = width * done // total
     click.echo(f"\r{stage:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", nl=False, err=True)

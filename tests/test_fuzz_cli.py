@@ -23,7 +23,7 @@ pytestmark = pytest.mark.fuzz
 # starts (it would need one). bench is out: each run sums 1 GiB to measure the memory bandwidth,
 # --shapes builds 7B-sized models and --write-checkpoint writes one (seconds to minutes a case);
 # its options are click's same types, and its rules are tested in test_cli.py.
-COMMANDS = ["run", "chat", "perplexity", "import", "quantize"]
+COMMANDS = ["run", "chat", "perplexity", "import", "quantize", "export"]
 # Out of the option names: -ngl/--require-gpu (the GPU here is numba's simulator, seconds a token)
 # and --force (a case could replace a directory the others read).
 LEFT_OUT = {"-ngl", "--gpu-layers", "--require-gpu", "--force"}
@@ -62,6 +62,7 @@ def argument_lists(draw, text_file: str, model_dir: str) -> list[str]:
         "perplexity": [[text_file, "--ctx", "16", "--chunks", "1"], []],
         "import": [[text_file, "-o", "out"], []],
         "quantize": [[model_dir, "-o", "out", "--bits", "4"], []],
+        "export": [[model_dir, "--to", "gguf", "-o", "out.gguf"], []],
     }[command]))
     names = st.sampled_from(option_names(command))
     junk = TEXT.map(lambda s: "-" + s) | TEXT.map(lambda s: "--" + s)

@@ -1,0 +1,76 @@
+"""`nibble export`: a model nibble runs handed to another engine as a GGUF file (llama.cpp,
+ollama, LM Studio), its weights exactly as nibble runs them where a GGUF type holds them.
+
+A GGUF model goes back as it came, byte for byte; a model of nibble's own layout through
+quant.gguf_export (its int4 as Q4_1, the rest rounded again to Q8_0), and where anything was
+rounded again, how far the export's next-token distributions are from nibble's model (the mean
+KL divergence over a few windows of nibble's calibration text).
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nibble.formats.errors import NibbleError
+from nibble.formats.gguf_export import copy_gguf, write_gguf
+from nibble.quant.convert import default_calibration_text
+from nibble.quant.gguf_export import AGAIN, gguf_tensors
+
+from .loader import from_model_dir, load, open_model
+from .perplexity import evaluate
+
+KL_WINDOWS, KL_CTX = 2, 256   # what the KL of a rounded-again export is measured on
+
+
+@dataclass
+class Exported:
+    """What an export wrote."""
+    path: Path
+    tensors: int
+    again: dict[str, str] = field(default_factory=dict)   # matrix -> what it was, where rounded again
+    kl: float | None = None   # mean KL(nibble's model || the export), nats, where anything was
+
+    def __str__(self) -> str:
+        size = f"wrote {self.path} ({self.tensors} tensors, {self.path.stat().st_size / 1e6:.1f} MB)"
+        if not self.again:
+            return f"{size}: every weight as nibble runs it"
+        kinds = ", ".join(sorted(set(self.again.values())))
+        kl = "" if self.kl is None else f"; KL against nibble's model {self.kl:.6f} nats a token"
+        return (f"{size}: {len(self.again)} matrices ({kinds}) rounded again to {AGAIN.name}, the rest "
+                f"as nibble runs them{kl}")
+
+
+def export_gguf(ref: str, out: str | Path, force: bool = False, measure: bool = True) -> Exported:
+    """Write the model at `ref` as the GGUF file `out` (refused if it exists, unless `force`);
+    measure: where weights were rounded again, the KL of the export against nibble's model."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise NibbleError(f"{out} already exists: choose another path, or replace it with --force")
+    if out.suffix != ".gguf":
+        raise NibbleError(f"{out}: a GGUF file's name ends in .gguf (llama.cpp and ollama look for it)")
+    model = open_model(ref)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if model.path is not None and model.path.suffix == ".gguf":
+            copy_gguf(model.path, out)
+            return Exported(out, len(model.tensors))
+        tensors, again = gguf_tensors(model)
+        write_gguf(model, tensors, out, model.path.name if model.path is not None else "model")
+    except OSError as e:
+        raise NibbleError(f"cannot write {out}: {e.strerror or e}") from None
+    exported = Exported(out, len(tensors), again)
+    if again and measure:
+        exported.kl = _kl(model, out)
+    return exported
+
+
+def _kl(model, out: Path) -> float:
+    """Mean KL divergence of the export's next-token distributions from nibble's model's."""
+    ours, tokenizer = from_model_dir(model)
+    tokens = tokenizer.encode(default_calibration_text())[:KL_WINDOWS * KL_CTX]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = str(Path(tmp) / "logprobs")
+        evaluate(ours, tokens, KL_CTX, KL_WINDOWS, save_logits=base)
+        theirs, _ = load(str(out))
+        return evaluate(theirs, tokens, KL_CTX, KL_WINDOWS, kl_base=base).kl_mean
