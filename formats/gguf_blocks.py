@@ -272,13 +272,14 @@ def _narrowed(scales: np.ndarray, biases: np.ndarray, bf16: bool) -> tuple:
 
 
 def as_blocks(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
-              group_size: int) -> tuple[QType, np.ndarray] | None:
+              group_size: int, exact: bool = True) -> tuple[QType, np.ndarray] | None:
     """A matrix in MLX's affine layout, its scales and biases as float32 values [(E,) N, K/G],
     as the blocks of the GGUF type that holds it exactly ([(E,) N, bytes per row]), or None where
     none does. 4-bit integers in groups of a whole number of blocks of 32, their scales and biases
     float16 values: Q4_0 where every bias is -8 times its scale, else Q4_1 (a group of 64 is two
     blocks of the same scale and bias); 8-bit integers whose biases are -128 times their scales,
-    likewise: Q8_0. The inverse of `repack` for those types."""
+    likewise: Q8_0. The inverse of `repack` for those types. exact=False: scales and biases that
+    are not float16 values rounded to the nearest ones (finite), the integers as they are."""
     *stacked, n, words = weight.shape
     K = words * 32 // bits
     if bits not in (4, 8) or group_size % GROUP_SIZE or K % group_size:
@@ -286,7 +287,7 @@ def as_blocks(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: 
     with np.errstate(over="ignore", invalid="ignore"):
         d, m = (np.repeat(a, group_size // GROUP_SIZE, axis=-1).astype(np.float16) for a in (scales, biases))
     if not all(np.array_equal(h.astype(np.float32), a.repeat(group_size // GROUP_SIZE, axis=-1))
-               for h, a in ((d, scales), (m, biases))):
+               if exact else np.isfinite(h).all() for h, a in ((d, scales), (m, biases))):
         return None
     offset = np.float32(1 << (bits - 1))
     centred = np.array_equal(m.astype(np.float32), -offset * d.astype(np.float32))

@@ -33,9 +33,13 @@ _WORKERS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity
 
 @dataclass(frozen=True)
 class AffineScheme:
-    """How a matrix is quantized: `bits` per weight, one scale and bias per `group_size` inputs."""
+    """How a matrix is quantized: `bits` per weight, one scale and bias per `group_size` inputs;
+    integer_zeros: each bias -scale times an integer in [0, nmax] (a zero point, as vLLM's
+    asymmetric integers hold it), scales and biases then float32 (float16 scales' values: the
+    biases are not float16 numbers)."""
     bits: int
     group_size: int
+    integer_zeros: bool = False
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -139,14 +143,15 @@ def quantize(w: np.ndarray, scheme: AffineScheme, imatrix: np.ndarray | None = N
     rows, n = w.shape
     g = scheme.group_size
     q = np.empty((rows, n), dtype=np.uint8)                      # [out, in]
-    scales = np.empty((rows, n // g), dtype=np.float16)          # [out, in/g]
-    biases = np.empty((rows, n // g), dtype=np.float16)          # [out, in/g]
+    dtype = np.float32 if scheme.integer_zeros else np.float16
+    scales = np.empty((rows, n // g), dtype=dtype)               # [out, in/g]
+    biases = np.empty((rows, n // g), dtype=dtype)               # [out, in/g]
     imp_groups = None if imp is None else imp.reshape(n // g, g)  # [in/g, g]
     step = max(1, _BLOCK // n)
 
     def block(r: int) -> None:
         x = w[r:r + step].astype(np.float32).reshape(-1, n // g, g)  # [step, in/g, g]
-        lq, ls, lb = _quantize_block(x, scheme.nmax, imp_groups, method)
+        lq, ls, lb = _quantize_block(x, scheme.nmax, imp_groups, method, scheme.integer_zeros)
         q[r:r + step], scales[r:r + step], biases[r:r + step] = lq.reshape(-1, n), ls, lb
 
     with ThreadPoolExecutor(_WORKERS) as pool:
@@ -206,14 +211,17 @@ def reconstruction_error(w: np.ndarray, qt: QuantizedTensor,
     return float(np.sqrt(err / ref)) if ref > 0 else float(np.sqrt(err))
 
 
-def _quantize_block(x: np.ndarray, nmax: int, imp: np.ndarray | None, method: str):
-    """Integers uint8, scales and biases float16 for groups x [rows, in/g, g]."""
+def _quantize_block(x: np.ndarray, nmax: int, imp: np.ndarray | None, method: str, integer_zeros: bool = False):
+    """Integers uint8, scales and biases float16 (integer_zeros: float32, see AffineScheme) for
+    groups x [rows, in/g, g]."""
     lo, hi = x.min(axis=-1), x.max(axis=-1)                    # [rows, in/g]
     with np.errstate(over="ignore"):   # weights near float32's limit: an infinite scale, refused in _snap
         span = hi - lo
-    q, s, b = _snap(x, span / nmax, lo, nmax)
+    snap = _snap_integer_zeros if integer_zeros else _snap
+    q, s, b = snap(x, span / nmax, lo, nmax)
     if method == "search":
-        q2, s2, b2 = _snap(x, *search_affine(x, lo, hi, imp, nmax), nmax)
+        fit = _search_integer_zeros(x, lo, span, imp, nmax) if integer_zeros else search_affine(x, lo, hi, imp, nmax)
+        q2, s2, b2 = snap(x, *fit, nmax)
         # Compare on the float16 values a reader will see; ties keep min/max rounding.
         better = _group_error(x, q2, s2, b2, imp) < _group_error(x, q, s, b, imp)
         np.copyto(q, q2, where=better[..., None])
@@ -235,6 +243,51 @@ def _snap(x: np.ndarray, s: np.ndarray, b: np.ndarray, nmax: int):
     q *= inv
     np.rint(q, out=q)
     return np.clip(q, 0, nmax, out=q), s16, b16
+
+
+def _search_integer_zeros(x: np.ndarray, lo: np.ndarray, span: np.ndarray, imp: np.ndarray | None, nmax: int,
+                          steps: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """search_affine's grid of scales with the zero point an integer: for each inverse scale
+    (nmax - 1 + 0.1 i) / span, the zero point z nearest -lo / s and the levels round(x / s) + z,
+    then the scale that fits those levels best (weighted least squares, z held); the (scale, bias)
+    of least weighted error, for _snap_integer_zeros."""
+    w = np.ones_like(x) if imp is None else np.broadcast_to(imp, x.shape)
+    best_s, best_b = span / nmax, lo
+    best_e = np.full(span.shape, np.inf, np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for i in range(steps + 1):
+            s = span / np.float32(nmax - 1 + 0.1 * i)
+            z = np.clip(np.rint(-lo / s), 0, nmax)
+            level = np.clip(np.rint(x / s[..., None]) + z[..., None], 0, nmax) - z[..., None]   # q - z
+            fit = np.einsum("...k,...k,...k->...", w, x, level) / np.einsum("...k,...k,...k->...", w, level, level)
+            s = np.where(np.isfinite(fit) & (fit > 0), fit, s).astype(np.float16).astype(np.float32)
+            z = np.clip(np.rint(-lo / s), 0, nmax)
+            level = np.clip(np.rint(x / s[..., None]) + z[..., None], 0, nmax) - z[..., None]
+            d = level * s[..., None] - x
+            e = np.einsum("...k,...k,...k->...", w, d, d)
+            better = e < best_e
+            best_s, best_b, best_e = np.where(better, s, best_s), np.where(better, -s * z, best_b), np.where(better, e, best_e)
+    return best_s, best_b
+
+
+def _snap_integer_zeros(x: np.ndarray, s: np.ndarray, b: np.ndarray, nmax: int):
+    """_snap with each bias -s z for the integer z in [0, nmax] nearest -b / s (s rounded to
+    float16 first), float32; a constant group's one value at the top or bottom level."""
+    top = np.abs(x).max(axis=-1) / np.float32(nmax)
+    flat = s == 0
+    s, b = np.where(flat, top, s), np.where(flat, np.minimum(x[..., 0], 0), b)
+    with np.errstate(over="ignore"):
+        s16 = s.astype(np.float16)
+    if not (np.isfinite(s16).all() and np.isfinite(b).all()):
+        raise NibbleError("weights that are not finite, or too large for float16 scales, cannot be "
+                          "quantized")
+    s32 = s16.astype(np.float32)
+    inv = np.divide(1, s32, out=np.zeros_like(s32), where=s32 != 0)
+    zeros = np.clip(np.rint(-b * inv), 0, nmax)
+    biases = -s32 * zeros   # exact: an 11-bit scale times an integer of at most 8 bits
+    q = (x - biases[..., None]) * inv[..., None]
+    np.rint(q, out=q)
+    return np.clip(q, 0, nmax, out=q), s32, biases
 
 
 def _group_error(x, q, s16, b16, imp) -> np.ndarray:

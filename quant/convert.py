@@ -80,7 +80,7 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
                    imatrix: dict[str, np.ndarray] | None = None, embed_bits: int | None = None,
                    method: str = "search", allow_requantize: bool = False,
                    progress: Callable[[str, int, int], None] | None = None,
-                   stacks: dict[str, ExpertStack] | None = None) -> QuantizeReport:
+                   stacks: dict[str, ExpertStack] | None = None, integer_zeros: bool = False) -> QuantizeReport:
     """Quantize every linear of a float model to `bits` with one scale and bias per `group_size`.
 
     The linears are the decoder layers' `*_proj` matrices, the embedding (which also serves as
@@ -93,9 +93,10 @@ def quantize_model(model: ModelDir, bits: int, group_size: int,
     ExpertStack): a mixture's experts, each stack quantized expert by expert (its importances
     [E, K] in imatrix; an expert's row of zeros: plain weighting) and written stacked. Returns a
     report holding the new ModelDir, all in memory (QuantizePlan streams it to a file instead);
-    `model` is not changed.
+    `model` is not changed. integer_zeros: see AffineScheme.
     """
-    plan = QuantizePlan(model, bits, group_size, imatrix, embed_bits, method, allow_requantize, stacks)
+    plan = QuantizePlan(model, bits, group_size, imatrix, embed_bits, method, allow_requantize, stacks,
+                        integer_zeros=integer_zeros)
     tensors = dict(plan.tensors(progress))
     return plan.report(dataclasses.replace(model, path=None, config=plan.config, tensors=tensors))
 
@@ -105,14 +106,16 @@ class QuantizePlan:
     every tensor's dtype and shape (`specs`, fixed by the scheme), then the tensors themselves one
     matrix at a time (`tensors`), so that a model larger than memory streams into its file.
     Importances can come as they are measured (add_importances), each before its matrix's turn.
-    measure=False skips the report's errors (another pass over every weight)."""
+    measure=False skips the report's errors (another pass over every weight). integer_zeros:
+    biases that are -scale times an integer (AffineScheme), for engines that hold zero points."""
 
     def __init__(self, model: ModelDir, bits: int, group_size: int,
                  imatrix: dict[str, np.ndarray] | None = None, embed_bits: int | None = None,
                  method: str = "search", allow_requantize: bool = False,
-                 stacks: dict[str, ExpertStack] | None = None, measure: bool = True):
-        scheme = AffineScheme(bits, group_size)
-        embed_scheme = AffineScheme(embed_bits, group_size) if embed_bits is not None else scheme
+                 stacks: dict[str, ExpertStack] | None = None, measure: bool = True,
+                 integer_zeros: bool = False):
+        scheme = AffineScheme(bits, group_size, integer_zeros)
+        embed_scheme = AffineScheme(embed_bits, group_size, integer_zeros) if embed_bits is not None else scheme
         self.model, self.method = model, method
         # name -> float tensor, or a QuantizedTensor to requantize (dequantized when its turn comes)
         self.source = _float_tensors(model, allow_requantize)
@@ -336,7 +339,7 @@ def _misfit(shape: tuple, s: AffineScheme) -> str:
 def _quantized_specs(name: str, t, s: AffineScheme) -> dict[str, TensorSpec]:
     """The specs of weight `name` quantized with s: a matrix [out, in], or stacked [E, out, in]."""
     *lead, n = t.shape
-    groups = TensorSpec("F16", (*lead, n // s.group_size))
+    groups = TensorSpec("F32" if s.integer_zeros else "F16", (*lead, n // s.group_size))
     weight, scales, biases = _parts(name)
     return {weight: TensorSpec("U32", (*lead, n * s.bits // 32)), scales: groups, biases: groups}
 

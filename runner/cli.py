@@ -740,13 +740,17 @@ def _bench_embedding(model, quant, tokens, texts, repeats, threads, as_json):
               help="Calibration text [default: nibble's own].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--allow-requantize", is_flag=True, help="Quantize an already quantized model again.")
-def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_requantize):
+@click.option("--for", "engine", type=click.Choice(["nibble", "vllm"]), default="nibble", show_default=True,
+              help="vllm: zero points that are integers, as vLLM's and SGLang's asymmetric integers hold them "
+                   "(nibble export --to compressed-tensors writes it exactly).")
+def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_requantize, engine):
     """Quantize MODEL (directory, .gguf, hub id or alias) to int8 or int4 in OUTPUT."""
     from .quantize import quantize as run_quantize, read_calibration_file
     calib_text = read_calibration_file(calib) if calib else None
     report = run_quantize(model, output, int(bits), int(group_size),
                           embed_bits=int(embed_bits or 8), calib_text=calib_text, force=force,
-                          allow_requantize=allow_requantize, progress=_progress_bar)
+                          allow_requantize=allow_requantize, progress=_progress_bar,
+                          integer_zeros=engine == "vllm")
     click.echo(err=True)
     for name, why in report.kept_float.items():
         click.echo(f"kept in float: {name} ({why})", err=True)
@@ -760,15 +764,17 @@ def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_re
 
 @main.command()
 @click.argument("model")
-@click.option("--to", "target", required=True, type=click.Choice(["gguf"]),
-              help="The format to write: gguf (llama.cpp, ollama, LM Studio).")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The file to write (.gguf).")
+@click.option("--to", "target", required=True, type=click.Choice(["gguf", "compressed-tensors"]),
+              help="gguf: a file for llama.cpp, ollama and LM Studio; compressed-tensors: a directory for "
+                   "vLLM and SGLang.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="The file (.gguf) or directory to write.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def export(model, target, output, force):
-    """Write MODEL (directory, .gguf, hub id or alias) for another engine: as a GGUF file that
-    llama.cpp and ollama load, its weights as nibble runs them where a GGUF type holds them."""
-    from .export import export_gguf
-    click.echo(str(export_gguf(model, output, force=force)), err=True)
+    """Write MODEL (directory, .gguf, hub id or alias) for another engine, its weights as nibble
+    runs them where the format holds them; what it rounds again, it says, with the KL."""
+    from .export import export_compressed, export_gguf
+    write = export_gguf if target == "gguf" else export_compressed
+    click.echo(str(write(model, output, force=force)), err=True)
 
 
 def _progress_bar(stage: str, done: int, total: int, width: int = 30):

@@ -8,14 +8,17 @@ KL divergence over a few windows of nibble's calibration text).
 """
 from __future__ import annotations
 
+import dataclasses
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.gguf_export import copy_gguf, write_gguf
+from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import default_calibration_text
-from nibble.quant.gguf_export import AGAIN, gguf_tensors
+from nibble.quant.export import compressed_tensors, gguf_tensors
 
 from .loader import from_model_dir, load, open_model
 from .perplexity import evaluate
@@ -28,17 +31,17 @@ class Exported:
     """What an export wrote."""
     path: Path
     tensors: int
-    again: dict[str, str] = field(default_factory=dict)   # matrix -> what it was, where rounded again
+    again: dict[str, str] = field(default_factory=dict)   # matrix -> what became of it, where rounded again
     kl: float | None = None   # mean KL(nibble's model || the export), nats, where anything was
 
     def __str__(self) -> str:
-        size = f"wrote {self.path} ({self.tensors} tensors, {self.path.stat().st_size / 1e6:.1f} MB)"
+        nbytes = sum(f.stat().st_size for f in self.path.rglob("*")) if self.path.is_dir() else self.path.stat().st_size
+        size = f"wrote {self.path} ({self.tensors} tensors, {nbytes / 1e6:.1f} MB)"
         if not self.again:
             return f"{size}: every weight as nibble runs it"
-        kinds = ", ".join(sorted(set(self.again.values())))
+        kinds = "; ".join(f"{n} {kind}" for kind, n in Counter(self.again.values()).items())
         kl = "" if self.kl is None else f"; KL against nibble's model {self.kl:.6f} nats a token"
-        return (f"{size}: {len(self.again)} matrices ({kinds}) rounded again to {AGAIN.name}, the rest "
-                f"as nibble runs them{kl}")
+        return f"{size}: rounded again: {kinds}; the rest as nibble runs them{kl}"
 
 
 def export_gguf(ref: str, out: str | Path, force: bool = False, measure: bool = True) -> Exported:
@@ -61,16 +64,41 @@ def export_gguf(ref: str, out: str | Path, force: bool = False, measure: bool = 
         raise NibbleError(f"cannot write {out}: {e.strerror or e}") from None
     exported = Exported(out, len(tensors), again)
     if again and measure:
-        exported.kl = _kl(model, out)
+        exported.kl = _kl(model, lambda: load(str(out))[0])
     return exported
 
 
-def _kl(model, out: Path) -> float:
-    """Mean KL divergence of the export's next-token distributions from nibble's model's."""
+def _kl(model, exported) -> float:
+    """Mean KL divergence of the next-token distributions of the export (as `exported()` loads
+    it) from nibble's model's."""
     ours, tokenizer = from_model_dir(model)
     tokens = tokenizer.encode(default_calibration_text())[:KL_WINDOWS * KL_CTX]
     with tempfile.TemporaryDirectory() as tmp:
         base = str(Path(tmp) / "logprobs")
         evaluate(ours, tokens, KL_CTX, KL_WINDOWS, save_logits=base)
-        theirs, _ = load(str(out))
+        theirs = exported()
         return evaluate(theirs, tokens, KL_CTX, KL_WINDOWS, kl_base=base).kl_mean
+
+
+def export_compressed(ref: str, out: str | Path, force: bool = False, measure: bool = True) -> Exported:
+    """Write the model at `ref` in compressed-tensors' layout (vLLM, SGLang) as the directory
+    `out` (refused if it exists, unless `force`); measure: where weights were rounded again, the KL
+    of the export against nibble's model."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise NibbleError(f"{out} already exists: choose another path, or replace it with --force")
+    model = open_model(ref)
+    tensors, config, again, as_run = compressed_tensors(model)
+    extra = {k: v for k, v in model.config.extra.items() if k != "quantization_config"}
+    written = dataclasses.replace(model, config=dataclasses.replace(
+        model.config, quantization=None, extra={**extra, "quantization_config": config, "torch_dtype": "float16"}))
+    try:
+        write_model_dir(written, out, force=force, tensors=tensors)
+    except OSError as e:
+        raise NibbleError(f"cannot write {out}: {e.strerror or e}") from None
+    exported = Exported(out, len(tensors), again)
+    if again and measure:
+        # the export as nibble would run it: the rounded matrices in nibble's layout
+        exported.kl = _kl(model, lambda: from_model_dir(dataclasses.replace(
+            model, path=None, tensors={**model.tensors, **as_run}))[0])
+    return exported

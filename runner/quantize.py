@@ -33,14 +33,15 @@ _BLOCK = re.compile(r"(?:model\.layers|encoder\.layer)\.(\d+)\.")   # a decoder'
 
 def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: int | None = None,
              calib_text: str | None = None, force: bool = False, allow_requantize: bool = False,
-             progress: Callable[[str, int, int], None] | None = None) -> QuantizeReport:
+             progress: Callable[[str, int, int], None] | None = None, integer_zeros: bool = False) -> QuantizeReport:
     """Quantize the model at `ref` into the directory `out`; returns the report (its model: `out`
     as written).
 
     The importance of each input channel comes from running the float model on `calib_text`
     (nibble's own calibration text when None). The weights stream from the input's memory map to
     the output file one matrix at a time, so a model larger than memory quantizes.
-    progress(stage, done, total).
+    progress(stage, done, total). integer_zeros: each bias -scale times an integer, the zero
+    point vLLM's asymmetric integers hold (`nibble quantize --for vllm`; quant.affine.AffineScheme).
     """
     if Path(out).exists() and not force:
         raise NibbleError(f"{out} already exists: choose another path or pass --force to replace it")
@@ -52,7 +53,7 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
         raise NibbleError(f"{ref} holds MXFP4 experts, which nibble runs as stored: "
                           "it does not requantize them")
     return _write_quantized(model_dir, out, bits, group_size, embed_bits, calib_text, CALIBRATION_TOKENS,
-                            force, allow_requantize, progress)
+                            force, allow_requantize, progress, integer_zeros)
 
 
 def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
@@ -79,10 +80,11 @@ def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
 
 def _write_quantized(model_dir: ModelDir, out, bits: int, group_size: int, embed_bits: int | None,
                      calib_text: str | None, calib_tokens: int, force: bool, allow_requantize: bool,
-                     progress: Callable[[str, int, int], None] | None) -> QuantizeReport:
+                     progress: Callable[[str, int, int], None] | None, integer_zeros: bool = False) -> QuantizeReport:
     # measure=False: nothing prints the errors, and measuring them takes a quarter of quantizing
     plan = QuantizePlan(model_dir, bits, group_size, embed_bits=embed_bits, allow_requantize=allow_requantize,
-                        stacks=family(model_dir.config).stacks(model_dir.config, model_dir.tensors), measure=False)
+                        stacks=family(model_dir.config).stacks(model_dir.config, model_dir.tensors), measure=False,
+                        integer_zeros=integer_zeros)
     if is_quantized(model_dir.config):   # requantizing: no float model to calibrate
         tensors = plan.tensors(progress=progress and (lambda name, done, total: progress("quantizing", done, total)))
     else:

@@ -1,5 +1,6 @@
-"""nibble export --to gguf: nibble's int4 written exactly as Q4_1, what no type holds rounded again
-and measured, a GGUF back byte for byte; what llama.cpp reads of the files."""
+"""nibble export: to GGUF, nibble's int4 written exactly as Q4_1, what no type holds rounded again
+and measured, a GGUF back byte for byte, what llama.cpp reads of the files; to compressed-tensors,
+integer zero points (nibble quantize --for vllm) exactly, what transformers reads of them."""
 
 import dataclasses
 import hashlib
@@ -20,23 +21,29 @@ from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import quantize_model, read_linear
 from nibble.runner.cli import main
-from nibble.runner.export import export_gguf
+from nibble.runner.export import export_compressed, export_gguf
 from nibble.runner.loader import load
+from tests import reference
+from tests.test_quantized_model import dequantized
 from tests.tiny import TEXT, tiny_model_dir
 
 DATA = Path(__file__).parent / "data" / "export"
 IDS = [1, 259, 78, 78, 81, 223, 89, 81, 84, 78, 70, 223, 19, 20, 21, 40, 50, 60, 70, 80]
 # the exports llama.cpp ran (tests/fixtures/make_export_fixtures.py): model type, bits, group size
 LLAMA_CPP = [("llama", 4, 32), ("qwen2", 4, 64)]
+# and the compressed-tensors exports transformers ran, quantized with integer zero points
+COMPRESSED = [("llama", 4, 32), ("qwen2", 4, 64), ("qwen2", 8, 64)]
 
 
-def quantized(folder: Path, model_type: str, bits: int, group_size: int, **config) -> Path:
-    """A tiny model of `model_type` quantized by rounding to nearest, written in `folder`."""
+def quantized(folder: Path, model_type: str, bits: int, group_size: int, integer_zeros: bool = False,
+              **config) -> Path:
+    """A tiny model of `model_type` quantized by rounding to nearest (numpy's, the same bits on
+    any CPU), written in `folder`."""
     model = tiny_model_dir(model_type)
     if config:
         model = dataclasses.replace(model, config=dataclasses.replace(model.config, **config))
-    q = quantize_model(model, bits, group_size, method="rtn").model
-    return write_model_dir(q, folder / f"{model_type}-int{bits}-g{group_size}")
+    q = quantize_model(model, bits, group_size, method="rtn", integer_zeros=integer_zeros).model
+    return write_model_dir(q, folder / f"{model_type}-int{bits}-g{group_size}{'-zeros' * integer_zeros}")
 
 
 def values(model) -> dict[str, np.ndarray]:
@@ -94,9 +101,9 @@ def test_an_export_runs_as_the_model_it_came_from(tmp_path):
 def test_int8_is_rounded_again_and_says_by_how_much(tmp_path):
     folder = quantized(tmp_path, "llama", 8, 64)
     exported = export_gguf(str(folder), tmp_path / "out.gguf")
-    assert set(exported.again.values()) == {"int8 g64"} and len(exported.again) == 15   # 7 a layer, the embedding
+    assert set(exported.again.values()) == {"int8 g64 -> Q8_0"} and len(exported.again) == 15   # 7 a layer, the embedding
     assert 0 < exported.kl < 0.01
-    assert "rounded again to Q8_0" in str(exported) and "KL against nibble's model" in str(exported)
+    assert "rounded again: 15 int8 g64 -> Q8_0;" in str(exported) and "KL against nibble's model" in str(exported)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(exported.path).tensors}
     assert types["blk.0.attn_q.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"
 
@@ -162,3 +169,98 @@ def test_a_tokenizer_llama_cpp_cannot_split_alike_is_refused():
     spec["pre_tokenizer"] = {"type": "Whitespace"}
     with pytest.raises(NibbleError, match="not a byte-level BPE split as one of llama.cpp's pre-tokenizers"):
         gguf_tokenizer.gguf_vocab(tokenizers.Tokenizer.from_str(json.dumps(spec)), {}, 320)
+
+
+def rounded_to_half(floats: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
+    """The weights `names` rounded to float16, as compressed-tensors' dequantization computes
+    them ((q - z) * scale in the scales' float16)."""
+    return {k: v.astype(np.float16).astype(np.float32) if k in names else v for k, v in floats.items()}
+
+
+@pytest.mark.parametrize("model_type, bits, group_size", COMPRESSED)
+def test_compressed_tensors_export_is_what_transformers_runs(tmp_path, model_type, bits, group_size):
+    """transformers' logits of these exports (recorded with compressed-tensors installed) are the
+    numpy reference's of nibble's weights: to float32's rounding once the weights are rounded to
+    float16 as the library's dequantization rounds them (so every integer, scale and zero point is
+    where transformers reads it), and within 1.5e-3 of the logits' scale of nibble's weights
+    themselves (that rounding: 0.7e-3 at 4 bits, 1.04e-3 at 8 bits, where (q - z) has more bits)."""
+    name = f"{model_type}-int{bits}-g{group_size}-zeros"
+    recorded = json.loads((DATA / f"{name}.json").read_text())
+    folder = quantized(tmp_path, model_type, bits, group_size, integer_zeros=True)
+    exported = export_compressed(str(folder), tmp_path / f"{name}-ct")
+    assert exported.again == {} and "every weight as nibble runs it" in str(exported)
+    assert hashlib.sha256((exported.path / "model.safetensors").read_bytes()).hexdigest() == recorded["sha256"], \
+        "the export changed: run tests/fixtures/make_export_fixtures.py transformers to record its logits again"
+    theirs = np.array(recorded["logits"], np.float32)
+    model = read_model_dir(folder)
+    floats = dequantized(model.tensors, model.config.quantization)
+    blocks = [n for n in floats if ".layers." in n and f"{n[:-7]}.scales" in model.tensors]
+    scale = np.abs(theirs).max()
+    assert np.abs(reference.forward(model.config, rounded_to_half(floats, blocks), IDS) - theirs).max() < 1e-5 * scale
+    assert np.abs(reference.forward(model.config, floats, IDS) - theirs).max() < 1.5e-3 * scale
+    config = json.loads((exported.path / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["config_groups"]["group_0"]["weights"] == {
+        "num_bits": bits, "type": "int", "symmetric": False, "strategy": "group", "group_size": group_size,
+        "dynamic": False, "actorder": None, "observer": "minmax"}
+
+
+def test_integer_zero_points_are_integers(tmp_path):
+    free = quantize_model(tiny_model_dir("qwen2"), 4, 64)
+    zeros = quantize_model(tiny_model_dir("qwen2"), 4, 64, integer_zeros=True)
+    for name, t in zeros.model.tensors.items():
+        if name.endswith(".scales"):
+            s, b = t, zeros.model.tensors[name.replace(".scales", ".biases")]
+            assert s.dtype == b.dtype == np.float32
+            assert np.array_equal(s.astype(np.float16).astype(np.float32), s)   # float16 scales' values
+            z = -b / np.where(s == 0, 1, s)
+            assert np.array_equal(z, np.rint(z)) and z.min() >= 0 and z.max() <= 15
+    # the constraint costs a little of the fit, far less than rounding free biases afterwards
+    ratio = np.mean(list(zeros.errors.values())) / np.mean(list(free.errors.values()))
+    assert 1 <= ratio < 1.3
+
+
+def test_free_biases_are_rounded_to_integer_zero_points_and_measured(tmp_path):
+    exported = export_compressed(str(quantized(tmp_path, "llama", 4, 32)), tmp_path / "ct")
+    assert len(exported.again) == 14 and exported.kl > 0   # 7 matrices a layer; the tied embedding stays float
+    assert "rounded again: 14 int4 g32 -> integer zero points;" in str(exported)
+    config = json.loads((exported.path / "config.json").read_text())
+    assert config["quantization_config"]["ignore"] == ["lm_head"] and "quantization" not in config
+
+
+def test_quantize_for_vllm_on_the_command_line(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", str(tiny_dir), "-o", str(out), "--bits", "4", "--for", "vllm"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["export", str(out), "--to", "compressed-tensors", "-o", str(tmp_path / "ct")])
+    assert result.exit_code == 0 and "every weight as nibble runs it" in result.output
+
+
+def test_float32_scales_go_to_q4_1_with_their_integers(tmp_path):
+    folder = quantized(tmp_path, "llama", 4, 64, integer_zeros=True)
+    exported = export_gguf(str(folder), tmp_path / "out.gguf")
+    assert set(exported.again.values()) == {"int4 g64 -> Q4_1 (scales and biases to float16)"}
+    assert 0 < exported.kl < 1e-3
+    ours, back = read_model_dir(folder), import_gguf(exported.path).model
+    for name, v in values(ours).items():
+        w = values(back)[name]
+        assert np.abs(w - v).max() <= 2e-3 * np.abs(v).max(), name   # float16's rounding of scale and bias
+
+
+@pytest.mark.slow
+def test_smollm2_through_nibble_and_back_is_the_same_file(smollm2_gguf, tmp_path):
+    """The real SmolLM2's Q4_1 GGUF imported into nibble's layout (`nibble import`), then exported:
+    every tensor the very bytes llama.cpp's converter wrote (q/k rows permuted back), the
+    tokenizer's tokens and merges the file's."""
+    folder = tmp_path / "smollm2"
+    assert CliRunner().invoke(main, ["import", str(smollm2_gguf), "-o", str(folder)]).exit_code == 0
+    exported = export_gguf(str(folder), tmp_path / "back.gguf")
+    assert exported.again == {}
+    a, b = gguf.GGUFReader(smollm2_gguf), gguf.GGUFReader(exported.path)
+    theirs = {t.name: (t.tensor_type, t.data.tobytes()) for t in a.tensors}
+    ours = {t.name: (t.tensor_type, t.data.tobytes()) for t in b.tensors}
+    assert theirs.keys() == ours.keys()
+    for name in theirs:
+        assert ours[name] == theirs[name], name
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.pre", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id"):
+        assert b.fields[key].contents() == a.fields[key].contents(), key

@@ -62,7 +62,7 @@ def argument_lists(draw, text_file: str, model_dir: str) -> list[str]:
         "perplexity": [[text_file, "--ctx", "16", "--chunks", "1"], []],
         "import": [[text_file, "-o", "out"], []],
         "quantize": [[model_dir, "-o", "out", "--bits", "4"], []],
-        "export": [[model_dir, "--to", "gguf", "-o", "out.gguf"], []],
+        "export": [[model_dir, "--to", "gguf", "-o", "out.gguf"], [model_dir, "--to", "compressed-tensors", "-o", "ct"], []],
     }[command]))
     names = st.sampled_from(option_names(command))
     junk = TEXT.map(lambda s: "-" + s) | TEXT.map(lambda s: "--" + s)
