@@ -303,3 +303,46 @@ def as_blocks(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: 
             head.append(m.reshape(-1, K // GROUP_SIZE, 1).view(np.uint8))
     blocks = np.concatenate([*head, body], axis=-1)
     return qtype, blocks.reshape(*stacked, n, -1)
+
+
+def as_k_blocks(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, high: np.ndarray | None,
+                group_size: int) -> tuple[QType, np.ndarray] | None:
+    """A matrix `repack` made of a K-quant (4-bit words, scales and biases in two levels, high
+    planes) as that type's blocks again, byte for byte ([N, bytes per row]): Q4_K (groups of 32),
+    Q5_K (and one plane), Q6_K (groups of 16, signed, two planes, biases -32 times the scales);
+    None for anything else."""
+    n, words = weight.shape
+    K = words * 8
+    count = 0 if high is None else planes.count(high, K)
+    kind = {(32, 0, np.uint8): QType.Q4_K, (32, 1, np.uint8): QType.Q5_K, (16, 2, np.int8): QType.Q6_K}.get(
+        (group_size, count, scales.dtype.type))
+    if kind is None or K % superblocks.SUPER or biases.dtype != scales.dtype:
+        return None
+    q = unpack(weight, 4)
+    if count:
+        q |= planes.unpack(high, K) << np.uint8(4)
+    q = q.reshape(-1, superblocks.SUPER)                                   # a super-block a row
+    s, b = (a.reshape(len(q), -1).view(np.uint8) for a in (scales, biases))
+    d, sc, bias_super, m = s[:, :2], s[:, 2:], b[:, :2], b[:, 2:]
+    if kind == QType.Q6_K:
+        if not (np.array_equal(sc, m) and np.array_equal(
+                bias_super.view("<f2"), (d.view("<f2").astype(np.float32) * -32).astype(np.float16))):
+            return None
+        lo, hi = q & np.uint8(15), q >> np.uint8(4)
+        low = lo.reshape(-1, 2, 2, 64)
+        crumbs = hi.reshape(-1, 2, 4, 32) << _CRUMBS.reshape(1, 1, 4, 1)
+        blocks = np.concatenate([(low[:, :, 0] | (low[:, :, 1] << np.uint8(4))).reshape(-1, 128),
+                                 np.bitwise_or.reduce(crumbs, axis=2).reshape(-1, 64), sc, d], axis=1)
+    else:
+        if (sc > 63).any() or (m > 63).any():
+            return None
+        dmin = (bias_super.copy().view("<u2") ^ np.uint16(0x8000)).view(np.uint8)   # -(-dmin), exactly
+        packed = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> np.uint8(4)) << np.uint8(6)),
+                                 m[:, :4] | ((m[:, 4:] >> np.uint8(4)) << np.uint8(6)),
+                                 (sc[:, 4:] & np.uint8(15)) | ((m[:, 4:] & np.uint8(15)) << np.uint8(4))], axis=1)
+        runs = (q & np.uint8(15)).reshape(-1, 4, 2, 32)
+        nibbles = (runs[:, :, 0] | (runs[:, :, 1] << np.uint8(4))).reshape(-1, 128)
+        fifth = [np.packbits((q >> np.uint8(4)).reshape(-1, 8, 32).transpose(0, 2, 1), axis=-1,
+                             bitorder="little").reshape(-1, 32)] if kind == QType.Q5_K else []
+        blocks = np.concatenate([d, dmin, packed, *fifth, nibbles], axis=1)
+    return kind, np.ascontiguousarray(blocks).reshape(n, -1)

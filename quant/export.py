@@ -3,11 +3,12 @@ else rounded again (and said).
 
 GGUF (formats.gguf_export):
 4-bit weights in groups of 32, 64 or 128 with float16 scales and biases are Q4_1 (Q4_0, Q8_0
-where the biases are the types' offsets), the very weights (gguf_blocks.as_blocks); with float32
+where the biases are the types' offsets), the very weights (gguf_blocks.as_blocks), and a
+K-quant `nibble import` made (Q4_K, Q5_K, Q6_K) its own blocks again (as_k_blocks); with float32
 ones (nibble quantize --for vllm), the same with those rounded to float16. Anything else
-quantized (8-bit affine weights, whose biases Q8_0 has no room for; levels, high planes or
-two-level scales) is dequantized and rounded again to Q8_0, the GGUF type of most bits llama.cpp
-runs fast; float tensors stay as stored.
+quantized (8-bit affine weights, whose biases Q8_0 has no room for; the other imports: Q2_K,
+Q3_K, Q5_0, Q5_1, the types with a table of levels) is dequantized and rounded again to Q8_0, the
+GGUF type of most bits llama.cpp runs fast; float tensors stay as stored.
 
 compressed-tensors (formats.compressed_tensors): a block's linears in asymmetric integers of their
 bits and groups, exactly where each bias is -scale times an integer (nibble quantize --for vllm),
@@ -22,7 +23,8 @@ from gguf import GGMLQuantizationType as QType
 
 from nibble.formats import compressed_tensors as ct
 from nibble.formats.errors import NibbleError
-from nibble.formats.gguf_blocks import as_blocks
+from nibble.formats import superblocks
+from nibble.formats.gguf_blocks import as_blocks, as_k_blocks
 from nibble.formats.gguf_export import Tensor
 from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import ModelDir
@@ -60,8 +62,12 @@ def gguf_tensors(model: ModelDir) -> tuple[list[Tensor], dict[str, str]]:
 
 
 def _blocks(w: QuantizedTensor, exact: bool = True) -> tuple[QType, np.ndarray] | None:
-    """w as a GGUF type's blocks (gguf_blocks.as_blocks), or None."""
-    if w.values is not None or w.high is not None:
+    """w as a GGUF type's blocks (gguf_blocks.as_blocks; a K-quant's two levels: as_k_blocks), or None."""
+    if w.values is not None or w.weight.ndim != 2:
+        return None
+    if superblocks.is_two_level(w.scales):
+        return as_k_blocks(w.weight, w.scales, w.biases, w.high, w.group_size) if exact else None
+    if w.high is not None:
         return None
     return as_blocks(w.weight, group_values(w.scales), group_values(w.biases), w.bits, w.group_size, exact)
 
