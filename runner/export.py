@@ -33,6 +33,7 @@ class Exported:
     tensors: int
     again: dict[str, str] = field(default_factory=dict)   # matrix -> what became of it, where rounded again
     kl: float | None = None   # mean KL(nibble's model || the export), nats, where anything was
+    hint: str = ""            # how to export without rounding again, where there is a way
 
     def __str__(self) -> str:
         nbytes = sum(f.stat().st_size for f in self.path.rglob("*")) if self.path.is_dir() else self.path.stat().st_size
@@ -41,7 +42,7 @@ class Exported:
             return f"{size}: every weight as nibble runs it"
         kinds = "; ".join(f"{n} {kind}" for kind, n in Counter(self.again.values()).items())
         kl = "" if self.kl is None else f"; KL against nibble's model {self.kl:.6f} nats a token"
-        return f"{size}: rounded again: {kinds}; the rest as nibble runs them{kl}"
+        return f"{size}: rounded again: {kinds}; the rest as nibble runs them{kl}{self.hint}"
 
 
 def export_gguf(ref: str, out: str | Path, force: bool = False, measure: bool = True) -> Exported:
@@ -96,7 +97,8 @@ def export_compressed(ref: str, out: str | Path, force: bool = False, measure: b
         write_model_dir(written, out, force=force, tensors=tensors)
     except OSError as e:
         raise NibbleError(f"cannot write {out}: {e.strerror or e}") from None
-    exported = Exported(out, len(tensors), again)
+    exported = Exported(out, len(tensors), again, hint=" (nibble quantize --for vllm quantizes a float model "
+                        "with integer zero points, which this format holds exactly)" if again else "")
     if again and measure:
         # the export as nibble would run it: the rounded matrices in nibble's layout
         exported.kl = _kl(model, lambda: from_model_dir(dataclasses.replace(
