@@ -718,7 +718,8 @@ def _bench_embedding(model, quant, tokens, texts, repeats, threads, as_json):
     """An embedding model's bench: batches of `texts` (--parallel) texts of `tokens` (-p) tokens."""
     from .bench import PROMPT_TEXT, run_embed_bench
     from .embed import Embedder
-    from .loader import as_quantized, open_model
+    from nibble.quant.open_model import open_model
+    from .loader import as_quantized
     embedder = Embedder(as_quantized(model, open_model(model), quant), model)
     embedder.encoder.threads.pin(threads)
     ids = embedder.tokenizer.encode(PROMPT_TEXT * (tokens // 40 + 1)).ids   # cut to the model's length

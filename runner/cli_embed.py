@@ -27,7 +27,8 @@ from nibble.formats.hub import DEFAULT_EMBEDDING_MODEL
 def embed(text, model, path, quant, prompt, dimensions, npy):
     """Print the vector of TEXT, or of each line of -f FILE or of stdin, as a JSON list a line."""
     from .embed import Embedder
-    from .loader import as_quantized, open_model
+    from nibble.quant.open_model import open_model
+    from .loader import as_quantized
     from .tokenizer import as_text
     if text is not None and path is not None:
         raise click.UsageError("give TEXT or -f FILE, not both")

@@ -19,8 +19,9 @@ from nibble.formats.gguf_export import copy_gguf, write_gguf
 from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import default_calibration_text
 from nibble.quant.export import compressed_tensors, gguf_tensors
+from nibble.quant.open_model import open_model
 
-from .loader import from_model_dir, load, open_model
+from .loader import from_model_dir, load
 from .perplexity import evaluate
 
 KL_WINDOWS, KL_CTX = 2, 256   # what the KL of a rounded-again export is measured on

@@ -1,26 +1,17 @@
 """From a model reference to a runnable model and its tokenizer."""
 from nibble.formats.catalog import identity
 from nibble.formats.errors import NibbleError
-from nibble.formats.hub import resolve
-from nibble.formats.model_dir import ModelDir, read_model_dir
+from nibble.formats.model_dir import ModelDir
 from nibble.formats.sentence_transformers import embeds
 from nibble.quant.convert import count_params, is_quantized
+from nibble.quant.open_model import open_model
 from .background import Background
 from .model import Model
+from .quantize import quantized_once
 from .tokenizer import Tokenizer
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 AUTO_QUANT_PARAMS = 1_000_000_000
-
-
-def open_model(ref: str) -> ModelDir:
-    """A directory, .safetensors or .gguf file, hub id or alias -> its ModelDir. A GGUF file
-    keeps its quantization (see quant.gguf_import)."""
-    path = resolve(ref)
-    if path.suffix != ".gguf":
-        return read_model_dir(path)
-    from nibble.quant.gguf_import import import_gguf_model   # the gguf package: only for a .gguf
-    return import_gguf_model(path).model
 
 
 def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: bool = False,
@@ -58,7 +49,6 @@ def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:
     if quant is None and count_params(model_dir.tensors, None) > AUTO_QUANT_PARAMS:
         quant = "int4"
     if quant in QUANT_BITS:
-        from .quantize import quantized_once   # it opens models through this module
         return quantized_once(ref, model_dir, QUANT_BITS[quant])
     return model_dir
 

@@ -17,9 +17,9 @@ from nibble.formats.paths import quantized_dir
 from nibble.formats.safetensors import TensorStream, prefetch
 from nibble.formats.sentence_transformers import pipeline_files
 from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_mxfp4, is_quantized
+from nibble.quant.open_model import open_model
 from .calibrate import layer_importances
 from .encoder import Encoder
-from .loader import open_model
 from .model import Model
 from .models import family
 from .tokenizer import Tokenizer

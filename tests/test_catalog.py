@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 from nibble.formats import catalog, usage
 from nibble.formats.errors import FormatError
 from nibble.formats.gguf_header import read_gguf_header
+from nibble.quant.open_model import open_model
 from nibble.runner.cli_models import format_bytes
 from tests.test_cli import assert_one_line_error, invoke
 from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
@@ -272,7 +273,7 @@ def test_the_copy_first_use_writes_is_the_one_ls_finds(isolated, tiny_dir):
     """loader.as_quantized's copy of a hub model is listed under the model (the same identity)."""
     from nibble.runner import loader
     snapshot = lay_out_snapshot(isolated / "hf-hub", "org/tiny", {f.name: f.read_bytes() for f in tiny_dir.iterdir()})
-    loader.as_quantized("org/tiny", loader.open_model("org/tiny"), "int8")
+    loader.as_quantized("org/tiny", open_model("org/tiny"), "int8")
     [model] = catalog.list_cached_models()
     assert model.path == snapshot and len(model.copies) == 1
     assert catalog.describe(model.copies[0]).quantization == "int8 g64"

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from nibble.formats.errors import NibbleError
+from nibble.quant.open_model import open_model
 from nibble.runner.cli import main
 
 GREEDY = ["--temp", "0", "-n", "12"]
@@ -282,7 +283,7 @@ def test_a_float_model_past_the_threshold_runs_int4_unless_float(tiny_dir, tmp_p
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
     monkeypatch.setattr(loader, "AUTO_QUANT_PARAMS", 1000)   # the tiny model has more
     monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
-    model_dir = loader.open_model(str(tiny_dir))
+    model_dir = open_model(str(tiny_dir))
     quantized = loader.as_quantized(str(tiny_dir), model_dir, None)
     assert (quantized.config.quantization["bits"], quantized.config.quantization["group_size"]) == (4, 64)
     err = capsys.readouterr().err.splitlines()
@@ -303,9 +304,9 @@ def test_a_changed_checkpoint_is_quantized_again(tiny_dir, tmp_path, monkeypatch
     from nibble.runner import loader
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path / "home"))
     copy = shutil.copytree(tiny_dir, tmp_path / "llama")
-    first = loader.as_quantized(str(copy), loader.open_model(str(copy)), "int4")
+    first = loader.as_quantized(str(copy), open_model(str(copy)), "int4")
     os.utime(copy / "model.safetensors", ns=(0, 0))
-    second = loader.as_quantized(str(copy), loader.open_model(str(copy)), "int4")
+    second = loader.as_quantized(str(copy), open_model(str(copy)), "int4")
     assert first.path != second.path and first.path.parent == second.path.parent
 
 

@@ -15,7 +15,8 @@ from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from nibble.formats.errors import NibbleError
-from nibble.runner.loader import from_model_dir, open_model
+from nibble.quant.open_model import open_model
+from nibble.runner.loader import from_model_dir
 from tests.test_gguf import llama_cpp_tensors, random_blocks, write_gguf
 from tests.tiny import tiny_config, tiny_tensors
 

@@ -18,7 +18,7 @@ from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import ModelDir
 from nibble.formats.safetensors import read_safetensors, tensor_spec, write_safetensors
-from nibble.runner.loader import open_model
+from nibble.quant.open_model import open_model
 
 pytestmark = pytest.mark.fuzz
 

@@ -355,7 +355,7 @@ def test_a_split_gguf_model_is_downloaded_whole_and_read_as_one(fake_hub, tmp_pa
     from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
     from tests.tiny import tiny_config, tiny_tensors
 
-    from nibble.runner.loader import open_model
+    from nibble.quant.open_model import open_model
     config = tiny_config(vocab_size=len(TOKENS))
     hf = tiny_tensors(config)
     write_gguf(tmp_path / "m-Q8_0.gguf", llama_cpp_tensors(hf, config), config=config, split_max_tensors=7)

@@ -221,7 +221,8 @@ class Models:
             self._log(f"loaded {name} in {time.monotonic() - start:.1f} s")
 
     def _open(self, name: str) -> Served | Embedding:
-        from ..loader import as_quantized, load, open_model
+        from nibble.quant.open_model import open_model
+        from ..loader import as_quantized, load
         o, ref = self.options, self.refs[name]
         if not self.embeds(name):
             return self._served(name, *load(ref, o.quant, 0, False, o.ctx, background=True))
