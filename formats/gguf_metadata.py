@@ -64,3 +64,14 @@ def check_metadata(meta: dict, arch: str) -> None:
     if unknown is not None and unknown >= len(tokens):
         raise FormatError(f"GGUF metadata tokenizer.ggml.unknown_token_id {unknown} is not a "
                           f"token id (the vocabulary has {len(tokens)})")
+
+
+def expert_counts(meta: dict, a: str) -> tuple[int, int]:
+    """A mixture of experts' `<arch>.expert_count` and `expert_used_count` (a: "<arch>."), checked:
+    absent, they read as 0, as llama.cpp reads them (and refuses the file)."""
+    E, k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 0)
+    for key, value in (("expert_count", E), ("expert_used_count", k)):
+        COUNT.check(f"GGUF metadata {a}{key}", value)
+    if k > E:
+        raise FormatError(f"GGUF metadata {a}expert_used_count {k} is more than the {E} experts")
+    return E, k

@@ -7,7 +7,7 @@ import pytest
 from nibble.quant.affine import AffineScheme, dequantize, quantize
 from nibble.runner.kernels import moe
 from nibble.runner.kernels.linear import prepare
-from nibble.runner.models import qwen3_moe
+from nibble.runner.models import switch_layers
 from tests import reference
 
 E, D, F = 8, 64, 32
@@ -250,14 +250,14 @@ def test_quantize_writes_stacked_experts_weighted_by_the_rows_routed_to_each(nam
             for part in ("weight", "scales", "biases"):
                 np.testing.assert_array_equal(out[f"{path}.{part}"][e], getattr(want, part))
             plain += not imp[e].any()
-    assert 0 < plain < 3 * md.config.num_hidden_layers * qwen3_moe.experts(md.config)   # both kinds tested
+    assert 0 < plain < 3 * md.config.num_hidden_layers * switch_layers.experts(md.config)   # both kinds tested
     assert f"{plain} experts' matrices were quantized without importances" in r.stderr
 
     # it reads back: the stacks where the family looks for them (the kernels on stacked int8
     # experts are test_gguf_archs' and this file's twins' to run)
     quantized = read_model_dir(tmp_path / "q")
     layer = Model(quantized.config, quantized.tensors).layers[0]
-    assert layer.moe.w_down.bits == 8 and layer.moe.w_down.weight.shape[0] == qwen3_moe.experts(md.config)
+    assert layer.moe.w_down.bits == 8 and layer.moe.w_down.weight.shape[0] == switch_layers.experts(md.config)
 
 
 @pytest.mark.parametrize("router", [ROUTERS[1], ROUTERS[3]])   # a shared expert; gpt-oss's experts

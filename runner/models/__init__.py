@@ -24,17 +24,19 @@ runs any of them. A family module has:
 
 An encoder's module (FAMILY.encoder: runner/encoder.py runs it) has Embeddings(get, config), its
 words', positions' and token types' rows and their norm, in place of norm, embed_scale and
-logits_scale.
+logits_scale. switch_layers.py is no family: the machinery every mixture of experts shares (mlx-lm's
+switch_layers.py); FAMILIES names the families.
 """
 import importlib
-import pkgutil
 from types import ModuleType
 
 from nibble.formats import families
 from nibble.formats.config import ModelConfig
 
-for _info in pkgutil.iter_modules(__path__):
-    families.add(importlib.import_module(f".{_info.name}", __name__).FAMILY)
+# the family modules; switch_layers.py, the machinery the mixtures share, is none
+FAMILIES = ("bert", "gemma3", "gpt_oss", "granitemoe", "llama", "mixtral", "olmoe", "phi3", "qwen3_moe")
+for _name in FAMILIES:
+    families.add(importlib.import_module(f".{_name}", __name__).FAMILY)
 
 
 def family(config: ModelConfig) -> ModuleType:

@@ -12,15 +12,16 @@ from nibble.formats import mxfp4
 from nibble.formats.config import ModelConfig, sliding_where_typed
 from nibble.formats.errors import FormatError
 from nibble.formats.families import Family, GGUFArch
+from nibble.formats.gguf_metadata import expert_counts
 from nibble.formats.values import COUNT, number
-from . import llama, qwen3_moe
+from . import llama, switch_layers
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
 
 
 def layer(get, c: ModelConfig, i: int):
     from ..kernels.layer import MoELayerWeights
-    D, E, F, H = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size, c.num_attention_heads
+    D, E, F, H = c.hidden_size, switch_layers.experts(c), c.intermediate_size, c.num_attention_heads
     p = f"model.layers.{i}."
     m = p + "mlp."
     if m + "switch_mlp.gate_proj.bias" in get.tensors:   # a GGUF's: one stack of biases a matrix
@@ -29,7 +30,7 @@ def layer(get, c: ModelConfig, i: int):
         b, b_down = get(m + "experts.gate_up_proj_bias", (E, 2 * F)), get(m + "experts.down_proj_bias", (E, D))
         b_gate, b_up = (None, None) if b is None else (np.ascontiguousarray(b[:, ::2]), np.ascontiguousarray(b[:, 1::2]))
     if m + "switch_mlp.gate_proj.weight" in get.tensors:   # as quantize writes them, or a GGUF holds them
-        w = qwen3_moe.stacked(get, m[:-1], c, F)
+        w = switch_layers.stacked(get, m[:-1], c, F)
     elif m + "experts.gate_up_proj_blocks" in get.tensors:   # OpenAI's checkpoints: MXFP4
         w = (_mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(0, None, 2)),
              _mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(1, None, 2)),
@@ -39,7 +40,7 @@ def layer(get, c: ModelConfig, i: int):
         rows = lambda w: None if w is None else np.ascontiguousarray(w.transpose(0, 2, 1))   # [E, out, in]
         w = (None, None, None) if gate_up is None or down is None else (
             rows(gate_up[:, :, ::2]), rows(gate_up[:, :, 1::2]), rows(down))
-    moe = qwen3_moe.routed(get, m[:-1], c, "router", w, router_bias=get(m + "router.bias", (E,)),
+    moe = switch_layers.routed(get, m[:-1], c, "router", w, router_bias=get(m + "router.bias", (E,)),
                            top_k_first=True, b_gate=b_gate, b_up=b_up, b_down=b_down,
                            swiglu_limit=np.float32(c.extra["swiglu_limit"]),
                            swiglu_alpha=np.float32(c.extra["swiglu_alpha"]))
@@ -67,11 +68,11 @@ def _mxfp4(get, name: str, shape: tuple[int, int, int], rows=slice(None)):
 
 
 def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return qwen3_moe.moe_act_shape(c)
+    return switch_layers.moe_act_shape(c)
 
 
 def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
-    return qwen3_moe.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
+    return switch_layers.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
 
 
 def stacks(c: ModelConfig, tensors: dict) -> dict:
@@ -79,13 +80,13 @@ def stacks(c: ModelConfig, tensors: dict) -> dict:
     from gate_up_proj's interleaved columns (or from float stacks already so named); their biases
     stay as stored."""
     from nibble.quant.convert import ExpertStack
-    D, E, F = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size
+    D, E, F = c.hidden_size, switch_layers.experts(c), c.intermediate_size
     out = {}
     for i in range(c.num_hidden_layers):
         m = f"model.layers.{i}.mlp."
         gate_up, down = m + "experts.gate_up_proj", m + "experts.down_proj"
         if gate_up not in tensors or down not in tensors:   # stacked already
-            out |= qwen3_moe.expert_stacks(c, tensors, m[:-1], F)
+            out |= switch_layers.expert_stacks(c, tensors, m[:-1], F)
             continue
         columns = lambda t, cols, s=gate_up: (x[:, cols].T for x in np.asarray(t[s], np.float32))
         out |= {m + "switch_mlp.gate_proj.weight": ExpertStack((gate_up,), (E, F, D), lambda t, k=columns: k(t, slice(0, None, 2))),
@@ -97,7 +98,7 @@ def stacks(c: ModelConfig, tensors: dict) -> dict:
 
 def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Block i's tensors by name, its experts stacked as quantize writes them."""
-    D, E, F, H = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size, c.num_attention_heads
+    D, E, F, H = c.hidden_size, switch_layers.experts(c), c.intermediate_size, c.num_attention_heads
     p = f"model.layers.{i}."
     m = p + "mlp."
     q_dim, kv_dim = H * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -114,7 +115,7 @@ def _gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
     """llama.cpp's gpt-oss: attention biases, a window of attention.sliding_window in every other
     layer from the first, experts as wide as feed_forward_length (the converter writes it
     for expert_feed_forward_length); its SwiGLU's limit and alpha are llama.cpp's constants, 7 and 1.702."""
-    E, k = qwen3_moe.gguf_experts(meta, a)
+    E, k = expert_counts(meta, a)
     F, window = meta.get(a + "expert_feed_forward_length"), meta.get(a + "attention.sliding_window")
     if F != meta.get(a + "feed_forward_length"):
         raise FormatError(f"GGUF metadata {a}expert_feed_forward_length {F} differs from feed_forward_length "
@@ -129,7 +130,7 @@ def _configure(c: ModelConfig) -> None:
         raise FormatError("config.json: nibble runs gpt_oss with attention_bias=true (its q, k, v and o biases)")
     number(above=0).check("config.json: swiglu_limit", c.extra["swiglu_limit"])
     number(above=0).check("config.json: swiglu_alpha", c.extra["swiglu_alpha"])
-    qwen3_moe.check_experts(c)
+    switch_layers.check_experts(c)
 
 
 FAMILY = Family(

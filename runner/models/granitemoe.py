@@ -12,9 +12,9 @@ import numpy as np
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
 from nibble.formats.families import Family, GGUFArch
-from nibble.formats.gguf_metadata import float32_decimal
+from nibble.formats.gguf_metadata import expert_counts, float32_decimal
 from nibble.formats.values import integer, number
-from . import llama, qwen3_moe
+from . import llama, switch_layers
 from .phi3 import split_rows
 
 block, ropes, norm = llama.block, llama.ropes, llama.norm
@@ -22,26 +22,26 @@ MOE = "block_sparse_moe"
 
 
 def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return qwen3_moe.moe_act_shape(c)
+    return switch_layers.moe_act_shape(c)
 
 
 def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
     S = c.extra.get("shared_intermediate_size", 0)
     shared = (("shared_mlp.input_linear",), ("shared_mlp.output_linear",), S) if S else None
-    return qwen3_moe.expert_importances(c, i, sums, tokens, MOE, c.intermediate_size, shared)
+    return switch_layers.expert_importances(c, i, sums, tokens, MOE, c.intermediate_size, shared)
 
 
 def stacks(c: ModelConfig, tensors: dict) -> dict:
     """The experts as quantize writes them: MLX's switch_mlp stacks, from the fused input_linear
     (gate's rows, then up's) and output_linear, or from float stacks already so named."""
     from nibble.quant.convert import ExpertStack
-    D, E, F = c.hidden_size, qwen3_moe.experts(c), c.intermediate_size
+    D, E, F = c.hidden_size, switch_layers.experts(c), c.intermediate_size
     out = {}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}.{MOE}"
         fused, down = f"{p}.input_linear.weight", f"{p}.output_linear.weight"
         if fused not in tensors or down not in tensors:
-            out |= qwen3_moe.expert_stacks(c, tensors, p, F)
+            out |= switch_layers.expert_stacks(c, tensors, p, F)
             continue
         halves = lambda t, rows, s=fused: (m[rows] for m in np.asarray(t[s], np.float32))
         out |= {f"{p}.switch_mlp.gate_proj.weight": ExpertStack((fused,), (E, F, D), lambda t, h=halves: h(t, slice(0, F))),
@@ -73,7 +73,7 @@ def layer(get, c: ModelConfig, i: int):
     weights = routed_experts(get, moe, c, F)
     attention = llama.attention(get, c, i) | dict(attention_scale=np.float32(c.extra["attention_multiplier"]),
                                                   residual_scale=np.float32(c.extra["residual_multiplier"]))
-    return MoELayerWeights(**attention, moe=qwen3_moe.routed(get, moe, c, "router.layer", weights,
+    return MoELayerWeights(**attention, moe=switch_layers.routed(get, moe, c, "router.layer", weights,
                                                              top_k_first=True, shared=shared))
 
 
@@ -81,8 +81,8 @@ def routed_experts(get, path: str, c: ModelConfig, F: int) -> tuple:
     """The experts' gate, up and down matrices: stacked as MLX stores them, or from the fused
     input_linear (split into copies of its halves) and output_linear, widened to float32."""
     if f"{path}.switch_mlp.gate_proj.weight" in get.tensors:
-        return qwen3_moe.stacked(get, path, c, F)
-    D, E = c.hidden_size, qwen3_moe.experts(c)
+        return switch_layers.stacked(get, path, c, F)
+    D, E = c.hidden_size, switch_layers.experts(c)
     fused = get(f"{path}.input_linear.weight", (E, 2 * F, D))
     gate, up = (None, None) if fused is None else (np.ascontiguousarray(fused[:, :F]), np.ascontiguousarray(fused[:, F:]))
     return gate, up, get(f"{path}.output_linear.weight", (E, D, F))
@@ -100,14 +100,14 @@ def _configure(c: ModelConfig) -> None:
     for name in MULTIPLIERS:
         number(above=0).check(f"config.json: {name}", c.extra[name])
     integer().check("config.json: shared_intermediate_size", c.extra.get("shared_intermediate_size", 0))
-    qwen3_moe.check_experts(c)
+    switch_layers.check_experts(c)
 
 
 def _granitemoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
     """llama.cpp's granitemoe: granitemoeshared where the file gives a shared expert's width; each
     routed expert feed_forward_length wide. A scale the file leaves out (or 0) is llama.cpp's:
     none, and scores by 1/sqrt(head_dim); logit_scale it needs."""
-    E, k = qwen3_moe.gguf_experts(meta, a)
+    E, k = expert_counts(meta, a)
     S = meta.get(a + "expert_shared_feed_forward_length", 0)
     integer().check(f"GGUF metadata {a}expert_shared_feed_forward_length", S)
     extra = dict(num_local_experts=E, num_experts_per_tok=k, shared_intermediate_size=S)

@@ -7,6 +7,7 @@ import numpy as np
 from nibble.formats.config import ModelConfig, one_window, sliding_where_typed
 from nibble.formats.errors import FormatError
 from nibble.formats.families import Family, GGUFArch
+from nibble.formats.gguf_metadata import expert_counts
 from nibble.formats.values import COUNT
 from ..rope import rope_tables
 
@@ -182,11 +183,12 @@ def _windows(c: ModelConfig) -> list[int]:
 
 
 def _llama_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
-    """llama.cpp writes Mixtral as llama with experts (expert_count above 0): a mixtral."""
+    """llama.cpp writes Mixtral as llama with experts (expert_count above 0): a mixtral, each
+    expert feed_forward_length wide, the k probabilities renormalised, no sliding window."""
     if not meta.get(a + "expert_count"):
         return {}
-    from . import mixtral   # mixtral builds on this module: imported once a file needs it
-    return mixtral.gguf_fields(meta, a, layers, width, head_dim)
+    E, k = expert_counts(meta, a)
+    return dict(model_type="mixtral", extra=dict(num_local_experts=E, num_experts_per_tok=k))
 
 
 def _smollm3_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:

@@ -5,43 +5,36 @@ gate, down and up matrices w1, w2 and w3 (MLX's: switch_mlp's gate_proj, down_pr
 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.families import Family
-from . import llama, qwen3_moe
+from . import llama, switch_layers
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
 MOE = "block_sparse_moe"
 
 
 def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return qwen3_moe.moe_act_shape(c)
+    return switch_layers.moe_act_shape(c)
 
 
 def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
-    return qwen3_moe.expert_importances(c, i, sums, tokens, MOE, c.intermediate_size)
+    return switch_layers.expert_importances(c, i, sums, tokens, MOE, c.intermediate_size)
 
 
 def stacks(c: ModelConfig, tensors: dict) -> dict:
-    return {name: s for i in range(c.num_hidden_layers) for name, s in qwen3_moe.expert_stacks(
+    return {name: s for i in range(c.num_hidden_layers) for name, s in switch_layers.expert_stacks(
         c, tensors, f"model.layers.{i}.{MOE}", c.intermediate_size, ("w1", "w3", "w2")).items()}
 
 
 def layer(get, c: ModelConfig, i: int):
     from ..kernels.layer import MoELayerWeights
     p = f"model.layers.{i}.{MOE}"
-    moe = qwen3_moe.routed(get, p, c, "gate", qwen3_moe.stacked(get, p, c, c.intermediate_size, ("w1", "w3", "w2")),
+    moe = switch_layers.routed(get, p, c, "gate", switch_layers.stacked(get, p, c, c.intermediate_size, ("w1", "w3", "w2")),
                            renormalize=True)
     return MoELayerWeights(**llama.attention(get, c, i), moe=moe)
 
 
 def _configure(c: ModelConfig) -> None:
     c.attention_bias = False   # transformers' mixtral has no biases, whatever it says
-    qwen3_moe.check_experts(c)
-
-
-def gguf_fields(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
-    """llama.cpp's llama with experts (llama.py's GGUF layout hands such a file here): each expert
-    feed_forward_length wide, the k probabilities renormalised, no sliding window."""
-    E, k = qwen3_moe.gguf_experts(meta, a)
-    return dict(model_type="mixtral", extra=dict(num_local_experts=E, num_experts_per_tok=k))
+    switch_layers.check_experts(c)
 
 
 FAMILY = Family(

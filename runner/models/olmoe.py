@@ -5,28 +5,29 @@ router's logits, the top num_experts_per_tok (8 of 64), not renormalised unless 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
 from nibble.formats.families import Family, GGUFArch
-from . import llama, qwen3_moe
+from nibble.formats.gguf_metadata import expert_counts
+from . import llama, switch_layers
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
 
 
 def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return qwen3_moe.moe_act_shape(c)
+    return switch_layers.moe_act_shape(c)
 
 
 def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
-    return qwen3_moe.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
+    return switch_layers.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
 
 
 def stacks(c: ModelConfig, tensors: dict) -> dict:
-    return {name: s for i in range(c.num_hidden_layers) for name, s in qwen3_moe.expert_stacks(
+    return {name: s for i in range(c.num_hidden_layers) for name, s in switch_layers.expert_stacks(
         c, tensors, f"model.layers.{i}.mlp", c.intermediate_size).items()}
 
 
 def layer(get, c: ModelConfig, i: int):
     from ..kernels.layer import MoELayerWeights
     p = f"model.layers.{i}.mlp"
-    moe = qwen3_moe.routed(get, p, c, "gate", qwen3_moe.stacked(get, p, c, c.intermediate_size),
+    moe = switch_layers.routed(get, p, c, "gate", switch_layers.stacked(get, p, c, c.intermediate_size),
                            renormalize=c.extra["norm_topk_prob"])
     return MoELayerWeights(**llama.attention(get, c, i, qk_norm="row"), moe=moe)
 
@@ -38,15 +39,15 @@ def _configure(c: ModelConfig) -> None:
     if c.extra.get("clip_qkv") is not None:
         raise FormatError(f"config.json: nibble cannot run clip_qkv={c.extra['clip_qkv']!r} for olmoe "
                           "(its block does not clamp q, k and v)")
-    if qwen3_moe.experts(c) is None:   # OlmoeConfig's default
+    if switch_layers.experts(c) is None:   # OlmoeConfig's default
         c.extra["num_experts"] = 64
-    qwen3_moe.check_experts(c)
+    switch_layers.check_experts(c)
 
 
 def _olmoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
     """llama.cpp's olmoe: each expert feed_forward_length wide, the k probabilities never
     renormalised."""
-    E, k = qwen3_moe.gguf_experts(meta, a)
+    E, k = expert_counts(meta, a)
     return dict(extra=dict(num_experts=E, num_experts_per_tok=k, norm_topk_prob=False))
 
 
@@ -55,5 +56,5 @@ FAMILY = Family(
     # OlmoeConfig's defaults
     model_types={"olmoe": dict(num_experts_per_tok=8, norm_topk_prob=False)},
     windows=lambda c: one_window(c, 0), configure=_configure,   # transformers' olmoe never slides
-    gguf={"olmoe": GGUFArch("olmoe", fields=_olmoe_gguf, block_names=qwen3_moe.GGUF_EXPERTS)},
+    gguf={"olmoe": GGUFArch("olmoe", fields=_olmoe_gguf, block_names=switch_layers.GGUF_EXPERTS)},
 )

@@ -3,58 +3,24 @@ q/k norms) and Qwen2-MoE (Qwen2's attention, q/k/v biases, and a shared expert b
 ones, its output through a sigmoid gate). In the sparse layers the MLP is a mixture of experts:
 softmax over the router's logits, the top num_experts_per_tok experts, their probabilities
 renormalised if norm_topk_prob. Every decoder_sparse_step-th layer is sparse, except those in
-mlp_only_layers (a dense MLP).
-
-The MoE pieces the other MoE families build on (their config fields checked, the routed experts
-read) live here too, as llama.py's attention does for theirs."""
+mlp_only_layers (a dense MLP)."""
 import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window, sliding_where_typed
 from nibble.formats.errors import FormatError
 from nibble.formats.families import Family, GGUFArch
-from nibble.formats.values import BOOL, COUNT, integer, list_of
+from nibble.formats.gguf_metadata import expert_counts
+from nibble.formats.values import BOOL, COUNT
 from . import llama
+from .switch_layers import (GGUF_EXPERTS, check_experts, expert_importances, expert_stacks, experts,
+                            moe_act_shape, routed, stacked)
 
 block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
-
-# Fewer calibration rows than this routed to an expert, and the means of its squared inputs are
-# mostly noise: it is quantized with plain weighting instead (quantize says how many were).
-MIN_ROUTED = 16
-# the widths of a mixture's matrices beyond llama's, in the families' config fields
-_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size")
-
-
-def experts(c: ModelConfig) -> int | None:
-    """num_experts, or num_local_experts as transformers 5 and Mixtral write it."""
-    return c.extra.get("num_experts", c.extra.get("num_local_experts"))
-
 
 def sparse(c: ModelConfig, i: int) -> bool:
     """Whether layer i's MLP is the mixture of experts (Qwen3MoeDecoderLayer's rule)."""
     step = c.extra["decoder_sparse_step"]
     return i not in c.extra["mlp_only_layers"] and experts(c) > 0 and (i + 1) % step == 0
-
-
-def stacked(get, path: str, c: ModelConfig, F: int, each=("gate_proj", "up_proj", "down_proj")) -> tuple:
-    """The experts' gate [E, F, D], up [E, F, D] and down [E, D, F] matrices of the MoE module
-    `path`: stacked as MLX stores them (switch_mlp's gate_proj, up_proj, down_proj), or one tensor
-    an expert (`path.experts.N.<each>`)."""
-    D, E = c.hidden_size, experts(c)
-    names, shapes = ("gate_proj", "up_proj", "down_proj"), ((F, D), (F, D), (D, F))
-    return tuple(get.experts(path, n, E, shape, e) for n, e, shape in zip(names, each, shapes))
-
-
-def routed(get, path: str, c: ModelConfig, router: str, w: tuple, **routing):
-    """The MoEWeights of the MoE module `path`: its router [E, D] (`path.<router>.weight`), its
-    experts' gate, up and down matrices w, top num_experts_per_tok; `routing`: MoEWeights' other
-    fields (by default softmax first, not renormalised, no router bias, no shared expert)."""
-    from ..kernels.moe import MoEWeights
-    D, E = c.hidden_size, experts(c)
-    none = np.zeros((0, 0), np.float32)
-    fields = dict(router_bias=np.zeros(0, np.float32), top_k_first=False, renormalize=False, shared=None,
-                  b_gate=none, b_up=none, b_down=none, swiglu_limit=np.float32(0), swiglu_alpha=np.float32(0))
-    return MoEWeights(router=get.dense(f"{path}.{router}", (E, D)), w_gate=w[0], w_up=w[1], w_down=w[2],
-                      top_k=c.extra["num_experts_per_tok"], **(fields | routing))
 
 
 def layer(get, c: ModelConfig, i: int):
@@ -94,52 +60,6 @@ def stacks(c: ModelConfig, tensors: dict) -> dict:
             for name, s in expert_stacks(c, tensors, f"model.layers.{i}.mlp", F).items()}
 
 
-def moe_act_shape(c: ModelConfig) -> tuple[int, int]:
-    """The shape of a sparse block's act_sq: llama's four rows, two for each expert and one of
-    counts (moe.moe_mlp), as wide as the widest input or the number of experts."""
-    E = experts(c)
-    return 5 + 2 * E, max(llama.act_shape(c, 0)[1], E, *(c.extra.get(k) or 0 for k in _SIZES))
-
-
-def expert_importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int, path: str, F: int,
-                       shared: tuple | None = None) -> dict[str, np.ndarray]:
-    """Block i's importance entries when its MLP is the mixture `path` (act_sq's rows as
-    moe.moe_mlp fills them): the attention's as llama's; the stacked experts' [E, K], each
-    expert's row the mean over the rows routed to it (zeros, plain weighting, for one that fewer
-    than MIN_ROUTED reached); shared = (gate/up names, down names, width), the shared expert's,
-    over every token."""
-    D, E = c.hidden_size, experts(c)
-    counts = sums[4 + 2 * E, :E]
-    per_row = np.where(counts >= MIN_ROUTED, 1 / np.maximum(counts, 1), 0)[:, None]
-    inputs, downs = sums[4:4 + 2 * E:2, :D] * per_row, sums[5:5 + 2 * E:2, :F] * per_row
-    p = f"model.layers.{i}.{path}.switch_mlp."
-    entries = llama.importances(c, i, sums, tokens, llama.INPUTS[:2]) | {
-        p + "gate_proj.weight": inputs, p + "up_proj.weight": inputs, p + "down_proj.weight": downs}
-    if shared:
-        gate_up, down, S = shared
-        entries |= {f"model.layers.{i}.{n}.weight": sums[2, :D] / tokens for n in gate_up}
-        entries |= {f"model.layers.{i}.{n}.weight": sums[3, :S] / tokens for n in down}
-    return entries
-
-
-def expert_stacks(c: ModelConfig, tensors: dict, path: str, F: int,
-                  each=("gate_proj", "up_proj", "down_proj")) -> dict:
-    """The experts of the mixture `path` as quantize writes them (quant.convert.ExpertStack):
-    MLX's switch_mlp.{gate,up,down}_proj, from one tensor an expert (`path.experts.N.<each>`),
-    or from a float stack already so named."""
-    from nibble.quant.convert import ExpertStack
-    D, E = c.hidden_size, experts(c)
-    out = {}
-    for name, one, shape in zip(("gate_proj", "up_proj", "down_proj"), each, ((F, D), (F, D), (D, F))):
-        stacked = f"{path}.switch_mlp.{name}.weight"
-        sources = (stacked,) if stacked in tensors else tuple(f"{path}.experts.{e}.{one}.weight" for e in range(E))
-        if all(s in tensors for s in sources):
-            out[stacked] = ExpertStack(sources, (E, *shape), (
-                (lambda t, s=stacked: iter(np.asarray(t[s], np.float32))) if len(sources) == 1 else
-                (lambda t, ss=sources: (np.asarray(t[s], np.float32) for s in ss))))
-    return out
-
-
 def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """As llama's; a sparse layer's MLP: the router [E, D] and the experts stacked, as MLX's
     switch_mlp holds them."""
@@ -155,26 +75,6 @@ def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
 
 
 # ---- the config and the files -------------------------------------------------------------------
-
-FIELDS = {"num_experts": COUNT, "num_local_experts": COUNT, "num_experts_per_tok": COUNT,
-          "moe_intermediate_size": COUNT, "shared_expert_intermediate_size": COUNT,
-          "norm_topk_prob": BOOL, "decoder_sparse_step": COUNT,
-          "mlp_only_layers": list_of(integer(), "layer indexes")}
-
-
-def check_experts(c: ModelConfig) -> None:
-    """The MoE fields that config.json holds (FIELDS), checked by kind: the number of experts
-    given, and at least the number a token is routed to."""
-    for name, kind in FIELDS.items():
-        if name in c.extra:
-            kind.check(f"config.json: {name}", c.extra[name])
-    E = experts(c)
-    if E is None:
-        raise FormatError(f"config.json: {c.model_type} needs num_experts or num_local_experts")
-    if c.extra["num_experts_per_tok"] > E:
-        raise FormatError(f"config.json: num_experts_per_tok ({c.extra['num_experts_per_tok']}) is more "
-                          f"than the {E} experts")
-
 
 def _configure(c: ModelConfig) -> None:
     if c.model_type == "qwen2_moe":
@@ -202,21 +102,10 @@ def _windows(c: ModelConfig) -> list[int]:
     return sliding_where_typed(types, window)
 
 
-def gguf_experts(meta: dict, a: str) -> tuple[int, int]:
-    """A GGUF's expert_count and expert_used_count, checked: absent, they read as 0, as llama.cpp
-    reads them (and refuses the file)."""
-    E, k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 0)
-    for key, value in (("expert_count", E), ("expert_used_count", k)):
-        COUNT.check(f"GGUF metadata {a}{key}", value)
-    if k > E:
-        raise FormatError(f"GGUF metadata {a}expert_used_count {k} is more than the {E} experts")
-    return E, k
-
-
 def _qwen3moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
     """llama.cpp's qwen3moe: experts in every layer, the k probabilities always renormalised; an
     expert's width, where the file has none, feed_forward_length / expert_used_count."""
-    E, k = gguf_experts(meta, a)
+    E, k = expert_counts(meta, a)
     F = meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0) // k)
     COUNT.check(f"GGUF metadata {a}expert_feed_forward_length", F)
     return dict(extra=dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=F,
@@ -231,12 +120,6 @@ def _qwen2moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -
     COUNT.check(f"GGUF metadata {a}expert_shared_feed_forward_length", S)
     fields["extra"] |= dict(shared_expert_intermediate_size=S, norm_topk_prob=False)
     return fields
-
-
-# llama.cpp's names of a mixture's router and stacked experts, as Qwen's checkpoints and MLX's
-# switch_mlp name them
-GGUF_EXPERTS = {"ffn_gate_inp": "mlp.gate",
-                **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}
 
 
 FAMILY = Family(
