@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+# What the families' rules take: formats.config.ModelConfig, which reads this table while it is
+# built, so this module does not import it (not even for type checkers: an import circle).
+ModelConfig = Any
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ import pytest
 import tokenizers
 from click.testing import CliRunner
 
-import nibble.runner  # noqa: F401  (fills the families' table)
 from nibble.formats import gguf_tokenizer
 from nibble.formats.errors import NibbleError
 from nibble.formats.gguf import import_gguf
