@@ -48,13 +48,13 @@ def gguf_tensors(model: ModelDir) -> tuple[list[Tensor], dict[str, str]]:
             continue
         w = read_linear(model.tensors, quantization, path) if kind == "weight" else t
         if isinstance(w, QuantizedTensor):
-            kind = f"int{w.integer_bits} g{w.group_size}"
+            was = f"int{w.integer_bits} g{w.group_size}"
             blocks = _blocks(w)
             if blocks is None and (blocks := _blocks(w, exact=False)) is not None:   # its integers kept
-                again[name] = f"{kind} -> {blocks[0].name} (scales and biases to float16)"
+                again[name] = f"{was} -> {blocks[0].name} (scales and biases to float16)"
             elif blocks is None:
                 blocks = AGAIN, gguf.quants.quantize(dequantize(w), AGAIN)
-                again[name] = f"{kind} -> {AGAIN.name}"
+                again[name] = f"{was} -> {AGAIN.name}"
             tensors.append(Tensor(name, blocks[1], blocks[0]))
         else:
             tensors.append(_float(name, w))

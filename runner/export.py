@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nibble.formats.errors import NibbleError
-from nibble.formats.gguf_export import copy_gguf, write_gguf
+from nibble.formats.gguf_export import arch_of, copy_gguf, write_gguf
 from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import default_calibration_text
 from nibble.quant.export import compressed_tensors, gguf_tensors
@@ -60,6 +60,7 @@ def export_gguf(ref: str, out: str | Path, force: bool = False, measure: bool = 
         if model.path is not None and model.path.suffix == ".gguf":
             copy_gguf(model.path, out)
             return Exported(out, len(model.tensors))
+        arch_of(model.config)   # before any matrix is rounded: a model it cannot write, refused at once
         tensors, again = gguf_tensors(model)
         write_gguf(model, tensors, out, model.path.name if model.path is not None else "model")
     except OSError as e:
