@@ -27,9 +27,10 @@ from .gguf_tokenizer import gguf_vocab
 from .model_dir import ModelDir
 from .tempfiles import temp_file
 
-# The architectures written, each llama's block with its own fields: what llama.cpp's llama,
-# qwen2 and qwen3 models read of the metadata, no more.
-ARCHS = ("llama", "qwen2", "qwen3")
+# The model types written and the architecture each is, llama's block with its own fields: what
+# llama.cpp's llama, qwen2 and qwen3 models read of the metadata, no more (smollm3's layers
+# without RoPE, phi3's and gemma3's own blocks are other architectures).
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class Tensor(NamedTuple):
@@ -43,30 +44,23 @@ class Tensor(NamedTuple):
 def arch_of(config: ModelConfig) -> str:
     """The GGUF architecture a model of this config is written as, or FormatError saying which
     are written."""
-    family = families.of(config.model_type)
-    written = {a: layout.model_type for a, layout in (family.gguf.items() if family else ()) if a in ARCHS}
-    # the architecture that reads back as this model type, or else as llama (mistral's)
-    archs = sorted(written, key=lambda a: written[a] != config.model_type)
-    archs = [a for a in archs if written[a] in (config.model_type, "llama")]
-    if not archs:
-        raise FormatError(f"nibble writes GGUF files of {', '.join(ARCHS)} models, not "
-                          f"{config.model_type}")
+    arch = ARCHS.get(config.model_type)
+    if arch is None:
+        raise FormatError(f"nibble writes GGUF files of {', '.join(ARCHS)} models, not {config.model_type}")
     if any(config.windows):
-        raise FormatError(f"its layers attend through a sliding window, which llama.cpp's {archs[0]} "
+        raise FormatError(f"its layers attend through a sliding window, which llama.cpp's {arch} "
                           f"models do not: the answers would differ past {max(config.windows)} tokens")
-    return archs[0]
+    return arch
 
 
-def write_gguf(model: ModelDir, tensors: Iterable[Tensor], out: Path, name: str,
-               vocab: dict | None = None) -> Path:
-    """Write `model` (its config and tokenizer) with `tensors` as the GGUF file `out`; `vocab`,
-    the tokenizer.* metadata where it is known already (a GGUF's own), else gguf_vocab's.
-    Written beside `out` and renamed into place: `out` is whole or untouched."""
+def write_gguf(model: ModelDir, tensors: Iterable[Tensor], out: Path, name: str) -> Path:
+    """Write `model` (its config and tokenizer) with `tensors` as the GGUF file `out`, under the
+    general.name `name`. Written beside `out` and renamed into place: `out` is whole or untouched."""
     config = model.config
     arch = arch_of(config)
     layout = families.gguf_arch(arch)
     meta = {"general.name": name, **_fields(config, arch),
-            **(vocab or gguf_vocab(model.tokenizer, model.tokenizer_config, config.vocab_size))}
+            **gguf_vocab(model.tokenizer, model.tokenizer_config, config.vocab_size)}
     with temp_file(out) as (tmp, _):
         writer = gguf.GGUFWriter(tmp, arch)
         for key, value in meta.items():

@@ -147,8 +147,11 @@ def test_llama_cpp_runs_the_export(tmp_path, model_type, bits, group_size):
 
 def test_what_cannot_be_exported_is_one_line(tmp_path):
     gemma = write_model_dir(tiny_model_dir("gemma3_text"), tmp_path / "gemma")
-    with pytest.raises(NibbleError, match="nibble writes GGUF files of llama, qwen2, qwen3 models, not gemma3_text"):
+    with pytest.raises(NibbleError, match="nibble writes GGUF files of llama, mistral, qwen2, qwen3 models, not gemma3_text"):
         export_gguf(str(gemma), tmp_path / "out.gguf")
+    smollm3 = write_model_dir(tiny_model_dir("smollm3"), tmp_path / "smollm3")   # layers without RoPE
+    with pytest.raises(NibbleError, match="not smollm3"):
+        export_gguf(str(smollm3), tmp_path / "out.gguf")
     mistral = write_model_dir(tiny_model_dir("mistral"), tmp_path / "mistral")
     with pytest.raises(NibbleError, match="sliding window"):
         export_gguf(str(mistral), tmp_path / "out.gguf")
