@@ -141,11 +141,11 @@ class ThreadChooser:
         self._countdown = self._interval
 
 
-def procs_running_elsewhere() -> int | None:
+def procs_running_elsewhere(stat: str = "/proc/stat") -> int | None:
     """Threads ready to run on this machine right now but the one asking (Linux: /proc/stat's
     procs_running); None where the system does not say."""
     try:
-        with open("/proc/stat", "rb") as f:
+        with open(stat, "rb") as f:
             for line in f:
                 if line.startswith(b"procs_running "):
                     return max(0, int(line.split()[1]) - 1)

@@ -68,9 +68,15 @@ def test_the_first_pass_takes_the_cores_free_then():
     assert chooser.next_count(1) == 5
 
 
-def test_procs_running_elsewhere_reads_the_system():
-    others = procs_running_elsewhere()
-    assert others is None or others >= 0
+def test_procs_running_elsewhere_reads_the_system(tmp_path):
+    assert isinstance(procs_running_elsewhere(), int)   # Linux's /proc/stat says
+    stat = tmp_path / "stat"
+    for text, others in (("cpu  1 2 3\nprocs_running 5\nprocs_blocked 0\n", 4),   # the asker is one of them
+                         ("procs_running 1\n", 0), ("procs_running 0\n", 0),
+                         ("cpu  1 2 3\n", None), ("procs_running many\n", None)):
+        stat.write_text(text)
+        assert procs_running_elsewhere(str(stat)) == others, text
+    assert procs_running_elsewhere(str(tmp_path / "missing")) is None
 
 
 def test_several_cores_taken_are_found_a_step_at_a_time():
