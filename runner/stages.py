@@ -85,11 +85,11 @@ class CPUStage:
 
     def kernels(self, x, kv, rows, act) -> Kernels:
         """Each layer's family.block() compiled for its arguments' types (act: the first layer's
-        act_sq), with the weights it takes: numba's dispatcher works them out again at each call,
-        ~8 us for a layer's named tuples (0.25 ms of a SmolLM2 token, 5%), but a layer's weights
-        and rotations keep theirs: only those of x, rows, the cache (f32 or int8) and act_sq are
-        looked at each pass, by numba's fingerprint of a value's type (0.1 us; typing rows costs
-        20). Kernels on a first run's weights give way to the full ones once the background has
+        act_sq), with the weights it takes: numba's dispatcher would type a layer's named tuples
+        again at each call (a few percent of a small model's token), but a layer's weights and
+        rotations keep theirs: only those of x, rows, the cache (f32 or int8) and act_sq are looked
+        at each pass, by numba's fingerprint of a value's type, far cheaper than typing them.
+        Kernels on a first run's weights give way to the full ones once the background has
         compiled them."""
         key = tuple(map(compute_fingerprint, (x, rows, kv.layer(0) if kv else None, act)))
         kernels = self._kernels.get(key)

@@ -1,5 +1,5 @@
 """Compiling a kernel, made cheaper: two of numba's IR passes that spent most of a first run's
-compile time copying the same data again (half of the 72 s of qmatmul's first call).
+compile time copying the same data again (about half of a kernel's first compile).
 - Inlining a function copies its IR block by block, each block with a deep copy of its own:
   every copy of a block copies the whole scope again (all the function's variables), a cost
   that grows with the function's size squared. The blocks of one function are copied here with

@@ -45,12 +45,8 @@ f32 = np.float32
 # x row than for two (the SLP vectorizer packs some rows' scalar sums into vectors)
 _jit = dict(_jit, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
 # Each weight stream asked for AHEAD bytes early, once a cache line (llvm.prefetch): the hardware
-# prefetchers alone left decode short of the bandwidth, one core's stream from DRAM at (GB/s, int4
-# G64, one thread / two): on an AMD EPYC, 4096 x 11008 at 12.6 / ~23 (x past
-# 12 KB of int16) where 4096 x 4096 ran 18 / 34; on an Intel Xeon every shape, 4096 x 4096 at 9.7 /
-# 18.4 and SmolLM2's 576 x 1536 at 7.9 / 13.3. At 1 KB ahead the EPYC's 4096 x 11008 read 15.3 / 28
-# (4096 x 4096 about 2% slower); at 2 KB the Xeon's 4096 x 4096 reads 13.0 / 25.3 and 576 x 1536
-# 11.3 / 18.2 (1 KB: 12.6 / 23.8; 4 KB no faster).
+# prefetchers alone left one core's stream from DRAM short of the bandwidth, on AMD's and Intel's
+# servers alike; of 1, 2 and 4 KB ahead, 2 KB read fastest (the figures: commit 37f7daa).
 AHEAD = 2048
 PAIRED = 512   # bytes of a weight row at most that decode reads two rows of in step (_tasks_x8)
 
