@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,12 +51,10 @@ def export_gguf(ref: str, out: str | Path, force: bool = False, measure: bool = 
     """Write the model at `ref` as the GGUF file `out` (refused if it exists, unless `force`);
     measure: where weights were rounded again, the KL of the export against nibble's model."""
     out = Path(out)
-    if out.exists() and not force:
-        raise NibbleError(f"{out} already exists: choose another path, or replace it with --force")
     if out.suffix != ".gguf":
         raise NibbleError(f"{out}: a GGUF file's name ends in .gguf (llama.cpp and ollama look for it)")
     model = open_model(ref)
-    try:
+    with _writing(out, force):
         out.parent.mkdir(parents=True, exist_ok=True)
         if model.path is not None and model.path.suffix == ".gguf":
             copy_gguf(model.path, out)
@@ -63,12 +62,21 @@ def export_gguf(ref: str, out: str | Path, force: bool = False, measure: bool = 
         arch_of(model.config)   # before any matrix is rounded: a model it cannot write, refused at once
         tensors, again = gguf_tensors(model)
         write_gguf(model, tensors, out, model.path.name if model.path is not None else "model")
-    except OSError as e:
-        raise NibbleError(f"cannot write {out}: {e.strerror or e}") from None
     exported = Exported(out, len(tensors), again)
     if again and measure:
         exported.kl = _kl(model, lambda: load(str(out))[0])
     return exported
+
+
+@contextmanager
+def _writing(out: Path, force: bool):
+    """Around an export's write: an existing `out` refused unless `force`, a failing write one line."""
+    if out.exists() and not force:
+        raise NibbleError(f"{out} already exists: choose another path, or replace it with --force")
+    try:
+        yield
+    except OSError as e:
+        raise NibbleError(f"cannot write {out}: {e.strerror or e}") from None
 
 
 def _kl(model, exported) -> float:
@@ -88,17 +96,13 @@ def export_compressed(ref: str, out: str | Path, force: bool = False, measure: b
     `out` (refused if it exists, unless `force`); measure: where weights were rounded again, the KL
     of the export against nibble's model."""
     out = Path(out)
-    if out.exists() and not force:
-        raise NibbleError(f"{out} already exists: choose another path, or replace it with --force")
     model = open_model(ref)
-    tensors, config, again, as_run = compressed_tensors(model)
-    extra = {k: v for k, v in model.config.extra.items() if k != "quantization_config"}
-    written = dataclasses.replace(model, config=dataclasses.replace(
-        model.config, quantization=None, extra={**extra, "quantization_config": config, "torch_dtype": "float16"}))
-    try:
+    with _writing(out, force):
+        tensors, config, again, as_run = compressed_tensors(model)
+        extra = {k: v for k, v in model.config.extra.items() if k != "quantization_config"}
+        written = dataclasses.replace(model, config=dataclasses.replace(
+            model.config, quantization=None, extra={**extra, "quantization_config": config, "torch_dtype": "float16"}))
         write_model_dir(written, out, force=force, tensors=tensors)
-    except OSError as e:
-        raise NibbleError(f"cannot write {out}: {e.strerror or e}") from None
     exported = Exported(out, len(tensors), again, hint=" (nibble quantize --for vllm quantizes a float model "
                         "with integer zero points, which this format holds exactly)" if again else "")
     if again and measure:
