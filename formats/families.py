@@ -62,7 +62,7 @@ class Family:
     gguf: Mapping[str, GGUFArch] = field(default_factory=dict)   # general.architecture -> its layout
     # config.FIXED_FIELDS' accepted values where the family runs others (BERT's "gelu")
     fixed: Mapping[str, tuple] = field(default_factory=dict)
-    encoder: bool = False   # an encoder (BERT's): it embeds text (runner/encoder.py), it does not generate
+    encoder: bool = False   # an encoder (BERT's): it embeds text (runner/embedding/encoder.py), it does not generate
 
 
 _BY_MODEL_TYPE: dict[str, Family] = {}

@@ -34,7 +34,7 @@ def kernels_dir() -> Path:
 
 
 def kv_dir() -> Path:
-    """The KV cache's blocks kept on disk, a folder per model (runner/kv_disk.py)."""
+    """The KV cache's blocks kept on disk, a folder per model (runner/kv/disk.py)."""
     return cache_home() / "kv"
 
 

@@ -1,4 +1,4 @@
-"""Running a model: kernels, KV cache, sampling, generation and the CLI.
+"""Running a model: kernels, model families, the KV cache, generation, serving and measuring.
 
 Two calls run a model:
 
@@ -10,7 +10,8 @@ import importlib
 
 from . import models   # the families: the file readers in formats/ know them by their table
 
-_EXPORTS = {"load": ".loader", "stream_generate": ".generate", "GenerationResponse": ".generate"}
+_EXPORTS = {"load": ".loader", "stream_generate": ".generation.generate",
+            "GenerationResponse": ".generation.generate"}
 __all__ = list(_EXPORTS)
 
 

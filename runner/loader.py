@@ -7,7 +7,7 @@ from nibble.quant.convert import count_params, is_quantized
 from nibble.quant.open_model import open_model
 from .background import Background
 from .model import Model
-from .quantize import quantized_once
+from .convert.quantize import quantized_once
 from .tokenizer import Tokenizer
 
 QUANT_BITS = {"int8": 8, "int4": 4}

@@ -9,7 +9,7 @@ from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import read_linear
 from .background import Background
-from .cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
+from .kv.cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
 from .kernels import compiling, prefill
 from .kernels.linear import SMALL, Weight, prepare
 from .models import family

@@ -18,7 +18,7 @@ import numpy as np
 from nibble.formats.errors import NibbleError, UnsupportedModel
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
-from .cache import blocks_for
+from .kv.cache import blocks_for
 from .stages import weight_nbytes
 
 CHUNK = 256           # most tokens sent through the device at once: bounds the workspace

@@ -14,7 +14,7 @@ from nibble.formats.errors import NibbleError
 # The most tokens a reply may have, unless asked otherwise (nibble run -n, a chat's max tokens).
 MAX_TOKENS = 512
 
-# The most tokens a decode pass guesses ahead by prompt lookup (runner/draft.py; nibble run --draft).
+# The most tokens a decode pass guesses ahead by prompt lookup (runner/generation/draft.py; nibble run --draft).
 # SmolLM2 int4, one thread: 8 decoded a reply quoting 30 lines of code 1.46x as fast (4: 1.43x),
 # free text as fast as without (each drafted token costs about half a pass there).
 DEFAULT_DRAFT = 8

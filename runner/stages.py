@@ -22,7 +22,7 @@ import numpy as np
 from numba._dispatcher import compute_fingerprint
 
 from nibble.quant.affine import QuantizedTensor
-from .cache import HostKV, Rows, blocks_for, identity_table, kv_type
+from .kv.cache import HostKV, Rows, blocks_for, identity_table, kv_type
 from .kernels import ahead, compiling, cpu, linear, quant_decode
 from .kernels.layer import weights_of
 

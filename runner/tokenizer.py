@@ -8,8 +8,8 @@ import numpy as np
 import tokenizers
 
 from nibble.formats.model_dir import ModelDir
-from .chat import ChatTemplate, build_messages
-from .detokenize import StreamDecoder
+from .chat.template import ChatTemplate, build_messages
+from .generation.detokenize import StreamDecoder
 from .settings import DRY_SEQUENCE_BREAKERS, model_sampling
 
 
@@ -65,7 +65,7 @@ class Tokenizer:
 
     @cached_property
     def grammar_tokenizer(self):
-        """llguidance's view of this vocabulary, for grammars (runner/grammar.py): built once, in
+        """llguidance's view of this vocabulary, for grammars (runner/generation/grammar.py): built once, in
         about 0.3 s for 49k tokens. Ids past the tokenizer's own are never allowed."""
         import llguidance
         vocab = max(self.vocab_size, self.tokenizer.get_vocab_size())
@@ -73,7 +73,7 @@ class Tokenizer:
 
     @cached_property
     def sequence_breakers(self) -> np.ndarray:
-        """[vocab] bool: the ids whose text holds one of DRY's sequence breakers (runner/sample.py),
+        """[vocab] bool: the ids whose text holds one of DRY's sequence breakers (runner/generation/sample.py),
         built once, in about 0.3 s for 49k tokens. llama.cpp also breaks where a breaker's characters
         fall in several tokens: none of these can, each being one character."""
         n = self.tokenizer.get_vocab_size()

@@ -20,7 +20,7 @@ import time
 import numba
 import numpy as np
 
-from nibble.runner.cache import BLOCK, Rows
+from nibble.runner.kv.cache import BLOCK, Rows
 from nibble.runner.kernels import prefill, quant_decode
 from tests.bench_quant_kernels import wait_quiet
 
@@ -106,7 +106,7 @@ def steps(model, rounds: int, n_steps: int, prompt: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", default="smollm2")
-    ap.add_argument("--shapes", help="random int4 weights of these shapes (runner/synthetic.py) instead of a model")
+    ap.add_argument("--shapes", help="random int4 weights of these shapes (runner/measure/synthetic.py) instead of a model")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16)
@@ -115,7 +115,7 @@ def main():
     args = ap.parse_args()
     numba.set_num_threads(args.threads)
     if args.shapes:
-        from nibble.runner.synthetic import random_model
+        from nibble.runner.measure.synthetic import random_model
         model = random_model(args.shapes, 4)
     else:
         from nibble.runner.loader import load

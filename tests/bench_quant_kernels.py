@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from nibble.quant.affine import QuantizedTensor
-from nibble.runner.bench import memory_bandwidth
+from nibble.runner.measure.bench import memory_bandwidth
 from nibble.runner.kernels import cpu
 from nibble.runner.kernels.linear import prepare, qmatmul
 from nibble.runner.kernels.quant_decode import KINDS

@@ -49,7 +49,7 @@ def load_tiny(path: str):
 
 def greedy_reply(tiny: str, tokens: int) -> tuple[str, int]:
     """The reply's text and its length in tokens."""
-    from nibble.runner.session import ChatSession
+    from nibble.runner.generation.session import ChatSession
     from nibble.runner.settings import SamplerSettings
     model, tok = load_tiny(tiny)
     chunks = ChatSession(model, tok, threads=THREADS).reply([{"role": "user", "content": PROMPT}],
@@ -60,7 +60,7 @@ def greedy_reply(tiny: str, tokens: int) -> tuple[str, int]:
 
 def child(tiny: str, tokens: int):
     """The chat app, headless: send PROMPT, then stream the reply until killed."""
-    from nibble.runner import session as session_module
+    from nibble.runner.generation import session as session_module
     from tests.tui_helpers import make_app, send, wait_for
     real, replying = session_module.stream_generate, False
 

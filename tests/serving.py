@@ -8,7 +8,7 @@ import time
 
 import openai
 
-from nibble.runner.engine import Engine
+from nibble.runner.generation.engine import Engine
 from nibble.runner.loader import load
 from nibble.runner.serve.models import EngineOptions, Models
 from nibble.runner.serve.server import Server, listen

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from nibble.runner import synthetic
-from nibble.runner.bench import memory_bandwidth, peak_gops, prefill_ops, weight_bytes_per_token
+from nibble.runner.measure import synthetic
+from nibble.runner.measure.bench import memory_bandwidth, peak_gops, prefill_ops, weight_bytes_per_token
 from nibble.runner.kernels import prefill_int8
 from nibble.runner.loader import from_model_dir
 from tests.test_cli import assert_one_line_error, invoke

@@ -4,10 +4,10 @@ prompt memo."""
 import numpy as np
 import pytest
 
-from nibble.runner.blocks import ROOT, BlockPool, PoolFull, block_hash
-from nibble.runner.cache import BLOCK
+from nibble.runner.kv.blocks import ROOT, BlockPool, PoolFull, block_hash
+from nibble.runner.kv.cache import BLOCK
 from nibble.runner.loader import load
-from nibble.runner.prompt_ids import PromptMemo
+from nibble.runner.kv.prompt_ids import PromptMemo
 
 
 def ids(n, start=0):

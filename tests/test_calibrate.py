@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from nibble.runner.calibrate import layer_importances
+from nibble.runner.convert.calibrate import layer_importances
 from nibble.runner.model import Model
 from tests import reference
 from tests.tiny import tiny_config, tiny_tensors

@@ -13,7 +13,7 @@ from nibble.formats import catalog, usage
 from nibble.formats.errors import FormatError
 from nibble.formats.gguf_header import read_gguf_header
 from nibble.quant.open_model import open_model
-from nibble.runner.cli_models import format_bytes
+from nibble.tui.cli.models import format_bytes
 from tests.test_cli import assert_one_line_error, invoke
 from tests.test_gguf import TOKENS, llama_cpp_tensors, write_gguf
 from tests.test_hub import TINY_REPO, fake_hub, isolated, lay_out_snapshot   # noqa: F401 (fixtures)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from nibble.formats.errors import NibbleError
 from nibble.quant.open_model import open_model
-from nibble.runner.cli import main
+from nibble.tui.cli.main import main
 
 GREEDY = ["--temp", "0", "-n", "12"]
 
@@ -96,7 +96,7 @@ def test_empty_prompt(tiny_dir):
 
 
 def test_no_prompt_and_a_terminal_on_stdin(tiny_dir, monkeypatch):
-    monkeypatch.setattr("nibble.runner.cli._stdin_is_terminal", lambda: True)
+    monkeypatch.setattr("nibble.tui.cli.main._stdin_is_terminal", lambda: True)
     r = invoke("run", "-m", tiny_dir)
     assert r.exit_code == 2 and "no prompt" in r.stderr
 
@@ -108,7 +108,7 @@ def test_prompt_longer_than_context_names_both_numbers(tiny_dir):
 
 def capture_sampling(monkeypatch) -> dict:
     """What `nibble run` samples with and how many tokens it asks for, without generating."""
-    from nibble.runner import generate, sample
+    from nibble.runner.generation import generate, sample
     seen = {}
     monkeypatch.setattr(sample, "make_sampler", lambda settings, *_: seen.setdefault("sampling", settings))
     monkeypatch.setattr(generate, "stream_generate",
@@ -232,7 +232,7 @@ def test_ctrl_c_keeps_the_text_and_prints_stats(smollm2_dir, tmp_path):
     a thousand numbers at least holds the reply open past -n, whatever the model would say."""
     schema = tmp_path / "long.json"
     schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 1000}))
-    proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "run", "-m", str(smollm2_dir), "-n", "2000",
+    proc = subprocess.Popen([sys.executable, "-m", "nibble.tui.cli.main", "run", "-m", str(smollm2_dir), "-n", "2000",
                              "--json-schema", str(schema), "List numbers."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=interruptible)
@@ -262,7 +262,7 @@ def test_int8_kv_cache_flag(tiny_dir):
 def test_quantize_at_load_once(tiny_dir, tmp_path, monkeypatch):
     """--quant quantizes a float model once, into nibble's cache; later runs load that copy."""
     from nibble.formats import catalog
-    from nibble.runner import quantize
+    from nibble.runner.convert import quantize
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
     writes = []
     write = quantize._write_quantized
@@ -360,7 +360,7 @@ def test_chat_lowers_threads_before_the_app_starts(tiny_dir, monkeypatch):
     from nibble.tui.app import ChatApp
     cores = numba.config.NUMBA_NUM_THREADS
     seen = {}
-    monkeypatch.setattr("nibble.runner.cli._in_terminal", lambda: True)
+    monkeypatch.setattr("nibble.tui.cli.main._in_terminal", lambda: True)
     monkeypatch.setattr(ChatApp, "run", lambda app: seen.update(threads=app.threads, ctx=app.ctx_size))
     r = invoke("chat", "-m", tiny_dir, "-t", 999)
     assert r.exit_code == 0, r.output
@@ -371,13 +371,13 @@ def test_chat_lowers_threads_before_the_app_starts(tiny_dir, monkeypatch):
 @pytest.mark.parametrize("flags,draft", [((), "default"), (("--draft", 3), 3), (("--no-draft",), 0),
                                          (("--draft", 5, "--no-draft"), 0)])
 def test_draft_flags_reach_generation_and_the_chat_app(tiny_dir, monkeypatch, flags, draft):
-    from nibble.runner import generate
+    from nibble.runner.generation import generate
     from nibble.runner.settings import DEFAULT_DRAFT
     from nibble.tui.app import ChatApp
     draft = DEFAULT_DRAFT if draft == "default" else draft
     seen = {}
     monkeypatch.setattr(generate, "stream_generate", lambda *a, draft, **kw: seen.update(run=draft) or iter(()))
-    monkeypatch.setattr("nibble.runner.cli._in_terminal", lambda: True)
+    monkeypatch.setattr("nibble.tui.cli.main._in_terminal", lambda: True)
     monkeypatch.setattr(ChatApp, "run", lambda app: seen.update(chat=app.draft))
     assert invoke("run", "-m", tiny_dir, *flags, "Hi").exit_code == 0
     assert invoke("chat", "-m", tiny_dir, *flags).exit_code == 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from nibble.runner.cache import Rows
+from nibble.runner.kv.cache import Rows
 from nibble.runner.kernels import cuda as gpu
 from nibble.runner.kernels import layer as cpu_layer, linear
 from nibble.runner.kernels.layer import LayerWeights

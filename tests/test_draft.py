@@ -7,11 +7,11 @@ import pytest
 
 from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.convert import quantize_model
-from nibble.runner.draft import NGRAM_MAX, NGRAM_MIN, NgramIndex, PromptLookup
-from nibble.runner.generate import stream_generate
+from nibble.runner.generation.draft import NGRAM_MAX, NGRAM_MIN, NgramIndex, PromptLookup
+from nibble.runner.generation.generate import stream_generate
 from nibble.runner.loader import from_model_dir
-from nibble.runner.sample import make_sampler, probabilities
-from nibble.runner.session import ChatSession
+from nibble.runner.generation.sample import make_sampler, probabilities
+from nibble.runner.generation.session import ChatSession
 from nibble.runner.settings import SamplerSettings
 from tests.tiny import tiny_model_dir
 
@@ -125,8 +125,8 @@ def test_drafts_stay_inside_the_context(tiny):
 
 @pytest.mark.parametrize("pool", [False, True])
 def test_chat_session_replies_the_same_with_drafts(tiny, pool):
-    from nibble.runner.blocks import BlockPool
-    from nibble.runner.cache import blocks_for
+    from nibble.runner.kv.blocks import BlockPool
+    from nibble.runner.kv.cache import blocks_for
     model, tok = tiny
     messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. The quick"}]
 

@@ -14,9 +14,10 @@ from nibble.formats.model_dir import read_model_dir
 from nibble.formats.safetensors import read_checkpoint, write_safetensors
 from nibble.formats.sentence_transformers import Pipeline, read_pipeline
 from nibble.quant.affine import QuantizedTensor
-from nibble.runner import embed, quantize
-from nibble.runner.embed import Embedder, pool
-from nibble.runner.encoder import Encoder
+from nibble.runner.convert import quantize
+from nibble.runner.embedding import embed
+from nibble.runner.embedding.embed import Embedder, pool
+from nibble.runner.embedding.encoder import Encoder
 from tests import reference
 from tests.test_cli import assert_one_line_error, invoke
 from tests.test_transformers import DATA

@@ -9,7 +9,7 @@ import pytest
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.safetensors import read_checkpoint
-from nibble.runner.encoder import Encoder
+from nibble.runner.embedding.encoder import Encoder
 from nibble.runner.kernels import cpu
 from nibble.runner.model import Model
 from tests import reference

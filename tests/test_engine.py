@@ -7,13 +7,13 @@ import threading
 import numpy as np
 import pytest
 
-from nibble.runner.decoding import Request
-from nibble.runner.engine import Busy, Engine
-from nibble.runner.generate import stream_generate
+from nibble.runner.generation.decoding import Request
+from nibble.runner.generation.engine import Busy, Engine
+from nibble.runner.generation.generate import stream_generate
 from nibble.runner.loader import load
 from nibble.runner.model import ContextFull
-from nibble.runner.prompt_ids import PromptMemo
-from nibble.runner.sample import make_sampler
+from nibble.runner.kv.prompt_ids import PromptMemo
+from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
 
 GREEDY = SamplerSettings(temperature=0)
@@ -217,7 +217,7 @@ def test_a_reply_ends_at_the_context(tiny):
 def test_a_grammar_per_sequence(tiny, engine):
     """One reply under a JSON schema beside one without: the constrained one is the reply
     stream_generate gives under the same grammar, parses, and ends "stop" where the JSON ends."""
-    from nibble.runner.grammar import Grammar
+    from nibble.runner.generation.grammar import Grammar
     model, tok = tiny
     grammar = Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
                                    "required": ["n"], "additionalProperties": False})

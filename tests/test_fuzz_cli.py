@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from hypothesis import event, given, settings, strategies as st
 
 from nibble.formats import hub
-from nibble.runner.cli import main
+from nibble.tui.cli.main import main
 
 pytestmark = pytest.mark.fuzz
 

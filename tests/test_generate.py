@@ -1,8 +1,8 @@
 """The generation stack on the tiny model: the README's two calls, finish reasons, stop strings."""
 import pytest
 
-from nibble.runner.decoding import Reply, StopStrings
-from nibble.runner.sample import make_sampler
+from nibble.runner.generation.decoding import Reply, StopStrings
+from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.tokenizer import Tokenizer
 from tests.tiny import tiny_model_dir

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from nibble.runner.cli import main
-from nibble.runner.grammar import Grammar, GrammarError
-from nibble.runner.sample import make_sampler
+from nibble.tui.cli.main import main
+from nibble.runner.generation.grammar import Grammar, GrammarError
+from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.tokenizer import Tokenizer
 from tests.tiny import tiny_model_dir

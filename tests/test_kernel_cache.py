@@ -73,7 +73,7 @@ def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_p
     text.write_text(TEXT[:len(TEXT) // 2], encoding="utf-8")
     ppl = {}
     for name in ["llama f32", "qwen2 f32", "qwen2 bf16", "qwen2 f32", "qwen2 bf16"]:
-        run = subprocess.run([sys.executable, "-m", "nibble.runner.cli", "perplexity", str(text),
+        run = subprocess.run([sys.executable, "-m", "nibble.tui.cli.main", "perplexity", str(text),
                               "-m", str(models[name]), "--ctx", "32", "--json"],
                              env=_env(tmp_path / "home"), cwd=ROOT, capture_output=True, text=True)
         assert run.returncode == 0, f"{name}: exit {run.returncode}\n{run.stderr[-2000:]}"

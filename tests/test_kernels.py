@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from nibble.runner.cache import BLOCK, Rows
+from nibble.runner.kv.cache import BLOCK, Rows
 from nibble.runner.kernels import cpu
 from nibble.runner.kernels.cpu import SMALL
 from tests import reference

@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nibble.runner.blocks import BlockPool, resume
-from nibble.runner.cache import BLOCK
-from nibble.runner.decoding import Request
-from nibble.runner.engine import Engine
-from nibble.runner.generate import stream_generate
-from nibble.runner.kv_disk import DiskBlocks, fingerprint, open_disk, parse_size
+from nibble.runner.kv.blocks import BlockPool, resume
+from nibble.runner.kv.cache import BLOCK
+from nibble.runner.generation.decoding import Request
+from nibble.runner.generation.engine import Engine
+from nibble.runner.generation.generate import stream_generate
+from nibble.runner.kv.disk import DiskBlocks, fingerprint, open_disk, parse_size
 from nibble.runner.loader import load
-from nibble.runner.sample import make_sampler
+from nibble.runner.generation.sample import make_sampler
 from nibble.runner.serve.models import EngineOptions
-from nibble.runner.session import ChatSession
+from nibble.runner.generation.session import ChatSession
 from nibble.runner.settings import SamplerSettings
 from tests.test_cli import assert_one_line_error, invoke
 from tests.serving import serving
@@ -200,7 +200,7 @@ WRITER = textwrap.dedent("""
     import sys
     import numpy as np
     from pathlib import Path
-    from nibble.runner.kv_disk import DiskBlocks
+    from nibble.runner.kv.disk import DiskBlocks
     disk = DiskBlocks(Path(sys.argv[1]), limit=1 << 30)
     for i in range(int(sys.argv[2]), 10**9):
         h = i.to_bytes(16, "little")

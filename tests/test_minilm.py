@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nibble.formats.model_dir import read_model_dir
-from nibble.runner.embed import Embedder
+from nibble.runner.embedding.embed import Embedder
 from tests.test_cli import invoke
 
 pytestmark = pytest.mark.slow

@@ -3,10 +3,10 @@ from dataclasses import replace
 
 import pytest
 
-from nibble.runner.generate import stream_generate
+from nibble.runner.generation.generate import stream_generate
 from nibble.runner.loader import from_model_dir, load
-from nibble.runner.sample import make_sampler
-from nibble.runner.session import ChatSession
+from nibble.runner.generation.sample import make_sampler
+from nibble.runner.generation.session import ChatSession
 from nibble.runner.settings import SamplerSettings, model_sampling
 from tests.tiny import tiny_model_dir
 

@@ -8,7 +8,7 @@ from numba import cuda
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import quantize_model
-from nibble.runner.cache import BLOCK, Rows
+from nibble.runner.kv.cache import BLOCK, Rows
 from nibble.runner.kernels import cpu
 from nibble.runner.loader import from_model_dir
 from nibble.runner.model import NonFinite

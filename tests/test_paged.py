@@ -5,7 +5,7 @@ import pytest
 from numba import cuda
 
 from nibble.formats.errors import NibbleError
-from nibble.runner.cache import BLOCK, KVCache, Rows
+from nibble.runner.kv.cache import BLOCK, KVCache, Rows
 from nibble.runner.model import ContextFull, Model
 from tests.tiny import tiny_config, tiny_tensors
 

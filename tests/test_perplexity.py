@@ -7,7 +7,7 @@ import pytest
 from nibble.formats.model_dir import write_model_dir
 from nibble.quant.convert import quantize_model
 from nibble.runner.loader import from_model_dir
-from nibble.runner.perplexity import evaluate
+from nibble.runner.measure.perplexity import evaluate
 from tests import reference
 from tests.test_cli import assert_one_line_error, invoke
 from tests.tiny import TEXT, tiny_model_dir

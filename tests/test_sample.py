@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from nibble.formats.errors import NibbleError
-from nibble.runner.sample import (apply_dry_penalty, apply_presence_frequency_penalty, apply_repetition_penalty,
+from nibble.runner.generation.sample import (apply_dry_penalty, apply_presence_frequency_penalty, apply_repetition_penalty,
                                   draw, make_sampler, top_k, top_p_min_p)
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.tokenizer import Tokenizer

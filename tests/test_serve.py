@@ -312,7 +312,7 @@ def test_nibble_serve_says_where_it_listens_refuses_past_its_queue_and_drains_on
     last chunk and [DONE], and the process exits 0."""
     import numba
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NUMBA_CACHE_DIR": numba.config.CACHE_DIR}
-    proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "serve", "-m", str(long_dir), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "nibble.tui.cli.main", "serve", "-m", str(long_dir), "--port", "0",
                              "--parallel", "1", "--queue", "1", "--api-key", KEY, "-c", str(CTX)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=interruptible)
     try:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import event, given, strategies as st
 
 from nibble.formats.model_dir import write_model_dir
-from nibble.runner.decoding import Event, Usage
+from nibble.runner.generation.decoding import Event, Usage
 from nibble.runner.serve import anthropic as messages_api
 from nibble.runner.serve.replies import ReplyParts
 from tests.serving import KEY, Running, serving, with_context

@@ -4,7 +4,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from nibble.runner.decoding import TokenLogprob, Usage
+from nibble.runner.generation.decoding import TokenLogprob, Usage
 from nibble.runner.serve import api
 from nibble.runner.serve.api import ApiError, parse_chat, parse_completion
 

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import event, example, given, settings, strategies as st
 
 from nibble.formats.model_dir import read_model_dir
-from nibble.runner.embed import Embedder
-from nibble.runner.embed_engine import EmbedEngine
-from nibble.runner.engine import Busy
+from nibble.runner.embedding.embed import Embedder
+from nibble.runner.embedding.engine import EmbedEngine
+from nibble.runner.generation.engine import Busy
 from nibble.runner.serve import embeddings
 from nibble.runner.serve.api import ApiError
 from tests.serving import KEY, serving

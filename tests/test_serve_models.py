@@ -323,7 +323,7 @@ def test_the_openai_client_in_a_real_nibble_serve_process(cache, isolated):  # n
 
     import numba
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NUMBA_CACHE_DIR": numba.config.CACHE_DIR}
-    proc = subprocess.Popen([sys.executable, "-m", "nibble.runner.cli", "serve", "--models", f"{A},{B}", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "nibble.tui.cli.main", "serve", "--models", f"{A},{B}", "--port", "0",
                              "--api-key", KEY, "--max-models", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=interruptible)
     try:

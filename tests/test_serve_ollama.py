@@ -9,11 +9,11 @@ import pytest
 from hypothesis import event, example, given, strategies as st
 
 from nibble.formats.model_dir import write_model_dir
-from nibble.runner.reasoning import ThinkingOptions
+from nibble.runner.chat.reasoning import ThinkingOptions
 from nibble.runner.serve import ollama as wire, ollama_models
 from nibble.runner.serve.api import ApiError
 from nibble.runner.serve.models import EngineOptions
-from nibble.runner.synthetic import CHATML
+from nibble.runner.measure.synthetic import CHATML
 from tests.serving import CTX, KEY, serving, with_context
 from tests.test_serve import PERSON, TOOLS
 from tests.tiny import TEMPLATES, tiny_model_dir

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseStreamEvent
 
 from nibble.formats.model_dir import write_model_dir
-from nibble.runner.decoding import Event, Usage
+from nibble.runner.generation.decoding import Event, Usage
 from nibble.runner.serve.api import Stamp, ThinkingOptions
 from nibble.runner.serve.models import EngineOptions
 from nibble.runner.serve.responses import parse, response_events

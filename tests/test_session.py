@@ -8,17 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from nibble.runner import session as session_module
-from nibble.runner.blocks import BlockPool
-from nibble.runner.cache import blocks_for
-from nibble.runner.generate import stream_generate
+from nibble.runner.generation import session as session_module
+from nibble.runner.kv.blocks import BlockPool
+from nibble.runner.kv.cache import blocks_for
+from nibble.runner.generation.generate import stream_generate
 from nibble.runner.loader import load
-from nibble.runner.chat import ChatTemplate
+from nibble.runner.chat.template import ChatTemplate
 from nibble.runner.model import ContextFull
-from nibble.runner.reasoning import ThinkingOptions
+from nibble.runner.chat.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
-from nibble.runner.sample import make_sampler
-from nibble.runner.session import ChatSession
+from nibble.runner.generation.sample import make_sampler
+from nibble.runner.generation.session import ChatSession
 
 GREEDY = SamplerSettings(temperature=0)
 
@@ -167,7 +167,7 @@ def test_long_prefill_in_chunks_gives_the_same_reply(new_session):
 
 def test_timings_come_from_stream_generate(new_session, monkeypatch):
     """The session reports the generation's own figures, not figures of its own."""
-    from nibble.runner import generate
+    from nibble.runner.generation import generate
 
     def figures(*args, **kwargs):
         for r in generate.stream_generate(*args, **kwargs):
@@ -331,7 +331,7 @@ def replace_template(tok, source: str):
 
 def alone_thinking(r1, prompt_ids):
     """The greedy reply to `prompt_ids` (which open a <think> block) on a fresh cache, its answer."""
-    from nibble.runner.reasoning import THINK_END, ReasoningSplit
+    from nibble.runner.chat.reasoning import THINK_END, ReasoningSplit
     model, tok = r1
     split = ReasoningSplit("think", inside=True, budget=4, end_ids=tok.encode(THINK_END, add_bos=False))
     return "".join(r.text for r in stream_generate(model, tok, prompt_ids, sampler=make_sampler(GREEDY),

@@ -17,7 +17,7 @@ import pytest
 from nibble.quant.affine import QuantizedTensor
 from nibble.runner.kernels import linear, prefill
 from nibble.runner.loader import load
-from nibble.runner.perplexity import evaluate
+from nibble.runner.measure.perplexity import evaluate
 from tests.llamacpp import SMOLLM2 as LLAMACPP
 
 GREEDY_F32 = LLAMACPP["greedy"]["models"]["SmolLM2-135M-Instruct.F32.gguf"]["outputs"]
@@ -70,8 +70,8 @@ def test_greedy_matches_llamacpp_f32(smollm2_f32, case):
 
 def test_streamed_reply_is_llamacpps_text(smollm2_f32):
     """The whole pipeline: chat template, prefill, greedy decode, streaming detokenizer, eos."""
-    from nibble.runner.generate import stream_generate
-    from nibble.runner.sample import make_sampler
+    from nibble.runner.generation.generate import stream_generate
+    from nibble.runner.generation.sample import make_sampler
     from nibble.runner.settings import SamplerSettings
     model, tok = smollm2_f32
     case = GREEDY_F32[1]

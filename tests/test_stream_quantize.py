@@ -13,9 +13,9 @@ from nibble.formats.half import HalfTensor
 from nibble.formats.model_dir import read_model_dir
 from nibble.formats.safetensors import TensorStream, write_safetensors
 from nibble.quant.convert import QuantizePlan, quantize_model
-from nibble.runner import synthetic
+from nibble.runner.measure import synthetic
 from nibble.runner.model import Model
-from nibble.runner.quantize import calibrated_tensors, calibration_tokens, quantize
+from nibble.runner.convert.quantize import calibrated_tensors, calibration_tokens, quantize
 from tests.test_calibrate import imatrix
 from tests.test_cli import assert_one_line_error, invoke
 

@@ -98,7 +98,7 @@ def test_another_value_is_one_line_naming_the_choices(tmp_path):
 
 
 def test_numba_s_own_cpu_and_nibble_s_both_set_is_one_line_at_the_start(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "nibble.runner.cli", "ls"], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "nibble.tui.cli.main", "ls"], cwd=ROOT, capture_output=True, text=True,
                           env=_env(NIBBLE_CPU="avx2", NUMBA_CPU_NAME="haswell", NIBBLE_HOME=str(tmp_path)))
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.splitlines() == ["Error: NIBBLE_CPU=avx2 and NUMBA_CPU_NAME or NUMBA_CPU_FEATURES both say "

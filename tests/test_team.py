@@ -8,7 +8,7 @@ import pytest
 
 from nibble.quant.affine import AffineScheme, quantize
 from nibble.quant.convert import quantize_model
-from nibble.runner.cache import BLOCK, HostKV, Rows
+from nibble.runner.kv.cache import BLOCK, HostKV, Rows
 from nibble.runner.kernels import linear, team
 from nibble.runner.kernels.layer import decoder_layer
 from nibble.runner.model import Model

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from nibble.runner.chat import ChatTemplate
-from nibble.runner.grammar import GrammarError
-from nibble.runner.sample import make_sampler
+from nibble.runner.chat.template import ChatTemplate
+from nibble.runner.generation.grammar import GrammarError
+from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
-from nibble.runner.tools import (Call, Content, MessageError, ToolCallParser, forced_call_grammar,
+from nibble.runner.chat.tools import (Call, Content, MessageError, ToolCallParser, forced_call_grammar,
                                  prepare_messages, tool_family)
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"

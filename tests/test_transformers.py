@@ -12,7 +12,7 @@ from nibble.formats.safetensors import read_checkpoint
 from nibble.formats.wrappers import text_tensors
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import dequantize
-from nibble.runner.encoder import Encoder
+from nibble.runner.embedding.encoder import Encoder
 from nibble.runner.model import Model
 from tests import reference
 

@@ -7,9 +7,9 @@ import pytest
 
 from nibble.formats import catalog
 from nibble.formats.errors import NibbleError
-from nibble.runner import session as session_module
+from nibble.runner.generation import session as session_module
 from nibble.runner.loader import load
-from nibble.runner.reasoning import ThinkingOptions
+from nibble.runner.chat.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
 from nibble.tui.screens.keys import KeysScreen
 from nibble.tui.screens.models import ModelPicker
@@ -574,8 +574,8 @@ async def test_the_real_model_answers(home, smollm2_dir):
 def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, tiny_dir):
     from click.testing import CliRunner
 
-    from nibble.runner import cli
-    from nibble.runner.cli import main
+    from nibble.tui.cli import main as cli
+    from nibble.tui.cli.main import main
     from nibble.tui.app import ChatApp
     started = []
     monkeypatch.setattr(ChatApp, "run", lambda self: started.append(self))
@@ -605,7 +605,7 @@ def test_the_chat_command_passes_its_flags_and_checks_them_first(monkeypatch, ti
 def test_nibble_help_does_not_import_the_app():
     import subprocess
     import sys
-    code = ("import sys; from click.testing import CliRunner; from nibble.runner.cli import main; "
+    code = ("import sys; from click.testing import CliRunner; from nibble.tui.cli.main import main; "
             "CliRunner().invoke(main, ['--help']); CliRunner().invoke(main, ['chat', '--help']); "
             "print(sorted({m for m in sys.modules if m.split('.')[0] in ('textual', 'numba')} "
             "| {m for m in sys.modules if m.startswith('nibble.tui')}))")
@@ -615,7 +615,7 @@ def test_nibble_help_does_not_import_the_app():
 
 def test_a_reply_stopped_in_the_prefill_ends_stopped_at_a_chunk(tiny):
     """The worker's loop stops iterating once its worker is cancelled: here between two prefill chunks."""
-    from nibble.runner.session import ChatSession
+    from nibble.runner.generation.session import ChatSession
     from nibble.tui.turn import Turn, run_turn
     session = ChatSession(*tiny, ctx=256, prefill_chunk=8)
     turn = Turn(1, view=None, worker=types.SimpleNamespace(is_cancelled=False))
@@ -647,8 +647,8 @@ def test_updates_are_spaced_by_what_drawing_costs(monkeypatch):
 
 
 async def test_a_chat_template_that_fails_is_named_and_the_chat_goes_on(home, tiny_dir):
-    from nibble.runner.chat import ChatTemplate
-    from nibble.runner.sandbox import Limits
+    from nibble.runner.chat.template import ChatTemplate
+    from nibble.runner.chat.sandbox import Limits
     from tests.tiny import CHATML
     model, tok = load(str(tiny_dir))
     endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.model_dir import ModelDir
-from nibble.runner.synthetic import CHATML, byte_level_tokenizer
+from nibble.runner.measure.synthetic import CHATML, byte_level_tokenizer
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Numba compiles Python to machine code. "
         "A small model answers questions about the sky, the sea and the capital of France. "

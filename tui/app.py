@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.message import Message
 
 from nibble.formats.hub import DEFAULT_MODEL
-from nibble.runner.reasoning import ThinkingOptions
+from nibble.runner.chat.reasoning import ThinkingOptions
 from nibble.runner.settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
 from .screens.chat import ChatScreen
@@ -86,8 +86,8 @@ class ChatApp(App):
         """`model` is loaded at start (None: none until one is picked with ctrl+o).
         New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
         `sampling` ({SamplerSettings field: value}, the command line's flags) laid over them.
-        `draft`: the most tokens a decode pass guesses ahead (0: none; runner/draft.py).
-        `kv_disk`: bytes for the KV blocks kept on disk (0: none; runner/kv_disk.py), so that a
+        `draft`: the most tokens a decode pass guesses ahead (0: none; runner/generation/draft.py).
+        `kv_disk`: bytes for the KV blocks kept on disk (0: none; runner/kv/disk.py), so that a
         chat reopened after a restart goes on without prefilling what it held.
         `thinking`: what is asked of a model that thinks (--think, --reasoning-budget), in every
         chat whose settings do not say otherwise.
@@ -162,7 +162,7 @@ class ChatApp(App):
             self._post(LoadProgress(ref, 0, "starting the runner"))
             # Imported here: Numba's import alone takes a second, and must not hold up the window.
             from nibble.formats import progress
-            from nibble.runner.session import ChatSession
+            from nibble.runner.generation.session import ChatSession
             load = self._load_fn
             if load is None:   # the full kernels compile in the background on a first run
                 from nibble.runner.loader import load
@@ -195,9 +195,9 @@ class ChatApp(App):
         cache is their own)."""
         if model.gpu_stage is not None:
             return None
-        from nibble.runner.blocks import BlockPool
-        from nibble.runner.cache import blocks_for
-        from nibble.runner.kv_disk import open_disk
+        from nibble.runner.kv.blocks import BlockPool
+        from nibble.runner.kv.cache import blocks_for
+        from nibble.runner.kv.disk import open_disk
         ctx = min(self.ctx_size, model.config.max_position_embeddings)
         kv = model.new_pool(POOL_CONTEXTS * blocks_for(ctx), self.kv_cache)
         return BlockPool(kv, open_disk(model.source, kv, self.kv_disk))

@@ -14,6 +14,7 @@ big compiled code rather than compiling it again into each caller (linking.py), 
 along it is (compiling.py).
 """
 import hashlib
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -37,12 +38,19 @@ linking.install()
 compiling.install()
 
 
+# The modules outside this folder whose types the kernels take: numba's cache names a type by its
+# module, so a kernel compiled before one of them moved or changed must not be loaded after.
+TYPE_MODULES = ("nibble.formats.half", "nibble.runner.kv.cache")
+
+
 def _kernel_cache_dir() -> Path:
     # Every file here whose code a cached kernel may inline; the CUDA kernels are compiled at run
     # time, never cached: they do not name the folder.
     sources = sorted(p for p in Path(__file__).parent.glob("*.py") if not p.name.startswith("cuda"))
+    types = [(name.encode(), Path(importlib.util.find_spec(name).origin)) for name in TYPE_MODULES]
     kind = target.CHOICE or ""
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources) + kind.encode()).hexdigest()[:16]
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)
+                          + b"".join(name + p.read_bytes() for name, p in types) + kind.encode()).hexdigest()[:16]
     return kernels_dir() / (f"{kind}-{digest}" if kind else digest)
 
 

@@ -14,15 +14,15 @@ runs any of them. A family module has:
     embed_scale(config, embed) -> the factor on the embedded rows (embed: the embedding as loaded)
     logits_scale(config) -> the factor on the logits (made part of the final norm's weight)
     block_shapes(config, i) -> block i's tensors by Hugging Face name and shape (llama's and
-        qwen3_moe's: the random models of runner/synthetic.py)
+        qwen3_moe's: the random models of runner/measure/synthetic.py)
     act_shape(config, i) -> the shape of block i's act_sq, the sums of its projections' squared
-        inputs that the block kernel adds to when calibrating (runner/calibrate.py)
+        inputs that the block kernel adds to when calibrating (runner/convert/calibrate.py)
     importances(config, i, act_sq, tokens) -> block i's entries of the importance matrix, by the
         weight names quantize writes
     stacks(config, tensors) -> {weight name: quant.convert.ExpertStack}: a mixture's experts,
         which quantize writes stacked (none for the dense families)
 
-An encoder's module (FAMILY.encoder: runner/encoder.py runs it) has Embeddings(get, config), its
+An encoder's module (FAMILY.encoder: runner/embedding/encoder.py runs it) has Embeddings(get, config), its
 words', positions' and token types' rows and their norm, in place of norm, embed_scale and
 logits_scale. switch_layers.py is no family: the machinery every mixture of experts shares (mlx-lm's
 switch_layers.py); FAMILIES names the families.

@@ -1,6 +1,6 @@
 """BERT, the encoder most embedding models are (all-MiniLM, bge, e5): bidirectional attention,
 learned absolute positions and token types, LayerNorms with biases after each residual add, an
-exact-GELU MLP, biases on every projection. runner/encoder.py runs it."""
+exact-GELU MLP, biases on every projection. runner/embedding/encoder.py runs it."""
 import math
 
 import numpy as np

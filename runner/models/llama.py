@@ -77,7 +77,7 @@ def qk_norm_shapes(c: ModelConfig, qk_norm: str | None) -> tuple[tuple[int], tup
 
 def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Block i's tensors by Hugging Face name, in a checkpoint's order (no biases): matrices
-    [out, in], norms [D] (runner/synthetic.py makes random models of them)."""
+    [out, in], norms [D] (runner/measure/synthetic.py makes random models of them)."""
     D, F = c.hidden_size, c.intermediate_size
     p = f"model.layers.{i}."
     return attention_shapes(c, i) | {p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),

@@ -17,9 +17,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..decoding import Event
-from ..reasoning import EFFORTS, STRONGER, Thinking, template_effort
-from ..tools import Call, Content
+from ..generation.decoding import Event
+from ..chat.reasoning import EFFORTS, STRONGER, Thinking, template_effort
+from ..chat.tools import Call, Content
 from .api import ApiError, ChatBody, Options, ThinkingOptions, bad, integer, json_object, sampling_fields, typed
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nibble.formats.errors import NibbleError
-from ..reasoning import ThinkingOptions
+from ..chat.reasoning import ThinkingOptions
 from ..settings import SamplerSettings
 
 MAX_STOPS = 4              # OpenAI's limit on `stop` strings

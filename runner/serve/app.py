@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nibble.formats.errors import NibbleError
-from ..decoding import Event
-from ..reasoning import Thinking
-from ..tools import Call
+from ..generation.decoding import Event
+from ..chat.reasoning import Thinking
+from ..chat.tools import Call
 from . import anthropic, api, embeddings, ollama, ollama_models, responses
 from .api import ApiError, Stamp, tool_call
 from .guard import Callers, Guard

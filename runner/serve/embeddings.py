@@ -1,6 +1,6 @@
 """Embeddings over HTTP: OpenAI's `POST /v1/embeddings` and ollama's `POST /api/embed` (and its
-older `/api/embeddings`), for the models nibble embeds with (runner/embed.py), each run by its
-EmbedEngine (runner/embed_engine.py).
+older `/api/embeddings`), for the models nibble embeds with (runner/embedding/embed.py), each run by its
+EmbedEngine (runner/embedding/engine.py).
 
 A text past the model's length is cut to it, as sentence-transformers and ollama cut it;
 `truncate: false` asks for a 400 instead.
@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from nibble.formats.errors import NibbleError
-from ..embed import Embedder
-from ..engine import Busy
+from ..embedding.embed import Embedder
+from ..generation.engine import Busy
 from .api import ApiError, bad, integer, json_object, typed
 from .ollama import check_keep_alive, served_name
 from .pending import read_json

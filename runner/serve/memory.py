@@ -7,7 +7,7 @@ from pathlib import Path
 
 from nibble.formats.catalog import describe, size_on_disk
 from nibble.formats.gguf_header import read_gguf_header
-from ..cache import BLOCK, blocks_for
+from ..kv.cache import BLOCK, blocks_for
 from ..loader import AUTO_QUANT_PARAMS, QUANT_BITS
 
 # Bits a weight takes once quantized by as_quantized: 4 or 8, and a 16-bit scale and bias per group of 64.

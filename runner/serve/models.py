@@ -26,9 +26,9 @@ from pathlib import Path
 from nibble.formats import catalog, hub
 from nibble.formats.errors import NibbleError
 from nibble.formats.sentence_transformers import embeds
-from ..embed import Embedder
-from ..embed_engine import EmbedEngine
-from ..engine import Engine
+from ..embedding.embed import Embedder
+from ..embedding.engine import EmbedEngine
+from ..generation.engine import Engine
 from ..model import Model
 from ..settings import DEFAULT_DRAFT
 from ..tokenizer import Tokenizer
@@ -53,7 +53,7 @@ class EngineOptions:
     quant: str | None = None      # as loader.load takes it
     thinking: ThinkingOptions = ThinkingOptions()   # --think, --reasoning-budget: each request may say otherwise
     draft: int = DEFAULT_DRAFT    # --draft: the most tokens a pass guesses ahead, for a reply decoding alone
-    kv_disk: int = 0              # --kv-disk: bytes for KV blocks on disk (runner/kv_disk.py)
+    kv_disk: int = 0              # --kv-disk: bytes for KV blocks on disk (runner/kv/disk.py)
 
 
 def parse_keep_alive(text: str) -> float | None:

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from nibble.formats.errors import NibbleError
-from ..reasoning import Thinking, ThinkingOptions, template_effort
-from ..tools import Call
+from ..chat.reasoning import Thinking, ThinkingOptions, template_effort
+from ..chat.tools import Call
 from . import api
 from .api import (ApiError, ChatBody, CompletionBody, Options, bad, chat_message, function_tools, integer,
                   json_object, sampling_fields, typed)

@@ -18,8 +18,8 @@ from nibble.formats import catalog, hub
 from nibble.formats.catalog import Details
 from nibble.formats.errors import NibbleError
 from nibble.formats.sentence_transformers import embeds, read_pipeline
-from ..chat import ChatTemplateError
-from ..reasoning import reasoning_family
+from ..chat.template import ChatTemplateError
+from ..chat.reasoning import reasoning_family
 from ..settings import SamplerSettings
 from .api import json_object, typed
 from .models import Models

@@ -14,8 +14,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..decoding import Event
-from ..engine import Busy
+from ..generation.decoding import Event
+from ..generation.engine import Busy
 from .api import ApiError
 from .models import Lease, Models
 from .replies import Turn, generating

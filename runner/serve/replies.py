@@ -10,15 +10,15 @@ import threading
 from dataclasses import dataclass, replace
 
 from nibble.formats.catalog import Details
-from ..chat import ChatTemplateError
-from ..decoding import Event, Request
-from ..embed_engine import EmbedEngine
-from ..engine import Engine
-from ..grammar import Grammar, GrammarError
-from ..prompt_ids import PromptMemo
+from ..chat.template import ChatTemplateError
+from ..generation.decoding import Event, Request
+from ..embedding.engine import EmbedEngine
+from ..generation.engine import Engine
+from ..generation.grammar import Grammar, GrammarError
+from ..kv.prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
-from ..reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
-from ..tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
+from ..chat.reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
+from ..chat.tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
 from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..reasoning import STRONGER, Thinking, template_effort
-from ..tools import Call, Content
+from ..chat.reasoning import STRONGER, Thinking, template_effort
+from ..chat.tools import Call, Content
 from . import api
 from .api import ApiError, ChatBody, Options, Stamp, ThinkingOptions, bad, integer, json_object, typed
 from .models import Models

@@ -1,0 +1,106 @@
+"""Generation of one reply on one KV cache: prompt ids -> responses (text and thinking deltas,
+with timings). The reply's token handling is runner/generation/decoding.py's, as in the serving engine; here
+the passes run on the sequence's own cache (a model with GPU layers too)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..kv.cache import KVCache
+from .decoding import Decoding, Request
+from ..model import Model
+from ..chat.reasoning import ReasoningSplit
+from .sample import Sampler
+from ..settings import DEFAULT_DRAFT, MAX_TOKENS
+from ..tokenizer import Tokenizer
+
+if TYPE_CHECKING:   # llguidance is imported only by those who constrain a reply
+    from .grammar import Constraint
+
+# Prompt tokens per forward pass of a long prefill: the consumer may stop between two chunks.
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class GenerationResponse:
+    """One step of a reply. While a long prompt is prefilled, one response (text "", token None,
+    no tokens generated yet) follows each chunk but the last."""
+    text: str                   # the new text since the previous response
+    token: int | None           # the token behind it (None while prefilling and on a final flush)
+    prompt_tokens: int          # tokens prefilled for this call
+    prompt_tps: float           # prefill tokens/s (0 until the first token)
+    generation_tokens: int      # tokens generated so far
+    generation_tps: float       # decode tokens/s (after the first token)
+    ttft: float                 # seconds from the call to the first token (0 until then)
+    finish_reason: str | None   # None while running; "stop" (eos or stop string), "length", "context"
+    thinking: str = ""          # new thinking text (a model that thinks, with a reasoning split), before `text`
+    tokens: tuple[int, ...] = ()   # every id behind it (`token` the last), an end token left out
+
+
+def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], *,
+                    sampler: Sampler | None = None, max_tokens: int = MAX_TOKENS,
+                    stop: Sequence[str] = (), cache: KVCache | None = None,
+                    prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
+                    draft: int = DEFAULT_DRAFT, reasoning: ReasoningSplit | None = None
+                    ) -> Iterator[GenerationResponse]:
+    """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None).
+
+    The prompt is prefilled in chunks of at most `prefill_chunk` tokens, with a response (text "",
+    token None) after each but the last: the consumer cancels by stopping the iteration, between
+    two chunks or two tokens, and the cache keeps what ran (the last sampled id never runs).
+    Without a `sampler`, the model's sampling defaults apply (tokenizer.sampling). With a
+    `constraint` (a grammar's, runner/generation/grammar.py), the reply follows the grammar and ends "stop"
+    where it is complete. `draft`: the most tokens a pass guesses ahead and checks (none with GPU
+    layers), the same reply sooner. With a `reasoning` split (a model that thinks), its thinking
+    comes apart in each response's `thinking`, and its budget holds. A reply that fills the
+    context ends "context". The timings are measured here, from the call; the decode tokens/s
+    count the tokens emitted.
+    """
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+    cache = cache if cache is not None else model.new_cache()
+    request = Request(list(prompt_ids), tokenizer.sampling, max_tokens, tuple(stop), constraint,
+                      skip_special=reasoning is None, reasoning=reasoning,
+                      draft=draft if model.gpu_stage is None else 0)
+    decoding = Decoding(request, tokenizer, cache.size - cache.pos, sampler, before=cache.tokens)
+    start = time.perf_counter()
+    first, prompt_tps = 0.0, 0.0
+
+    def response(e=None):
+        n = decoding.reply.tokens
+        now = time.perf_counter()
+        decode_tps = (n - 1) / (now - first) if n > 1 and now > first else 0.0
+        if e is None:   # a prefill chunk ran
+            return GenerationResponse("", None, len(prompt_ids), 0.0, 0, 0.0, 0.0, None)
+        reason = "context" if e.finish_reason == "length" and decoding.at_context else e.finish_reason
+        return GenerationResponse(e.text, e.tokens[-1] if e.tokens else None, len(prompt_ids), prompt_tps, n,
+                                  decode_tps, first - start, reason, e.thinking, e.tokens)
+
+    done = 0
+    while len(prompt_ids) - done > prefill_chunk:
+        model.forward(prompt_ids[done:done + prefill_chunk], cache)
+        done += prefill_chunk
+        yield response()
+    logits, proposed = model.forward(prompt_ids[done:], cache)[-1:], []
+    given = decoding.prompt_len   # the sequence's ids the consumer has: the prompt, then the reply's
+    while True:
+        ran = cache.pos - len(proposed)   # the pass ran the last id, then the draft: these stay
+        events, kept = decoding.next(logits, proposed)
+        ran += kept
+        if not first:
+            first = time.perf_counter()
+            prompt_tps = len(prompt_ids) / (first - start)
+        # At each response the cache holds what one pass a token would have: the ids given but
+        # the last (a draft's kept ids, their keys and values stored, come back one by one).
+        cache.truncate(ran - kept - 1)
+        for e in events:
+            given += len(e.tokens)
+            cache.advance(decoding.ids[cache.pos:min(ran, max(decoding.prompt_len, given - 1))])
+            yield response(e)
+        cache.advance(decoding.ids[cache.pos:ran])
+        if decoding.done:
+            return
+        proposed = decoding.draft()
+        logits = model.forward([decoding.ids[-1]] + proposed, cache, all_logits=bool(proposed))

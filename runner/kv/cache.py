@@ -1,0 +1,145 @@
+"""The KV cache in blocks: a pool of fixed-size blocks that sequences share, each sequence's
+positions found through its block table (paged attention).
+
+A KVPool holds one part per stage of the model (runner/stages.py): each stage allocates the keys
+and values of its own layers where they run (HostKV on the CPU, device arrays on a GPU). A
+KVCache is one sequence: its block table into a pool, and its positions and tokens. By default
+(Model.new_cache) it has a private pool and the identity table, block i holding positions
+16i..16i+15; a BlockPool (runner/kv/blocks.py) hands out blocks of a shared pool instead
+(KVCache.on_pool). Truncating forgets positions; the next pass overwrites the stale rows.
+
+A pass over several sequences names, for each of its rows, the sequence and the position (Rows):
+the kernels store the row's key and value at its position in its sequence's blocks, then attend
+over that sequence's positions up to it.
+"""
+import mmap
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
+
+import numpy as np
+
+from nibble.formats.errors import NibbleError
+
+BLOCK = 16   # positions per KV block
+KV_TYPES = {"f32": np.float32, "int8": np.int8}
+
+
+def kv_dtype(kv_type: str) -> np.dtype:
+    """The element type of a host KV cache named `kv_type`."""
+    if kv_type not in KV_TYPES:
+        raise NibbleError(f"unknown KV cache type {kv_type!r}: choose {' or '.join(KV_TYPES)}")
+    return np.dtype(KV_TYPES[kv_type])
+
+
+def kv_type(dtype: np.dtype) -> str:
+    """The name of a host KV cache whose elements are `dtype` (kv_dtype's inverse)."""
+    return next(name for name, t in KV_TYPES.items() if np.dtype(t) == dtype)
+
+
+def blocks_for(positions: int) -> int:
+    """Blocks that hold `positions` positions."""
+    return -(-positions // BLOCK)
+
+
+class Rows(NamedTuple):
+    """Which sequence and position each row of a pass is (numba takes it as it is)."""
+    positions: np.ndarray   # [T] int64
+    seq: np.ndarray         # [T] int32: index into tables
+    tables: np.ndarray      # [S, max_blocks] int32: each sequence's blocks in order
+
+    @classmethod
+    def of(cls, positions, seq, tables) -> "Rows":
+        """Rows with the dtypes the kernels are compiled for (another dtype compiles them again)."""
+        return cls(np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(seq, np.int32),
+                   np.ascontiguousarray(np.atleast_2d(tables), np.int32))
+
+    @classmethod
+    def single(cls, pos0: int, T: int, table: np.ndarray) -> "Rows":
+        """T rows of one sequence at positions pos0.. through its block `table`."""
+        return cls.of(np.arange(pos0, pos0 + T), np.zeros(T, np.int32), table[None])
+
+
+def identity_table(blocks: int) -> np.ndarray:
+    return np.arange(blocks, dtype=np.int32)
+
+
+@dataclass
+class HostKV:
+    """Keys and values of a run of layers on the CPU, in blocks."""
+    k: np.ndarray         # [layers, blocks, Hkv, hd, BLOCK] float32, or int8 ... (a block's keys
+    v: np.ndarray         # [layers, blocks, Hkv, BLOCK, hd]    transposed: kernels.cpu.attention)
+    k_scale: np.ndarray   # [layers, blocks, Hkv, BLOCK] ... times these scales (ones for float32)
+    v_scale: np.ndarray   # [layers, blocks, Hkv, BLOCK]
+
+    @classmethod
+    def allocate(cls, layers: int, n_kv_heads: int, blocks: int, head_dim: int, dtype) -> "HostKV":
+        shape = (layers, blocks, n_kv_heads, BLOCK, head_dim)
+        keys = (layers, blocks, n_kv_heads, head_dim, BLOCK)
+        return cls(_lazy_zeros(keys, dtype), _lazy_zeros(shape, dtype),
+                   np.ones(shape[:4], np.float32), np.ones(shape[:4], np.float32))
+
+    def block_views(self, block: int) -> list[memoryview]:
+        """Block `block`'s bytes: each array's slice of it, layer by layer (each contiguous)."""
+        return [layer[block * size:(block + 1) * size] for layer, size in self._layer_bytes]
+
+    @cached_property
+    def _layer_bytes(self) -> list[tuple[memoryview, int]]:
+        """Each array's layers as bytes, and a block's bytes in each (slicing these is a fifth of
+        the time of making a block's views from the arrays)."""
+        return [(memoryview(a[i]).cast("B"), a[i, 0].nbytes) for a in (self.k, self.v, self.k_scale, self.v_scale)
+                for i in range(a.shape[0])]
+
+    def layer(self, i: int) -> tuple:
+        """The arrays of the part's layer i, as kernels.layer.decoder_layer takes them."""
+        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+
+
+@dataclass
+class KVPool:
+    """Blocks that sequences share: one part per stage of the model, each `blocks` blocks."""
+    parts: list           # per stage of the model, in order: what its new_cache gave
+    stages: list          # the model's stages it was made for (Model.stages)
+    blocks: int           # how many blocks it holds
+
+
+@dataclass
+class KVCache:
+    """One sequence on a pool: its blocks, positions and tokens."""
+    pool: KVPool
+    table: np.ndarray     # [blocks] int32: its blocks in order (position p is in table[p // BLOCK])
+    size: int             # positions the context holds
+    pos: int = 0          # positions filled
+    tokens: list[int] = field(default_factory=list)  # the ids behind those positions
+
+    @classmethod
+    def on_pool(cls, pool: KVPool, table, size: int) -> "KVCache":
+        """A sequence of up to `size` positions in the blocks `table` of a shared pool (the caller
+        owns the blocks: runner/kv/blocks.py). The table may grow later, as long as it covers the
+        positions of each pass."""
+        return cls(pool, np.ascontiguousarray(table, np.int32), size)
+
+    @property
+    def parts(self) -> list:
+        return self.pool.parts
+
+    @property
+    def stages(self) -> list:
+        return self.pool.stages
+
+    def advance(self, tokens):
+        self.pos += len(tokens)
+        self.tokens.extend(int(t) for t in tokens)
+
+    def truncate(self, pos: int):
+        """Forget positions pos.. (their values are overwritten on the next store)."""
+        self.pos = min(self.pos, pos)
+        del self.tokens[self.pos:]
+
+
+def _lazy_zeros(shape, dtype) -> np.ndarray:
+    """Zeros whose memory is taken page by page as positions are written. Not np.zeros: numpy
+    asks for 2 MB huge pages on large arrays, and one write per (layer, head) would then take
+    the whole context's memory at once (8192 positions of SmolLM2: 360 MB)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype, int(np.prod(shape))).reshape(shape)
