@@ -263,8 +263,7 @@ def _checked_rope_scaling(c: ModelConfig, family: families.Family) -> dict | Non
     for key, field_kind in ROPE_FIELDS.items():
         if s.get(key) is not None:
             field_kind.check(f"config.json: rope_parameters.{key}", s[key])
-    if family.rope:
-        kind = family.rope(c, s)
+    kind = family.rope(c, s)
     if kind not in ROPE_TYPES:
         raise FormatError(f"config.json: unsupported rope_type {kind!r}: nibble runs "
                           f"{', '.join(ROPE_TYPES)}")

@@ -1,7 +1,7 @@
 """The model families nibble runs, as the file readers need to know them: a table the families fill.
 
-formats/ reads config.json and GGUF files of any family but names none. Each family's module
-(runner/models/<family>.py, imported with runner) describes itself in a `Family` and adds it here:
+formats/ reads config.json and GGUF files of any family but names none. Each family's class
+(runner/models/<family>.py, imported with runner) is a `Family` and adds itself here:
 what its config.json may leave out, what it sets, refuses or spells out, which of its layers slide
 and rotate, and how llama.cpp's files name its tensors and fields.
 """
@@ -33,36 +33,36 @@ class GGUFArch:
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def _every_layer(c: ModelConfig) -> list[bool]:
-    return [True] * c.num_hidden_layers
-
-
-def _nothing(c: ModelConfig) -> None:
-    pass
-
-
-@dataclass(frozen=True)
 class Family:
-    """A family as config.py and gguf.py read it; `name` is its module in runner/models."""
-    name: str
+    """A model family as config.py and gguf.py read it. Each family is a subclass in runner/models/
+    (runner/models/base.py's Transformer, which adds how its blocks run), registered there: its
+    class attributes say what it reads, its methods the rules of its configs."""
     # model_type -> the defaults of transformers' config class for the fields a config.json may
     # leave out, where they differ from ModelConfig's (transformers 4 omits every field that
-    # equals its class's default)
-    model_types: Mapping[str, Mapping]
-    # each layer's sliding window (0: full attention), as transformers runs the model type
-    windows: Callable[[ModelConfig], list[int]]
-    # the family's own rules, run once every field is checked and before RoPE's: fields it sets
-    # whatever config.json says, values its block cannot run refused in one line
-    configure: Callable[[ModelConfig], None] = _nothing
-    rope_layers: Callable[[ModelConfig], list[bool]] = _every_layer   # which layers apply RoPE
-    # rope_parameters (in place) as the family's config class reads them -> its rope_type
-    rope: Callable[[ModelConfig, dict], str] | None = None
-    partial_rotary: bool = False   # RoPE may rotate part of each head (partial_rotary_factor)
-    local_rope: bool = False       # its sliding layers have a RoPE of their own (rope_local_base_freq)
-    gguf: Mapping[str, GGUFArch] = field(default_factory=dict)   # general.architecture -> its layout
+    # equals its class's default). A family's own: a subclass names the model types it runs.
+    model_types: Mapping[str, Mapping] = {}
+    gguf: Mapping[str, GGUFArch] = {}   # general.architecture -> its layout (the family's own)
     # config.FIXED_FIELDS' accepted values where the family runs others (BERT's "gelu")
-    fixed: Mapping[str, tuple] = field(default_factory=dict)
-    encoder: bool = False   # an encoder (BERT's): it embeds text (runner/embedding/encoder.py), it does not generate
+    fixed: Mapping[str, tuple] = {}
+    partial_rotary = False   # RoPE may rotate part of each head (partial_rotary_factor)
+    local_rope = False       # its sliding layers have a RoPE of their own (rope_local_base_freq)
+    encoder = False   # an encoder (BERT's): it embeds text (runner/embedding/encoder.py), it does not generate
+
+    def windows(self, c: ModelConfig) -> list[int]:
+        """Each layer's sliding window (0: full attention), as transformers runs the model type."""
+        raise NotImplementedError
+
+    def configure(self, c: ModelConfig) -> None:
+        """The family's own rules, run once every field is checked and before RoPE's: fields it
+        sets whatever config.json says, values its block cannot run refused in one line."""
+
+    def rope_layers(self, c: ModelConfig) -> list[bool]:
+        """Which layers apply RoPE."""
+        return [True] * c.num_hidden_layers
+
+    def rope(self, c: ModelConfig, s: dict) -> str:
+        """rope_parameters `s` (in place) as the family's config class reads them -> its rope_type."""
+        return s["rope_type"]
 
 
 _BY_MODEL_TYPE: dict[str, Family] = {}
@@ -70,9 +70,11 @@ _BY_GGUF_ARCH: dict[str, GGUFArch] = {}
 
 
 def add(family: Family) -> None:
-    """Make `family` readable: its model types and GGUF architectures."""
-    _BY_MODEL_TYPE.update(dict.fromkeys(family.model_types, family))
-    _BY_GGUF_ARCH.update(family.gguf)
+    """Make `family` readable: its model types and GGUF architectures (its class's own, not
+    those of the family it inherits from)."""
+    own = vars(type(family))
+    _BY_MODEL_TYPE.update(dict.fromkeys(own.get("model_types", {}), family))
+    _BY_GGUF_ARCH.update(own.get("gguf", {}))
 
 
 def of(model_type: str) -> Family | None:

@@ -37,7 +37,7 @@ class Model:
         c = config
         D = c.hidden_size
         self.family = family(c)
-        if self.family.FAMILY.encoder:
+        if self.family.encoder:
             raise NibbleError(f"{c.model_type} is an encoder, an embedding model: it embeds text "
                               f"(nibble embed), it does not generate")
         get = TensorGetter(tensors, c.quantization)

@@ -146,7 +146,8 @@ def test_gemma3_embedding_scale_is_in_the_checkpoints_dtype():
     11.3137 is 11.3125 in bf16 and f16; a quantized embedding takes the dtype config.json names."""
     from nibble.formats.half import HalfTensor
     from nibble.quant.affine import AffineScheme, quantize
-    from nibble.runner.models import gemma3
+    from nibble.runner.models.gemma3 import Gemma3
+    gemma3 = Gemma3()
     config = tiny_config("gemma3_text")
     bits = np.zeros((2, 64), np.uint16)
     assert gemma3.embed_scale(config, np.zeros((2, 64), np.float32)) == np.float32(np.sqrt(128))

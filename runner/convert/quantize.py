@@ -112,7 +112,7 @@ def calibrated_tensors(plan: QuantizePlan, model_dir: ModelDir, tokens: list[int
         else:
             rest.append(name)
     c, t = model_dir.config, model_dir.tensors   # calibration runs the blocks alone: no head
-    model = Encoder(c, t) if family(c).FAMILY.encoder else Model(c, t, head=False)
+    model = Encoder(c, t) if family(c).encoder else Model(c, t, head=False)
     for i, importances in layer_importances(model, tokens, min(512, model.config.max_position_embeddings)):
         plan.add_importances(importances)
         for name in blocks.get(i + 1, ()):   # read from disk while this block is quantized

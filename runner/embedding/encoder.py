@@ -18,14 +18,14 @@ from ..threads import ThreadChooser
 
 
 class Encoder:
-    """Model's layers, ropes and stages without the head: an encoder family's (family.FAMILY.encoder)
+    """Model's layers, ropes and stages without the head: an encoder family's (family.encoder)
     with its Embeddings, or a decoder's (`decoder`: the Model, headless, whose embedding and final
     norm the pass takes)."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]):
         self.config = c = config
         self.family = family(c)
-        if self.family.FAMILY.encoder:
+        if self.family.encoder:
             get = TensorGetter(tensors, c.quantization)
             self.embeddings, self.decoder = self.family.Embeddings(get, c), None
             self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]

@@ -8,93 +8,12 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig, sliding_where_typed
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family, GGUFArch
+from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import float32_decimal
 from nibble.formats.half import HalfTensor
 from nibble.formats.values import COUNT, number
 from ..rope import rope_tables
-from . import llama
-
-# the same projections feed gemma3_layer's four act_sq rows
-act_shape, importances, stacks, logits_scale = llama.act_shape, llama.importances, llama.stacks, llama.logits_scale
-
-
-def block():
-    from ..kernels.gemma3 import gemma3_layer
-    return gemma3_layer
-
-
-def norm(get, name: str, shape: tuple) -> np.ndarray | None:
-    """An RMSNorm's weight as the kernels multiply by it: Gemma's norms scale by (1 + w). Made in
-    float32 as transformers makes it (1.0 + weight.float()): the same numbers, a small copy."""
-    w = get(name, shape)
-    return None if w is None else 1 + w
-
-
-def layer(get, c: ModelConfig, i: int):
-    from ..kernels.gemma3 import Gemma3Weights
-    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    p = f"model.layers.{i}."
-    return Gemma3Weights(
-        input_norm=norm(get, p + "input_layernorm.weight", (D,)),
-        wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
-        wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
-        wv=get.linear(p + "self_attn.v_proj", (kv_dim, D)),
-        q_norm=norm(get, p + "self_attn.q_norm.weight", (hd,)),
-        k_norm=norm(get, p + "self_attn.k_norm.weight", (hd,)),
-        attention_scale=np.float32(c.query_pre_attn_scalar ** -0.5),
-        wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
-        post_attention_norm=norm(get, p + "post_attention_layernorm.weight", (D,)),
-        pre_feedforward_norm=norm(get, p + "pre_feedforward_layernorm.weight", (D,)),
-        w_gate=get.linear(p + "mlp.gate_proj", (F, D)),
-        w_up=get.linear(p + "mlp.up_proj", (F, D)),
-        w_down=get.linear(p + "mlp.down_proj", (D, F)),
-        post_feedforward_norm=norm(get, p + "post_feedforward_layernorm.weight", (D,)),
-    )
-
-
-def embed_scale(c: ModelConfig, embed) -> np.float32:
-    """sqrt(hidden_size) in the dtype the checkpoint was saved in, as transformers multiplies the
-    embeddings by it (embed_scale.to(weight.dtype)) and Gemma was trained: in bf16, sqrt(3072) =
-    55.43 is 55.5. The dtype is the embedding's own, or for a quantized one, the config's."""
-    scale = np.float32(math.sqrt(c.hidden_size))
-    if isinstance(embed, HalfTensor):
-        dtype = "bfloat16" if embed.bf16 else "float16"
-    elif isinstance(embed, np.ndarray):
-        dtype = embed.dtype.name
-    else:
-        dtype = c.extra.get("dtype", c.extra.get("torch_dtype"))
-    if dtype == "float16":
-        return np.float32(np.float16(scale))
-    if dtype == "bfloat16":   # rounded to nearest even in the top 16 bits of the float32
-        bits = np.array([scale]).view(np.uint32)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)[0]
-    return scale
-
-
-def ropes(c: ModelConfig, ctx: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The global layers' table (rope_theta, rope_scaling) and the sliding layers' (their own
-    theta, unscaled), each made once."""
-    sliding = dataclasses.replace(c, rope_theta=c.rope_local_base_freq, rope_scaling=None)
-    tables = {"full_attention": rope_tables(c, ctx), "sliding_attention": rope_tables(sliding, ctx)}
-    return [tables[t] for t in c.layer_types]
-
-
-# ---- the config and the files -------------------------------------------------------------------
-
-def _configure(c: ModelConfig) -> None:
-    """Refuses what the block does not run; spells out layer_types from sliding_window_pattern as
-    transformers does for older configs."""
-    if c.attention_bias:
-        raise FormatError("config.json: nibble cannot run attention_bias=True for gemma3 (its block "
-                          "has no q/k/v/o biases)")
-    for name in ("query_pre_attn_scalar", "rope_local_base_freq"):   # its block's, not optional
-        number(above=0).check(f"config.json: {name}", getattr(c, name))
-    if c.layer_types is None:   # every sliding_window_pattern-th layer is global
-        COUNT.check("config.json: sliding_window_pattern", c.sliding_window_pattern)
-        c.layer_types = ["full_attention" if (i + 1) % c.sliding_window_pattern == 0
-                         else "sliding_attention" for i in range(c.num_hidden_layers)]
+from .base import Transformer
 
 
 def _gguf_fields(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
@@ -115,22 +34,93 @@ def _gguf_fields(meta: dict, a: str, layers: int, width: int, head_dim: int) -> 
         query_pre_attn_scalar=width if layers == 62 else head_dim)
 
 
-# What Gemma3TextConfig assumes for the fields a config.json leaves out (and its default_theta for
-# the RoPE bases)
-FAMILY = Family(
-    "gemma3",
-    model_types={"gemma3_text": dict(
+class Gemma3(Transformer):
+    # What Gemma3TextConfig assumes for the fields a config.json leaves out (and its default_theta
+    # for the RoPE bases)
+    model_types = {"gemma3_text": dict(
         vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
         num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
         max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
         tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
-        rope_theta=1e6, rope_local_base_freq=1e4)},
-    windows=lambda c: sliding_where_typed(c.layer_types, c.sliding_window or 0),   # where layer_types says
-    configure=_configure, local_rope=True,
+        rope_theta=1e6, rope_local_base_freq=1e4)}
     # Gemma's RMSNorm scales by (1 + w): the converter stored 1 + w
-    gguf={"gemma3": GGUFArch("gemma3_text", norm_shift=1.0,
-                             block_names={"ffn_norm": "pre_feedforward_layernorm",
-                                          "post_attention_norm": "post_attention_layernorm",
-                                          "post_ffw_norm": "post_feedforward_layernorm"},
-                             fields=_gguf_fields)},
-)
+    gguf = {"gemma3": GGUFArch("gemma3_text", norm_shift=1.0,
+                               block_names={"ffn_norm": "pre_feedforward_layernorm",
+                                            "post_attention_norm": "post_attention_layernorm",
+                                            "post_ffw_norm": "post_feedforward_layernorm"},
+                               fields=_gguf_fields)}
+    local_rope = True
+    # the same projections feed gemma3_layer's four act_sq rows: Transformer's act_shape and importances
+
+    def windows(self, c: ModelConfig) -> list[int]:
+        return sliding_where_typed(c.layer_types, c.sliding_window or 0)   # where layer_types says
+
+    def block(self):
+        from ..kernels.gemma3 import gemma3_layer
+        return gemma3_layer
+
+    def norm(self, get, name: str, shape: tuple) -> np.ndarray | None:
+        """An RMSNorm's weight as the kernels multiply by it: Gemma's norms scale by (1 + w). Made in
+        float32 as transformers makes it (1.0 + weight.float()): the same numbers, a small copy."""
+        w = get(name, shape)
+        return None if w is None else 1 + w
+
+    def layer(self, get, c: ModelConfig, i: int):
+        from ..kernels.gemma3 import Gemma3Weights
+        D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        p = f"model.layers.{i}."
+        return Gemma3Weights(
+            input_norm=self.norm(get, p + "input_layernorm.weight", (D,)),
+            wq=get.linear(p + "self_attn.q_proj", (q_dim, D)),
+            wk=get.linear(p + "self_attn.k_proj", (kv_dim, D)),
+            wv=get.linear(p + "self_attn.v_proj", (kv_dim, D)),
+            q_norm=self.norm(get, p + "self_attn.q_norm.weight", (hd,)),
+            k_norm=self.norm(get, p + "self_attn.k_norm.weight", (hd,)),
+            attention_scale=np.float32(c.query_pre_attn_scalar ** -0.5),
+            wo=get.linear(p + "self_attn.o_proj", (D, q_dim)),
+            post_attention_norm=self.norm(get, p + "post_attention_layernorm.weight", (D,)),
+            pre_feedforward_norm=self.norm(get, p + "pre_feedforward_layernorm.weight", (D,)),
+            w_gate=get.linear(p + "mlp.gate_proj", (F, D)),
+            w_up=get.linear(p + "mlp.up_proj", (F, D)),
+            w_down=get.linear(p + "mlp.down_proj", (D, F)),
+            post_feedforward_norm=self.norm(get, p + "post_feedforward_layernorm.weight", (D,)),
+        )
+
+    def embed_scale(self, c: ModelConfig, embed) -> np.float32:
+        """sqrt(hidden_size) in the dtype the checkpoint was saved in, as transformers multiplies the
+        embeddings by it (embed_scale.to(weight.dtype)) and Gemma was trained: in bf16, sqrt(3072) =
+        55.43 is 55.5. The dtype is the embedding's own, or for a quantized one, the config's."""
+        scale = np.float32(math.sqrt(c.hidden_size))
+        if isinstance(embed, HalfTensor):
+            dtype = "bfloat16" if embed.bf16 else "float16"
+        elif isinstance(embed, np.ndarray):
+            dtype = embed.dtype.name
+        else:
+            dtype = c.extra.get("dtype", c.extra.get("torch_dtype"))
+        if dtype == "float16":
+            return np.float32(np.float16(scale))
+        if dtype == "bfloat16":   # rounded to nearest even in the top 16 bits of the float32
+            bits = np.array([scale]).view(np.uint32)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)[0]
+        return scale
+
+    def ropes(self, c: ModelConfig, ctx: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The global layers' table (rope_theta, rope_scaling) and the sliding layers' (their own
+        theta, unscaled), each made once."""
+        sliding = dataclasses.replace(c, rope_theta=c.rope_local_base_freq, rope_scaling=None)
+        tables = {"full_attention": rope_tables(c, ctx), "sliding_attention": rope_tables(sliding, ctx)}
+        return [tables[t] for t in c.layer_types]
+
+    def configure(self, c: ModelConfig) -> None:
+        """Refuses what the block does not run; spells out layer_types from sliding_window_pattern as
+        transformers does for older configs."""
+        if c.attention_bias:
+            raise FormatError("config.json: nibble cannot run attention_bias=True for gemma3 (its block "
+                              "has no q/k/v/o biases)")
+        for name in ("query_pre_attn_scalar", "rope_local_base_freq"):   # its block's, not optional
+            number(above=0).check(f"config.json: {name}", getattr(c, name))
+        if c.layer_types is None:   # every sliding_window_pattern-th layer is global
+            COUNT.check("config.json: sliding_window_pattern", c.sliding_window_pattern)
+            c.layer_types = ["full_attention" if (i + 1) % c.sliding_window_pattern == 0
+                             else "sliding_attention" for i in range(c.num_hidden_layers)]

@@ -11,43 +11,11 @@ import numpy as np
 from nibble.formats import mxfp4
 from nibble.formats.config import ModelConfig, sliding_where_typed
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family, GGUFArch
+from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts
 from nibble.formats.values import COUNT, number
-from . import llama, switch_layers
-
-block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
-
-
-def layer(get, c: ModelConfig, i: int):
-    from ..kernels.layer import MoELayerWeights
-    D, E, F, H = c.hidden_size, switch_layers.experts(c), c.intermediate_size, c.num_attention_heads
-    p = f"model.layers.{i}."
-    m = p + "mlp."
-    if m + "switch_mlp.gate_proj.bias" in get.tensors:   # a GGUF's: one stack of biases a matrix
-        b_gate, b_up, b_down = (get(m + f"switch_mlp.{n}_proj.bias", (E, k)) for n, k in (("gate", F), ("up", F), ("down", D)))
-    else:
-        b, b_down = get(m + "experts.gate_up_proj_bias", (E, 2 * F)), get(m + "experts.down_proj_bias", (E, D))
-        b_gate, b_up = (None, None) if b is None else (np.ascontiguousarray(b[:, ::2]), np.ascontiguousarray(b[:, 1::2]))
-    if m + "switch_mlp.gate_proj.weight" in get.tensors:   # as quantize writes them, or a GGUF holds them
-        w = switch_layers.stacked(get, m[:-1], c, F)
-    elif m + "experts.gate_up_proj_blocks" in get.tensors:   # OpenAI's checkpoints: MXFP4
-        w = (_mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(0, None, 2)),
-             _mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(1, None, 2)),
-             _mxfp4(get, m + "experts.down_proj", (E, D, F)))
-    else:
-        gate_up, down = get(m + "experts.gate_up_proj", (E, D, 2 * F)), get(m + "experts.down_proj", (E, F, D))
-        rows = lambda w: None if w is None else np.ascontiguousarray(w.transpose(0, 2, 1))   # [E, out, in]
-        w = (None, None, None) if gate_up is None or down is None else (
-            rows(gate_up[:, :, ::2]), rows(gate_up[:, :, 1::2]), rows(down))
-    moe = switch_layers.routed(get, m[:-1], c, "router", w, router_bias=get(m + "router.bias", (E,)),
-                           top_k_first=True, b_gate=b_gate, b_up=b_up, b_down=b_down,
-                           swiglu_limit=np.float32(c.extra["swiglu_limit"]),
-                           swiglu_alpha=np.float32(c.extra["swiglu_alpha"]))
-    sinks = p + "self_attn.sinks"   # a GGUF's: self_attn.sinks.weight
-    attention = llama.attention(get, c, i) | dict(bo=get(p + "self_attn.o_proj.bias", (D,)), sinks=get(
-        sinks if sinks in get.tensors or sinks + ".weight" not in get.tensors else sinks + ".weight", (H,)))
-    return MoELayerWeights(**attention, moe=moe)
+from . import switch_layers
+from .base import Transformer
 
 
 def _mxfp4(get, name: str, shape: tuple[int, int, int], rows=slice(None)):
@@ -67,50 +35,6 @@ def _mxfp4(get, name: str, shape: tuple[int, int, int], rows=slice(None)):
     return prepare(QuantizedTensor(mxfp4.words(blocks[:, rows]), scales, biases, 4, 32, values=mxfp4.LEVELS))
 
 
-def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return switch_layers.moe_act_shape(c)
-
-
-def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
-    return switch_layers.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
-
-
-def stacks(c: ModelConfig, tensors: dict) -> dict:
-    """The experts as quantize writes them: MLX's switch_mlp stacks [E, out, in], gate's and up's
-    from gate_up_proj's interleaved columns (or from float stacks already so named); their biases
-    stay as stored."""
-    from nibble.quant.convert import ExpertStack
-    D, E, F = c.hidden_size, switch_layers.experts(c), c.intermediate_size
-    out = {}
-    for i in range(c.num_hidden_layers):
-        m = f"model.layers.{i}.mlp."
-        gate_up, down = m + "experts.gate_up_proj", m + "experts.down_proj"
-        if gate_up not in tensors or down not in tensors:   # stacked already
-            out |= switch_layers.expert_stacks(c, tensors, m[:-1], F)
-            continue
-        columns = lambda t, cols, s=gate_up: (x[:, cols].T for x in np.asarray(t[s], np.float32))
-        out |= {m + "switch_mlp.gate_proj.weight": ExpertStack((gate_up,), (E, F, D), lambda t, k=columns: k(t, slice(0, None, 2))),
-                m + "switch_mlp.up_proj.weight": ExpertStack((gate_up,), (E, F, D), lambda t, k=columns: k(t, slice(1, None, 2))),
-                m + "switch_mlp.down_proj.weight": ExpertStack(
-                    (down,), (E, D, F), lambda t, s=down: (x.T for x in np.asarray(t[s], np.float32)))}
-    return out
-
-
-def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """Block i's tensors by name, its experts stacked as quantize writes them."""
-    D, E, F, H = c.hidden_size, switch_layers.experts(c), c.intermediate_size, c.num_attention_heads
-    p = f"model.layers.{i}."
-    m = p + "mlp."
-    q_dim, kv_dim = H * c.head_dim, c.num_key_value_heads * c.head_dim
-    return llama.attention_shapes(c, i) | {
-        p + "self_attn.q_proj.bias": (q_dim,), p + "self_attn.k_proj.bias": (kv_dim,),
-        p + "self_attn.v_proj.bias": (kv_dim,), p + "self_attn.o_proj.bias": (D,), p + "self_attn.sinks": (H,),
-        m + "router.weight": (E, D), m + "router.bias": (E,),
-        m + "switch_mlp.gate_proj.weight": (E, F, D), m + "switch_mlp.up_proj.weight": (E, F, D),
-        m + "switch_mlp.down_proj.weight": (E, D, F),
-        m + "experts.gate_up_proj_bias": (E, 2 * F), m + "experts.down_proj_bias": (E, D)}
-
-
 def _gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
     """llama.cpp's gpt-oss: attention biases, a window of attention.sliding_window in every other
     layer from the first, experts as wide as feed_forward_length (the converter writes it
@@ -125,27 +49,95 @@ def _gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
                 extra=dict(num_local_experts=E, num_experts_per_tok=k, swiglu_limit=7.0, swiglu_alpha=1.702))
 
 
-def _configure(c: ModelConfig) -> None:
-    if not c.attention_bias:
-        raise FormatError("config.json: nibble runs gpt_oss with attention_bias=true (its q, k, v and o biases)")
-    number(above=0).check("config.json: swiglu_limit", c.extra["swiglu_limit"])
-    number(above=0).check("config.json: swiglu_alpha", c.extra["swiglu_alpha"])
-    switch_layers.check_experts(c)
-
-
-FAMILY = Family(
-    "gpt_oss",
+class GptOss(Transformer):
     # GptOssConfig's defaults
-    model_types={"gpt_oss": dict(
+    model_types = {"gpt_oss": dict(
         vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
         num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
         num_experts_per_tok=4, sliding_window=128, rope_theta=150000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=131072, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)},
-    windows=lambda c: sliding_where_typed(c.layer_types or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.num_hidden_layers)],
-        c.sliding_window or 0),
-    configure=_configure,
-    gguf={"gpt-oss": GGUFArch("gpt_oss", fields=_gguf, block_names={
+        max_position_embeddings=131072, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)}
+    gguf = {"gpt-oss": GGUFArch("gpt_oss", fields=_gguf, block_names={
         "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
-        **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}})},
-)
+        **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}})}
+
+    def windows(self, c: ModelConfig) -> list[int]:
+        return sliding_where_typed(c.layer_types or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.num_hidden_layers)],
+            c.sliding_window or 0)
+
+    def layer(self, get, c: ModelConfig, i: int):
+        from ..kernels.layer import MoELayerWeights
+        D, E, F, H = c.hidden_size, switch_layers.experts(c), c.intermediate_size, c.num_attention_heads
+        p = f"model.layers.{i}."
+        m = p + "mlp."
+        if m + "switch_mlp.gate_proj.bias" in get.tensors:   # a GGUF's: one stack of biases a matrix
+            b_gate, b_up, b_down = (get(m + f"switch_mlp.{n}_proj.bias", (E, k)) for n, k in (("gate", F), ("up", F), ("down", D)))
+        else:
+            b, b_down = get(m + "experts.gate_up_proj_bias", (E, 2 * F)), get(m + "experts.down_proj_bias", (E, D))
+            b_gate, b_up = (None, None) if b is None else (np.ascontiguousarray(b[:, ::2]), np.ascontiguousarray(b[:, 1::2]))
+        if m + "switch_mlp.gate_proj.weight" in get.tensors:   # as quantize writes them, or a GGUF holds them
+            w = switch_layers.stacked(get, m[:-1], c, F)
+        elif m + "experts.gate_up_proj_blocks" in get.tensors:   # OpenAI's checkpoints: MXFP4
+            w = (_mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(0, None, 2)),
+                 _mxfp4(get, m + "experts.gate_up_proj", (E, 2 * F, D), slice(1, None, 2)),
+                 _mxfp4(get, m + "experts.down_proj", (E, D, F)))
+        else:
+            gate_up, down = get(m + "experts.gate_up_proj", (E, D, 2 * F)), get(m + "experts.down_proj", (E, F, D))
+            rows = lambda w: None if w is None else np.ascontiguousarray(w.transpose(0, 2, 1))   # [E, out, in]
+            w = (None, None, None) if gate_up is None or down is None else (
+                rows(gate_up[:, :, ::2]), rows(gate_up[:, :, 1::2]), rows(down))
+        moe = switch_layers.routed(get, m[:-1], c, "router", w, router_bias=get(m + "router.bias", (E,)),
+                               top_k_first=True, b_gate=b_gate, b_up=b_up, b_down=b_down,
+                               swiglu_limit=np.float32(c.extra["swiglu_limit"]),
+                               swiglu_alpha=np.float32(c.extra["swiglu_alpha"]))
+        sinks = p + "self_attn.sinks"   # a GGUF's: self_attn.sinks.weight
+        attention = self.attention(get, c, i) | dict(bo=get(p + "self_attn.o_proj.bias", (D,)), sinks=get(
+            sinks if sinks in get.tensors or sinks + ".weight" not in get.tensors else sinks + ".weight", (H,)))
+        return MoELayerWeights(**attention, moe=moe)
+
+    def act_shape(self, c: ModelConfig, i: int) -> tuple[int, int]:
+        return switch_layers.moe_act_shape(self, c)
+
+    def importances(self, c: ModelConfig, i: int, sums, tokens: int) -> dict:
+        return switch_layers.expert_importances(self, c, i, sums, tokens, "mlp", c.intermediate_size)
+
+    def stacks(self, c: ModelConfig, tensors: dict) -> dict:
+        """The experts as quantize writes them: MLX's switch_mlp stacks [E, out, in], gate's and up's
+        from gate_up_proj's interleaved columns (or from float stacks already so named); their biases
+        stay as stored."""
+        from nibble.quant.convert import ExpertStack
+        D, E, F = c.hidden_size, switch_layers.experts(c), c.intermediate_size
+        out = {}
+        for i in range(c.num_hidden_layers):
+            m = f"model.layers.{i}.mlp."
+            gate_up, down = m + "experts.gate_up_proj", m + "experts.down_proj"
+            if gate_up not in tensors or down not in tensors:   # stacked already
+                out |= switch_layers.expert_stacks(c, tensors, m[:-1], F)
+                continue
+            columns = lambda t, cols, s=gate_up: (x[:, cols].T for x in np.asarray(t[s], np.float32))
+            out |= {m + "switch_mlp.gate_proj.weight": ExpertStack((gate_up,), (E, F, D), lambda t, k=columns: k(t, slice(0, None, 2))),
+                    m + "switch_mlp.up_proj.weight": ExpertStack((gate_up,), (E, F, D), lambda t, k=columns: k(t, slice(1, None, 2))),
+                    m + "switch_mlp.down_proj.weight": ExpertStack(
+                        (down,), (E, D, F), lambda t, s=down: (x.T for x in np.asarray(t[s], np.float32)))}
+        return out
+
+    def block_shapes(self, c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+        """Block i's tensors by name, its experts stacked as quantize writes them."""
+        D, E, F, H = c.hidden_size, switch_layers.experts(c), c.intermediate_size, c.num_attention_heads
+        p = f"model.layers.{i}."
+        m = p + "mlp."
+        q_dim, kv_dim = H * c.head_dim, c.num_key_value_heads * c.head_dim
+        return self.attention_shapes(c, i) | {
+            p + "self_attn.q_proj.bias": (q_dim,), p + "self_attn.k_proj.bias": (kv_dim,),
+            p + "self_attn.v_proj.bias": (kv_dim,), p + "self_attn.o_proj.bias": (D,), p + "self_attn.sinks": (H,),
+            m + "router.weight": (E, D), m + "router.bias": (E,),
+            m + "switch_mlp.gate_proj.weight": (E, F, D), m + "switch_mlp.up_proj.weight": (E, F, D),
+            m + "switch_mlp.down_proj.weight": (E, D, F),
+            m + "experts.gate_up_proj_bias": (E, 2 * F), m + "experts.down_proj_bias": (E, D)}
+
+    def configure(self, c: ModelConfig) -> None:
+        if not c.attention_bias:
+            raise FormatError("config.json: nibble runs gpt_oss with attention_bias=true (its q, k, v and o biases)")
+        number(above=0).check("config.json: swiglu_limit", c.extra["swiglu_limit"])
+        number(above=0).check("config.json: swiglu_alpha", c.extra["swiglu_alpha"])
+        switch_layers.check_experts(c)

@@ -11,70 +11,14 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family, GGUFArch
+from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts, float32_decimal
 from nibble.formats.values import integer, number
-from . import llama, switch_layers
+from . import switch_layers
+from .base import Transformer
 from .phi3 import split_rows
 
-block, ropes, norm = llama.block, llama.ropes, llama.norm
 MOE = "block_sparse_moe"
-
-
-def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return switch_layers.moe_act_shape(c)
-
-
-def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
-    S = c.extra.get("shared_intermediate_size", 0)
-    shared = (("shared_mlp.input_linear",), ("shared_mlp.output_linear",), S) if S else None
-    return switch_layers.expert_importances(c, i, sums, tokens, MOE, c.intermediate_size, shared)
-
-
-def stacks(c: ModelConfig, tensors: dict) -> dict:
-    """The experts as quantize writes them: MLX's switch_mlp stacks, from the fused input_linear
-    (gate's rows, then up's) and output_linear, or from float stacks already so named."""
-    from nibble.quant.convert import ExpertStack
-    D, E, F = c.hidden_size, switch_layers.experts(c), c.intermediate_size
-    out = {}
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}.{MOE}"
-        fused, down = f"{p}.input_linear.weight", f"{p}.output_linear.weight"
-        if fused not in tensors or down not in tensors:
-            out |= switch_layers.expert_stacks(c, tensors, p, F)
-            continue
-        halves = lambda t, rows, s=fused: (m[rows] for m in np.asarray(t[s], np.float32))
-        out |= {f"{p}.switch_mlp.gate_proj.weight": ExpertStack((fused,), (E, F, D), lambda t, h=halves: h(t, slice(0, F))),
-                f"{p}.switch_mlp.up_proj.weight": ExpertStack((fused,), (E, F, D), lambda t, h=halves: h(t, slice(F, None))),
-                f"{p}.switch_mlp.down_proj.weight": ExpertStack(
-                    (down,), (E, D, F), lambda t, s=down: iter(np.asarray(t[s], np.float32)))}
-    return out
-
-
-def embed_scale(c: ModelConfig, embed) -> np.float32:
-    return np.float32(c.extra["embedding_multiplier"])
-
-
-def logits_scale(c: ModelConfig) -> float:
-    return 1 / c.extra["logits_scaling"]
-
-
-def layer(get, c: ModelConfig, i: int):
-    from ..kernels.layer import MoELayerWeights
-    from ..kernels.moe import SharedExpert
-    D, F = c.hidden_size, c.intermediate_size
-    p = f"model.layers.{i}."
-    moe = p + "block_sparse_moe"
-    shared = None
-    S = c.extra.get("shared_intermediate_size", 0)
-    if S:
-        shared = SharedExpert(*split_rows(get.linear(p + "shared_mlp.input_linear", (2 * S, D)), (S, S)),
-                              get.linear(p + "shared_mlp.output_linear", (D, S)), np.zeros(0, np.float32))
-    weights = routed_experts(get, moe, c, F)
-    attention = llama.attention(get, c, i) | dict(attention_scale=np.float32(c.extra["attention_multiplier"]),
-                                                  residual_scale=np.float32(c.extra["residual_multiplier"]))
-    return MoELayerWeights(**attention, moe=switch_layers.routed(get, moe, c, "router.layer", weights,
-                                                             top_k_first=True, shared=shared))
 
 
 def routed_experts(get, path: str, c: ModelConfig, F: int) -> tuple:
@@ -88,19 +32,7 @@ def routed_experts(get, path: str, c: ModelConfig, F: int) -> tuple:
     return gate, up, get(f"{path}.output_linear.weight", (E, D, F))
 
 
-# ---- the config and the files -------------------------------------------------------------------
-
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-
-
-def _configure(c: ModelConfig) -> None:
-    if c.attention_bias:
-        raise FormatError(f"config.json: nibble cannot run attention_bias=True for {c.model_type} "
-                          f"(transformers gives its o_proj a bias too)")
-    for name in MULTIPLIERS:
-        number(above=0).check(f"config.json: {name}", c.extra[name])
-    integer().check("config.json: shared_intermediate_size", c.extra.get("shared_intermediate_size", 0))
-    switch_layers.check_experts(c)
 
 
 def _granitemoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
@@ -123,16 +55,75 @@ def _granitemoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int)
     return dict(model_type="granitemoeshared" if S else "granitemoe", extra=extra)
 
 
-FAMILY = Family(
-    "granitemoe",
+class GraniteMoe(Transformer):
     # GraniteMoeConfig's and GraniteMoeSharedConfig's defaults
-    model_types={t: dict(dict.fromkeys(MULTIPLIERS, 1.0), num_local_experts=8, num_experts_per_tok=2)
-                 for t in ("granitemoe", "granitemoeshared")},
-    windows=lambda c: one_window(c, 0), configure=_configure,   # transformers' granite never slides
+    model_types = {t: dict(dict.fromkeys(MULTIPLIERS, 1.0), num_local_experts=8, num_experts_per_tok=2)
+                   for t in ("granitemoe", "granitemoeshared")}
     # the converter's GraniteMoeModel is a LlamaModel: q/k permuted
-    gguf={"granitemoe": GGUFArch(
+    gguf = {"granitemoe": GGUFArch(
         "granitemoe", permuted_qk=True, fields=_granitemoe_gguf,
         block_names={"ffn_gate_inp": "block_sparse_moe.router.layer", "ffn_down_shexp": "shared_mlp.output_linear",
                      **{f"ffn_{p}_exps": f"block_sparse_moe.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}},
-        fused={"shared_mlp.input_linear": ("ffn_gate_shexp", "ffn_up_shexp")})},
-)
+        fused={"shared_mlp.input_linear": ("ffn_gate_shexp", "ffn_up_shexp")})}
+
+    def windows(self, c: ModelConfig) -> list[int]:
+        return one_window(c, 0)   # transformers' granite never slides
+
+    def act_shape(self, c: ModelConfig, i: int) -> tuple[int, int]:
+        return switch_layers.moe_act_shape(self, c)
+
+    def importances(self, c: ModelConfig, i: int, sums, tokens: int) -> dict:
+        S = c.extra.get("shared_intermediate_size", 0)
+        shared = (("shared_mlp.input_linear",), ("shared_mlp.output_linear",), S) if S else None
+        return switch_layers.expert_importances(self, c, i, sums, tokens, MOE, c.intermediate_size, shared)
+
+    def stacks(self, c: ModelConfig, tensors: dict) -> dict:
+        """The experts as quantize writes them: MLX's switch_mlp stacks, from the fused input_linear
+        (gate's rows, then up's) and output_linear, or from float stacks already so named."""
+        from nibble.quant.convert import ExpertStack
+        D, E, F = c.hidden_size, switch_layers.experts(c), c.intermediate_size
+        out = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.{MOE}"
+            fused, down = f"{p}.input_linear.weight", f"{p}.output_linear.weight"
+            if fused not in tensors or down not in tensors:
+                out |= switch_layers.expert_stacks(c, tensors, p, F)
+                continue
+            halves = lambda t, rows, s=fused: (m[rows] for m in np.asarray(t[s], np.float32))
+            out |= {f"{p}.switch_mlp.gate_proj.weight": ExpertStack((fused,), (E, F, D), lambda t, h=halves: h(t, slice(0, F))),
+                    f"{p}.switch_mlp.up_proj.weight": ExpertStack((fused,), (E, F, D), lambda t, h=halves: h(t, slice(F, None))),
+                    f"{p}.switch_mlp.down_proj.weight": ExpertStack(
+                        (down,), (E, D, F), lambda t, s=down: iter(np.asarray(t[s], np.float32)))}
+        return out
+
+    def embed_scale(self, c: ModelConfig, embed) -> np.float32:
+        return np.float32(c.extra["embedding_multiplier"])
+
+    def logits_scale(self, c: ModelConfig) -> float:
+        return 1 / c.extra["logits_scaling"]
+
+    def layer(self, get, c: ModelConfig, i: int):
+        from ..kernels.layer import MoELayerWeights
+        from ..kernels.moe import SharedExpert
+        D, F = c.hidden_size, c.intermediate_size
+        p = f"model.layers.{i}."
+        moe = p + "block_sparse_moe"
+        shared = None
+        S = c.extra.get("shared_intermediate_size", 0)
+        if S:
+            shared = SharedExpert(*split_rows(get.linear(p + "shared_mlp.input_linear", (2 * S, D)), (S, S)),
+                                  get.linear(p + "shared_mlp.output_linear", (D, S)), np.zeros(0, np.float32))
+        weights = routed_experts(get, moe, c, F)
+        attention = self.attention(get, c, i) | dict(attention_scale=np.float32(c.extra["attention_multiplier"]),
+                                                      residual_scale=np.float32(c.extra["residual_multiplier"]))
+        return MoELayerWeights(**attention, moe=switch_layers.routed(get, moe, c, "router.layer", weights,
+                                                                 top_k_first=True, shared=shared))
+
+    def configure(self, c: ModelConfig) -> None:
+        if c.attention_bias:
+            raise FormatError(f"config.json: nibble cannot run attention_bias=True for {c.model_type} "
+                              f"(transformers gives its o_proj a bias too)")
+        for name in MULTIPLIERS:
+            number(above=0).check(f"config.json: {name}", c.extra[name])
+        integer().check("config.json: shared_intermediate_size", c.extra.get("shared_intermediate_size", 0))
+        switch_layers.check_experts(c)

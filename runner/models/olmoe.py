@@ -1,47 +1,12 @@
 """OLMoE: Llama's attention with an RMSNorm over each row's whole query and key projections (not
 each head's, as Qwen3's), and in every layer a mixture of experts for the MLP: softmax over the
 router's logits, the top num_experts_per_tok (8 of 64), not renormalised unless norm_topk_prob."""
-
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family, GGUFArch
+from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts
-from . import llama, switch_layers
-
-block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
-
-
-def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return switch_layers.moe_act_shape(c)
-
-
-def importances(c: ModelConfig, i: int, sums, tokens: int) -> dict:
-    return switch_layers.expert_importances(c, i, sums, tokens, "mlp", c.intermediate_size)
-
-
-def stacks(c: ModelConfig, tensors: dict) -> dict:
-    return {name: s for i in range(c.num_hidden_layers) for name, s in switch_layers.expert_stacks(
-        c, tensors, f"model.layers.{i}.mlp", c.intermediate_size).items()}
-
-
-def layer(get, c: ModelConfig, i: int):
-    from ..kernels.layer import MoELayerWeights
-    p = f"model.layers.{i}.mlp"
-    moe = switch_layers.routed(get, p, c, "gate", switch_layers.stacked(get, p, c, c.intermediate_size),
-                           renormalize=c.extra["norm_topk_prob"])
-    return MoELayerWeights(**llama.attention(get, c, i, qk_norm="row"), moe=moe)
-
-
-def _configure(c: ModelConfig) -> None:
-    if c.attention_bias:
-        raise FormatError("config.json: nibble cannot run attention_bias=True for olmoe (transformers "
-                          "gives its o_proj a bias too)")
-    if c.extra.get("clip_qkv") is not None:
-        raise FormatError(f"config.json: nibble cannot run clip_qkv={c.extra['clip_qkv']!r} for olmoe "
-                          "(its block does not clamp q, k and v)")
-    if switch_layers.experts(c) is None:   # OlmoeConfig's default
-        c.extra["num_experts"] = 64
-    switch_layers.check_experts(c)
+from . import switch_layers
+from .base import Transformer
 
 
 def _olmoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
@@ -51,10 +16,41 @@ def _olmoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> d
     return dict(extra=dict(num_experts=E, num_experts_per_tok=k, norm_topk_prob=False))
 
 
-FAMILY = Family(
-    "olmoe",
+class Olmoe(Transformer):
     # OlmoeConfig's defaults
-    model_types={"olmoe": dict(num_experts_per_tok=8, norm_topk_prob=False)},
-    windows=lambda c: one_window(c, 0), configure=_configure,   # transformers' olmoe never slides
-    gguf={"olmoe": GGUFArch("olmoe", fields=_olmoe_gguf, block_names=switch_layers.GGUF_EXPERTS)},
-)
+    model_types = {"olmoe": dict(num_experts_per_tok=8, norm_topk_prob=False)}
+    gguf = {"olmoe": GGUFArch("olmoe", fields=_olmoe_gguf, block_names=switch_layers.GGUF_EXPERTS)}
+
+    def qk_norm(self, c: ModelConfig) -> str:
+        return "row"
+
+    def layer(self, get, c: ModelConfig, i: int):
+        from ..kernels.layer import MoELayerWeights
+        p = f"model.layers.{i}.mlp"
+        moe = switch_layers.routed(get, p, c, "gate", switch_layers.stacked(get, p, c, c.intermediate_size),
+                                   renormalize=c.extra["norm_topk_prob"])
+        return MoELayerWeights(**self.attention(get, c, i), moe=moe)
+
+    def act_shape(self, c: ModelConfig, i: int) -> tuple[int, int]:
+        return switch_layers.moe_act_shape(self, c)
+
+    def importances(self, c: ModelConfig, i: int, sums, tokens: int) -> dict:
+        return switch_layers.expert_importances(self, c, i, sums, tokens, "mlp", c.intermediate_size)
+
+    def stacks(self, c: ModelConfig, tensors: dict) -> dict:
+        return {name: s for i in range(c.num_hidden_layers) for name, s in switch_layers.expert_stacks(
+            c, tensors, f"model.layers.{i}.mlp", c.intermediate_size).items()}
+
+    def configure(self, c: ModelConfig) -> None:
+        if c.attention_bias:
+            raise FormatError("config.json: nibble cannot run attention_bias=True for olmoe (transformers "
+                              "gives its o_proj a bias too)")
+        if c.extra.get("clip_qkv") is not None:
+            raise FormatError(f"config.json: nibble cannot run clip_qkv={c.extra['clip_qkv']!r} for olmoe "
+                              "(its block does not clamp q, k and v)")
+        if switch_layers.experts(c) is None:   # OlmoeConfig's default
+            c.extra["num_experts"] = 64
+        switch_layers.check_experts(c)
+
+    def windows(self, c: ModelConfig) -> list[int]:
+        return one_window(c, 0)   # transformers' olmoe never slides

@@ -8,41 +8,8 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family, GGUFArch
-from . import llama
-
-block = llama.block
-ropes = llama.ropes   # one table for every layer
-norm, embed_scale, logits_scale = llama.norm, llama.embed_scale, llama.logits_scale
-INPUTS = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
-act_shape, stacks = llama.act_shape, llama.stacks
-
-
-def importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
-    return llama.importances(c, i, sums, tokens, INPUTS)
-
-
-def layer(get, c: ModelConfig, i: int):
-    from ..kernels.layer import LayerWeights
-    D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    p = f"model.layers.{i}."
-    wq, wk, wv = split_rows(get.linear(p + "self_attn.qkv_proj", (q_dim + 2 * kv_dim, D)),
-                        (q_dim, kv_dim, kv_dim))
-    w_gate, w_up = split_rows(get.linear(p + "mlp.gate_up_proj", (2 * F, D)), (F, F))
-    no_norm = np.zeros(0, np.float32)   # no q/k norms, o bias or sinks
-    return LayerWeights(
-        input_norm=get(p + "input_layernorm.weight", (D,)),
-        wq=wq, wk=wk, wv=wv,
-        bq=np.zeros(q_dim, np.float32), bk=np.zeros(kv_dim, np.float32),
-        bv=np.zeros(kv_dim, np.float32),
-        q_norm=no_norm, k_norm=no_norm,
-        wo=get.linear(p + "self_attn.o_proj", (D, q_dim)), bo=no_norm, sinks=no_norm,
-        post_norm=get(p + "post_attention_layernorm.weight", (D,)),
-        attention_scale=np.float32(1 / math.sqrt(hd)), residual_scale=np.float32(1),
-        w_gate=w_gate, w_up=w_up,
-        w_down=get.linear(p + "mlp.down_proj", (D, F)),
-    )
+from nibble.formats.families import GGUFArch
+from .base import Transformer
 
 
 def split_rows(w, sizes: tuple[int, ...]) -> list:
@@ -53,32 +20,52 @@ def split_rows(w, sizes: tuple[int, ...]) -> list:
     return [None if w is None else row_block(w, end - n, end) for n, end in zip(sizes, ends)]
 
 
-# ---- the config and the files -------------------------------------------------------------------
-
-def _rope(c: ModelConfig, s: dict) -> str:
-    """Phi3Config's RoPE (in place on s): "su" and "yarn" are its old names for longrope, and a
-    longrope block takes the top-level original_max_position_embeddings over its own."""
-    kind = s["rope_type"]
-    if kind == "longrope":
-        s["original_max_position_embeddings"] = c.original_max_position_embeddings
-    elif kind in ("su", "yarn"):
-        kind = s["rope_type"] = "longrope"
-    elif kind != "default":
-        raise FormatError(f"config.json: phi3 runs default or longrope RoPE, not {kind!r}")
-    return kind
-
-
 def _gguf_fields(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
     """llama.cpp disables phi3's sliding window: full attention everywhere."""
     return dict(original_max_position_embeddings=meta.get(a + "rope.scaling.original_context_length"))
 
 
-FAMILY = Family(
-    "phi3",
-    model_types={"phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
-                              original_max_position_embeddings=4096)},
-    windows=lambda c: one_window(c, c.sliding_window or 0),   # every layer slides
-    rope=_rope, partial_rotary=True,
-    gguf={"phi3": GGUFArch("phi3", block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                           fields=_gguf_fields)},   # kept fused
-)
+class Phi3(Transformer):
+    model_types = {"phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
+                                original_max_position_embeddings=4096)}
+    gguf = {"phi3": GGUFArch("phi3", block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                             fields=_gguf_fields)}   # kept fused
+    partial_rotary = True
+    INPUTS = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
+
+    def windows(self, c: ModelConfig) -> list[int]:
+        return one_window(c, c.sliding_window or 0)   # every layer slides
+
+    def layer(self, get, c: ModelConfig, i: int):
+        from ..kernels.layer import LayerWeights
+        D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        p = f"model.layers.{i}."
+        wq, wk, wv = split_rows(get.linear(p + "self_attn.qkv_proj", (q_dim + 2 * kv_dim, D)),
+                                (q_dim, kv_dim, kv_dim))
+        w_gate, w_up = split_rows(get.linear(p + "mlp.gate_up_proj", (2 * F, D)), (F, F))
+        no_norm = np.zeros(0, np.float32)   # no q/k norms, o bias or sinks
+        return LayerWeights(
+            input_norm=get(p + "input_layernorm.weight", (D,)),
+            wq=wq, wk=wk, wv=wv,
+            bq=np.zeros(q_dim, np.float32), bk=np.zeros(kv_dim, np.float32),
+            bv=np.zeros(kv_dim, np.float32),
+            q_norm=no_norm, k_norm=no_norm,
+            wo=get.linear(p + "self_attn.o_proj", (D, q_dim)), bo=no_norm, sinks=no_norm,
+            post_norm=get(p + "post_attention_layernorm.weight", (D,)),
+            attention_scale=np.float32(1 / math.sqrt(hd)), residual_scale=np.float32(1),
+            w_gate=w_gate, w_up=w_up,
+            w_down=get.linear(p + "mlp.down_proj", (D, F)),
+        )
+
+    def rope(self, c: ModelConfig, s: dict) -> str:
+        """Phi3Config's RoPE (in place on s): "su" and "yarn" are its old names for longrope, and a
+        longrope block takes the top-level original_max_position_embeddings over its own."""
+        kind = s["rope_type"]
+        if kind == "longrope":
+            s["original_max_position_embeddings"] = c.original_max_position_embeddings
+        elif kind in ("su", "yarn"):
+            kind = s["rope_type"] = "longrope"
+        elif kind != "default":
+            raise FormatError(f"config.json: phi3 runs default or longrope RoPE, not {kind!r}")
+        return kind

@@ -8,98 +8,12 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig, one_window, sliding_where_typed
 from nibble.formats.errors import FormatError
-from nibble.formats.families import Family, GGUFArch
+from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts
 from nibble.formats.values import BOOL, COUNT
-from . import llama
+from .llama import Llama
 from .switch_layers import (GGUF_EXPERTS, check_experts, expert_importances, expert_stacks, experts,
                             moe_act_shape, routed, stacked)
-
-block, ropes, norm, embed_scale, logits_scale = llama.block, llama.ropes, llama.norm, llama.embed_scale, llama.logits_scale
-
-def sparse(c: ModelConfig, i: int) -> bool:
-    """Whether layer i's MLP is the mixture of experts (Qwen3MoeDecoderLayer's rule)."""
-    step = c.extra["decoder_sparse_step"]
-    return i not in c.extra["mlp_only_layers"] and experts(c) > 0 and (i + 1) % step == 0
-
-
-def layer(get, c: ModelConfig, i: int):
-    from ..kernels.layer import MoELayerWeights
-    from ..kernels.moe import SharedExpert
-    if not sparse(c, i):
-        return llama.layer(get, c, i)
-    p = f"model.layers.{i}.mlp"
-    shared = None
-    if c.model_type == "qwen2_moe":
-        D, S = c.hidden_size, c.extra["shared_expert_intermediate_size"]
-        gate = get.dense(p + ".shared_expert_gate", (1, D))
-        shared = SharedExpert(get.linear(p + ".shared_expert.gate_proj", (S, D)),
-                              get.linear(p + ".shared_expert.up_proj", (S, D)),
-                              get.linear(p + ".shared_expert.down_proj", (D, S)),
-                              None if gate is None else gate[0])
-    moe = routed(get, p, c, "gate", stacked(get, p, c, c.extra["moe_intermediate_size"]),
-                 renormalize=c.extra["norm_topk_prob"], shared=shared)
-    return MoELayerWeights(**llama.attention(get, c, i), moe=moe)
-
-
-def act_shape(c: ModelConfig, i: int) -> tuple[int, int]:
-    return moe_act_shape(c) if sparse(c, i) else llama.act_shape(c, i)
-
-
-def importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
-    if not sparse(c, i):
-        return llama.importances(c, i, sums, tokens)
-    shared = ((("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.shared_expert.down_proj",),
-               c.extra["shared_expert_intermediate_size"]) if c.model_type == "qwen2_moe" else None)
-    return expert_importances(c, i, sums, tokens, "mlp", c.extra["moe_intermediate_size"], shared)
-
-
-def stacks(c: ModelConfig, tensors: dict) -> dict:
-    F = c.extra["moe_intermediate_size"]
-    return {name: s for i in range(c.num_hidden_layers) if sparse(c, i)
-            for name, s in expert_stacks(c, tensors, f"model.layers.{i}.mlp", F).items()}
-
-
-def block_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """As llama's; a sparse layer's MLP: the router [E, D] and the experts stacked, as MLX's
-    switch_mlp holds them."""
-    if not sparse(c, i):
-        return llama.block_shapes(c, i)
-    if c.model_type != "qwen3_moe":
-        raise FormatError(f"nibble makes random models of qwen3_moe's shapes, not {c.model_type}'s")
-    D, E, F = c.hidden_size, experts(c), c.extra["moe_intermediate_size"]
-    p = f"model.layers.{i}.mlp."
-    return llama.attention_shapes(c, i) | {
-        p + "gate.weight": (E, D), p + "switch_mlp.gate_proj.weight": (E, F, D),
-        p + "switch_mlp.up_proj.weight": (E, F, D), p + "switch_mlp.down_proj.weight": (E, D, F)}
-
-
-# ---- the config and the files -------------------------------------------------------------------
-
-def _configure(c: ModelConfig) -> None:
-    if c.model_type == "qwen2_moe":
-        c.attention_bias = c.extra.get("qkv_bias", True)   # q/k/v biases (transformers 4: always)
-        BOOL.check("config.json: qkv_bias", c.attention_bias)
-    else:
-        llama.FAMILY.configure(c)   # qwen3's rule: no attention bias
-    if c.extra.get("mlp_only_layers") is None:   # null in a config.json: none
-        c.extra["mlp_only_layers"] = []
-    if experts(c) is None:   # Qwen3MoeConfig's and Qwen2MoeConfig's default
-        c.extra["num_experts"] = {"qwen3_moe": 128, "qwen2_moe": 60}[c.model_type]
-    check_experts(c)
-
-
-def _windows(c: ModelConfig) -> list[int]:
-    """Qwen3MoeConfig keeps sliding_window only with use_sliding_window, and its attention then
-    slides in every layer; Qwen2MoeConfig slides in its "sliding_attention" layers (by default,
-    with use_sliding_window, every other layer below max_window_layers)."""
-    window = (c.sliding_window or 0) if c.use_sliding_window else 0
-    if c.model_type == "qwen3_moe":
-        return one_window(c, window)
-    types = c.layer_types or [
-        "sliding_attention" if (i + 1) % 2 and i < (c.max_window_layers or 28) else "full_attention"
-        for i in range(c.num_hidden_layers)]
-    return sliding_where_typed(types, window)
 
 
 def _qwen3moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
@@ -122,18 +36,93 @@ def _qwen2moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -
     return fields
 
 
-FAMILY = Family(
-    "qwen3_moe",
+class Qwen3Moe(Llama):
     # Qwen3MoeConfig's and Qwen2MoeConfig's defaults
-    model_types={"qwen3_moe": dict(sliding_window=4096, num_experts_per_tok=8,
-                                   moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
-                                   mlp_only_layers=[]),
-                 "qwen2_moe": dict(sliding_window=4096, num_experts_per_tok=4,
-                                   moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-                                   norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])},
-    windows=_windows, configure=_configure,
-    gguf={"qwen3moe": GGUFArch("qwen3_moe", fields=_qwen3moe_gguf, block_names=GGUF_EXPERTS),
-          "qwen2moe": GGUFArch("qwen2_moe", fields=_qwen2moe_gguf, block_names=GGUF_EXPERTS | {
-              "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-              **{f"ffn_{p}_shexp": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}})},
-)
+    model_types = {"qwen3_moe": dict(sliding_window=4096, num_experts_per_tok=8,
+                                     moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
+                                     mlp_only_layers=[]),
+                   "qwen2_moe": dict(sliding_window=4096, num_experts_per_tok=4,
+                                     moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                                     norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])}
+    gguf = {"qwen3moe": GGUFArch("qwen3_moe", fields=_qwen3moe_gguf, block_names=GGUF_EXPERTS),
+            "qwen2moe": GGUFArch("qwen2_moe", fields=_qwen2moe_gguf, block_names=GGUF_EXPERTS | {
+                "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                **{f"ffn_{p}_shexp": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}})}
+
+    def qk_norm(self, c: ModelConfig) -> str | None:
+        return "head" if c.model_type == "qwen3_moe" else None
+
+    def sparse(self, c: ModelConfig, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts (Qwen3MoeDecoderLayer's rule)."""
+        step = c.extra["decoder_sparse_step"]
+        return i not in c.extra["mlp_only_layers"] and experts(c) > 0 and (i + 1) % step == 0
+
+    def layer(self, get, c: ModelConfig, i: int):
+        from ..kernels.layer import MoELayerWeights
+        from ..kernels.moe import SharedExpert
+        if not self.sparse(c, i):
+            return super().layer(get, c, i)
+        p = f"model.layers.{i}.mlp"
+        shared = None
+        if c.model_type == "qwen2_moe":
+            D, S = c.hidden_size, c.extra["shared_expert_intermediate_size"]
+            gate = get.dense(p + ".shared_expert_gate", (1, D))
+            shared = SharedExpert(get.linear(p + ".shared_expert.gate_proj", (S, D)),
+                                  get.linear(p + ".shared_expert.up_proj", (S, D)),
+                                  get.linear(p + ".shared_expert.down_proj", (D, S)),
+                                  None if gate is None else gate[0])
+        moe = routed(get, p, c, "gate", stacked(get, p, c, c.extra["moe_intermediate_size"]),
+                     renormalize=c.extra["norm_topk_prob"], shared=shared)
+        return MoELayerWeights(**self.attention(get, c, i), moe=moe)
+
+    def act_shape(self, c: ModelConfig, i: int) -> tuple[int, int]:
+        return moe_act_shape(self, c) if self.sparse(c, i) else super().act_shape(c, i)
+
+    def importances(self, c: ModelConfig, i: int, sums: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
+        if not self.sparse(c, i):
+            return super().importances(c, i, sums, tokens)
+        shared = ((("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.shared_expert.down_proj",),
+                   c.extra["shared_expert_intermediate_size"]) if c.model_type == "qwen2_moe" else None)
+        return expert_importances(self, c, i, sums, tokens, "mlp", c.extra["moe_intermediate_size"], shared)
+
+    def stacks(self, c: ModelConfig, tensors: dict) -> dict:
+        F = c.extra["moe_intermediate_size"]
+        return {name: s for i in range(c.num_hidden_layers) if self.sparse(c, i)
+                for name, s in expert_stacks(c, tensors, f"model.layers.{i}.mlp", F).items()}
+
+    def block_shapes(self, c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+        """As llama's; a sparse layer's MLP: the router [E, D] and the experts stacked, as MLX's
+        switch_mlp holds them."""
+        if not self.sparse(c, i):
+            return super().block_shapes(c, i)
+        if c.model_type != "qwen3_moe":
+            raise FormatError(f"nibble makes random models of qwen3_moe's shapes, not {c.model_type}'s")
+        D, E, F = c.hidden_size, experts(c), c.extra["moe_intermediate_size"]
+        p = f"model.layers.{i}.mlp."
+        return self.attention_shapes(c, i) | {
+            p + "gate.weight": (E, D), p + "switch_mlp.gate_proj.weight": (E, F, D),
+            p + "switch_mlp.up_proj.weight": (E, F, D), p + "switch_mlp.down_proj.weight": (E, D, F)}
+
+    def configure(self, c: ModelConfig) -> None:
+        if c.model_type == "qwen2_moe":
+            c.attention_bias = c.extra.get("qkv_bias", True)   # q/k/v biases (transformers 4: always)
+            BOOL.check("config.json: qkv_bias", c.attention_bias)
+        else:
+            super().configure(c)   # qwen3's rule: no attention bias
+        if c.extra.get("mlp_only_layers") is None:   # null in a config.json: none
+            c.extra["mlp_only_layers"] = []
+        if experts(c) is None:   # Qwen3MoeConfig's and Qwen2MoeConfig's default
+            c.extra["num_experts"] = {"qwen3_moe": 128, "qwen2_moe": 60}[c.model_type]
+        check_experts(c)
+
+    def windows(self, c: ModelConfig) -> list[int]:
+        """Qwen3MoeConfig keeps sliding_window only with use_sliding_window, and its attention then
+        slides in every layer; Qwen2MoeConfig slides in its "sliding_attention" layers (by default,
+        with use_sliding_window, every other layer below max_window_layers)."""
+        window = (c.sliding_window or 0) if c.use_sliding_window else 0
+        if c.model_type == "qwen3_moe":
+            return one_window(c, window)
+        types = c.layer_types or [
+            "sliding_attention" if (i + 1) % 2 and i < (c.max_window_layers or 28) else "full_attention"
+            for i in range(c.num_hidden_layers)]
+        return sliding_where_typed(types, window)

@@ -7,7 +7,7 @@ import numpy as np
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError
 from nibble.formats.values import BOOL, COUNT, integer, list_of
-from . import llama
+from .base import Transformer
 
 # Fewer calibration rows than this routed to an expert, and the means of its squared inputs are
 # mostly noise: it is quantized with plain weighting instead (quantize says how many were).
@@ -43,17 +43,18 @@ def routed(get, path: str, c: ModelConfig, router: str, w: tuple, **routing):
                       top_k=c.extra["num_experts_per_tok"], **(fields | routing))
 
 
-def moe_act_shape(c: ModelConfig) -> tuple[int, int]:
-    """The shape of a sparse block's act_sq: llama's four rows, two for each expert and one of
-    counts (moe.moe_mlp), as wide as the widest input or the number of experts."""
+def moe_act_shape(family, c: ModelConfig) -> tuple[int, int]:
+    """The shape of a sparse block's act_sq: a dense block's four rows (base.Transformer's), two
+    for each expert and one of counts (moe.moe_mlp), as wide as the widest input or the number of
+    experts."""
     E = experts(c)
-    return 5 + 2 * E, max(llama.act_shape(c, 0)[1], E, *(c.extra.get(k) or 0 for k in _SIZES))
+    return 5 + 2 * E, max(Transformer.act_shape(family, c, 0)[1], E, *(c.extra.get(k) or 0 for k in _SIZES))
 
 
-def expert_importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int, path: str, F: int,
+def expert_importances(family, c: ModelConfig, i: int, sums: np.ndarray, tokens: int, path: str, F: int,
                        shared: tuple | None = None) -> dict[str, np.ndarray]:
     """Block i's importance entries when its MLP is the mixture `path` (act_sq's rows as
-    moe.moe_mlp fills them): the attention's as llama's; the stacked experts' [E, K], each
+    moe.moe_mlp fills them): the attention's as a dense block's; the stacked experts' [E, K], each
     expert's row the mean over the rows routed to it (zeros, plain weighting, for one that fewer
     than MIN_ROUTED reached); shared = (gate/up names, down names, width), the shared expert's,
     over every token."""
@@ -62,7 +63,7 @@ def expert_importances(c: ModelConfig, i: int, sums: np.ndarray, tokens: int, pa
     per_row = np.where(counts >= MIN_ROUTED, 1 / np.maximum(counts, 1), 0)[:, None]
     inputs, downs = sums[4:4 + 2 * E:2, :D] * per_row, sums[5:5 + 2 * E:2, :F] * per_row
     p = f"model.layers.{i}.{path}.switch_mlp."
-    entries = llama.importances(c, i, sums, tokens, llama.INPUTS[:2]) | {
+    entries = Transformer.importances(family, c, i, sums, tokens, Transformer.INPUTS[:2]) | {
         p + "gate_proj.weight": inputs, p + "up_proj.weight": inputs, p + "down_proj.weight": downs}
     if shared:
         gate_up, down, S = shared
