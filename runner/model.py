@@ -48,7 +48,7 @@ class Model:
             self.norm = self.norm * np.float32(self.family.logits_scale(c))
         self.lm_head = (None if not head else self.embed if c.tie_word_embeddings
                         else get.linear("lm_head", (c.vocab_size, D)))       # [V, D]
-        self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
+        self.layers = [self.family.layer_weights(get, c, i) for i in range(c.num_hidden_layers)]
         get.raise_if_missing()
         self.ropes = self.family.ropes(c, c.max_position_embeddings)   # each layer's (cos, sin)
         self.stages = [CPUStage(self, 0, len(self.layers), head=head)]   # see stages.py

@@ -84,7 +84,7 @@ class CPUStage:
         return logits
 
     def kernels(self, x, kv, rows, act) -> Kernels:
-        """Each layer's family.block() compiled for its arguments' types (act: the first layer's
+        """Each layer's family.kernel() compiled for its arguments' types (act: the first layer's
         act_sq), with the weights it takes: numba's dispatcher would type a layer's named tuples
         again at each call (a few percent of a small model's token), but a layer's weights and
         rotations keep theirs: only those of x, rows, the cache (f32 or int8) and act_sq are looked
@@ -107,7 +107,7 @@ class CPUStage:
         layers, head = m.layers[self.first:self.last], m.lm_head if self.head else None
         if self.last == self.first:
             return Kernels([], layers, head)
-        block = m.family.block()
+        block = m.family.kernel()
         sigs = self._signatures(block, layers, x, kv, rows, act)
         if ahead.is_cached(block, sigs[0]):
             return Kernels([block.compile(sig) for sig in sigs], layers, head)

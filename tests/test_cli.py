@@ -266,7 +266,7 @@ def test_quantize_at_load_once(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
     writes = []
     write = quantize._write_quantized
-    monkeypatch.setattr(quantize, "_write_quantized", lambda *a: writes.append(a[1]) or write(*a))
+    monkeypatch.setattr(quantize, "_write_quantized", lambda *a, **k: writes.append(a[1]) or write(*a, **k))
     for _ in range(2):   # int4 only: int8 would compile every kernel of its kind for this test alone
         r = invoke("run", "-m", tiny_dir, *GREEDY, "--quant", "int4", "--json", "Hello")
         assert r.exit_code == 0, r.output

@@ -52,8 +52,9 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
     if is_mxfp4(model_dir.config):
         raise NibbleError(f"{ref} holds MXFP4 experts, which nibble runs as stored: "
                           "it does not requantize them")
-    return _write_quantized(model_dir, out, bits, group_size, embed_bits, calib_text, CALIBRATION_TOKENS,
-                            force, allow_requantize, progress, integer_zeros)
+    return _write_quantized(model_dir, out, bits=bits, group_size=group_size, embed_bits=embed_bits,
+                            calib_text=calib_text, calib_tokens=CALIBRATION_TOKENS, force=force,
+                            allow_requantize=allow_requantize, progress=progress, integer_zeros=integer_zeros)
 
 
 def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
@@ -72,13 +73,15 @@ def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:
             where[0] = f"{stage} {done} of {total}"
             status.update(line())
         with status.ticking(line):   # the head alone takes seconds at 7B
-            _write_quantized(model_dir, out, bits, 64, 8, None, FIRST_USE_CALIBRATION_TOKENS, True, False, step)
+            _write_quantized(model_dir, out, bits=bits, group_size=64, embed_bits=8, calib_text=None,
+                             calib_tokens=FIRST_USE_CALIBRATION_TOKENS, force=True, allow_requantize=False,
+                             progress=step)
         status.done(f"nibble: quantized {ref} to int{bits} in {time.monotonic() - start:.0f} s, into {out}; "
                     "--float runs it as stored")
     return read_model_dir(out)
 
 
-def _write_quantized(model_dir: ModelDir, out, bits: int, group_size: int, embed_bits: int | None,
+def _write_quantized(model_dir: ModelDir, out, *, bits: int, group_size: int, embed_bits: int | None,
                      calib_text: str | None, calib_tokens: int, force: bool, allow_requantize: bool,
                      progress: Callable[[str, int, int], None] | None, integer_zeros: bool = False) -> QuantizeReport:
     # measure=False: nothing prints the errors, and measuring them takes a quarter of quantizing

@@ -28,7 +28,7 @@ class Encoder:
         if self.family.encoder:
             get = TensorGetter(tensors, c.quantization)
             self.embeddings, self.decoder = self.family.Embeddings(get, c), None
-            self.layers = [self.family.layer(get, c, i) for i in range(c.num_hidden_layers)]
+            self.layers = [self.family.layer_weights(get, c, i) for i in range(c.num_hidden_layers)]
             get.raise_if_missing()
             self.ropes = self.family.ropes(c, c.max_position_embeddings)
         else:

@@ -19,13 +19,13 @@ class Transformer(Family):
     INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
-    def block(self):
+    def kernel(self):
         """The block's kernel, (x, weights, kv, rows, cos, sin, eps, window, act_sq) (imported with
         numba when a model is built, not when a config is read)."""
         from ..kernels.layer import decoder_layer
         return decoder_layer
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         """Block i's weights: the NamedTuple the block kernel takes."""
         from ..kernels.layer import LayerWeights
         D, F = c.hidden_size, c.intermediate_size

@@ -43,12 +43,12 @@ class Bert(Transformer):
     def rope_layers(self, c: ModelConfig) -> list[bool]:
         return [False] * c.num_hidden_layers
 
-    def block(self):
+    def kernel(self):
         """The block's kernel (imported with numba when a model is built, not when a config is read)."""
         from ..kernels.encoder import encoder_layer
         return encoder_layer
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.encoder import EncoderLayerWeights
         D, F = c.hidden_size, c.intermediate_size
         p = f"encoder.layer.{i}."

@@ -55,7 +55,7 @@ class Gemma3(Transformer):
     def windows(self, c: ModelConfig) -> list[int]:
         return sliding_where_typed(c.layer_types, c.sliding_window or 0)   # where layer_types says
 
-    def block(self):
+    def kernel(self):
         from ..kernels.gemma3 import gemma3_layer
         return gemma3_layer
 
@@ -65,7 +65,7 @@ class Gemma3(Transformer):
         w = get(name, shape)
         return None if w is None else 1 + w
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.gemma3 import Gemma3Weights
         D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
         q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd

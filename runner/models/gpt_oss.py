@@ -65,7 +65,7 @@ class GptOss(Transformer):
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.num_hidden_layers)],
             c.sliding_window or 0)
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights
         D, E, F, H = c.hidden_size, switch_layers.experts(c), c.intermediate_size, c.num_attention_heads
         p = f"model.layers.{i}."

@@ -102,7 +102,7 @@ class GraniteMoe(Transformer):
     def logits_scale(self, c: ModelConfig) -> float:
         return 1 / c.extra["logits_scaling"]
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights
         from ..kernels.moe import SharedExpert
         D, F = c.hidden_size, c.intermediate_size

@@ -13,7 +13,7 @@ class Mixtral(Llama):
     # MixtralConfig's defaults
     model_types = {"mixtral": dict(rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2)}
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights
         p = f"model.layers.{i}.{MOE}"
         w = switch_layers.stacked(get, p, c, c.intermediate_size, ("w1", "w3", "w2"))

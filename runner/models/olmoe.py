@@ -24,7 +24,7 @@ class Olmoe(Transformer):
     def qk_norm(self, c: ModelConfig) -> str:
         return "row"
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights
         p = f"model.layers.{i}.mlp"
         moe = switch_layers.routed(get, p, c, "gate", switch_layers.stacked(get, p, c, c.intermediate_size),

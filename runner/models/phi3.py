@@ -36,7 +36,7 @@ class Phi3(Transformer):
     def windows(self, c: ModelConfig) -> list[int]:
         return one_window(c, c.sliding_window or 0)   # every layer slides
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import LayerWeights
         D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
         q_dim, kv_dim = c.num_attention_heads * hd, c.num_key_value_heads * hd

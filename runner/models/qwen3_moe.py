@@ -57,11 +57,11 @@ class Qwen3Moe(Llama):
         step = c.extra["decoder_sparse_step"]
         return i not in c.extra["mlp_only_layers"] and experts(c) > 0 and (i + 1) % step == 0
 
-    def layer(self, get, c: ModelConfig, i: int):
+    def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights
         from ..kernels.moe import SharedExpert
         if not self.sparse(c, i):
-            return super().layer(get, c, i)
+            return super().layer_weights(get, c, i)
         p = f"model.layers.{i}.mlp"
         shared = None
         if c.model_type == "qwen2_moe":

@@ -110,7 +110,7 @@ kv_cache_option = click.option("--kv-cache", default="f32", show_default=True, t
                                help="KV cache precision: int8 keeps a quarter of the memory.")
 
 
-class Parsed(click.ParamType):
+class ParsedValue(click.ParamType):
     """A value that nibble's function `parse` ("module:function", imported when first used) reads;
     the NibbleError of a wrong one a usage error."""
 
@@ -128,7 +128,7 @@ class Parsed(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-kv_disk_option = click.option("--kv-disk", default="8G", show_default=True, type=Parsed("size", "nibble.runner.kv.disk:parse_size"),
+kv_disk_option = click.option("--kv-disk", default="8G", show_default=True, type=ParsedValue("size", "nibble.runner.kv.disk:parse_size"),
                               envvar="NIBBLE_KV_DISK",
                               help="Disk kept for KV cache blocks, every model's together (in nibble's cache "
                                    "folder): a prompt's prefix seen before, even before a restart, is read "
@@ -347,7 +347,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     cache, pool, seq = _prompt_cache(llm, ids, ctx_size, kv_cache, kv_disk)
     cached = cache.pos
     constraint = grammar.constraint(tokenizer) if grammar else None
-    shown = Shown(as_json, hide_thinking)
+    shown = PrintedReply(as_json, hide_thinking)
     last = None
     try:
         for last in stream_generate(llm, tokenizer, ids[cached:], sampler=make_sampler(sampling, tokenizer),
@@ -385,7 +385,7 @@ def _prompt_cache(llm, ids: list[int], ctx_size: int, kv_type: str, kv_disk: int
     return cache, pool, seq
 
 
-class Shown:
+class PrintedReply:
     """A reply as `run` prints it: the answer to stdout as it streams, the thinking before it
     dimmed to stderr (apart from what a pipe reads), or all kept for --json."""
 
@@ -431,7 +431,7 @@ def _grammar(json_schema: str | None, json_object: bool):
         raise GrammarError(f"{json_schema}: {e}") from None
 
 
-def _report(r, shown: Shown, as_json: bool, cached: int, interrupted: bool = False):
+def _report(r, shown: PrintedReply, as_json: bool, cached: int, interrupted: bool = False):
     """The stats line (or --json's object); `cached`: the prompt's tokens read back from the disk
     tier rather than prefilled (prompt_tps counts the others)."""
     finish = "interrupted" if interrupted else (r.finish_reason if r else None)
@@ -520,7 +520,7 @@ def _fetch_if_needed(ref: str):
 @click.option("--max-models", default=3, show_default=True, type=click.IntRange(min=1),
               help="Models kept loaded at once; loading one more unloads the least recently used idle one.")
 @click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION",
-              type=Parsed("duration", "nibble.runner.serve.models:parse_keep_alive"),
+              type=ParsedValue("duration", "nibble.runner.serve.models:parse_keep_alive"),
               help="Unload a model idle this long: 30s, 5m, 1h, 0 (once its replies end) or -1 (never).")
 @click.option("--allowed-hosts", metavar="A,B,...",
               help="Host names served beside localhost's while listening on loopback (a name this "
