@@ -11,6 +11,7 @@ from hypothesis import event, given, strategies as st
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.generation.decoding import Event, Usage
 from nibble.runner.serve import anthropic as messages_api
+from nibble.runner.serve.errors import ApiError
 from nibble.runner.serve.replies import ReplyParts
 from tests.serving import KEY, Running, serving, with_context
 from tests.tiny import tiny_model_dir, tiny_with_template
@@ -270,6 +271,19 @@ def test_a_conversation_reads_into_the_neutral_body():
     assert (body.tool_choice, body.tool_name, body.parallel_tool_calls) == ("required", None, True)
     assert (body.thinking.think, body.thinking.budget) == (True, 7)
     assert body.options.stop == ("END",) and body.options.sampling == {"top_k": 3} and body.options.max_tokens == 5
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}],
+     "messages[0].content[0].content[0].type"),
+    ([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {}}]}], "messages[0].content[0].name"),
+    ([{"role": "assistant", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "tool_use"}]}], "messages[0].content[0].type"),
+])
+def test_a_bad_block_is_a_400_naming_its_place(messages, param):
+    with pytest.raises(ApiError) as e:
+        messages_api.parse_messages({"max_tokens": 5, "messages": messages})
+    assert (e.value.status, e.value.param) == (400, param) and str(e.value).startswith(f"{param} ")
 
 
 class Failing:

@@ -6,7 +6,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from nibble.runner.generation.decoding import TokenLogprob, Usage
 from nibble.runner.serve import api
-from nibble.runner.serve.api import ApiError, parse_chat, parse_completion
+from nibble.runner.serve.api import parse_chat, parse_completion
+from nibble.runner.serve.errors import ApiError
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {

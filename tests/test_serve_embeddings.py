@@ -17,7 +17,7 @@ from nibble.runner.embedding.embed import Embedder
 from nibble.runner.embedding.engine import EmbedEngine
 from nibble.runner.generation.engine import Busy
 from nibble.runner.serve import embeddings
-from nibble.runner.serve.api import ApiError
+from nibble.runner.serve.errors import ApiError
 from tests.serving import KEY, serving
 from tests.test_embed import decoder_model, sentence_model, text
 from tests.test_hub import isolated, lay_out_snapshot  # noqa: F401 (a fixture)
@@ -254,7 +254,7 @@ def test_fuzz_a_body_is_read_or_a_400_naming_what_is_wrong(body):
         try:
             read = parse(body)
         except ApiError as e:
-            assert e.status == 400 and str(e)
+            assert e.status == 400 and str(e).startswith(f"{e.param} ") and "\n" not in str(e)
             event("400")
             continue
         assert isinstance(read.inputs, list) and (read.dimensions is None or read.dimensions >= 1)

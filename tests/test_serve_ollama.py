@@ -11,7 +11,7 @@ from hypothesis import event, example, given, strategies as st
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.chat.reasoning import ThinkingOptions
 from nibble.runner.serve import ollama as wire, ollama_models
-from nibble.runner.serve.api import ApiError
+from nibble.runner.serve.errors import ApiError
 from nibble.runner.serve.models import EngineOptions
 from nibble.runner.measure.synthetic import CHATML
 from tests.serving import CTX, KEY, serving, with_context
@@ -149,12 +149,12 @@ def test_tools_are_accepted_and_a_call_and_its_result_go_back(server):
 
 
 def test_a_tool_result_gets_the_id_of_the_call_it_answers():
-    messages = wire._messages([
+    messages = wire.parse_chat({"messages": [
         {"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "weather", "arguments": {"city": "Paris"}}},
             {"function": {"name": "time", "arguments": {}}}]},
         {"role": "tool", "tool_name": "time", "content": "noon"},
-        {"role": "tool", "tool_name": "weather", "content": "sunny"}])
+        {"role": "tool", "tool_name": "weather", "content": "sunny"}]}).messages
     calls = messages[0]["tool_calls"]
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}', "{}"]
     assert [m["tool_call_id"] for m in messages[1:]] == [calls[1]["id"], calls[0]["id"]]

@@ -1,7 +1,8 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), as the official
-anthropic client and Claude Code send it: the body read into api's ChatBody, the reply written as
-Anthropic's message, its named server-sent events and its error object. No model here: the
-handlers start and await a request as the OpenAI ones do (runner/serve/pending.py).
+anthropic client and Claude Code send it: the body declared as pydantic models and read into api's
+ChatBody, the reply written as Anthropic's message, its named server-sent events and its error
+object. No model here: the handlers start and await a request as the OpenAI ones do
+(runner/serve/pending.py).
 
 A body's fields nibble does not know are ignored (`metadata`, `service_tier`, `cache_control` on
 any block: the engine's pool keeps every prompt's prefix unasked); a field it knows with a wrong
@@ -12,20 +13,23 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
+from typing import Annotated, Literal
 
+from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..generation.decoding import Event
-from ..chat.reasoning import EFFORTS, STRONGER, Thinking, template_effort
+from ..chat.reasoning import EFFORTS, STRONGER, Thinking, ThinkingOptions, template_effort
 from ..chat.tools import Call, Content
-from .api import ApiError, ChatBody, Options, ThinkingOptions, bad, integer, json_object, sampling_fields, typed
+from .api import ChatBody, Options
+from .bodies import Body, Flag, JsonObject, Name, Sampling, Text, by, integer, listed, one_of, read, refused, said
+from .errors import ApiError
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
 from .replies import ReplyParts, chat_text, chat_turn, generating
 
-SAMPLING = ("temperature", "top_p", "top_k")
 MEDIA = ("image", "document", "search_result")
 # tool_choice's type -> ChatBody's tool_choice
 TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}
@@ -39,210 +43,208 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 def parse_messages(body, counting: bool = False) -> ChatBody:
     """A /v1/messages body (`counting`: a count_tokens body, which has no max_tokens) -> ChatBody,
     or ApiError naming the first bad field."""
-    body = json_object(body, "the request body")
-    max_tokens = integer(body, "max_tokens", 1)
-    if max_tokens is None and not counting:
-        raise bad("max_tokens", "is required: the most tokens the reply may take")
-    tools = custom_tools(body)
-    tool_choice, tool_name, parallel = tool_choice_of(body, tools)
-    output = json_object(body.get("output_config") or {}, "output_config")
-    schema = output_schema(output)
-    if schema is not None and tool_choice != "none":
-        raise bad("output_config.format", "cannot be combined with tools: send one or the other")
-    options = Options(typed(body, "model", str), bool(typed(body, "stream", bool)) and not counting, False,
-                      max_tokens, sampling_fields({k: body[k] for k in SAMPLING if k in body}),
-                      stop_sequences(body), None)
-    return ChatBody(system_messages(body) + conversation(body), options, tools, tool_choice, tool_name, parallel,
-                    "text" if schema is None else "json_schema", schema, thinking_of(body, output))
+    return read(MessagesRequest if counting else CreateRequest, body).chat_body()
 
 
-def system_messages(body: dict) -> list[dict]:
-    system = body.get("system")
-    if system is None or isinstance(system, str):
-        text = system
-    elif isinstance(system, list):
-        text = "\n".join(text_block(b, f"system[{i}]") for i, b in enumerate(system))
-    else:
-        raise bad("system", "must be a string or a list of text blocks")
-    return [{"role": "system", "content": text}] if text else []
+def _text_only(kind) -> str:
+    return f"is {kind}: nibble's models read no images or documents" if kind in MEDIA else 'must be "text"'
 
 
-def conversation(body: dict) -> list[dict]:
-    """Anthropic's messages -> OpenAI-style ones: a user message's tool results become "tool"
-    messages, an assistant's tool_use blocks its tool_calls, its thinking its reasoning_content."""
-    messages = typed(body, "messages", list)
-    if not messages:
-        raise bad("messages", "must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        m = json_object(m, where)
-        role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad(f"{where}.role", 'must be "user" or "assistant" (the system prompt goes in `system`)')
-        blocks = content_blocks(m.get("content"), f"{where}.content")
-        out += user_messages(blocks, where) if role == "user" else [assistant_message(blocks, where)]
-    return out
+def _text(text: str) -> dict:
+    """A string where blocks may be: one text block."""
+    return {"type": "text", "text": text}
 
 
-def content_blocks(content, where: str) -> list[dict]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise bad(where, "must be a string or a list of content blocks")
-    return [json_object(block, f"{where}[{j}]") for j, block in enumerate(content)]
+class TextBlock(Body):
+    text: Text
 
 
-def user_messages(blocks: list[dict], where: str) -> list[dict]:
-    """The tool results (first, where Anthropic requires them), each a "tool" message; then the
-    text blocks, joined, as one user message."""
-    results, text = [], []
-    for j, block in enumerate(blocks):
-        at, kind = f"{where}.content[{j}]", block.get("type")
-        if kind == "tool_result":
-            results.append(tool_result(block, at))
-        elif kind == "text" or kind in MEDIA:   # text_block refuses media, saying why
-            text.append(text_block(block, at))
-        else:
-            raise bad(f"{at}.type", 'must be "text" or "tool_result" in a user message')
-    return results + ([{"role": "user", "content": "\n".join(text)}] if text or not results else [])
+TextBlocks = Annotated[list[Annotated[TextBlock, by("type", {"text": TextBlock}, _text_only)]],
+                       listed("must be a string or a list of text blocks", _text)]
 
 
-def tool_result(block: dict, at: str) -> dict:
-    content = block.get("content")
-    if content is None or isinstance(content, str):
-        text = content or ""
-    elif isinstance(content, list):
-        text = "\n".join(text_block(b, f"{at}.content[{k}]") for k, b in enumerate(content))
-    else:
-        raise bad(f"{at}.content", "must be a string or a list of text blocks")
-    if typed(block, "is_error", bool, f"{at}.is_error"):   # the templates have no field for it: say it in words
-        text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": required(block, "tool_use_id", str, at), "content": text}
+class ToolResult(Body):
+    tool_use_id: Text
+    content: TextBlocks | None = None
+    is_error: Flag | None = None
+
+    def message(self) -> dict:
+        text = "\n".join(b.text for b in self.content or [])
+        if self.is_error:   # the templates have no field for it: say it in words
+            text = f"Error: {text}"
+        return {"role": "tool", "tool_call_id": self.tool_use_id, "content": text}
 
 
-def assistant_message(blocks: list[dict], where: str) -> dict:
-    text, thoughts, calls = [], [], []
-    for j, block in enumerate(blocks):
-        at, kind = f"{where}.content[{j}]", block.get("type")
-        if kind == "text":
-            text.append(text_block(block, at))
-        elif kind == "thinking":
-            thoughts.append(required(block, "thinking", str, at))
-        elif kind == "tool_use":
-            arguments = json_object(block.get("input", {}), f"{at}.input")
-            calls.append({"id": required(block, "id", str, at), "type": "function",
-                          "function": {"name": required(block, "name", str, at),
-                                       "arguments": json.dumps(arguments, ensure_ascii=False)}})
-        elif kind != "redacted_thinking":   # that one is Anthropic's encrypted text: nothing a local model reads
-            raise bad(f"{at}.type", 'must be "text", "thinking", "redacted_thinking" or "tool_use" '
-                                    'in an assistant message')
-    m = {"role": "assistant", "content": "\n".join(text) if text or not calls else None}
-    if thoughts:
-        m["reasoning_content"] = "\n".join(thoughts)
-    if calls:
-        m["tool_calls"] = calls
-    return m
+class ThinkingBlock(Body):
+    thinking: Text
 
 
-def text_block(block, at: str) -> str:
-    kind = json_object(block, at).get("type")
-    if kind in MEDIA:
-        raise bad(f"{at}.type", f"is {kind}: nibble's models read no images or documents")
-    if kind != "text":
-        raise bad(f"{at}.type", 'must be "text"')
-    return required(block, "text", str, at)
+class RedactedThinking(Body):
+    """Anthropic's encrypted thinking: nothing a local model reads."""
 
 
-def required(block: dict, name: str, kind: type, at: str):
-    value = typed(block, name, kind, f"{at}.{name}")
-    if value is None:
-        raise bad(f"{at}.{name}", "is missing")
-    return value
+class ToolUse(Body):
+    id: Text
+    name: Text
+    input: JsonObject = Field(default_factory=dict)
 
 
-def custom_tools(body: dict) -> list[dict]:
-    """Anthropic's tools -> OpenAI's. A server tool (web search, code execution: a `type` such as
-    "web_search_20250305") is a 400 naming it: answering without it, the model would make its
-    results up."""
-    out = []
-    for i, tool in enumerate(typed(body, "tools", list) or []):
-        where = f"tools[{i}]"
-        kind = json_object(tool, where).get("type")
-        if kind not in (None, "custom"):
-            raise bad(f"{where}.type", f"is {kind!r}, a tool Anthropic's servers run: nibble's models "
-                                       "call only tools the client runs, given by name and input_schema")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad(f"{where}.name", "must be a non-empty string")
-        function = {"name": name, "parameters": json_object(tool.get("input_schema"), f"{where}.input_schema")}
-        description = typed(tool, "description", str, f"{where}.description")
-        if description:
-            function["description"] = description
-        out.append({"type": "function", "function": function})
-    return out
+class UserMessage(Body):
+    content: Annotated[list[Annotated[TextBlock | ToolResult, by(
+        "type", {"text": TextBlock, "tool_result": ToolResult},
+        lambda kind: _text_only(kind) if kind in MEDIA else 'must be "text" or "tool_result" in a user message')]],
+        listed("must be a string or a list of content blocks", _text)]
+
+    def messages(self) -> list[dict]:
+        """The tool results (first, where Anthropic requires them), each a "tool" message; then the
+        text blocks, joined, as one user message."""
+        results = [b.message() for b in self.content if isinstance(b, ToolResult)]
+        text = [b.text for b in self.content if isinstance(b, TextBlock)]
+        return results + ([{"role": "user", "content": "\n".join(text)}] if text or not results else [])
 
 
-def tool_choice_of(body: dict, tools: list[dict]) -> tuple[str, str | None, bool]:
-    """-> (ChatBody's tool_choice, tool_name, parallel_tool_calls). A forced call is one call
-    unless disable_parallel_tool_use is false: a small model allowed more keeps writing calls
-    until max_tokens (api's parallel_tool_calls, off unless asked, for the same reason)."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        return ("auto" if tools else "none"), None, False
-    kind = json_object(choice, "tool_choice").get("type")
-    if not isinstance(kind, str) or kind not in TOOL_CHOICES:
-        raise bad("tool_choice.type", 'must be "auto", "any", "tool" or "none"')
-    if kind in ("any", "tool") and not tools:
-        raise bad("tool_choice", f"{kind!r} needs tools")
-    name = None
-    if kind == "tool":
-        name = required(choice, "name", str, "tool_choice")
-        if name not in {t["function"]["name"] for t in tools}:
-            raise bad("tool_choice.name", f"names {name!r}, which is not in tools")
-    parallel = typed(choice, "disable_parallel_tool_use", bool, "tool_choice.disable_parallel_tool_use") is False
-    return (TOOL_CHOICES[kind] if tools else "none"), name, parallel
+class AssistantMessage(Body):
+    content: Annotated[list[Annotated[TextBlock | ThinkingBlock | RedactedThinking | ToolUse, by(
+        "type", {"text": TextBlock, "thinking": ThinkingBlock, "redacted_thinking": RedactedThinking,
+                 "tool_use": ToolUse},
+        'must be "text", "thinking", "redacted_thinking" or "tool_use" in an assistant message')]],
+        listed("must be a string or a list of content blocks", _text)]
+
+    def messages(self) -> list[dict]:
+        """One message: its tool_use blocks its tool_calls, its thinking its reasoning_content."""
+        text = [b.text for b in self.content if isinstance(b, TextBlock)]
+        thoughts = [b.thinking for b in self.content if isinstance(b, ThinkingBlock)]
+        calls = [{"id": b.id, "type": "function",
+                  "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                 for b in self.content if isinstance(b, ToolUse)]
+        m = {"role": "assistant", "content": "\n".join(text) if text or not calls else None}
+        if thoughts:
+            m["reasoning_content"] = "\n".join(thoughts)
+        if calls:
+            m["tool_calls"] = calls
+        return [m]
 
 
-def output_schema(output: dict) -> dict | None:
-    """output_config.format (structured outputs: {"type": "json_schema", "schema": ...}), which a
-    grammar holds the reply to."""
-    spec = output.get("format")
-    if spec is None:
-        return None
-    if json_object(spec, "output_config.format").get("type") != "json_schema":
-        raise bad("output_config.format.type", 'must be "json_schema"')
-    return json_object(spec.get("schema"), "output_config.format.schema")
+Message = Annotated[UserMessage | AssistantMessage, by(
+    "role", {"user": UserMessage, "assistant": AssistantMessage},
+    'must be "user" or "assistant" (the system prompt goes in `system`)')]
 
 
-def thinking_of(body: dict, output: dict) -> ThinkingOptions:
+class CustomTool(Body):
+    name: Name
+    input_schema: JsonObject
+    description: Text | None = None
+
+    def function_tool(self) -> dict:
+        """As OpenAI's tool, which the templates and grammars read."""
+        function = {"name": self.name, "parameters": self.input_schema}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+def _server_tool(kind) -> str:
+    """A server tool (web search, code execution: a `type` such as "web_search_20250305") is a 400
+    naming it: answering without it, the model would make its results up."""
+    return (f"is {kind!r}, a tool Anthropic's servers run: nibble's models call only tools the client runs, "
+            "given by name and input_schema")
+
+
+class ToolChoice(Body):
+    type: one_of(*TOOL_CHOICES)
+    name: Text | None = None
+    disable_parallel_tool_use: Flag | None = None
+
+    @model_validator(mode="after")
+    def _named(self):
+        if self.type == "tool" and self.name is None:
+            raise refused("is missing", "name")
+        return self
+
+
+class OutputFormat(Body):
+    """Structured outputs: a grammar holds the reply to the schema."""
+    type: Annotated[Literal["json_schema"], said('must be "json_schema"')]
+    schema_: JsonObject = Field(alias="schema")
+
+
+class OutputConfig(Body):
+    format: OutputFormat | None = None
+    effort: one_of(*EFFORTS, *STRONGER) | None = None   # gpt-oss's reasoning effort (its highest past "high")
+
+
+class ThinkingConfig(Body):
     """{"type": "enabled", "budget_tokens": N}: think, at most N tokens; "disabled": not;
-    "adaptive": think as much as the model likes. Left out: as the server and the model say.
-    output_config.effort is gpt-oss's reasoning effort (its highest past "high")."""
-    effort = typed(output, "effort", str, "output_config.effort")
-    if effort not in (None, *EFFORTS, *STRONGER):
-        raise bad("output_config.effort", f"must be one of {', '.join((*EFFORTS, *STRONGER))}")
-    effort = template_effort(effort)
-    thinking = body.get("thinking")
-    if thinking is None:
-        return ThinkingOptions(effort=effort)
-    kind = json_object(thinking, "thinking").get("type")
-    if kind == "disabled":
-        return ThinkingOptions(think=False)
-    if kind in ("adaptive", "between_tools"):
-        return ThinkingOptions(think=True, effort=effort)
-    if kind != "enabled":
-        raise bad("thinking.type", 'must be "enabled", "disabled" or "adaptive"')
-    # integer() names the field by its key: the key given as the field's whole name
-    budget = integer({"thinking.budget_tokens": thinking.get("budget_tokens")}, "thinking.budget_tokens", 1)
-    return ThinkingOptions(think=True, budget=budget, effort=effort)
+    "adaptive": think as much as the model likes."""
+    type: Annotated[Literal["enabled", "disabled", "adaptive", "between_tools"],
+                    said('must be "enabled", "disabled" or "adaptive"')]
+    budget_tokens: integer(1) | None = None
 
 
-def stop_sequences(body: dict) -> tuple[str, ...]:
-    stops = typed(body, "stop_sequences", list) or []
-    if not all(isinstance(s, str) for s in stops):
-        raise bad("stop_sequences", "must be a list of strings")
-    return tuple(s for s in stops if s)
+class MessagesRequest(Sampling):
+    """What /v1/messages and count_tokens read (count_tokens has no max_tokens)."""
+    model: Text | None = None
+    max_tokens: integer(1) | None = None
+    stream: Flag | None = None
+    system: TextBlocks | None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Annotated[CustomTool, by("type", {None: CustomTool, "custom": CustomTool}, _server_tool)]] | None = None
+    tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    thinking: ThinkingConfig | None = None
+    stop_sequences: list[Text] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        names = {t.name for t in self.tools or []}
+        kind = self.tool_choice.type if self.tool_choice else None
+        if kind in ("any", "tool") and not names:
+            raise refused(f"{kind!r} needs tools", "tool_choice")
+        if kind == "tool" and self.tool_choice.name not in names:
+            raise refused(f"names {self.tool_choice.name!r}, which is not in tools", "tool_choice.name")
+        if self._schema() is not None and self._choice()[0] != "none":
+            raise refused("cannot be combined with tools: send one or the other", "output_config.format")
+        return self
+
+    def chat_body(self) -> ChatBody:
+        system = "\n".join(b.text for b in self.system or [])
+        messages = [*([{"role": "system", "content": system}] if system else []),
+                    *(m for message in self.messages for m in message.messages())]
+        options = Options(self.model, bool(self.stream), False, self.max_tokens, self.sampling(),
+                          tuple(s for s in self.stop_sequences or () if s), None)
+        schema = self._schema()
+        return ChatBody(messages, options, [t.function_tool() for t in self.tools or []], *self._choice(),
+                        "text" if schema is None else "json_schema", schema, self._thinking())
+
+    def _schema(self) -> dict | None:
+        output = self.output_config
+        return output.format.schema_ if output is not None and output.format is not None else None
+
+    def _choice(self) -> tuple[str, str | None, bool]:
+        """-> (ChatBody's tool_choice, tool_name, parallel_tool_calls). A forced call is one call
+        unless disable_parallel_tool_use is false: a small model allowed more keeps writing calls
+        until max_tokens (api's parallel_tool_calls, off unless asked, for the same reason)."""
+        choice = self.tool_choice
+        if choice is None:
+            return ("auto" if self.tools else "none"), None, False
+        return ((TOOL_CHOICES[choice.type] if self.tools else "none"), choice.name if choice.type == "tool" else None,
+                choice.disable_parallel_tool_use is False)
+
+    def _thinking(self) -> ThinkingOptions:
+        """Left out: as the server and the model say."""
+        effort = template_effort(self.output_config.effort if self.output_config is not None else None)
+        kind = self.thinking.type if self.thinking is not None else None
+        if kind is None:
+            return ThinkingOptions(effort=effort)
+        if kind == "disabled":
+            return ThinkingOptions(think=False)
+        return ThinkingOptions(think=True, budget=self.thinking.budget_tokens if kind == "enabled" else None,
+                               effort=effort)
+
+
+class CreateRequest(MessagesRequest):
+    """A /v1/messages body."""
+    max_tokens: integer(1)   # the most tokens the reply may take
 
 
 # ---- the reply ----

@@ -1,57 +1,32 @@
-"""The OpenAI API's wire side: request bodies checked and read into plain values, and the response,
-chunk and error objects the official client expects. No HTTP here: the tests feed it dicts.
+"""The OpenAI API's wire side: chat and completions bodies, declared as pydantic models (with the
+field types and rules every API's share, in bodies.py) and read into the neutral ChatBody and
+CompletionBody that every API's bodies become; and the response and chunk objects the official
+client expects (its error object: errors.py). No HTTP here: the tests feed it dicts.
 
 A body's fields nibble does not know are ignored, as OpenAI's server ignores them; a field it knows
 with a wrong type or value is a 400 that names it. `null` is the same as leaving a field out.
 """
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from nibble.formats.errors import NibbleError
+from pydantic import BeforeValidator, Field, model_validator
+
 from ..chat.reasoning import ThinkingOptions
-from ..settings import SamplerSettings
+from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Text, integer, listed, one_of, read, refused, said,
+                     stops, unsupported)
 
 MAX_STOPS = 4              # OpenAI's limit on `stop` strings
 MAX_TOP_LOGPROBS = 20      # chat's `top_logprobs`
 MAX_TEXT_LOGPROBS = 5      # completions' `logprobs`
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
-
-# The body's sampling fields -> SamplerSettings' names. top_k, min_p, repeat_penalty and the dry_
-# fields (llama.cpp's server's names) are not OpenAI's: clients send them in `extra_body`
-# (repetition_penalty is vLLM's spelling).
-SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repeat_penalty": "repetition_penalty", "repetition_penalty": "repetition_penalty",
-                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                   "dry_multiplier": "dry_multiplier", "dry_base": "dry_base",
-                   "dry_allowed_length": "dry_allowed_length", "dry_penalty_last_n": "dry_penalty_last_n",
-                   "seed": "seed"}
-INTEGER_FIELDS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "seed")
-
-
-class ApiError(NibbleError):
-    """A request the server refuses: an HTTP status and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.type, self.code = status, param, type, code
-
-    def body(self) -> dict:
-        return error_body(str(self), self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad(param: str, rule: str) -> ApiError:
-    return ApiError(400, f"{param} {rule}", param)
+TOOL_CHOICES = ("none", "auto", "required")
+FORMATS = ("text", "json_object", "json_schema")   # response_format's types
 
 
 @dataclass(frozen=True)
@@ -87,214 +62,208 @@ class CompletionBody:
 
 def parse_chat(body) -> ChatBody:
     """A /v1/chat/completions body -> ChatBody, or ApiError naming the first bad field."""
-    body = json_object(body, "the request body")
-    logprobs = typed(body, "logprobs", bool) or False
-    top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if top is not None and not logprobs:
-        raise bad("top_logprobs", "needs logprobs set to true")
-    max_tokens = integer(body, "max_tokens", 1)
-    newer = integer(body, "max_completion_tokens", 1)   # OpenAI's newer name for it
-    options = _options(body, newer if newer is not None else max_tokens, (top or 0) if logprobs else None)
-    tools = function_tools(body)
-    tool_choice, tool_name = _tool_choice(body, tools)
-    parallel_tool_calls = typed(body, "parallel_tool_calls", bool) or False
-    response_format, schema = response_format_of(body)
-    if response_format != "text" and tool_choice != "none":
-        raise bad("response_format", "cannot be combined with tools: send one or the other")
-    messages = typed(body, "messages", list)
-    if not messages:
-        raise bad("messages", "must be a non-empty list of messages")
-    return ChatBody([chat_message(m, i) for i, m in enumerate(messages)], options, tools, tool_choice, tool_name,
-                    parallel_tool_calls, response_format, schema, thinking_options(body))
-
-
-def thinking_options(body: dict) -> ThinkingOptions:
-    """OpenAI's reasoning_effort ("none" or "minimal": off), llama-server's chat_template_kwargs
-    (its enable_thinking) and reasoning_budget, and ollama's think."""
-    kwargs = json_object(body.get("chat_template_kwargs") or {}, "chat_template_kwargs")
-    think = typed(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
-    effort = typed(body, "reasoning_effort", str)
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise bad("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}")
-    if effort in ("none", "minimal"):
-        think, effort = False, None
-    given = typed(body, "think", bool)
-    think = given if given is not None else think
-    return ThinkingOptions(think, integer(body, "reasoning_budget", -1), effort, kwargs)
+    return read(ChatRequest, body).chat_body()
 
 
 def parse_completion(body) -> CompletionBody:
     """A /v1/completions body -> CompletionBody, or ApiError naming the first bad field."""
-    body = json_object(body, "the request body")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise bad("prompt", "must be a non-empty string (or a list of one)")
-    if body.get("suffix"):
-        raise bad("suffix", "is not supported")
-    if body.get("echo"):
-        raise bad("echo", "is not supported")
-    if integer(body, "best_of", 1) not in (None, 1):
-        raise bad("best_of", "is not supported: leave it out or set 1")
-    logprobs = integer(body, "logprobs", 0, MAX_TEXT_LOGPROBS)
-    return CompletionBody(prompt, _options(body, integer(body, "max_tokens", 1), logprobs))
+    return read(CompletionRequest, body).completion_body()
 
 
-def _options(body: dict, max_tokens: int | None, logprobs: int | None) -> Options:
-    if integer(body, "n", 1) not in (None, 1):
-        raise bad("n", "must be 1: nibble gives one choice per request")
-    model = typed(body, "model", str)
-    stream = typed(body, "stream", bool) or False
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not stream:
-        raise bad("stream_options", "is only allowed when stream is true")
-    include_usage = bool(typed(json_object(stream_options or {}, "stream_options"), "include_usage", bool,
-                                "stream_options.include_usage"))
-    return Options(model, stream, include_usage, max_tokens, sampling_fields(body), stop_strings(body), logprobs)
+# ---- the bodies ----
+
+class StreamOptions(Body):
+    include_usage: Flag | None = None
 
 
-def sampling_fields(body: dict) -> dict:
-    """The sampling fields the body sets, each checked by SamplerSettings' own rules."""
-    given = {}
-    for param, name in SAMPLING_FIELDS.items():
-        value = integer(body, param) if name in INTEGER_FIELDS else number(body, param)
-        if value is None:
-            continue
-        try:
-            SamplerSettings(**{name: value})
-        except NibbleError as e:
-            raise ApiError(400, f"{param}: {e}", param) from None
-        given[name] = value
-    return given
+class OpenAIRequest(FullSampling):
+    """What chat and completions bodies share."""
+    model: Text | None = None
+    stream: Flag | None = None
+    stream_options: StreamOptions | None = None
+    n: Annotated[integer(1, 1), said("must be 1: nibble gives one choice per request")] | None = None
+    stop: stops(MAX_STOPS) | None = None
+
+    @model_validator(mode="after")
+    def _streamed(self):
+        if self.stream_options is not None and not self.stream:
+            raise refused("is only allowed when stream is true", "stream_options")
+        return self
+
+    def options(self, max_tokens: int | None, logprobs: int | None) -> Options:
+        include_usage = self.stream_options is not None and bool(self.stream_options.include_usage)
+        return Options(self.model, bool(self.stream), include_usage, max_tokens, self.sampling(),
+                       tuple(s for s in self.stop or () if s), logprobs)
 
 
-def stop_strings(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
-        raise bad("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
-    return tuple(s for s in stops if s)
+class TemplateKwargs(Body, extra="allow"):
+    """chat_template_kwargs: passed to the template as they came."""
+    enable_thinking: Flag | None = None
 
 
-def chat_message(m, i: int) -> dict:
-    """One message, checked: a known role, content as text (OpenAI's text parts joined) or null."""
-    where = f"messages[{i}]"
-    m = json_object(m, where)
-    role = m.get("role")
-    if role not in ROLES:
-        raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)}")
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise bad(f"{where}.content", "parts must be text: nibble's models read no images or audio")
-        content = "".join(p["text"] for p in content)
-    elif content is not None and not isinstance(content, str):
-        raise bad(f"{where}.content", "must be a string, a list of text parts or null")
-    if content is None and not (role == "assistant" and m.get("tool_calls")):
-        raise bad(f"{where}.content", "is missing")
-    out = {**m, "role": "system" if role == "developer" else role, "content": content}
-    thought = m.get("reasoning_content", m.get("reasoning"))   # an earlier reply's thinking (LM Studio's name too)
-    if thought is not None:
-        if not isinstance(thought, str):
-            raise bad(f"{where}.reasoning_content", "must be a string")
-        out["reasoning_content"] = thought
-    if "tool_calls" in m:
-        calls = m["tool_calls"]
-        if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict)
-                and isinstance(c["function"].get("name"), str) for c in calls):
-            raise bad(f"{where}.tool_calls", "must be a list of {\"function\": {\"name\", \"arguments\"}}")
-    return out
+class ThinkingKnobs(Body):
+    """Chat's thinking knobs besides OpenAI's reasoning_effort: llama-server's chat_template_kwargs
+    (its enable_thinking) and reasoning_budget, and ollama's think."""
+    chat_template_kwargs: TemplateKwargs | None = None
+    reasoning_budget: integer(-1) | None = None
+    think: Flag | None = None
+
+    def thinking(self, effort: str | None) -> ThinkingOptions:
+        """With OpenAI's reasoning effort ("none" or "minimal": off)."""
+        kwargs = self.chat_template_kwargs or TemplateKwargs()
+        think = kwargs.enable_thinking
+        if effort in ("none", "minimal"):
+            think, effort = False, None
+        return ThinkingOptions(think if self.think is None else self.think, self.reasoning_budget, effort,
+                               kwargs.model_dump(exclude_unset=True))
 
 
-def function_tools(body: dict) -> list[dict]:
-    tools = typed(body, "tools", list) or []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
-                or not isinstance(function.get("name"), str) or not function["name"]):
-            raise bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
-        if not isinstance(function.get("parameters", {}), dict):
-            raise bad(f"tools[{i}].function.parameters", "must be a JSON schema object")
-    return tools
+class TextPart(Body):
+    type: Literal["text"]
+    text: Text
 
 
-def _tool_choice(body: dict, tools: list[dict]) -> tuple[str, str | None]:
-    choice = body.get("tool_choice")
-    if choice is None:
-        return ("auto" if tools else "none"), None
-    if choice != "none" and not tools:
-        raise bad("tool_choice", "needs tools")
-    if choice in ("none", "auto", "required"):
-        return choice, None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(name, str):
-        raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
-                                 '"function": {"name": ...}}')
-    if name not in {t["function"]["name"] for t in tools}:
-        raise bad("tool_choice", f"names {name!r}, which is not in tools")
-    return "required", name
+# A message's content: text, or text parts (joined)
+ChatContent = Annotated[list[TextPart], listed(item=lambda text: {"type": "text", "text": text}),
+                        said("must be a string, a list of text parts or null: nibble's models read no images "
+                             "or audio")]
 
 
-def response_format_of(body: dict) -> tuple[str, dict | None]:
-    rf = body.get("response_format")
-    if rf is None:
-        return "text", None
-    kind = json_object(rf, "response_format").get("type")
-    if kind in ("text", "json_object"):
-        return kind, None
-    if kind != "json_schema":
-        raise bad("response_format.type", 'must be "text", "json_object" or "json_schema"')
-    spec = json_object(rf.get("json_schema"), "response_format.json_schema")
-    schema = spec.get("schema")
-    if schema is None:
-        return "json_object", None
-    if not isinstance(schema, dict):
-        raise bad("response_format.json_schema.schema", "must be a JSON schema object")
-    return "json_schema", schema
+class CalledFunction(Body, extra="allow"):
+    name: Text
 
 
-def json_object(value, name: str) -> dict:
-    if not isinstance(value, dict):
-        raise bad(name, "must be a JSON object")
-    return value
+class ToolCall(Body, extra="allow"):
+    function: CalledFunction
 
 
-def typed(body: dict, name: str, kind: type, param: str | None = None):
-    value = body.get(name)
-    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
-        raise bad(param or name, f"must be {_KIND_WORDS[kind]}")
-    return value
+class ChatMessage(Body, extra="allow"):
+    """One message; its other fields (tool_call_id, name, ...) go to the template as they came."""
+    role: one_of(*ROLES)
+    content: ChatContent | None = None
+    reasoning_content: Text | None = None   # an earlier reply's thinking
+    reasoning: Text | None = None           # LM Studio's name for it
+    tool_calls: Annotated[list[ToolCall], said('must be a list of {"function": {"name", "arguments"}}')] | None = None
+
+    @model_validator(mode="after")
+    def _said_something(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise refused("is missing", "content")
+        return self
+
+    def chat(self) -> dict:
+        """As the templates read it: developer -> system, text parts joined, thinking as reasoning_content."""
+        out = {**self.model_dump(exclude_unset=True), "role": "system" if self.role == "developer" else self.role,
+               "content": None if self.content is None else "".join(p.text for p in self.content)}
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            out["reasoning_content"] = thought
+        return out
 
 
-_KIND_WORDS = {bool: "true or false", str: "a string", list: "a list", dict: "an object"}
+class Function(Body, extra="allow"):
+    name: Name
+    parameters: JsonObject = Field(default_factory=dict)
 
 
-def number(body: dict, name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(name, "must be a number")
-    return float(value)
+class FunctionTool(Body, extra="allow"):
+    """A tool, passed to the template and the grammar as it came."""
+    type: Literal["function"] = "function"
+    function: Function
 
 
-def integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo) \
-            or (hi is not None and value > hi):
-        rule = ("an integer" + (f" from {lo}" if lo is not None else "")
-                + (f" to {hi}" if hi is not None else (" or more" if lo is not None else "")))
-        raise bad(name, f"must be {rule}")
-    return value
+Tool = Annotated[FunctionTool, said('must be {"type": "function", "function": {"name": ..., "parameters": ...}}',
+                                    keep=("function", "parameters"))]
+
+
+class FunctionName(Body):
+    name: Text
+
+
+class NamedTool(Body):
+    function: FunctionName
+
+
+class JsonSchema(Body):
+    schema_: JsonObject | None = Field(None, alias="schema")   # None: any JSON object
+
+
+class ResponseFormat(Body):
+    type: one_of(*FORMATS)
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise refused("is missing", "json_schema")
+        return self
+
+    def kind(self) -> tuple[str, dict | None]:
+        """-> ChatBody's response_format and schema."""
+        if self.type != "json_schema":
+            return self.type, None
+        schema = self.json_schema.schema_
+        return ("json_object", None) if schema is None else ("json_schema", schema)
+
+
+class ChatRequest(OpenAIRequest, ThinkingKnobs):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: integer(1) | None = None
+    max_completion_tokens: integer(1) | None = None   # OpenAI's newer name for it
+    logprobs: Flag | None = None
+    top_logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[Literal[TOOL_CHOICES] | NamedTool, said(
+        'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')] | None = None
+    parallel_tool_calls: Flag | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: one_of(*REASONING_EFFORTS) | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise refused("needs logprobs set to true", "top_logprobs")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise refused("needs tools", "tool_choice")
+        if isinstance(choice, NamedTool) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise refused(f"names {choice.function.name!r}, which is not in tools", "tool_choice")
+        if self.response_format is not None and self.response_format.type != "text" and self._choice()[0] != "none":
+            raise refused("cannot be combined with tools: send one or the other", "response_format")
+        return self
+
+    def _choice(self) -> tuple[str, str | None]:
+        """-> ChatBody's tool_choice and tool_name."""
+        if self.tool_choice is None:
+            return ("auto" if self.tools else "none"), None
+        if isinstance(self.tool_choice, NamedTool):
+            return "required", self.tool_choice.function.name
+        return self.tool_choice, None
+
+    def chat_body(self) -> ChatBody:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        response_format, schema = self.response_format.kind() if self.response_format else ("text", None)
+        return ChatBody([m.chat() for m in self.messages], options,
+                        [t.model_dump(exclude_unset=True) for t in self.tools or []], *self._choice(),
+                        bool(self.parallel_tool_calls), response_format, schema, self.thinking(self.reasoning_effort))
+
+
+def _only(value):
+    """A list of one: that one."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: Annotated[Name, BeforeValidator(_only), said("must be a non-empty string (or a list of one)")]
+    suffix: Annotated[Any, unsupported()] = None
+    echo: Annotated[Any, unsupported()] = None
+    best_of: Annotated[integer(1, 1), said("is not supported: leave it out or set 1")] | None = None
+    logprobs: integer(0, MAX_TEXT_LOGPROBS) | None = None
+    max_tokens: integer(1) | None = None
+
+    def completion_body(self) -> CompletionBody:
+        return CompletionBody(self.prompt, self.options(self.max_tokens, self.logprobs))
 
 
 # ---- responses ----

@@ -24,7 +24,8 @@ from ..generation.decoding import Event
 from ..chat.reasoning import Thinking
 from ..chat.tools import Call
 from . import anthropic, api, embeddings, ollama, ollama_models, responses
-from .api import ApiError, Stamp, tool_call
+from .api import Stamp, tool_call
+from .errors import ApiError
 from .guard import Callers, Guard
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected

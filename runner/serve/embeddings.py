@@ -12,8 +12,10 @@ import base64
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
+from pydantic import AfterValidator, Field, Strict
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,12 +23,14 @@ from starlette.responses import JSONResponse, Response
 from nibble.formats.errors import NibbleError
 from ..embedding.embed import Embedder
 from ..generation.engine import Busy
-from .api import ApiError, bad, integer, json_object, typed
-from .ollama import check_keep_alive, served_name
+from .bodies import Body, Flag, JsonObject, Text, integer, listed, one_of, read, refused, said
+from .errors import ApiError
+from .ollama import KeepAlive, served_name
 from .pending import read_json
 from .replies import Embedding
 
 MAX_INPUTS = 2048   # texts in one request, as OpenAI's API allows
+ENCODINGS = ("float", "base64")   # OpenAI's encoding_format
 
 
 # ---- bodies ----
@@ -44,48 +48,67 @@ class EmbedBody:
 def parse_openai(body) -> EmbedBody:
     """A /v1/embeddings body -> EmbedBody, or ApiError naming the first bad field. `truncate` and
     `prompt_name` (text-embeddings-inference's) are nibble's additions."""
-    body = json_object(body, "the request body")
-    inputs = body.get("input")
-    if isinstance(inputs, str) or _is_ids(inputs):
-        inputs = [inputs]
-    if not isinstance(inputs, list) or not inputs \
-            or not (all(isinstance(i, str) for i in inputs) or all(_is_ids(i) for i in inputs)):
-        raise bad("input", "must be a string, a non-empty list of strings, a list of token ids or a list of lists "
-                           "of token ids")
-    encoding = typed(body, "encoding_format", str) or "float"
-    if encoding not in ("float", "base64"):
-        raise bad("encoding_format", 'must be "float" or "base64"')
-    return EmbedBody(typed(body, "model", str) or None, _at_most(inputs), integer(body, "dimensions", 1),
-                     typed(body, "truncate", bool) is not False, typed(body, "prompt_name", str),
-                     encoding == "base64")
+    given = read(OpenAIEmbed, body)
+    return EmbedBody(given.model or None, given.input, given.dimensions, given.truncate is not False,
+                     given.prompt_name, given.encoding_format == "base64")
 
 
 def parse_ollama(body, older: bool = False) -> EmbedBody:
     """An /api/embed body (`older`: /api/embeddings', whose text is `prompt`) -> EmbedBody."""
-    body = json_object(body, "the request body")
-    check_keep_alive(body)
     if older:
-        prompt = typed(body, "prompt", str)
-        inputs = [prompt] if prompt else []
+        given = read(OllamaEmbeddings, body)
+        inputs = [given.prompt] if given.prompt else []
     else:
-        inputs = body.get("input")
-        inputs = [inputs] if isinstance(inputs, str) else [] if inputs is None else inputs
-        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
-            raise bad("input", "must be a string or a list of strings")
-    if not isinstance(body.get("options") or {}, dict):
-        raise bad("options", "must be a JSON object")
-    return EmbedBody(typed(body, "model", str) or None, _at_most(inputs), integer(body, "dimensions", 1),
-                     typed(body, "truncate", bool) is not False, None)
-
-
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(i) is int for i in value)
+        given = read(OllamaEmbed, body)
+        inputs = given.input or []
+    return EmbedBody(given.model or None, inputs, given.dimensions, given.truncate is not False, None)
 
 
 def _at_most(inputs: list) -> list:
     if len(inputs) > MAX_INPUTS:
-        raise bad("input", f"holds {len(inputs)} inputs: at most {MAX_INPUTS} a request")
+        raise refused(f"holds {len(inputs)} inputs: at most {MAX_INPUTS} a request")
     return inputs
+
+
+def _as_list(given: str | list) -> list:
+    """One text, or one list of token ids: a list of it."""
+    return [given] if isinstance(given, str) or isinstance(given[0], int) else given
+
+
+TokenIds = Annotated[list[Annotated[int, Strict()]], Field(min_length=1)]
+OpenAIInputs = Annotated[Text | TokenIds | Annotated[list[Text], Field(min_length=1)]
+                         | Annotated[list[TokenIds], Field(min_length=1)],
+                         said("must be a string, a non-empty list of strings, a list of token ids or a list of lists "
+                              "of token ids"), AfterValidator(_as_list), AfterValidator(_at_most)]
+
+
+class Embed(Body):
+    """What every embeddings body has."""
+    model: Text | None = None
+    dimensions: integer(1) | None = None
+    truncate: Flag | None = None
+
+
+class OpenAIEmbed(Embed):
+    input: OpenAIInputs
+    encoding_format: one_of(*ENCODINGS) | None = None
+    prompt_name: Text | None = None
+
+
+class OllamaEmbedBase(Embed):
+    """What ollama's two embeddings bodies share."""
+    keep_alive: KeepAlive | None = None
+    options: JsonObject | None = None
+
+
+class OllamaEmbed(OllamaEmbedBase):
+    input: Annotated[list[Text], listed("must be a string or a list of strings"),
+                     AfterValidator(_at_most)] | None = None
+
+
+class OllamaEmbeddings(OllamaEmbedBase):
+    """/api/embeddings' body (ollama's older one): one text, in `prompt`."""
+    prompt: Text | None = None
 
 
 # ---- running one ----

@@ -1,22 +1,24 @@
 """ollama's API, its replies: /api/chat and /api/generate, for the official ollama clients and the
 tools that speak ollama (Open WebUI, Continue, editors); its model listing is ollama_models.py.
 
-Bodies are read into api's neutral ChatBody and CompletionBody by api's field readers, so a wrong
-type is a 400 naming the field; replies are ollama's objects, streamed (ollama's default) as
-newline-delimited JSON, the last one with `done: true`, why it ended and its durations in
-nanoseconds; errors are ollama's `{"error": message}`. Options and fields ollama has that nibble has
+Bodies are pydantic models (with what they share with the other APIs' in api.py and bodies.py),
+read into api's neutral ChatBody and CompletionBody, so a wrong type is a 400 naming the field;
+replies are ollama's objects, streamed (ollama's default) as newline-delimited JSON, the last one
+with `done: true`, why it ended and its durations in nanoseconds; errors are ollama's
+`{"error": message}`. Options and fields ollama has that nibble has
 no use for (num_ctx, num_gpu, keep_alive per request, ...) are accepted and ignored, as ollama
 ignores options it does not know.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
 
+from pydantic import AfterValidator, BeforeValidator, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,8 +26,10 @@ from nibble.formats.errors import NibbleError
 from ..chat.reasoning import Thinking, ThinkingOptions, template_effort
 from ..chat.tools import Call
 from . import api
-from .api import (ApiError, ChatBody, CompletionBody, Options, bad, chat_message, function_tools, integer,
-                  json_object, sampling_fields, typed)
+from .api import ChatBody, ChatContent, CompletionBody, Options, Tool
+from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Number, Text, integer, one_of, read, refused, said,
+                     stops, unsupported)
+from .errors import ApiError
 from .models import Models, parse_keep_alive
 from .pending import Pending, Streamed, read_json, start, until_disconnected
 from .replies import ReplyParts, Served, chat_turn, completion_turn
@@ -34,6 +38,7 @@ from .replies import ReplyParts, Served, chat_turn, completion_turn
 # generous one, since each is looked for at every token.
 MAX_STOPS = 32
 THINK_LEVELS = ("low", "medium", "high", "max")
+NO_IMAGES = "nibble's models read no images"
 ALL_OF_THEM = 1 << 30   # repeat_last_n -1 (ollama: the whole context): more ids than any context holds
 
 
@@ -46,143 +51,180 @@ def error_body(e: ApiError) -> dict:
 def parse_chat(body) -> ChatBody:
     """An /api/chat body -> ChatBody (no messages: only load the model), or ApiError naming the
     first bad field."""
-    body = json_object(body, "the request body")
-    options = _options(body)
-    tools = function_tools(body)
-    response_format, schema = _format(body)
-    return ChatBody(messages=_messages(typed(body, "messages", list) or []), options=options, tools=tools,
-                    tool_choice=_tool_choice(body, tools), tool_name=None, parallel_tool_calls=False,
-                    response_format=response_format, schema=schema, thinking=_thinking(body))
+    chat = read(ChatRequest, body)
+    tools = [t.model_dump(exclude_unset=True) for t in chat.tools or []]
+    response_format, schema = chat.response_format()
+    return ChatBody(messages=_messages(chat.messages or []), options=chat.neutral_options(), tools=tools,
+                    tool_choice=chat.tool_choice or ("auto" if tools else "none"), tool_name=None,
+                    parallel_tool_calls=False, response_format=response_format, schema=schema,
+                    thinking=chat.thinking())
 
 
 def parse_generate(body) -> ChatBody | CompletionBody:
     """An /api/generate body -> a CompletionBody (raw: the prompt as it is) or a ChatBody of the
     system and user messages (no messages: an empty prompt, which only loads the model)."""
-    body = json_object(body, "the request body")
-    for name, why in (("images", "nibble's models read no images"),
-                      ("suffix", "nibble's models do not fill in the middle"),
-                      ("template", "nibble renders the model's own chat template; send raw: true and the "
-                                   "prompt as you want it"),
-                      ("context", "nibble keeps no token context between requests: send the conversation "
-                                  "to /api/chat")):
-        if body.get(name):
-            raise bad(name, f"is not supported: {why}")
-    options = _options(body)
-    prompt = typed(body, "prompt", str) or ""
-    system = typed(body, "system", str)
-    response_format, schema = _format(body)
-    thinking = _thinking(body)
-    if typed(body, "raw", bool) and prompt:
-        if response_format != "text":   # completion_turn takes no grammar
-            raise bad("format", "cannot be combined with raw: send the prompt without raw, or no format")
+    generate = read(GenerateRequest, body)
+    options, prompt = generate.neutral_options(), generate.prompt or ""
+    if generate.raw and prompt:
         return CompletionBody(prompt, options)
-    messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
-    return ChatBody(messages=messages if prompt else [], options=options, tools=[], tool_choice="none",
-                    tool_name=None, parallel_tool_calls=False, response_format=response_format, schema=schema,
-                    thinking=thinking)
+    system = [{"role": "system", "content": generate.system}] if generate.system else []
+    response_format, schema = generate.response_format()
+    return ChatBody(messages=[*system, {"role": "user", "content": prompt}] if prompt else [], options=options,
+                    tools=[], tool_choice="none", tool_name=None, parallel_tool_calls=False,
+                    response_format=response_format, schema=schema, thinking=generate.thinking())
 
 
-def _options(body: dict) -> Options:
-    """What chat and generate share: model, stream (on unless false), logprobs, keep_alive, and
-    ollama's `options` object."""
-    model = typed(body, "model", str) or None   # ollama's clients always name one; curl users may not
-    stream = typed(body, "stream", bool)
-    logprobs = typed(body, "logprobs", bool) or False
-    top = integer(body, "top_logprobs", 0, api.MAX_TOP_LOGPROBS) or 0
-    check_keep_alive(body)
-    given = body.get("options")
-    given = {} if given is None else json_object(given, "options")
-    with _under("options"):
-        sampling = sampling_fields(_without_random_seed(given))
-        repeat_last_n = integer(given, "repeat_last_n", -1)
-        predict = integer(given, "num_predict")
-        stop = _stops(given)
-    if repeat_last_n is not None:
-        sampling["repeat_last_n"] = ALL_OF_THEM if repeat_last_n == -1 else repeat_last_n
-    return Options(model, stream is not False, False, predict if predict and predict > 0 else None,
-                   sampling, stop, top if logprobs else None)
+def _duration(value):
+    """keep_alive, checked as ollama checks it, then left: the server's --keep-alive applies to every model."""
+    if isinstance(value, str):
+        try:
+            parse_keep_alive(value)
+        except NibbleError as e:
+            raise refused(str(e)) from None
+    return value
 
 
-@contextlib.contextmanager
-def _under(parent: str):
-    """The readers' errors for the fields of `parent`, named as `parent.field`."""
-    try:
-        yield
-    except ApiError as e:
-        raise ApiError(e.status, f"{parent}.{e}", f"{parent}.{e.param}") from None
+KeepAlive = Annotated[Number | Text, said('must be a duration ("5m", "1h") or a number of seconds'),
+                      AfterValidator(_duration)]
 
 
-def _without_random_seed(options: dict) -> dict:
-    """ollama's seed -1 (any negative one) is a fresh random seed each run: nibble's unset seed."""
-    seed = options.get("seed")
-    if isinstance(seed, (int, float)) and not isinstance(seed, bool) and seed < 0:
-        return {k: v for k, v in options.items() if k != "seed"}
-    return options
+class OllamaOptions(FullSampling):
+    """ollama's `options`: those nibble has no use for (num_ctx, num_gpu, ...) are ignored, as
+    ollama ignores options it does not know."""
+    repeat_last_n: integer(-1) | None = None
+    num_predict: integer() | None = None
+    stop: stops(MAX_STOPS) | None = None
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _random(cls, seed):
+        """ollama's seed -1 (any negative one) is a fresh random seed each run: nibble's unset seed."""
+        negative = isinstance(seed, (int, float)) and not isinstance(seed, bool) and seed < 0
+        return None if negative else seed
 
 
-def _stops(options: dict) -> tuple[str, ...]:
-    stop = options.get("stop")
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
-        raise bad("stop", f"must be a list of at most {MAX_STOPS} strings")
-    return tuple(s for s in stops if s)
+class OllamaRequest(Body):
+    """What /api/chat and /api/generate bodies share."""
+    model: Text | None = None   # ollama's clients always name one; curl users may not
+    stream: Flag | None = None
+    logprobs: Flag | None = None
+    top_logprobs: integer(0, api.MAX_TOP_LOGPROBS) | None = None
+    keep_alive: KeepAlive | None = None
+    options: OllamaOptions | None = None
+    format: Annotated[Literal["", "json"] | JsonObject, said('must be "json" or a JSON schema object')] | None = None
+    # true, false, or a level, which thinks and is gpt-oss's reasoning effort
+    think: Annotated[Flag | Literal[THINK_LEVELS],
+                     said(f"must be true, false or one of {', '.join(THINK_LEVELS)}")] | None = None
+
+    def neutral_options(self) -> Options:
+        """Streamed unless stream is false, as ollama streams."""
+        given = self.options or OllamaOptions()
+        sampling, predict = given.sampling(), given.num_predict
+        if given.repeat_last_n is not None:
+            sampling["repeat_last_n"] = ALL_OF_THEM if given.repeat_last_n == -1 else given.repeat_last_n
+        return Options(self.model or None, self.stream is not False, False,
+                       predict if predict and predict > 0 else None, sampling, tuple(s for s in given.stop or () if s),
+                       (self.top_logprobs or 0) if self.logprobs else None)
+
+    def response_format(self) -> tuple[str, dict | None]:
+        """`format`: "json" (any JSON object) or a JSON schema -> ChatBody's response_format and schema."""
+        if self.format in (None, ""):
+            return "text", None
+        return ("json_object", None) if self.format == "json" else ("json_schema", self.format)
+
+    def thinking(self) -> ThinkingOptions:
+        if self.think is None or isinstance(self.think, bool):
+            return ThinkingOptions(think=self.think)
+        return ThinkingOptions(think=True, effort=template_effort(self.think))
 
 
-def check_keep_alive(body: dict):
-    """Checked as ollama checks it, then left: the server's --keep-alive applies to every model."""
-    value = body.get("keep_alive")
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return
-    if not isinstance(value, str):
-        raise bad("keep_alive", 'must be a duration ("5m", "1h") or a number of seconds')
-    try:
-        parse_keep_alive(value)
-    except NibbleError as e:
-        raise bad("keep_alive", f"is not a duration: {e}") from None
+class HistoryFunction(Body):
+    name: Name
+    # an object, or JSON text as OpenAI's clients send it
+    arguments: Annotated[JsonObject | Text, said("must be an object")] | None = None
 
 
-def _format(body: dict) -> tuple[str, dict | None]:
-    """ollama's `format`: "json" (any JSON object) or a JSON schema -> api's response_format."""
-    given = body.get("format")
-    if given in (None, ""):
-        return "text", None
-    if given == "json":
-        return "json_object", None
-    if not isinstance(given, dict):
-        raise bad("format", 'must be "json" or a JSON schema object')
-    return "json_schema", given
+class HistoryCall(Body):
+    """An earlier turn's call: {"function": {"name", "arguments": {...}}}."""
+    function: HistoryFunction
+    id: Text | None = None
+
+    def openai(self, fallback_id: str) -> dict:
+        """As OpenAI's, its id the one it came with or one made from its place (the same each
+        turn: the prompt stays cached)."""
+        arguments = {} if self.function.arguments is None else self.function.arguments
+        return {"id": self.id or fallback_id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments if isinstance(arguments, str)
+                             else json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _tool_choice(body: dict, tools: list[dict]) -> str:
-    """ollama has no tool_choice; nibble takes OpenAI's "none", "auto" and "required" here too, so
-    that a client can force a call (with a grammar) when the model would not make one."""
-    choice = typed(body, "tool_choice", str)
-    if choice is None:
-        return "auto" if tools else "none"
-    if choice not in ("none", "auto", "required"):
-        raise bad("tool_choice", 'must be "none", "auto" or "required"')
-    if choice == "required" and not tools:
-        raise bad("tool_choice", "needs tools")
-    return choice
+def _lower(role):
+    return role.lower() if isinstance(role, str) else role
 
 
-def _thinking(body: dict) -> ThinkingOptions:
-    """ollama's think: true, false, or a level ("low", "medium", "high", "max"), which thinks
-    and is gpt-oss's reasoning effort."""
-    think = body.get("think")
-    if think is None or isinstance(think, bool):
-        return ThinkingOptions(think=think)
-    if think not in THINK_LEVELS:
-        raise bad("think", f"must be true, false or one of {', '.join(THINK_LEVELS)}")
-    return ThinkingOptions(think=True, effort=template_effort(think))
+class OllamaMessage(Body):
+    role: Annotated[one_of(*api.ROLES), BeforeValidator(_lower)]
+    content: ChatContent | None = None   # ollama's may be left out
+    images: Annotated[Any, unsupported(NO_IMAGES)] = None
+    thinking: Text | None = None
+    tool_calls: list[HistoryCall] | None = None
+    tool_call_id: Text | None = None
+    tool_name: Text | None = None
+
+    def chat(self, i: int) -> dict:
+        """As an OpenAI chat message: thinking -> reasoning_content, tool calls with their
+        arguments as JSON text and an id, tool_name -> name."""
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": "".join(p.text for p in self.content or [])}
+        if self.thinking:
+            out["reasoning_content"] = self.thinking
+        if self.tool_calls:
+            out["tool_calls"] = [c.openai(f"call_{i}_{j}") for j, c in enumerate(self.tool_calls)]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_name:
+            out["name"] = self.tool_name
+        return out
 
 
-def _messages(given: list) -> list[dict]:
-    """ollama's messages -> api's (OpenAI's) chat dicts. A tool result names its tool (tool_name),
-    not its call: each is paired with the first unanswered call of that name, whose id it gets."""
+class ChatRequest(OllamaRequest):
+    messages: list[OllamaMessage] | None = None
+    tools: list[Tool] | None = None
+    # ollama has no tool_choice; nibble takes OpenAI's here too, so that a client can force a call
+    # (with a grammar) when the model would not make one
+    tool_choice: one_of(*api.TOOL_CHOICES) | None = None
+
+    @model_validator(mode="after")
+    def _required_needs_tools(self):
+        if self.tool_choice == "required" and not self.tools:
+            raise refused("needs tools", "tool_choice")
+        return self
+
+
+class GenerateRequest(OllamaRequest):
+    images: Annotated[Any, unsupported(NO_IMAGES)] = None
+    suffix: Annotated[Any, unsupported("nibble's models do not fill in the middle")] = None
+    template: Annotated[Any, unsupported("nibble renders the model's own chat template; send raw: true and the "
+                                         "prompt as you want it")] = None
+    context: Annotated[Any, unsupported("nibble keeps no token context between requests: send the conversation "
+                                        "to /api/chat")] = None
+    prompt: Text | None = None
+    system: Text | None = None
+    raw: Flag | None = None
+
+    @model_validator(mode="after")
+    def _raw_takes_no_format(self):
+        if self.raw and self.prompt and self.format not in (None, ""):   # completion_turn takes no grammar
+            raise refused("cannot be combined with raw: send the prompt without raw, or no format", "format")
+        return self
+
+
+def _messages(given: list[OllamaMessage]) -> list[dict]:
+    """ollama's messages -> OpenAI's chat dicts. A tool result names its tool (tool_name), not its
+    call: each is paired with the first unanswered call of that name, whose id it gets."""
     out, unanswered = [], []   # unanswered: (id, name) of the last assistant message's calls
-    for i, m in enumerate(given):
-        m = _message(m, i)
+    for i, message in enumerate(given):
+        m = message.chat(i)
         if m.get("tool_calls"):
             unanswered = [(c["id"], c["function"]["name"]) for c in m["tool_calls"]]
         elif m["role"] == "tool" and "tool_call_id" not in m:
@@ -191,49 +233,8 @@ def _messages(given: list) -> list[dict]:
             if pair is not None:
                 unanswered.remove(pair)
                 m["tool_call_id"] = pair[0]
-        out.append(chat_message(m, i))
+        out.append(m)
     return out
-
-
-def _message(m, i: int) -> dict:
-    """One ollama message as an OpenAI chat dict: thinking -> reasoning_content, tool calls with
-    their arguments as JSON text and an id, tool_name -> name."""
-    where = f"messages[{i}]"
-    m = json_object(m, where)
-    if m.get("images"):
-        raise bad(f"{where}.images", "is not supported: nibble's models read no images")
-    role = m.get("role")
-    out = {"role": role.lower() if isinstance(role, str) else role,
-           "content": "" if m.get("content") is None else m["content"]}   # ollama's content may be left out
-    thinking = typed(m, "thinking", str, f"{where}.thinking")
-    if thinking:
-        out["reasoning_content"] = thinking
-    calls = typed(m, "tool_calls", list, f"{where}.tool_calls")
-    if calls:
-        out["tool_calls"] = [_history_call(c, f"{where}.tool_calls[{j}]", f"call_{i}_{j}") for j, c in enumerate(calls)]
-    for ours, theirs in (("tool_call_id", "tool_call_id"), ("name", "tool_name")):
-        value = typed(m, theirs, str, f"{where}.{theirs}")
-        if value:
-            out[ours] = value
-    return out
-
-
-def _history_call(call, where: str, fallback_id: str) -> dict:
-    """An earlier turn's call: {"function": {"name", "arguments": {...}}} -> OpenAI's, its id
-    the one it came with or one made from its place (the same each turn: the prompt stays cached)."""
-    function = json_object(json_object(call, where).get("function"), f"{where}.function")
-    name = function.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad(f"{where}.function.name", "must be a non-empty string")
-    arguments = function.get("arguments")
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, (dict, str)):   # a string: JSON text, as OpenAI's clients send it
-        raise bad(f"{where}.function.arguments", "must be an object")
-    call_id = typed(call, "id", str, f"{where}.id") or fallback_id
-    return {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": arguments if isinstance(arguments, str)
-                         else json.dumps(arguments, ensure_ascii=False)}}
 
 
 # ---- replies ----

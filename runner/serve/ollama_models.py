@@ -21,7 +21,7 @@ from nibble.formats.sentence_transformers import embeds, read_pipeline
 from ..chat.template import ChatTemplateError
 from ..chat.reasoning import reasoning_family
 from ..settings import SamplerSettings
-from .api import json_object, typed
+from .bodies import Body, Text, read
 from .models import Models
 from .ollama import served_name
 from .pending import read_json
@@ -124,9 +124,14 @@ def capabilities(template: str, embedding: bool = False) -> list[str]:
     return out
 
 
+class ShowRequest(Body):
+    model: Text | None = None
+    name: Text | None = None   # older clients'
+
+
 async def show(models: Models, request: Request) -> Response:
-    body = json_object(await read_json(request), "the request body")
-    name = served_name(models, typed(body, "model", str) or typed(body, "name", str))   # `name`: older clients'
+    body = read(ShowRequest, await read_json(request))
+    name = served_name(models, body.model or body.name)
     served = next((s for s, _ in models.loaded() if s.name == name), None)
     about = About.of_served(served) if served else \
         await run_in_threadpool(About.on_disk, models.refs[name], models.options.ctx)

@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..generation.decoding import Event
 from ..generation.engine import Busy
-from .api import ApiError
+from .errors import ApiError
 from .models import Lease, Models
 from .replies import Turn, generating
 

@@ -19,7 +19,8 @@ from ..kv.prompt_ids import PromptMemo
 from ..tokenizer import Tokenizer
 from ..chat.reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
 from ..chat.tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
-from .api import ApiError, ChatBody, CompletionBody, Options, tool_call
+from .api import ChatBody, CompletionBody, Options, tool_call
+from .errors import ApiError
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """OpenAI's Responses API, `POST /v1/responses`, as the official client's `responses.create` and
 `responses.stream` and Codex use it: the body (its `input` items, flat function tools,
-`text.format`, `reasoning`) read into api's ChatBody, and the reply written as a Response object
-or as the typed server-sent events that build one (response.created ... response.completed).
+`text.format`, `reasoning`) declared as pydantic models and read into api's ChatBody, and the reply
+written as a Response object or as the typed server-sent events that build one (response.created
+... response.completed).
 
 The server is stateless: it keeps no responses, so every request carries the whole conversation
 in `input` (the earlier turns' output items sent back as they came), and `previous_response_id`,
@@ -15,14 +16,19 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
+from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..chat.reasoning import STRONGER, Thinking, template_effort
 from ..chat.tools import Call, Content
 from . import api
-from .api import ApiError, ChatBody, Options, Stamp, ThinkingOptions, bad, integer, json_object, typed
+from .api import ChatBody, Options, Stamp, ThinkingKnobs
+from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Text, by, either, integer, listed, one_of, read,
+                     refused, said, unsupported)
+from .errors import ApiError
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
 from .replies import ReplyParts, chat_turn
@@ -43,131 +49,190 @@ class ResponsesBody:
 
 def parse(body) -> ResponsesBody:
     """A /v1/responses body -> ResponsesBody, or ApiError naming the first bad field."""
-    body = json_object(body, "the request body")
-    _refuse_state(body)
-    tools = _function_tools(body)
-    tool_choice, tool_name = _tool_choice(body, tools)
-    response_format, schema = _text_format(body)
-    if response_format != "text" and tool_choice != "none":
-        raise bad("text.format", "cannot be combined with tools: send one or the other")
-    max_tokens = integer(body, "max_output_tokens", 1)
-    options = Options(typed(body, "model", str), typed(body, "stream", bool) or False, False, max_tokens,
-                      api.sampling_fields(body), (), None)
+    return read(ResponsesRequest, body).responses_body()
+
+
+def _said(value) -> str:
+    """A value as an error message quotes it: short, whatever it is."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class TextPart(Body):
+    text: Text
+
+
+def _text_parts(kinds: tuple[str, ...]):
+    """A string, or text parts of these kinds (joined): nibble's models read no images, files or audio."""
+    def otherwise(kind) -> str:
+        if kind in MEDIA_PARTS:
+            return f"{kind!r} is not supported: nibble's models read text only"
+        return f"must be {either(kinds)}"
+    return Annotated[list[Annotated[TextPart, by("type", dict.fromkeys(kinds, TextPart), otherwise)]],
+                     listed("must be a string or a list of text parts", lambda text: {"type": kinds[0], "text": text})]
+
+
+TextParts = _text_parts(TEXT_PARTS)
+ReasoningText = _text_parts(("reasoning_text",))
+
+
+class MessageItem(Body):
+    role: one_of(*ROLES)
+    content: TextParts
+
+
+class CallItem(Body):
+    call_id: Text
+    name: Name
+    arguments: Text
+
+
+class CallOutputItem(Body):
+    call_id: Text
+    output: TextParts
+
+
+class ReasoningItem(Body):
+    """An earlier reply's thinking (its reasoning_text), which the template may show or drop as
+    it does chat's reasoning_content; a summary only, or encrypted content, is not it."""
+    content: ReasoningText | None = None
+
+
+class StoredItem(Body):
+    """An item_reference, to an item only a server that keeps them has."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kept_nowhere(cls, value):
+        raise refused(f"refers to a stored item: {KEPT_NOWHERE}")
+
+
+Item = Annotated[MessageItem | CallItem | CallOutputItem | ReasoningItem | StoredItem, by(
+    "type", {None: MessageItem, "message": MessageItem, "function_call": CallItem,
+             "function_call_output": CallOutputItem, "reasoning": ReasoningItem, "item_reference": StoredItem},
+    lambda kind: f"{_said(kind)} is not supported: nibble reads message, reasoning, function_call and "
+                 "function_call_output items")]
+
+
+class FunctionTool(Body, extra="allow"):
+    """The Responses API's flat function tool: {type: "function", name, description, parameters, strict}."""
+    name: Name
+    description: Text | None = None
+    parameters: JsonObject | None = None
+    strict: Flag | None = None
+
+    def chat_tool(self) -> dict:
+        """In chat's shape, {type, function: {...}}, which the templates and grammars read."""
+        given = {k: getattr(self, k) for k in ("name", "description", "parameters", "strict")}
+        return {"type": "function", "function": {k: v for k, v in given.items() if v is not None}}
+
+
+def _built_in(kind) -> str:
+    """Built-in tools (web_search, file_search, ...) run on OpenAI's servers."""
+    if kind is None:
+        return 'is missing: a function tool is {"type": "function", "name": ...}'
+    return f"{_said(kind)} is not supported: nibble runs function tools only (built-in tools run on OpenAI's servers)"
+
+
+class FunctionChoice(Body):
+    type: Literal["function"]
+    name: Text
+
+
+class TextFormat(Body, extra="allow"):
+    type: one_of(*api.FORMATS)
+    schema_: JsonObject | None = Field(None, alias="schema")
+
+    @model_validator(mode="after")
+    def _has_schema(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise refused("is missing", "schema")
+        return self
+
+
+class TextOptions(Body):
+    format: TextFormat | None = None
+
+
+class ReasoningOptions(Body):
+    # read as chat's reasoning_effort ("none" or "minimal": off)
+    effort: one_of(*api.REASONING_EFFORTS, *STRONGER) | None = None
+
+
+class ResponsesRequest(FullSampling, ThinkingKnobs):
+    """Chat's other thinking knobs too, which a client may send in extra_body (chat_template_kwargs,
+    reasoning_budget, think)."""
+    model: Text | None = None
+    stream: Flag | None = None
+    input: Annotated[list[Item], Field(min_length=1), listed("must be a string or a non-empty list of items",
+                                                            lambda text: {"role": "user", "content": text})]
+    instructions: Text | None = None
+    tools: list[Annotated[FunctionTool, by("type", {"function": FunctionTool}, _built_in)]] | None = None
+    tool_choice: Annotated[Literal[api.TOOL_CHOICES] | FunctionChoice, said(
+        'must be "none", "auto", "required" or {"type": "function", "name": ...}')] | None = None
     # a forced call may be several only when asked, as in chat (OpenAI's default is true)
-    parallel = typed(body, "parallel_tool_calls", bool) or False
-    effort, thinking = _thinking(body)
-    chat = ChatBody(_messages(body), options, [_chat_tool(t) for t in tools], tool_choice, tool_name, parallel,
-                    response_format, schema, thinking)
-    return ResponsesBody(chat, _echo(body, tools, parallel, effort, max_tokens))
+    parallel_tool_calls: Flag | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    max_output_tokens: integer(1) | None = None
+    # what only a server that keeps responses could do
+    previous_response_id: Annotated[Any, unsupported(KEPT_NOWHERE)] = None
+    conversation: Annotated[Any, unsupported(KEPT_NOWHERE)] = None
+    background: Annotated[Any, unsupported("nibble answers while the request waits (or streams)")] = None
 
+    @model_validator(mode="after")
+    def _consistent(self):
+        choice = self.tool_choice
+        if choice in ("auto", "required") and not self.tools:
+            raise refused("needs tools", "tool_choice")
+        if isinstance(choice, FunctionChoice) and choice.name not in {t.name for t in self.tools or []}:
+            raise refused(f"names {choice.name!r}, which is not in tools", "tool_choice")
+        if self._format()[0] != "text" and self._choice()[0] != "none":
+            raise refused("cannot be combined with tools: send one or the other", "text.format")
+        return self
 
-def _echo(body: dict, tools: list[dict], parallel: bool, effort: str | None, max_tokens: int | None) -> dict:
-    """What a Response repeats of its request (the client's Response model wants each), the
-    fields checked already. Nothing is stored, nor summarized."""
-    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
-    return {"instructions": body.get("instructions"), "tools": tools,
-            "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
-            "parallel_tool_calls": parallel, "text": {"format": fmt}, "reasoning": {"effort": effort, "summary": None},
-            "max_output_tokens": max_tokens, "truncation": "disabled", "store": False, "background": False,
-            "previous_response_id": None, "metadata": {}, "user": None}
+    def responses_body(self) -> ResponsesBody:
+        options = Options(self.model, bool(self.stream), False, self.max_output_tokens, self.sampling(), (), None)
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        chat = ChatBody(self._messages(), options, [t.chat_tool() for t in self.tools or []], *self._choice(),
+                        bool(self.parallel_tool_calls), *self._format(), self.thinking(template_effort(effort)))
+        return ResponsesBody(chat, self._echo(effort))
 
+    def _choice(self) -> tuple[str, str | None]:
+        """-> chat's tool_choice and tool_name: {type: "function", name} forces that tool."""
+        if self.tool_choice is None:
+            return ("auto" if self.tools else "none"), None
+        if isinstance(self.tool_choice, FunctionChoice):
+            return "required", self.tool_choice.name
+        return self.tool_choice, None
 
-def _refuse_state(body: dict):
-    """What only a server that keeps responses could do."""
-    for name in ("previous_response_id", "conversation"):
-        if body.get(name) is not None:
-            raise bad(name, f"is not supported: {KEPT_NOWHERE}")
-    if body.get("background"):
-        raise bad("background", "is not supported: nibble answers while the request waits (or streams)")
+    def _format(self) -> tuple[str, dict | None]:
+        """`text.format` -> chat's response_format and schema."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None:
+            return "text", None
+        return fmt.type, fmt.schema_ if fmt.type == "json_schema" else None
 
+    def _messages(self) -> list[dict]:
+        """`instructions` and `input` -> chat messages."""
+        conversation = Conversation([{"role": "system", "content": self.instructions}] if self.instructions else [])
+        for item in self.input:
+            conversation.add(item)
+        return conversation.messages
 
-def _function_tools(body: dict) -> list[dict]:
-    """The Responses API's flat function tools, checked: {type: "function", name, description,
-    parameters, strict}. Built-in tools (web_search, file_search, ...) run on OpenAI's servers."""
-    tools = typed(body, "tools", list) or []
-    for i, tool in enumerate(tools):
-        tool = json_object(tool, f"tools[{i}]")
-        kind = tool.get("type")
-        if kind is None:
-            raise bad(f"tools[{i}].type", 'is missing: a function tool is {"type": "function", "name": ...}')
-        if kind != "function":
-            raise bad(f"tools[{i}].type", f"{_said(kind)} is not supported: nibble runs function tools only "
-                                          "(built-in tools run on OpenAI's servers)")
-        name = typed(tool, "name", str, f"tools[{i}].name")
-        if not name:
-            raise bad(f"tools[{i}].name", "must be a non-empty string")
-        typed(tool, "description", str, f"tools[{i}].description")
-        typed(tool, "parameters", dict, f"tools[{i}].parameters")
-    return tools
-
-
-def _chat_tool(tool: dict) -> dict:
-    """A flat tool in chat's shape, {type, function: {...}}, which the templates and grammars read."""
-    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                                             if tool.get(k) is not None}}
-
-
-def _tool_choice(body: dict, tools: list[dict]) -> tuple[str, str | None]:
-    """-> chat's tool_choice and tool_name: {type: "function", name} forces that tool."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        return ("auto" if tools else "none"), None
-    if isinstance(choice, str) and choice in ("none", "auto", "required"):
-        if choice != "none" and not tools:
-            raise bad("tool_choice", "needs tools")
-        return choice, None
-    name = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    if not isinstance(name, str):
-        raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}')
-    if name not in {t["name"] for t in tools}:
-        raise bad("tool_choice", f"names {name!r}, which is not in tools")
-    return "required", name
-
-
-def _text_format(body: dict) -> tuple[str, dict | None]:
-    """`text.format` -> chat's response_format and schema."""
-    text = body.get("text")
-    fmt = json_object(text, "text").get("format") if text is not None else None
-    if fmt is None:
-        return "text", None
-    kind = json_object(fmt, "text.format").get("type")
-    if kind in ("text", "json_object"):
-        return kind, None
-    if kind != "json_schema":
-        raise bad("text.format.type", 'must be "text", "json_object" or "json_schema"')
-    schema = fmt.get("schema")
-    if not isinstance(schema, dict):
-        raise bad("text.format.schema", "must be a JSON schema object")
-    return "json_schema", schema
-
-
-def _thinking(body: dict) -> tuple[str | None, ThinkingOptions]:
-    """`reasoning.effort` read as chat's reasoning_effort ("none" or "minimal": off), with chat's
-    other knobs a client may send in extra_body (chat_template_kwargs, reasoning_budget, think).
-    -> (the effort as given, for the echo; the options)."""
-    reasoning = body.get("reasoning")
-    reasoning = json_object(reasoning, "reasoning") if reasoning is not None else {}
-    effort = typed(reasoning, "effort", str, "reasoning.effort")
-    asked = template_effort(effort)
-    if asked is not None and asked not in api.REASONING_EFFORTS:
-        raise bad("reasoning.effort", f"must be one of {', '.join((*api.REASONING_EFFORTS, *STRONGER))}")
-    return effort, api.thinking_options({**body, "reasoning_effort": asked})
-
-
-def _messages(body: dict) -> list[dict]:
-    """`instructions` and `input` -> chat messages."""
-    instructions = typed(body, "instructions", str)
-    given = body.get("input")
-    if isinstance(given, str):
-        items = [{"role": "user", "content": given}]
-    elif isinstance(given, list) and given:
-        items = given
-    else:
-        raise bad("input", "must be a string or a non-empty list of items")
-    conversation = Conversation([{"role": "system", "content": instructions}] if instructions else [])
-    for i, item in enumerate(items):
-        conversation.add(json_object(item, f"input[{i}]"), f"input[{i}]")
-    return conversation.messages
+    def _echo(self, effort: str | None) -> dict:
+        """What a Response repeats of its request (the client's Response model wants each).
+        Nothing is stored, nor summarized."""
+        tools = [t.model_dump(exclude_unset=True) for t in self.tools or []]
+        choice = self.tool_choice
+        fmt = self.text.format if self.text is not None else None
+        return {"instructions": self.instructions, "tools": tools,
+                "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else self._choice()[0],
+                "parallel_tool_calls": bool(self.parallel_tool_calls),
+                "text": {"format": fmt.model_dump(by_alias=True, exclude_unset=True) if fmt else {"type": "text"}},
+                "reasoning": {"effort": effort, "summary": None}, "max_output_tokens": self.max_output_tokens,
+                "truncation": "disabled", "store": False, "background": False, "previous_response_id": None,
+                "metadata": {}, "user": None}
 
 
 class Conversation:
@@ -180,63 +245,37 @@ class Conversation:
         self.thought: str | None = None      # a reasoning item's text, for the assistant message after it
         self.names: dict[str, str] = {}      # call_id -> the function called, for its output's message
 
-    def add(self, item: dict, where: str):
-        kind = item.get("type", "message")
-        if kind == "message":
-            self._message(item, where)
-        elif kind == "function_call":
-            self._call(item, where)
-        elif kind == "function_call_output":
-            self._output(item, where)
-        elif kind == "reasoning":
-            self._reasoning(item, where)
-        elif kind == "item_reference":
-            raise bad(where, f"refers to a stored item: {KEPT_NOWHERE}")
-        else:
-            raise bad(f"{where}.type", f"{_said(kind)} is not supported: nibble reads message, reasoning, "
-                                       "function_call and function_call_output items")
+    def add(self, item: MessageItem | CallItem | CallOutputItem | ReasoningItem):
+        if isinstance(item, MessageItem):
+            self._message(item)
+        elif isinstance(item, CallItem):
+            self._call(item)
+        elif isinstance(item, CallOutputItem):
+            self._output(item)
+        elif item.content is not None:
+            self.thought = (self.thought or "") + _joined(item.content)
 
-    def _message(self, item: dict, where: str):
-        role = item.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)}")
-        content = item.get("content")
-        if content is None:
-            raise bad(f"{where}.content", "is missing")
-        if role == "assistant":
-            self._assistant(_text(content, f"{where}.content"))
+    def _message(self, item: MessageItem):
+        if item.role == "assistant":
+            self._assistant(_joined(item.content))
         else:
-            self.messages.append({"role": "system" if role == "developer" else role,
-                                  "content": _text(content, f"{where}.content")})
+            self.messages.append({"role": "system" if item.role == "developer" else item.role,
+                                  "content": _joined(item.content)})
 
-    def _call(self, item: dict, where: str):
-        call_id, name, arguments = (_string(item, k, where) for k in ("call_id", "name", "arguments"))
-        if not name:
-            raise bad(f"{where}.name", "must be a non-empty string")
-        self.names[call_id] = name
-        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    def _call(self, item: CallItem):
+        self.names[item.call_id] = item.name
+        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant" and self.thought is None:   # the same turn's
             last.setdefault("tool_calls", []).append(call)
         else:
             self._assistant(None)["tool_calls"] = [call]
 
-    def _output(self, item: dict, where: str):
-        call_id = _string(item, "call_id", where)
-        output = item.get("output")
-        if output is None:
-            raise bad(f"{where}.output", "is missing")
-        message = {"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{where}.output")}
-        if call_id in self.names:   # some templates name the function whose result it is
-            message["name"] = self.names[call_id]
+    def _output(self, item: CallOutputItem):
+        message = {"role": "tool", "tool_call_id": item.call_id, "content": _joined(item.output)}
+        if item.call_id in self.names:   # some templates name the function whose result it is
+            message["name"] = self.names[item.call_id]
         self.messages.append(message)
-
-    def _reasoning(self, item: dict, where: str):
-        """An earlier reply's thinking (its reasoning_text), which the template may show or drop as
-        it does chat's reasoning_content; a summary only, or encrypted content, is not it."""
-        content = item.get("content")
-        if content is not None:
-            self.thought = (self.thought or "") + _text(content, f"{where}.content", ("reasoning_text",))
 
     def _assistant(self, content: str | None) -> dict:
         message = {"role": "assistant", "content": content}
@@ -246,35 +285,8 @@ class Conversation:
         return message
 
 
-def _text(content, where: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
-    """A string, or text parts joined: nibble's models read no images, files or audio."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, "must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        part = json_object(part, f"{where}[{j}]")
-        kind = part.get("type")
-        if kind in MEDIA_PARTS:
-            raise bad(f"{where}[{j}].type", f"{kind!r} is not supported: nibble's models read text only")
-        if kind not in kinds:
-            raise bad(f"{where}[{j}].type", f"must be {' or '.join(map(repr, kinds))}")
-        texts.append(_string(part, "text", f"{where}[{j}]"))
-    return "".join(texts)
-
-
-def _string(item: dict, name: str, where: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str):
-        raise bad(f"{where}.{name}", "must be a string")
-    return value
-
-
-def _said(value) -> str:
-    """A value as an error message quotes it: short, whatever it is."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+def _joined(parts: list[TextPart]) -> str:
+    return "".join(p.text for p in parts)
 
 
 # ---- the reply ----

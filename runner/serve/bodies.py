@@ -1,0 +1,205 @@
+"""Request bodies as pydantic models, as vLLM's and llama-cpp-python's servers declare theirs: the
+field types and rules every API's models share, the sampling fields they all take, and `read`,
+which reads a body into its model or raises a 400 saying pydantic's first error in one line: the
+field, named by its place in the body (`messages[0].role`), and the rule it breaks.
+
+Each model ignores the fields it does not declare, as OpenAI's, Anthropic's and ollama's servers
+do, and a field it declares may be null, which is the same as leaving it out. Types are strict, as
+JSON's are: "5" is no integer and 1 is no boolean (a float with no fraction is an integer, as some
+JSON writers send one).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator,
+                      Strict, ValidationError, ValidationInfo, WrapValidator)
+from pydantic_core import PydanticCustomError
+
+from nibble.formats.errors import NibbleError
+from ..settings import SamplerSettings
+from .errors import ApiError
+
+
+class Body(BaseModel):
+    """A request body, or an object in one."""
+    model_config = ConfigDict(extra="ignore")
+
+
+M = TypeVar("M", bound=Body)
+
+
+def read(model: type[M], body) -> M:
+    """`body` (parsed JSON) as `model`, or ApiError (400) naming the first field that is wrong, and why."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        place, rule = first_problem(e)
+        param = place or "the request body"
+        raise ApiError(400, f"{param} {rule}", param) from None
+
+
+# pydantic's error types -> the rule, in words (the others are said by the rules below)
+WORDS = {"missing": "is missing", "model_type": "must be a JSON object", "dict_type": "must be a JSON object",
+         "list_type": "must be a list", "string_type": "must be a string", "bool_type": "must be true or false",
+         "int_type": "must be an integer", "float_type": "must be a number", "finite_number": "must be a number",
+         "string_too_short": "must not be empty", "too_short": "must not be empty"}
+
+
+def first_problem(e: ValidationError) -> tuple[str, str]:
+    """-> (the place of pydantic's first error, as the APIs name fields ("": the value itself);
+    its rule)."""
+    error = e.errors(include_url=False)[0]
+    ctx = error.get("ctx", {})
+    at = [*error["loc"], *([ctx["field"]] if "field" in ctx else [])]
+    place = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in at).removeprefix(".")
+    return place, WORDS.get(error["type"], error["msg"])
+
+
+def refused(rule: str, field: str | None = None) -> PydanticCustomError:
+    """The error a validator raises: `rule` broken by the value, or by its part at `field` (in a
+    model's validator, for a rule across its fields: one of them)."""
+    return PydanticCustomError("rule", "{rule}", {"rule": rule, **({"field": field} if field else {})})
+
+
+def said(rule: str, keep: tuple[str, ...] = ()) -> WrapValidator:
+    """Whatever is wrong in the value said as one rule, at the value (over any rule said inside
+    it); but errors at `keep` (a place in the value) as they are."""
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError as e:
+            if keep and e.errors()[0]["loc"][:len(keep)] == keep:
+                raise
+            raise refused(rule) from None
+    return WrapValidator(check)
+
+
+def listed(rule: str | None = None, item: Callable[[str], object] = lambda s: s) -> BeforeValidator:
+    """A list, or a string as a list of one (`item` of it); anything else breaks `rule` (None:
+    the list's own)."""
+    def as_list(value):
+        if isinstance(value, str):
+            return [item(value)]
+        if rule is not None and not isinstance(value, list):
+            raise refused(rule)
+        return value
+    return BeforeValidator(as_list)
+
+
+def by(key: str, kinds: dict[str | None, type[Body]], otherwise: str | Callable[[object], str]) -> PlainValidator:
+    """An object read as the model its `key` names in `kinds` (kinds[None]: the key left out or
+    null), that model's first error said as the object's, at its place in it; one of a kind not
+    there breaks `otherwise` (a rule, or one made from the kind) at its `key`."""
+    def pick(value):
+        if not isinstance(value, dict):
+            raise refused("must be a JSON object")
+        kind = value.get(key)
+        model = kinds.get(kind) if kind is None or isinstance(kind, str) else None
+        if model is None:
+            raise refused(otherwise(kind) if callable(otherwise) else otherwise, key)
+        try:
+            return model.model_validate(value)
+        except ValidationError as e:   # pydantic's docs: a validator raises no ValidationError
+            place, rule = first_problem(e)
+            raise refused(rule, place or None) from None
+    return PlainValidator(pick)
+
+
+def one_of(*values: str):
+    """One of these strings."""
+    return Annotated[Literal[values], said(f"must be {either(values)}")]
+
+
+def either(values: tuple[str, ...]) -> str:
+    """'"a", "b" or "c"'"""
+    quoted = [json.dumps(v) for v in values]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+
+
+def integer(lo: int | None = None, hi: int | None = None):
+    """An integer of at least `lo` (and at most `hi`, with a `lo`)."""
+    span = f" from {lo} to {hi}" if hi is not None else f" of at least {lo}" if lo is not None else ""
+    return Annotated[int, Strict(), Field(ge=lo, le=hi), BeforeValidator(_whole), said(f"must be an integer{span}")]
+
+
+def _whole(value):
+    """A float with no fraction: that integer."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def unsupported(why: str = "") -> AfterValidator:
+    """A field nibble refuses when it is given: anything but null, false, 0 or empty."""
+    def refuse(value):
+        if value:
+            raise refused("is not supported" + (f": {why}" if why else ""))
+        return value
+    return AfterValidator(refuse)
+
+
+def stops(most: int):
+    """Stop strings: one, or a list of at most `most`."""
+    return Annotated[list[Text], Field(max_length=most), listed(),
+                     said(f"must be a string or a list of at most {most} strings")]
+
+
+Flag = Annotated[bool, Strict()]
+Text = Annotated[str, Strict()]
+Name = Annotated[str, Strict(), Field(min_length=1), said("must be a non-empty string")]
+Number = Annotated[float, Strict(), AllowInfNan(False)]   # an integer is one too
+JsonObject = dict[str, Any]
+
+
+# ---- sampling ----
+
+# The sampling fields -> SamplerSettings' names.
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repeat_penalty": "repetition_penalty", "repetition_penalty": "repetition_penalty",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "dry_multiplier": "dry_multiplier", "dry_base": "dry_base",
+                   "dry_allowed_length": "dry_allowed_length", "dry_penalty_last_n": "dry_penalty_last_n",
+                   "seed": "seed"}
+
+
+def _sampler_takes(value, info: ValidationInfo):
+    """A sampling field's value, checked by SamplerSettings' own rule for it."""
+    try:
+        SamplerSettings(**{SAMPLING_FIELDS[info.field_name]: value})
+    except NibbleError as e:
+        raise refused(f"is out of range: {e}") from None
+    return value
+
+
+SamplingNumber = Annotated[Number, AfterValidator(_sampler_takes)]
+SamplingInteger = Annotated[integer(), AfterValidator(_sampler_takes)]
+
+
+class Sampling(Body):
+    """The sampling fields every API takes."""
+    temperature: SamplingNumber | None = None
+    top_p: SamplingNumber | None = None
+    top_k: SamplingInteger | None = None
+
+    def sampling(self) -> dict:
+        """The SamplerSettings fields the body sets, to lay over the model's."""
+        given = ((SAMPLING_FIELDS[name], getattr(self, name)) for name in type(self).model_fields
+                 if name in SAMPLING_FIELDS)
+        return {name: value for name, value in given if value is not None}
+
+
+class FullSampling(Sampling):
+    """And the others: OpenAI's penalties and seed; llama.cpp's server's min_p, repeat_penalty and
+    DRY fields, which OpenAI's clients send in `extra_body` (repetition_penalty is vLLM's
+    spelling) and ollama's in `options`."""
+    min_p: SamplingNumber | None = None
+    repeat_penalty: SamplingNumber | None = None
+    repetition_penalty: SamplingNumber | None = None
+    presence_penalty: SamplingNumber | None = None
+    frequency_penalty: SamplingNumber | None = None
+    dry_multiplier: SamplingNumber | None = None
+    dry_base: SamplingNumber | None = None
+    dry_allowed_length: SamplingInteger | None = None
+    dry_penalty_last_n: SamplingInteger | None = None
+    seed: SamplingInteger | None = None
