@@ -20,6 +20,8 @@ from copy import copy
 from dataclasses import dataclass, field
 from functools import wraps
 
+# Jinja's internals (its compiler's visitors, _PassArg, a Namespace's private attributes):
+# pyproject.toml holds jinja2 to the minor version they were written against.
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.runtime import LoopContext
