@@ -3,14 +3,15 @@
 config.json comes in two spellings. transformers 4 wrote `rope_theta` and `rope_scaling` at the
 top level; transformers 5 writes one `rope_parameters` block ({"rope_theta": ..., "rope_type":
 ...}), or one per layer type. Both become `rope_theta` + `rope_scaling` here (None for plain
-RoPE); gemma3's sliding layers have a theta of their own, `rope_local_base_freq` (its name in
-older configs), and no scaling. `dtype`
+RoPE); a family whose sliding layers have a RoPE of their own (Family.local_rope) reads their
+theta as `rope_local_base_freq` (its name in older configs), unscaled. `dtype`
 (`torch_dtype` before transformers 5) stays in `extra`: it names the dtype the weights were saved
 in, which every tensor carries itself, and nibble computes in float32 whatever it says.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from . import families
 from .errors import FormatError
 from .values import BOOL, COUNT, OBJECT, STRING, either, integer, list_of, number, optional
-from .wrappers import WRAPPERS, text_config
+from .wrappers import is_wrapper, text_config
 
 # rope_type -> the rope_parameters fields it needs (transformers' _validate_*_rope_parameters).
 ROPE_TYPES = {
@@ -38,10 +39,11 @@ MAX_LAYERS = 4096
 MAX_CONTEXT = 1 << 24
 
 _CONTEXT = integer(1, MAX_CONTEXT)
-_ORIGINAL_CONTEXT = integer(2, MAX_CONTEXT)   # longrope divides by its log
+ORIGINAL_CONTEXT = integer(2, MAX_CONTEXT)   # longrope divides by its log
 _TOKEN_ID = integer()
 # The kind of value each field must hold, checked before any is used: a count of 0 would divide
-# by zero, a string or a NaN end in an exception deep in the model. None: the field left out.
+# by zero, a string or a NaN end in an exception deep in the model. None: the field left out. A
+# family's own fields (Family.fields) are checked the same way.
 FIELDS = {
     **dict.fromkeys(("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"), COUNT),
     "num_hidden_layers": integer(1, MAX_LAYERS),
@@ -56,14 +58,7 @@ FIELDS = {
     "attention_bias": BOOL,
     "sliding_window": optional(integer()),
     "layer_types": optional(list_of(STRING, "strings")),
-    "use_sliding_window": optional(BOOL),
-    "max_window_layers": optional(integer()),
-    "sliding_window_pattern": optional(COUNT),
-    "rope_local_base_freq": optional(number(above=0)),
-    "query_pre_attn_scalar": optional(number(above=0)),
     "partial_rotary_factor": optional(number()),
-    "original_max_position_embeddings": optional(_ORIGINAL_CONTEXT),
-    "no_rope_layers": optional(list_of(integer(0, 1), "0s and 1s")),
     "bos_token_id": optional(_TOKEN_ID),
     "eos_token_id": optional(either(_TOKEN_ID, list_of(_TOKEN_ID, "token ids"))),
     "quantization": optional(OBJECT),
@@ -73,15 +68,15 @@ ROPE_FIELDS = {
     "rope_type": STRING,
     **dict.fromkeys(("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
                      "high_freq_factor"), number(above=0)),
-    "original_max_position_embeddings": _ORIGINAL_CONTEXT,
+    "original_max_position_embeddings": ORIGINAL_CONTEXT,
     **dict.fromkeys(("short_factor", "long_factor"), list_of(number(above=0), "positive numbers")),
     **dict.fromkeys(("mscale", "mscale_all_dim"), number(least=0)),   # yarn divides by 1 + 0.1 m ln f
     "truncate": BOOL,
 }
 
-# Fields transformers' llama, mistral, qwen2, qwen3, smollm3, phi3 and gemma3 read that nibble
-# does not implement: accepted with the values that leave the computation as nibble runs it,
-# refused otherwise. Any
+# Fields transformers' decoder classes read that nibble does not implement: accepted with the
+# values that leave the computation as nibble runs it, refused otherwise (a family adds its own:
+# Family.fixed). Any
 # other unknown key is one those classes ignore too (architectures, transformers_version, dtype,
 # use_cache, initializer_range, pretraining_tp, attention_dropout: dropout is off at inference),
 # so it cannot change their numbers; it stays in `extra`.
@@ -91,8 +86,6 @@ FIXED_FIELDS = {
     # Gemma 2's soft caps: a config that sets them expects them applied
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
-    "hidden_activation": ("gelu_pytorch_tanh",),   # gemma3's MLP
-    "use_bidirectional_attention": (False, None),   # gemma3: causal attention
 }
 
 
@@ -114,21 +107,15 @@ class ModelConfig:
     attention_bias: bool = False
     sliding_window: int | None = None
     layer_types: list[str] | None = None    # per layer: "full_attention" or "sliding_attention"
-    use_sliding_window: bool | None = None  # qwen2/3: false (its default) turns sliding_window off
-    max_window_layers: int | None = None    # qwen2/3 without layer_types: the layers from here on slide
-    sliding_window_pattern: int | None = None   # gemma3 without layer_types: every n-th layer is global
-    rope_local_base_freq: float | None = None   # gemma3: the sliding layers' theta (their RoPE is unscaled)
-    query_pre_attn_scalar: float | None = None  # gemma3: attention scores are divided by its root
-    partial_rotary_factor: float | None = None   # phi3: RoPE rotates this share of each head (None: all)
-    original_max_position_embeddings: int | None = None   # phi3: longrope's, over rope_parameters'
-    no_rope_layers: list[int] | None = None   # smollm3: per layer, 1 = RoPE, 0 = none
+    partial_rotary_factor: float | None = None   # RoPE rotates this share of each head (None: all; Family.partial_rotary)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     quantization: dict | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for name, kind in FIELDS.items():
+        family = _family(self.model_type)
+        for name, kind in (FIELDS | family.fields).items():
             kind.check(f"config.json: {name}", getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -143,7 +130,6 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
             )
-        family = _family(self.model_type)
         family.configure(self)
         _check_rotary(self, family)
         self.rope_scaling = _checked_rope_scaling(self, family)
@@ -155,13 +141,14 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Build from a config.json dict of either spelling; unknown keys are kept in `extra`,
         missing ones named, and fields that would change the numbers unheeded refused."""
-        if isinstance(d.get("model_type"), str) and d["model_type"] in WRAPPERS:
+        if is_wrapper(d.get("model_type")):
             d = text_config(d)
         model_type = d.get("model_type")
         text = d.get("text_config")   # a multimodal wrapper that wrappers.py does not unwrap
         inner = text.get("model_type") if isinstance(text, dict) else None
         family = _family(model_type, f" (a wrapper around a {inner!r} text model in text_config)" if inner else "")
         d = dict(family.model_types[model_type]) | d
+        cls = config_class(model_type)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -192,6 +179,18 @@ class ModelConfig:
     def eos_ids(self) -> list[int]:
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+
+def config_class(model_type: str) -> type[ModelConfig]:
+    """The configuration of `model_type`'s family: ModelConfig and the family's own fields."""
+    return _with_fields(_family(model_type))
+
+
+@functools.cache
+def _with_fields(family: families.Family) -> type[ModelConfig]:
+    # each None unless config.json or the model type's defaults set it
+    own = [(name, object, field(default=None)) for name in family.fields]
+    return dataclasses.make_dataclass(f"{type(family).__name__}Config", own, bases=(ModelConfig,)) if own else ModelConfig
 
 
 def _family(model_type, wraps: str = "") -> families.Family:

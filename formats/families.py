@@ -1,7 +1,8 @@
 """The model families nibble runs, as the file readers need to know them: a table the families fill.
 
 formats/ reads config.json and GGUF files of any family but names none. Each family's class
-(runner/models/<family>.py, imported with runner) is a `Family` and adds itself here:
+(runner/models/<family>.py) is a `Family`, added here by runner/models' FAMILIES table when
+nibble.runner is imported (so reading a model needs that import first):
 what its config.json may leave out, what it sets, refuses or spells out, which of its layers slide
 and rotate, and how llama.cpp's files name its tensors and fields.
 """
@@ -42,7 +43,14 @@ class Family:
     # equals its class's default). A family's own: a subclass names the model types it runs.
     model_types: Mapping[str, Mapping] = {}
     gguf: Mapping[str, GGUFArch] = {}   # general.architecture -> its layout (the family's own)
-    # config.FIXED_FIELDS' accepted values where the family runs others (BERT's "gelu")
+    # the config.json fields the family reads beyond ModelConfig's, by the kind of value each holds
+    # (formats/values.py): attributes of its configs, None where config.json and the model type's
+    # defaults leave one out. A family's own and the family's it inherits from.
+    fields: Mapping[str, Any] = {}
+    # model_type of a multimodal wrapper -> its text model's, which the family runs (wrappers.py)
+    wrappers: Mapping[str, str] = {}
+    # config.FIXED_FIELDS' accepted values where the family runs others, and fields of its own it
+    # runs with those values only (BERT's "gelu")
     fixed: Mapping[str, tuple] = {}
     partial_rotary = False   # RoPE may rotate part of each head (partial_rotary_factor)
     local_rope = False       # its sliding layers have a RoPE of their own (rope_local_base_freq)
@@ -67,6 +75,7 @@ class Family:
 
 _BY_MODEL_TYPE: dict[str, Family] = {}
 _BY_GGUF_ARCH: dict[str, GGUFArch] = {}
+_WRAPPED: dict[str, str] = {}
 
 
 def add(family: Family) -> None:
@@ -75,10 +84,16 @@ def add(family: Family) -> None:
     own = vars(type(family))
     _BY_MODEL_TYPE.update(dict.fromkeys(own.get("model_types", {}), family))
     _BY_GGUF_ARCH.update(own.get("gguf", {}))
+    _WRAPPED.update(own.get("wrappers", {}))
 
 
 def of(model_type: str) -> Family | None:
     return _BY_MODEL_TYPE.get(model_type)
+
+
+def wrapped(model_type: str) -> str | None:
+    """The text model_type inside a multimodal wrapper's `model_type`; None: not a wrapper."""
+    return _WRAPPED.get(model_type)
 
 
 def model_types() -> list[str]:

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from .config import ModelConfig
+from .config import ModelConfig, config_class
 from . import families, progress, superblocks
 from .errors import FormatError
 from .gguf_blocks import BLOCK_TYPES, Repacked, repack
@@ -508,7 +508,7 @@ def _config(meta: dict, arch: str, layout: families.GGUFArch, tie: bool, rope: d
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     eos = list(dict.fromkeys(eos))  # unique, in order; one id is written as an int, as HF does
-    return ModelConfig(
+    return config_class(model_type)(
         model_type=model_type,
         hidden_size=hidden,
         intermediate_size=need(meta, a + "feed_forward_length"),

@@ -1,8 +1,8 @@
 """Checkpoints whose tensors are named otherwise than a text model's own, read into its names.
 
-Multimodal checkpoints whose text model nibble runs on its own: Gemma 3's
-Gemma3ForConditionalGeneration (model_type "gemma3") wraps a gemma3_text model in a vision tower
-and a projector. Its config.json nests the text model's config under `text_config`, and its
+Multimodal checkpoints whose text model nibble runs on its own (a family's `wrappers`: Gemma 3's
+Gemma3ForConditionalGeneration, model_type "gemma3", wraps a gemma3_text model in a vision tower
+and a projector). Its config.json nests the text model's config under `text_config`, and its
 checkpoint prefixes the text model's tensors; both are read here into what a text-only checkpoint
 says, and the vision tensors are left out.
 
@@ -12,11 +12,9 @@ layers.*, norm) lacks the `model.` its causal LM's names have; a BERT saved insi
 """
 from __future__ import annotations
 
+from . import families
 from .errors import FormatError
 from .values import OBJECT
-
-# model_type of a wrapper -> the model_type of the text model it wraps
-WRAPPERS = {"gemma3": "gemma3_text"}
 
 # Outer fields a text_config may leave out: the wrapper's then hold for the text model (mlx-lm and
 # mlx-vlm write `quantization` at the top level; checkpoints on the hub keep their eos there).
@@ -31,9 +29,14 @@ _TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
                   "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
 
 
+def is_wrapper(model_type) -> bool:
+    """Whether `model_type` is a wrapper's, around a text model nibble runs."""
+    return isinstance(model_type, str) and families.wrapped(model_type) is not None
+
+
 def text_config(d: dict) -> dict:
     """The config.json dict of the text model inside the wrapper config `d`."""
-    wrapper, inner = d["model_type"], WRAPPERS[d["model_type"]]
+    wrapper, inner = d["model_type"], families.wrapped(d["model_type"])
     OBJECT.check("config.json: text_config", d.get("text_config") or {})
     text = {"model_type": inner, **(d.get("text_config") or {})}
     if text["model_type"] != inner:
@@ -51,7 +54,7 @@ def text_tensors(d: dict, tensors: dict) -> dict:
     under a text-only checkpoint's names (the same arrays: nothing is copied), without the vision
     tower's and the projector's; a base model's under its causal LM's names; any other checkpoint's
     as they are."""
-    if d.get("model_type") not in WRAPPERS:
+    if not is_wrapper(d.get("model_type")):
         if "embed_tokens.weight" in tensors and "model.embed_tokens.weight" not in tensors:
             return {name if name.startswith("lm_head.") else f"model.{name}": t for name, t in tensors.items()}
         if "bert.embeddings.word_embeddings.weight" in tensors:

@@ -199,8 +199,8 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
     pos = np.arange(T)
     inv_freq, scale = rope_frequencies(c, pos)
     # Granite's multipliers (1 for the others)
-    residual = c.extra.get("residual_multiplier", 1.0)
-    x = W["model.embed_tokens.weight"][np.asarray(tokens)] * c.extra.get("embedding_multiplier", 1.0)
+    residual = getattr(c, "residual_multiplier", 1.0)
+    x = W["model.embed_tokens.weight"][np.asarray(tokens)] * getattr(c, "embedding_multiplier", 1.0)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         def lin(h, n):
@@ -219,7 +219,7 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
         q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
         if c.rope_layers[i]:   # smollm3's NoPE layers skip it
             q, k = rotate(q, pos, inv_freq, scale), rotate(k, pos, inv_freq, scale)
-        a = attention(q, k, v, pos, c.windows[i], c.extra.get("attention_multiplier"),
+        a = attention(q, k, v, pos, c.windows[i], getattr(c, "attention_multiplier", None),
                       W.get(p + "self_attn.sinks")).reshape(T, H * hd)
         x = x + residual * lin(a, "self_attn.o_proj")
         h = rmsnorm(x, W[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
@@ -234,7 +234,7 @@ def forward(config: ModelConfig, tensors: dict, tokens, inputs: dict | None = No
         x = x + lin(silu(gate) * up, "mlp.down_proj")
     x = rmsnorm(x, W["model.norm.weight"], c.rms_norm_eps)
     head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
-    return x @ head.T / c.extra.get("logits_scaling", 1.0)
+    return x @ head.T / getattr(c, "logits_scaling", 1.0)
 
 
 def encode(config: ModelConfig, tensors: dict, tokens, types=None) -> np.ndarray:
@@ -274,7 +274,7 @@ def mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def _moe(c: ModelConfig, W: dict, p: str) -> dict | None:
     """moe_mlp's arguments for block p's mixture of experts, as HF's modeling files name its
     tensors and read its config; None for a dense MLP."""
-    k = c.extra.get("num_experts_per_tok")
+    k = getattr(c, "num_experts_per_tok", None)
     if c.model_type == "gpt_oss":   # interleaved gate/up columns, matrices stored [in, out]
         m = p + "mlp."
         rows = lambda name: (mxfp4(W[name + "_blocks"], W[name + "_scales"]) if name + "_blocks" in W
@@ -283,7 +283,7 @@ def _moe(c: ModelConfig, W: dict, p: str) -> dict | None:
         return dict(router=W[m + "router.weight"], router_bias=W[m + "router.bias"], w_gate=gate_up[:, ::2],
                     w_up=gate_up[:, 1::2], w_down=rows(m + "experts.down_proj"), top_k=k,
                     top_k_first=True, biases=(b[:, ::2], b[:, 1::2], W[m + "experts.down_proj_bias"]),
-                    swiglu=(c.extra["swiglu_limit"], c.extra.get("swiglu_alpha", 1.702)))
+                    swiglu=(c.swiglu_limit, getattr(c, "swiglu_alpha", 1.702)))
     if c.model_type in ("granitemoe", "granitemoeshared"):   # fused: gate's rows then up's; top k, then softmax
         m = p + "block_sparse_moe."
         gate, up = np.split(W[m + "input_linear.weight"], 2, axis=1)
@@ -305,7 +305,7 @@ def _moe(c: ModelConfig, W: dict, p: str) -> dict | None:
         shared = (*(W[f"{p}mlp.shared_expert.{n}.weight"] for n in names),
                   W[p + "mlp.shared_expert_gate.weight"][0])
     return dict(router=router, w_gate=stacked(names[0]), w_up=stacked(names[1]), w_down=stacked(names[2]),
-                top_k=k, renormalize=c.model_type == "mixtral" or c.extra["norm_topk_prob"], shared=shared)
+                top_k=k, renormalize=c.model_type == "mixtral" or c.norm_topk_prob, shared=shared)
 
 
 def gemma3_forward(c: ModelConfig, tensors: dict, tokens, inputs: dict | None = None) -> np.ndarray:

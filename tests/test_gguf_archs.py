@@ -117,14 +117,14 @@ def test_qwen3moe_as_llama_cpp_runs_it():
     """Experts in every layer (the fixture's mlp_only_layers is not in the file), the top 2 of 8
     renormalised whatever the Hugging Face config said (llama.cpp's build_moe_ffn for qwen3moe)."""
     c = imported("qwen3-moe").config
-    assert (c.model_type, c.extra["num_experts"], c.extra["num_experts_per_tok"]) == ("qwen3_moe", 8, 2)
-    assert c.extra["moe_intermediate_size"] == 32 and c.extra["norm_topk_prob"]
-    assert c.extra["mlp_only_layers"] == [] and c.extra["decoder_sparse_step"] == 1
+    assert (c.model_type, c.num_experts, c.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert c.moe_intermediate_size == 32 and c.norm_topk_prob
+    assert c.mlp_only_layers == [] and c.decoder_sparse_step == 1
     assert (c.head_dim, c.intermediate_size, c.windows) == (32, 128, [0, 0, 0])
     # the expert width where the file has none: feed_forward_length / expert_used_count
     fields = families.gguf_arch("qwen3moe").fields
     meta = {"qwen3moe.expert_count": 128, "qwen3moe.expert_used_count": 8, "qwen3moe.feed_forward_length": 6144}
-    assert fields(meta, "qwen3moe.", 48, 64, 128)["extra"]["moe_intermediate_size"] == 768
+    assert fields(meta, "qwen3moe.", 48, 64, 128)["moe_intermediate_size"] == 768
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -178,7 +178,7 @@ def test_gpt_oss_as_llama_cpp_runs_it():
     tiny random mixtures (about 1%), and every argmax."""
     model = imported("gpt-oss-mxfp4")
     c, t = model.config, model.tensors
-    assert (c.model_type, c.windows, c.extra["swiglu_limit"], c.extra["num_local_experts"], c.attention_bias) == (
+    assert (c.model_type, c.windows, c.swiglu_limit, c.num_local_experts, c.attention_bias) == (
         "gpt_oss", [4, 0], 7.0, 4, True)
     ckpt = read_checkpoint(DATA / "transformers" / "gpt-oss-mxfp4")
     m = "model.layers.1.mlp."
@@ -215,17 +215,17 @@ def test_moe_families_as_llama_cpp_runs_them():
     llama has none); qwen2moe and olmoe never renormalise the top k; qwen2moe's shared expert and
     q/k/v biases; granitemoe's scales, and its shared variant where the file has a shared width."""
     qwen2, mixtral, olmoe, granite, shared = (imported(n).config for n in NAMES[4:])
-    assert (mixtral.model_type, mixtral.extra["num_local_experts"], mixtral.extra["num_experts_per_tok"],
+    assert (mixtral.model_type, mixtral.num_local_experts, mixtral.num_experts_per_tok,
             mixtral.intermediate_size, mixtral.windows) == ("mixtral", 4, 2, 32, [0, 0])
-    assert (qwen2.model_type, qwen2.extra["num_experts"], qwen2.extra["num_experts_per_tok"]) == ("qwen2_moe", 8, 4)
-    assert qwen2.extra["moe_intermediate_size"] == 32 and qwen2.extra["shared_expert_intermediate_size"] == 48
-    assert not qwen2.extra["norm_topk_prob"] and qwen2.attention_bias
-    assert (olmoe.model_type, olmoe.extra["num_experts"], olmoe.num_key_value_heads) == ("olmoe", 8, 4)
-    assert not olmoe.extra["norm_topk_prob"]
+    assert (qwen2.model_type, qwen2.num_experts, qwen2.num_experts_per_tok) == ("qwen2_moe", 8, 4)
+    assert qwen2.moe_intermediate_size == 32 and qwen2.shared_expert_intermediate_size == 48
+    assert not qwen2.norm_topk_prob and qwen2.attention_bias
+    assert (olmoe.model_type, olmoe.num_experts, olmoe.num_key_value_heads) == ("olmoe", 8, 4)
+    assert not olmoe.norm_topk_prob
     assert (granite.model_type, shared.model_type) == ("granitemoe", "granitemoeshared")
     for c in (granite, shared):
-        assert [c.extra[k] for k in MULTIPLIERS] == [6.0, 0.5, 0.1, 2.5] and c.extra["num_local_experts"] == 4
-    assert shared.extra["shared_intermediate_size"] == 48 and granite.extra["shared_intermediate_size"] == 0
+        assert [getattr(c, k) for k in MULTIPLIERS] == [6.0, 0.5, 0.1, 2.5] and c.num_local_experts == 4
+    assert shared.shared_intermediate_size == 48 and granite.shared_intermediate_size == 0
 
 
 def test_moe_settings_where_the_file_has_none():
@@ -235,8 +235,8 @@ def test_moe_settings_where_the_file_has_none():
     assert families.gguf_arch("llama").fields({}, "llama.", 2, 16, 16) == {}
     meta = {"granitemoe.expert_count": 4, "granitemoe.expert_used_count": 2, "granitemoe.logit_scale": 8.0,
             "granitemoe.residual_scale": 0.0}
-    extra = families.gguf_arch("granitemoe").fields(meta, "granitemoe.", 2, 16, 64)["extra"]
+    extra = families.gguf_arch("granitemoe").fields(meta, "granitemoe.", 2, 16, 64)
     assert [extra[k] for k in MULTIPLIERS] == [1.0, 1.0, 1 / math.sqrt(64), 8.0]
     meta = {"qwen2moe.expert_count": 60, "qwen2moe.expert_used_count": 4, "qwen2moe.feed_forward_length": 5632}
-    extra = families.gguf_arch("qwen2moe").fields(meta, "qwen2moe.", 24, 128, 128)["extra"]
+    extra = families.gguf_arch("qwen2moe").fields(meta, "qwen2moe.", 24, 128, 128)
     assert (extra["shared_expert_intermediate_size"], extra["moe_intermediate_size"]) == (5632, 1408)

@@ -42,7 +42,7 @@ class LoadProgress(Message):
 @dataclass
 class ModelLoaded(Message):
     ref: str
-    session: object   # runner.session.ChatSession
+    session: object   # runner.generation.session.ChatSession
     seconds: float
 
 
@@ -107,7 +107,7 @@ class ChatApp(App):
         self.store_path = store_path
         self._load_fn = load
         self.store: Store | None = None
-        self.session = None                 # runner.session.ChatSession once a model is loaded
+        self.session = None                 # runner.generation.session.ChatSession once a model is loaded
         self.model_ref: str | None = None   # the loaded model
         self.loading: str | None = None     # the model being loaded
 

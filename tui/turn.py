@@ -83,7 +83,7 @@ class Turn:
 class TurnUpdate(TextualMessage):
     turn: Turn
     text: str                 # the new answer text
-    stats: object             # runner.session.TurnStats
+    stats: object             # runner.generation.session.TurnStats
     thinking: str = ""        # the new thinking text, which comes before the answer
     thinking_tokens: int = 0  # of the reply's tokens so far, those that were thinking
 
@@ -101,7 +101,7 @@ class TurnFailed(TextualMessage):
 
 def run_turn(post: Callable[[TextualMessage], object], turn: Turn, session, messages: list[dict],
              sampling, max_tokens: int, stream: ReplyStream | None = None, thinking=None):
-    """Generate the reply to `messages` with `session` (a runner.session.ChatSession),
+    """Generate the reply to `messages` with `session` (a runner.generation.session.ChatSession),
     `sampling` (a SamplerSettings) and `thinking` (the chat's reasoning.ThinkingOptions, None:
     the session's), posting TurnUpdates (the last one with a finish_reason, "stopped" once the
     turn is stopping) or a TurnFailed, and writing the text so far to `stream` every SAVE

@@ -2,7 +2,7 @@
 ollama, LM Studio), its weights exactly as nibble runs them where a GGUF type holds them.
 
 A GGUF model goes back as it came, byte for byte; a model of nibble's own layout through
-quant.gguf_export (its int4 as Q4_1, the rest rounded again to Q8_0), and where anything was
+formats/gguf_export.py (its int4 as Q4_1, the rest rounded again to Q8_0), and where anything was
 rounded again, how far the export's next-token distributions are from nibble's model (the mean
 KL divergence over a few windows of nibble's calibration text).
 """

@@ -1,4 +1,4 @@
-"""An embedding model's thread (what engine.py's Engine is to a model that generates): the texts of
+"""An embedding model's thread (what generation/engine.py's Engine is to a model that generates): the texts of
 every request waiting when a pass starts run through the encoder together, so that many small
 requests (an indexer's) cost few passes."""
 from __future__ import annotations

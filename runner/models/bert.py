@@ -7,7 +7,7 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError
-from nibble.formats.values import number
+from nibble.formats.values import COUNT, STRING, number
 from .base import Transformer
 
 
@@ -19,7 +19,7 @@ class Embeddings:
         D = c.hidden_size
         self.words = get.linear("embeddings.word_embeddings", (c.vocab_size, D))
         self.positions = get("embeddings.position_embeddings.weight", (c.max_position_embeddings, D))
-        self.types = get("embeddings.token_type_embeddings.weight", (c.extra["type_vocab_size"], D))
+        self.types = get("embeddings.token_type_embeddings.weight", (c.type_vocab_size, D))
         self.norm = get("embeddings.LayerNorm.weight", (D,))
         self.norm_bias = get("embeddings.LayerNorm.bias", (D,))
 
@@ -30,6 +30,8 @@ class Bert(Transformer):
         vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
         intermediate_size=3072, hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
         layer_norm_eps=1e-12, pad_token_id=0, position_embedding_type="absolute")}
+    fields = {"type_vocab_size": COUNT, "position_embedding_type": STRING,
+              "layer_norm_eps": number(least=float(np.finfo(np.float32).tiny), most=1)}
     fixed = {"hidden_act": ("gelu",)}
     encoder = True
     # the projections whose input each of encoder_layer's four act_sq rows collects (calibrate.py)
@@ -93,12 +95,7 @@ class Bert(Transformer):
                               f"num_attention_heads {c.num_attention_heads}")
         c.head_dim = c.hidden_size // c.num_attention_heads
         c.num_key_value_heads = c.num_attention_heads
-        kind = c.extra.get("position_embedding_type", "absolute")
-        if kind != "absolute":
+        if c.position_embedding_type != "absolute":
             raise FormatError(f"config.json: nibble runs BERT with absolute position embeddings, "
-                              f"not position_embedding_type={kind!r}")
-        eps = c.extra.get("layer_norm_eps", 1e-12)
-        number(least=float(np.finfo(np.float32).tiny), most=1).check("config.json: layer_norm_eps", eps)
-        c.rms_norm_eps = eps   # the blocks' eps, whatever kind of norm
-        if not isinstance(c.extra.get("type_vocab_size"), int) or c.extra["type_vocab_size"] < 1:
-            raise FormatError("config.json: type_vocab_size must be a positive integer")
+                              f"not position_embedding_type={c.position_embedding_type!r}")
+        c.rms_norm_eps = c.layer_norm_eps   # the blocks' eps, whatever kind of norm

@@ -11,7 +11,7 @@ from nibble.formats.errors import FormatError
 from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import float32_decimal
 from nibble.formats.half import HalfTensor
-from nibble.formats.values import COUNT, number
+from nibble.formats.values import COUNT, number, optional
 from ..rope import rope_tables
 from .base import Transformer
 
@@ -50,6 +50,14 @@ class Gemma3(Transformer):
                                             "post_ffw_norm": "post_feedforward_layernorm"},
                                fields=_gguf_fields)}
     local_rope = True
+    wrappers = {"gemma3": "gemma3_text"}   # Gemma3ForConditionalGeneration, its vision tower left out
+    fixed = {"hidden_activation": ("gelu_pytorch_tanh",),   # its MLP's
+             "use_bidirectional_attention": (False, None)}   # causal attention
+    fields = {
+        "sliding_window_pattern": optional(COUNT),   # without layer_types: every n-th layer is global
+        "rope_local_base_freq": optional(number(above=0)),   # the sliding layers' theta (their RoPE is unscaled)
+        "query_pre_attn_scalar": optional(number(above=0)),   # attention scores are divided by its root
+    }
     # the same projections feed gemma3_layer's four act_sq rows: Transformer's act_shape and importances
 
     def windows(self, c: ModelConfig) -> list[int]:

@@ -46,7 +46,7 @@ def _gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
                           f"{meta.get(a + 'feed_forward_length')}: nibble's gpt-oss takes one width for its experts")
     COUNT.check(f"GGUF metadata {a}attention.sliding_window", window)
     return dict(attention_bias=True, sliding_window=window,
-                extra=dict(num_local_experts=E, num_experts_per_tok=k, swiglu_limit=7.0, swiglu_alpha=1.702))
+                num_local_experts=E, num_experts_per_tok=k, swiglu_limit=7.0, swiglu_alpha=1.702)
 
 
 class GptOss(Transformer):
@@ -59,6 +59,8 @@ class GptOss(Transformer):
     gguf = {"gpt-oss": GGUFArch("gpt_oss", fields=_gguf, block_names={
         "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
         **{f"ffn_{p}_exps": f"mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}})}
+    # its clamped SwiGLU's limit and alpha
+    fields = switch_layers.FIELDS | {"swiglu_limit": number(above=0), "swiglu_alpha": number(above=0)}
 
     def windows(self, c: ModelConfig) -> list[int]:
         return sliding_where_typed(c.layer_types or [
@@ -88,8 +90,8 @@ class GptOss(Transformer):
                 rows(gate_up[:, :, ::2]), rows(gate_up[:, :, 1::2]), rows(down))
         moe = switch_layers.routed(get, m[:-1], c, "router", w, router_bias=get(m + "router.bias", (E,)),
                                top_k_first=True, b_gate=b_gate, b_up=b_up, b_down=b_down,
-                               swiglu_limit=np.float32(c.extra["swiglu_limit"]),
-                               swiglu_alpha=np.float32(c.extra["swiglu_alpha"]))
+                               swiglu_limit=np.float32(c.swiglu_limit),
+                               swiglu_alpha=np.float32(c.swiglu_alpha))
         sinks = p + "self_attn.sinks"   # a GGUF's: self_attn.sinks.weight
         attention = self.attention(get, c, i) | dict(bo=get(p + "self_attn.o_proj.bias", (D,)), sinks=get(
             sinks if sinks in get.tensors or sinks + ".weight" not in get.tensors else sinks + ".weight", (H,)))
@@ -138,6 +140,4 @@ class GptOss(Transformer):
     def configure(self, c: ModelConfig) -> None:
         if not c.attention_bias:
             raise FormatError("config.json: nibble runs gpt_oss with attention_bias=true (its q, k, v and o biases)")
-        number(above=0).check("config.json: swiglu_limit", c.extra["swiglu_limit"])
-        number(above=0).check("config.json: swiglu_alpha", c.extra["swiglu_alpha"])
         switch_layers.check_experts(c)

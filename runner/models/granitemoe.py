@@ -13,7 +13,7 @@ from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
 from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts, float32_decimal
-from nibble.formats.values import integer, number
+from nibble.formats.values import integer, number, optional
 from . import switch_layers
 from .base import Transformer
 from .phi3 import split_rows
@@ -42,7 +42,7 @@ def _granitemoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int)
     E, k = expert_counts(meta, a)
     S = meta.get(a + "expert_shared_feed_forward_length", 0)
     integer().check(f"GGUF metadata {a}expert_shared_feed_forward_length", S)
-    extra = dict(num_local_experts=E, num_experts_per_tok=k, shared_intermediate_size=S)
+    fields = dict(num_local_experts=E, num_experts_per_tok=k, shared_intermediate_size=S)
     for field, key, default in zip(MULTIPLIERS, ("embedding_scale", "residual_scale", "attention.scale", "logit_scale"),
                                    (1.0, 1.0, 1 / math.sqrt(head_dim), None)):
         value = meta.get(a + key, default)
@@ -51,8 +51,8 @@ def _granitemoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int)
         if value == 0 and default:   # llama.cpp reads 0 as none
             value = default
         number(above=0).check(f"GGUF metadata {a}{key}", value)
-        extra[field] = float32_decimal(value)
-    return dict(model_type="granitemoeshared" if S else "granitemoe", extra=extra)
+        fields[field] = float32_decimal(value)
+    return fields | dict(model_type="granitemoeshared" if S else "granitemoe")
 
 
 class GraniteMoe(Transformer):
@@ -65,6 +65,8 @@ class GraniteMoe(Transformer):
         block_names={"ffn_gate_inp": "block_sparse_moe.router.layer", "ffn_down_shexp": "shared_mlp.output_linear",
                      **{f"ffn_{p}_exps": f"block_sparse_moe.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}},
         fused={"shared_mlp.input_linear": ("ffn_gate_shexp", "ffn_up_shexp")})}
+    fields = (switch_layers.FIELDS | dict.fromkeys(MULTIPLIERS, number(above=0))
+              | {"shared_intermediate_size": optional(integer())})   # granitemoeshared's shared expert
 
     def windows(self, c: ModelConfig) -> list[int]:
         return one_window(c, 0)   # transformers' granite never slides
@@ -73,7 +75,7 @@ class GraniteMoe(Transformer):
         return switch_layers.moe_act_shape(self, c)
 
     def importances(self, c: ModelConfig, i: int, sums, tokens: int) -> dict:
-        S = c.extra.get("shared_intermediate_size", 0)
+        S = c.shared_intermediate_size or 0
         shared = (("shared_mlp.input_linear",), ("shared_mlp.output_linear",), S) if S else None
         return switch_layers.expert_importances(self, c, i, sums, tokens, MOE, c.intermediate_size, shared)
 
@@ -97,10 +99,10 @@ class GraniteMoe(Transformer):
         return out
 
     def embed_scale(self, c: ModelConfig, embed) -> np.float32:
-        return np.float32(c.extra["embedding_multiplier"])
+        return np.float32(c.embedding_multiplier)
 
     def logits_scale(self, c: ModelConfig) -> float:
-        return 1 / c.extra["logits_scaling"]
+        return 1 / c.logits_scaling
 
     def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights
@@ -109,13 +111,13 @@ class GraniteMoe(Transformer):
         p = f"model.layers.{i}."
         moe = p + "block_sparse_moe"
         shared = None
-        S = c.extra.get("shared_intermediate_size", 0)
+        S = c.shared_intermediate_size or 0
         if S:
             shared = SharedExpert(*split_rows(get.linear(p + "shared_mlp.input_linear", (2 * S, D)), (S, S)),
                                   get.linear(p + "shared_mlp.output_linear", (D, S)), np.zeros(0, np.float32))
         weights = routed_experts(get, moe, c, F)
-        attention = self.attention(get, c, i) | dict(attention_scale=np.float32(c.extra["attention_multiplier"]),
-                                                      residual_scale=np.float32(c.extra["residual_multiplier"]))
+        attention = self.attention(get, c, i) | dict(attention_scale=np.float32(c.attention_multiplier),
+                                                      residual_scale=np.float32(c.residual_multiplier))
         return MoELayerWeights(**attention, moe=switch_layers.routed(get, moe, c, "router.layer", weights,
                                                                  top_k_first=True, shared=shared))
 
@@ -123,7 +125,4 @@ class GraniteMoe(Transformer):
         if c.attention_bias:
             raise FormatError(f"config.json: nibble cannot run attention_bias=True for {c.model_type} "
                               f"(transformers gives its o_proj a bias too)")
-        for name in MULTIPLIERS:
-            number(above=0).check(f"config.json: {name}", c.extra[name])
-        integer().check("config.json: shared_intermediate_size", c.extra.get("shared_intermediate_size", 0))
         switch_layers.check_experts(c)

@@ -4,7 +4,7 @@ from nibble.formats.config import ModelConfig, one_window, sliding_where_typed
 from nibble.formats.errors import FormatError
 from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts
-from nibble.formats.values import COUNT
+from nibble.formats.values import BOOL, COUNT, integer, list_of, optional
 from .base import Transformer
 
 
@@ -14,7 +14,7 @@ def _llama_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> d
     if not meta.get(a + "expert_count"):
         return {}
     E, k = expert_counts(meta, a)
-    return dict(model_type="mixtral", extra=dict(num_local_experts=E, num_experts_per_tok=k))
+    return dict(model_type="mixtral", num_local_experts=E, num_experts_per_tok=k)
 
 
 def _smollm3_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
@@ -35,6 +35,12 @@ class Llama(Transformer):
                 **{f"ffn_{p}_exps": f"block_sparse_moe.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}),
             "qwen2": GGUFArch("qwen2"), "qwen3": GGUFArch("qwen3"),
             "smollm3": GGUFArch("smollm3", permuted_qk=True, fields=_smollm3_gguf)}
+    fields = {
+        "use_sliding_window": optional(BOOL),   # qwen2/3, smollm3: false (their default) turns sliding_window off
+        "max_window_layers": optional(integer()),   # qwen2/3 without layer_types: the layers from here on slide
+        "no_rope_layers": optional(list_of(integer(0, 1), "0s and 1s")),   # smollm3: per layer, 1 = RoPE, 0 = none
+        "no_rope_layer_interval": optional(COUNT),   # smollm3 without no_rope_layers: every n-th layer has none
+    }
 
     def qk_norm(self, c: ModelConfig) -> str | None:
         return "head" if c.model_type == "qwen3" else None
@@ -55,8 +61,7 @@ class Llama(Transformer):
         if c.model_type != "smollm3":
             return [True] * L
         if flags is None:
-            every = c.extra.get("no_rope_layer_interval", 4)
-            COUNT.check("config.json: no_rope_layer_interval", every)
+            every = c.no_rope_layer_interval or 4
             flags = [int((i + 1) % every != 0) for i in range(L)]
         if len(flags) < L:
             raise FormatError(f"config.json: no_rope_layers has {len(flags)} entries for {L} layers")

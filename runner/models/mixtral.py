@@ -12,6 +12,7 @@ MOE = "block_sparse_moe"
 class Mixtral(Llama):
     # MixtralConfig's defaults
     model_types = {"mixtral": dict(rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2)}
+    fields = Llama.fields | switch_layers.FIELDS
 
     def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights

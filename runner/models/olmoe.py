@@ -5,6 +5,7 @@ from nibble.formats.config import ModelConfig, one_window
 from nibble.formats.errors import FormatError
 from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts
+from nibble.formats.values import BOOL
 from . import switch_layers
 from .base import Transformer
 
@@ -13,13 +14,14 @@ def _olmoe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> d
     """llama.cpp's olmoe: each expert feed_forward_length wide, the k probabilities never
     renormalised."""
     E, k = expert_counts(meta, a)
-    return dict(extra=dict(num_experts=E, num_experts_per_tok=k, norm_topk_prob=False))
+    return dict(num_experts=E, num_experts_per_tok=k, norm_topk_prob=False)
 
 
 class Olmoe(Transformer):
     # OlmoeConfig's defaults
     model_types = {"olmoe": dict(num_experts_per_tok=8, norm_topk_prob=False)}
     gguf = {"olmoe": GGUFArch("olmoe", fields=_olmoe_gguf, block_names=switch_layers.GGUF_EXPERTS)}
+    fields = switch_layers.FIELDS | {"norm_topk_prob": BOOL}
 
     def qk_norm(self, c: ModelConfig) -> str:
         return "row"
@@ -28,7 +30,7 @@ class Olmoe(Transformer):
         from ..kernels.layer import MoELayerWeights
         p = f"model.layers.{i}.mlp"
         moe = switch_layers.routed(get, p, c, "gate", switch_layers.stacked(get, p, c, c.intermediate_size),
-                                   renormalize=c.extra["norm_topk_prob"])
+                                   renormalize=c.norm_topk_prob)
         return MoELayerWeights(**self.attention(get, c, i), moe=moe)
 
     def act_shape(self, c: ModelConfig, i: int) -> tuple[int, int]:
@@ -49,7 +51,7 @@ class Olmoe(Transformer):
             raise FormatError(f"config.json: nibble cannot run clip_qkv={c.extra['clip_qkv']!r} for olmoe "
                               "(its block does not clamp q, k and v)")
         if switch_layers.experts(c) is None:   # OlmoeConfig's default
-            c.extra["num_experts"] = 64
+            c.num_experts = 64
         switch_layers.check_experts(c)
 
     def windows(self, c: ModelConfig) -> list[int]:

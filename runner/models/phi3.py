@@ -6,9 +6,10 @@ import math
 
 import numpy as np
 
-from nibble.formats.config import ModelConfig, one_window
+from nibble.formats.config import ORIGINAL_CONTEXT, ModelConfig, one_window
 from nibble.formats.errors import FormatError
 from nibble.formats.families import GGUFArch
+from nibble.formats.values import optional
 from .base import Transformer
 
 
@@ -31,6 +32,8 @@ class Phi3(Transformer):
     gguf = {"phi3": GGUFArch("phi3", block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                              fields=_gguf_fields)}   # kept fused
     partial_rotary = True
+    # longrope's, over rope_parameters'
+    fields = {"original_max_position_embeddings": optional(ORIGINAL_CONTEXT)}
     INPUTS = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
 
     def windows(self, c: ModelConfig) -> list[int]:

@@ -10,9 +10,9 @@ from nibble.formats.config import ModelConfig, one_window, sliding_where_typed
 from nibble.formats.errors import FormatError
 from nibble.formats.families import GGUFArch
 from nibble.formats.gguf_metadata import expert_counts
-from nibble.formats.values import BOOL, COUNT
+from nibble.formats.values import BOOL, COUNT, integer, list_of, optional
 from .llama import Llama
-from .switch_layers import (GGUF_EXPERTS, check_experts, expert_importances, expert_stacks, experts,
+from .switch_layers import (FIELDS, GGUF_EXPERTS, check_experts, expert_importances, expert_stacks, experts,
                             moe_act_shape, routed, stacked)
 
 
@@ -22,8 +22,8 @@ def _qwen3moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -
     E, k = expert_counts(meta, a)
     F = meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0) // k)
     COUNT.check(f"GGUF metadata {a}expert_feed_forward_length", F)
-    return dict(extra=dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=F,
-                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]))
+    return dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=F, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _qwen2moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
@@ -32,8 +32,7 @@ def _qwen2moe_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -
     fields = _qwen3moe_gguf(meta, a, layers, width, head_dim)
     S = meta.get(a + "expert_shared_feed_forward_length", meta.get(a + "feed_forward_length"))
     COUNT.check(f"GGUF metadata {a}expert_shared_feed_forward_length", S)
-    fields["extra"] |= dict(shared_expert_intermediate_size=S, norm_topk_prob=False)
-    return fields
+    return fields | dict(shared_expert_intermediate_size=S, norm_topk_prob=False)
 
 
 class Qwen3Moe(Llama):
@@ -48,14 +47,18 @@ class Qwen3Moe(Llama):
             "qwen2moe": GGUFArch("qwen2_moe", fields=_qwen2moe_gguf, block_names=GGUF_EXPERTS | {
                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
                 **{f"ffn_{p}_shexp": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}})}
+    fields = Llama.fields | FIELDS | {
+        "moe_intermediate_size": COUNT, "shared_expert_intermediate_size": optional(COUNT),
+        "norm_topk_prob": BOOL, "decoder_sparse_step": COUNT,
+        "mlp_only_layers": optional(list_of(integer(), "layer indexes")),   # null: none
+        "qkv_bias": optional(BOOL)}   # qwen2_moe: its q/k/v biases
 
     def qk_norm(self, c: ModelConfig) -> str | None:
         return "head" if c.model_type == "qwen3_moe" else None
 
     def sparse(self, c: ModelConfig, i: int) -> bool:
         """Whether layer i's MLP is the mixture of experts (Qwen3MoeDecoderLayer's rule)."""
-        step = c.extra["decoder_sparse_step"]
-        return i not in c.extra["mlp_only_layers"] and experts(c) > 0 and (i + 1) % step == 0
+        return i not in c.mlp_only_layers and experts(c) > 0 and (i + 1) % c.decoder_sparse_step == 0
 
     def layer_weights(self, get, c: ModelConfig, i: int):
         from ..kernels.layer import MoELayerWeights
@@ -65,14 +68,14 @@ class Qwen3Moe(Llama):
         p = f"model.layers.{i}.mlp"
         shared = None
         if c.model_type == "qwen2_moe":
-            D, S = c.hidden_size, c.extra["shared_expert_intermediate_size"]
+            D, S = c.hidden_size, c.shared_expert_intermediate_size
             gate = get.dense(p + ".shared_expert_gate", (1, D))
             shared = SharedExpert(get.linear(p + ".shared_expert.gate_proj", (S, D)),
                                   get.linear(p + ".shared_expert.up_proj", (S, D)),
                                   get.linear(p + ".shared_expert.down_proj", (D, S)),
                                   None if gate is None else gate[0])
-        moe = routed(get, p, c, "gate", stacked(get, p, c, c.extra["moe_intermediate_size"]),
-                     renormalize=c.extra["norm_topk_prob"], shared=shared)
+        moe = routed(get, p, c, "gate", stacked(get, p, c, c.moe_intermediate_size),
+                     renormalize=c.norm_topk_prob, shared=shared)
         return MoELayerWeights(**self.attention(get, c, i), moe=moe)
 
     def act_shape(self, c: ModelConfig, i: int) -> tuple[int, int]:
@@ -82,11 +85,11 @@ class Qwen3Moe(Llama):
         if not self.sparse(c, i):
             return super().importances(c, i, sums, tokens)
         shared = ((("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.shared_expert.down_proj",),
-                   c.extra["shared_expert_intermediate_size"]) if c.model_type == "qwen2_moe" else None)
-        return expert_importances(self, c, i, sums, tokens, "mlp", c.extra["moe_intermediate_size"], shared)
+                   c.shared_expert_intermediate_size) if c.model_type == "qwen2_moe" else None)
+        return expert_importances(self, c, i, sums, tokens, "mlp", c.moe_intermediate_size, shared)
 
     def stacks(self, c: ModelConfig, tensors: dict) -> dict:
-        F = c.extra["moe_intermediate_size"]
+        F = c.moe_intermediate_size
         return {name: s for i in range(c.num_hidden_layers) if self.sparse(c, i)
                 for name, s in expert_stacks(c, tensors, f"model.layers.{i}.mlp", F).items()}
 
@@ -97,7 +100,7 @@ class Qwen3Moe(Llama):
             return super().block_shapes(c, i)
         if c.model_type != "qwen3_moe":
             raise FormatError(f"nibble makes random models of qwen3_moe's shapes, not {c.model_type}'s")
-        D, E, F = c.hidden_size, experts(c), c.extra["moe_intermediate_size"]
+        D, E, F = c.hidden_size, experts(c), c.moe_intermediate_size
         p = f"model.layers.{i}.mlp."
         return self.attention_shapes(c, i) | {
             p + "gate.weight": (E, D), p + "switch_mlp.gate_proj.weight": (E, F, D),
@@ -105,14 +108,13 @@ class Qwen3Moe(Llama):
 
     def configure(self, c: ModelConfig) -> None:
         if c.model_type == "qwen2_moe":
-            c.attention_bias = c.extra.get("qkv_bias", True)   # q/k/v biases (transformers 4: always)
-            BOOL.check("config.json: qkv_bias", c.attention_bias)
+            c.attention_bias = True if c.qkv_bias is None else c.qkv_bias   # q/k/v biases (transformers 4: always)
         else:
             super().configure(c)   # qwen3's rule: no attention bias
-        if c.extra.get("mlp_only_layers") is None:   # null in a config.json: none
-            c.extra["mlp_only_layers"] = []
+        if c.mlp_only_layers is None:   # null in a config.json: none
+            c.mlp_only_layers = []
         if experts(c) is None:   # Qwen3MoeConfig's and Qwen2MoeConfig's default
-            c.extra["num_experts"] = {"qwen3_moe": 128, "qwen2_moe": 60}[c.model_type]
+            c.num_experts = {"qwen3_moe": 128, "qwen2_moe": 60}[c.model_type]
         check_experts(c)
 
     def windows(self, c: ModelConfig) -> list[int]:

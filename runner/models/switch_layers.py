@@ -6,7 +6,7 @@ import numpy as np
 
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError
-from nibble.formats.values import BOOL, COUNT, integer, list_of
+from nibble.formats.values import COUNT, optional
 from .base import Transformer
 
 # Fewer calibration rows than this routed to an expert, and the means of its squared inputs are
@@ -18,7 +18,7 @@ _SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "shared_in
 
 def experts(c: ModelConfig) -> int | None:
     """num_experts, or num_local_experts as transformers 5 and Mixtral write it."""
-    return c.extra.get("num_experts", c.extra.get("num_local_experts"))
+    return c.num_experts if c.num_experts is not None else c.num_local_experts
 
 
 def stacked(get, path: str, c: ModelConfig, F: int, each=("gate_proj", "up_proj", "down_proj")) -> tuple:
@@ -40,7 +40,7 @@ def routed(get, path: str, c: ModelConfig, router: str, w: tuple, **routing):
     fields = dict(router_bias=np.zeros(0, np.float32), top_k_first=False, renormalize=False, shared=None,
                   b_gate=none, b_up=none, b_down=none, swiglu_limit=np.float32(0), swiglu_alpha=np.float32(0))
     return MoEWeights(router=get.dense(f"{path}.{router}", (E, D)), w_gate=w[0], w_up=w[1], w_down=w[2],
-                      top_k=c.extra["num_experts_per_tok"], **(fields | routing))
+                      top_k=c.num_experts_per_tok, **(fields | routing))
 
 
 def moe_act_shape(family, c: ModelConfig) -> tuple[int, int]:
@@ -48,7 +48,7 @@ def moe_act_shape(family, c: ModelConfig) -> tuple[int, int]:
     for each expert and one of counts (moe.moe_mlp), as wide as the widest input or the number of
     experts."""
     E = experts(c)
-    return 5 + 2 * E, max(Transformer.act_shape(family, c, 0)[1], E, *(c.extra.get(k) or 0 for k in _SIZES))
+    return 5 + 2 * E, max(Transformer.act_shape(family, c, 0)[1], E, *(getattr(c, k, None) or 0 for k in _SIZES))
 
 
 def expert_importances(family, c: ModelConfig, i: int, sums: np.ndarray, tokens: int, path: str, F: int,
@@ -90,23 +90,17 @@ def expert_stacks(c: ModelConfig, tensors: dict, path: str, F: int,
     return out
 
 
-FIELDS = {"num_experts": COUNT, "num_local_experts": COUNT, "num_experts_per_tok": COUNT,
-          "moe_intermediate_size": COUNT, "shared_expert_intermediate_size": COUNT,
-          "norm_topk_prob": BOOL, "decoder_sparse_step": COUNT,
-          "mlp_only_layers": list_of(integer(), "layer indexes")}
+# the config fields every mixture has (a family's Family.fields)
+FIELDS = {"num_experts": optional(COUNT), "num_local_experts": optional(COUNT), "num_experts_per_tok": COUNT}
 
 
 def check_experts(c: ModelConfig) -> None:
-    """The MoE fields that config.json holds (FIELDS), checked by kind: the number of experts
-    given, and at least the number a token is routed to."""
-    for name, kind in FIELDS.items():
-        if name in c.extra:
-            kind.check(f"config.json: {name}", c.extra[name])
+    """The number of experts given, and at least the number a token is routed to."""
     E = experts(c)
     if E is None:
         raise FormatError(f"config.json: {c.model_type} needs num_experts or num_local_experts")
-    if c.extra["num_experts_per_tok"] > E:
-        raise FormatError(f"config.json: num_experts_per_tok ({c.extra['num_experts_per_tok']}) is more "
+    if c.num_experts_per_tok > E:
+        raise FormatError(f"config.json: num_experts_per_tok ({c.num_experts_per_tok}) is more "
                           f"than the {E} experts")
 
 

@@ -1,4 +1,4 @@
-"""`nibble embed`: texts in, a vector each out (runner/embedding/embed.py). cli.py adds it to the `nibble`
+"""`nibble embed`: texts in, a vector each out (runner/embedding/embed.py). main.py adds it to the `nibble`
 group, which turns its errors into one line."""
 from __future__ import annotations
 

@@ -470,7 +470,7 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     from nibble.tui.app import ChatApp
     # The seed is the app's, for every chat; the other flags lie over each model's defaults in new chats;
     # the thinking flags hold in every chat whose settings leave thinking at its default.
-    # -c above a model's context: each session is as long as its model's (runner.session).
+    # -c above a model's context: each session is as long as its model's (runner.generation.session).
     seed = sampling.pop("seed", None)
     ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, kv_disk=kv_disk,
             threads=threads, seed=seed,

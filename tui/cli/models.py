@@ -1,5 +1,5 @@
 """`nibble pull`, `ls`, `rm` and `ps`: the commands that manage models on disk and ask a running
-server what it has loaded. cli.py adds them to the `nibble` group, which turns their errors into
+server what it has loaded. main.py adds them to the `nibble` group, which turns their errors into
 one line."""
 from __future__ import annotations
 
