@@ -8,7 +8,7 @@ from nibble.quant.open_model import open_model
 from .background import Background
 from .model import Model
 from .convert.quantize import quantized_once
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 AUTO_QUANT_PARAMS = 1_000_000_000

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from nibble.formats.hub import default_model
 from nibble.runner import load, stream_generate
-from nibble.runner.chat.template import build_messages
-from nibble.runner.chat.reasoning import ThinkingOptions, chat_prompt
+from nibble.runner.text.template import build_messages
+from nibble.runner.text.reasoning import ThinkingOptions, chat_prompt
 from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import DEFAULT_DRAFT
 

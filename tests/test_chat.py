@@ -8,9 +8,9 @@ from click.testing import CliRunner
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.model_dir import write_model_dir
-from nibble.runner.chat.template import ChatTemplate, build_messages
+from nibble.runner.text.template import ChatTemplate, build_messages
 from nibble.tui.cli.main import main
-from nibble.runner.chat.sandbox import Limits
+from nibble.runner.text.sandbox import Limits
 from tests.tiny import tiny_model_dir
 from tests.llamacpp import SMOLLM2 as REFERENCE
 

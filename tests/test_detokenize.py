@@ -2,7 +2,7 @@
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nibble.runner.generation.detokenize import MAX_HELD_TOKENS, StreamDecoder
+from nibble.runner.text.detokenize import MAX_HELD_TOKENS, StreamDecoder
 
 CORPUS = ["Hello world, café naïve résumé. 東京は日本の首都です。 I ❤️ emoji 🎉🚀👍🏽 and 中文 text.",
           "Zoë déjà vu; Ελληνικά, русский, עברית, हिन्दी."] * 20

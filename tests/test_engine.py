@@ -217,7 +217,7 @@ def test_a_reply_ends_at_the_context(tiny):
 def test_a_grammar_per_sequence(tiny, engine):
     """One reply under a JSON schema beside one without: the constrained one is the reply
     stream_generate gives under the same grammar, parses, and ends "stop" where the JSON ends."""
-    from nibble.runner.generation.grammar import Grammar
+    from nibble.runner.text.grammar import Grammar
     model, tok = tiny
     grammar = Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
                                    "required": ["n"], "additionalProperties": False})

@@ -20,7 +20,7 @@ from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import quantize_model, read_linear
 from nibble.tui.cli.main import main
-from nibble.runner.convert.export import export_compressed, export_gguf
+from nibble.runner.export import export_compressed, export_gguf
 from nibble.runner.loader import load
 from tests import reference
 from tests.test_quantized_model import dequantized

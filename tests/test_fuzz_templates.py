@@ -9,8 +9,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from nibble.formats.errors import NibbleError
-from nibble.runner.chat.template import ChatTemplate
-from nibble.runner.chat.sandbox import Limits
+from nibble.runner.text.template import ChatTemplate
+from nibble.runner.text.sandbox import Limits
 
 # The mechanism is the same at any size; a smaller step budget than the default's ten million
 # keeps a case that loops for ever to milliseconds, so 200 cases take seconds.

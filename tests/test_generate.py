@@ -4,7 +4,7 @@ import pytest
 from nibble.runner.generation.decoding import Reply, StopStrings
 from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
-from nibble.runner.tokenizer import Tokenizer
+from nibble.runner.text.tokenizer import Tokenizer
 from tests.tiny import tiny_model_dir
 
 GREEDY = make_sampler(SamplerSettings(temperature=0))

@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from nibble.tui.cli.main import main
-from nibble.runner.generation.grammar import Grammar, GrammarError
+from nibble.runner.text.grammar import Grammar, GrammarError
 from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
-from nibble.runner.tokenizer import Tokenizer
+from nibble.runner.text.tokenizer import Tokenizer
 from tests.tiny import tiny_model_dir
 
 SCHEMA = {

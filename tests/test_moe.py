@@ -215,7 +215,7 @@ def test_quantize_writes_stacked_experts_weighted_by_the_rows_routed_to_each(nam
     from tests.test_calibrate import imatrix
     from nibble.runner.model import Model
     from nibble.runner.models import family
-    from nibble.runner.tokenizer import Tokenizer
+    from nibble.runner.text.tokenizer import Tokenizer
     from tests.test_cli import invoke
 
     md = moe_model_dir(name)

@@ -11,11 +11,11 @@ from nibble.runner.generation.decoding import Request
 from nibble.runner.generation.engine import Engine
 from nibble.runner.generation.decoding import Reply
 from nibble.runner.loader import load
-from nibble.runner.chat.reasoning import (HARMONY_END, THINK_END, ReasoningSplit, Thinking, ThinkingOptions, chat_prompt,
+from nibble.runner.text.reasoning import (HARMONY_END, THINK_END, ReasoningSplit, Thinking, ThinkingOptions, chat_prompt,
                                      reasoning_family)
 from nibble.runner.settings import SamplerSettings
-from nibble.runner.tokenizer import Tokenizer
-from nibble.runner.chat.tools import Call, ToolCallParser, tool_family
+from nibble.runner.text.tokenizer import Tokenizer
+from nibble.runner.text.tools import Call, ToolCallParser, tool_family
 from tests.tiny import TEMPLATES, tiny_model_dir, tiny_with_template
 
 QWEN3, SMOLLM3 = "Qwen-Qwen3-0.6B.jinja", "HuggingFaceTB-SmolLM3-3B.jinja"

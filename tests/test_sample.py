@@ -7,7 +7,7 @@ from nibble.formats.errors import NibbleError
 from nibble.runner.generation.sample import (apply_dry_penalty, apply_presence_frequency_penalty, apply_repetition_penalty,
                                   draw, make_sampler, top_k, top_p_min_p)
 from nibble.runner.settings import SamplerSettings
-from nibble.runner.tokenizer import Tokenizer
+from nibble.runner.text.tokenizer import Tokenizer
 from tests.tiny import tiny_model_dir
 
 VOCAB = 49_152  # SmolLM2's vocabulary

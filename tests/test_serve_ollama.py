@@ -9,7 +9,7 @@ import pytest
 from hypothesis import event, example, given, strategies as st
 
 from nibble.formats.model_dir import write_model_dir
-from nibble.runner.chat.reasoning import ThinkingOptions
+from nibble.runner.text.reasoning import ThinkingOptions
 from nibble.runner.serve import ollama as wire, ollama_models
 from nibble.runner.serve.errors import ApiError
 from nibble.runner.serve.models import EngineOptions

@@ -13,9 +13,9 @@ from nibble.runner.kv.blocks import BlockPool
 from nibble.runner.kv.cache import blocks_for
 from nibble.runner.generation.generate import stream_generate
 from nibble.runner.loader import load
-from nibble.runner.chat.template import ChatTemplate
+from nibble.runner.text.template import ChatTemplate
 from nibble.runner.model import ContextFull
-from nibble.runner.chat.reasoning import ThinkingOptions
+from nibble.runner.text.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.generation.sample import make_sampler
 from nibble.runner.generation.session import ChatSession
@@ -331,7 +331,7 @@ def replace_template(tok, source: str):
 
 def alone_thinking(r1, prompt_ids):
     """The greedy reply to `prompt_ids` (which open a <think> block) on a fresh cache, its answer."""
-    from nibble.runner.chat.reasoning import THINK_END, ReasoningSplit
+    from nibble.runner.text.reasoning import THINK_END, ReasoningSplit
     model, tok = r1
     split = ReasoningSplit("think", inside=True, budget=4, end_ids=tok.encode(THINK_END, add_bos=False))
     return "".join(r.text for r in stream_generate(model, tok, prompt_ids, sampler=make_sampler(GREEDY),

@@ -176,7 +176,7 @@ def test_sentencepiece_without_space_prefix(tmp_path):
 
 def test_sentencepiece_chat_prompt(spm):
     # Through nibble's Tokenizer, as a Llama 2 chat prompt is encoded: BOS once, [INST] as text.
-    from nibble.runner.tokenizer import Tokenizer
+    from nibble.runner.text.tokenizer import Tokenizer
     case = next(c for c in SPM_REF["strings"] if c["text"].startswith("[INST]"))
     assert Tokenizer(spm).encode(case["text"]) == case["ids_bos_parse_special"]
     assert Tokenizer(spm).encode("<s>" + case["text"]) == case["ids_bos_parse_special"]

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from nibble.runner.chat.template import ChatTemplate
-from nibble.runner.generation.grammar import GrammarError
+from nibble.runner.text.template import ChatTemplate
+from nibble.runner.text.grammar import GrammarError
 from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
-from nibble.runner.chat.tools import (Call, Content, MessageError, ToolCallParser, forced_call_grammar,
+from nibble.runner.text.tools import (Call, Content, MessageError, ToolCallParser, forced_call_grammar,
                                  prepare_messages, tool_family)
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -81,7 +81,7 @@ def test_without_prepare_messages_templates_encode_arguments_twice():
 
 
 def test_a_conversation_with_tools_goes_through_the_tool_use_template():
-    from nibble.runner.tokenizer import Tokenizer
+    from nibble.runner.text.tokenizer import Tokenizer
     from tests.tiny import tiny_model_dir
     md = tiny_model_dir()
     hermes = (TEMPLATES / "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()

@@ -9,7 +9,7 @@ from nibble.formats import catalog
 from nibble.formats.errors import NibbleError
 from nibble.runner.generation import session as session_module
 from nibble.runner.loader import load
-from nibble.runner.chat.reasoning import ThinkingOptions
+from nibble.runner.text.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
 from nibble.tui.screens.keys import KeysScreen
 from nibble.tui.screens.models import ModelPicker
@@ -647,8 +647,8 @@ def test_updates_are_spaced_by_what_drawing_costs(monkeypatch):
 
 
 async def test_a_chat_template_that_fails_is_named_and_the_chat_goes_on(home, tiny_dir):
-    from nibble.runner.chat.template import ChatTemplate
-    from nibble.runner.chat.sandbox import Limits
+    from nibble.runner.text.template import ChatTemplate
+    from nibble.runner.text.sandbox import Limits
     from tests.tiny import CHATML
     model, tok = load(str(tiny_dir))
     endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from nibble.runner.chat.reasoning import ThinkingOptions
+from nibble.runner.text.reasoning import ThinkingOptions
 from nibble.runner.settings import SamplerSettings
 from nibble.tui import store as store_module
 from nibble.tui.store import ChatSettings, Message, Store

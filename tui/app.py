@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.message import Message
 
 from nibble.formats.hub import DEFAULT_MODEL
-from nibble.runner.chat.reasoning import ThinkingOptions
+from nibble.runner.text.reasoning import ThinkingOptions
 from nibble.runner.settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
 from .screens.chat import ChatScreen

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.paths import data_home
-from nibble.runner.chat.reasoning import ThinkingOptions
+from nibble.runner.text.reasoning import ThinkingOptions
 from nibble.runner.settings import MAX_TOKENS, SamplerSettings
 
 # Seconds to wait for another nibble chat's write before calling the file locked.

@@ -22,7 +22,7 @@ from .calibrate import layer_importances
 from ..embedding.encoder import Encoder
 from ..model import Model
 from ..models import family
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 CALIBRATION_TOKENS = 2048   # 4 windows of 512: enough for stable importances, a few seconds
 # A float model quantized on first use calibrates on fewer: the importances settle long before

@@ -16,13 +16,13 @@ from nibble.formats.errors import NibbleError
 from .draft import PromptLookup
 from ..kernels.cpu import SMALL
 from ..model import ContextFull
-from ..chat.reasoning import ReasoningSplit, Thinking
+from ..text.reasoning import ReasoningSplit, Thinking
 from .sample import Sampler, make_sampler
 from ..settings import SamplerSettings
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:   # llguidance is imported only by those who constrain a reply
-    from .grammar import Constraint
+    from ..text.grammar import Constraint
 
 MAX_LOGPROBS = 20   # top alternatives per token, at most (OpenAI's limit)
 
@@ -220,7 +220,7 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 class Reply:
     """The text side of one reply, token by token: streaming detokenization, thinking kept apart
-    from the answer (runner/chat/reasoning.py), stop strings held back and cut at, and why the reply
+    from the answer (runner/text/reasoning.py), stop strings held back and cut at, and why the reply
     ended. `stream_generate` and the serving engine share it.
 
         reply = Reply(tokenizer, max_tokens=64, stop=["END"])

@@ -26,7 +26,7 @@ from .decoding import Decoding, Event, Request, Usage, check
 from .generate import PREFILL_CHUNK
 from ..kv.disk import open_disk
 from ..model import Model
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 
 class Busy(NibbleError):

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 from ..kv.cache import KVCache
 from .decoding import Decoding, Request
 from ..model import Model
-from ..chat.reasoning import ReasoningSplit
+from ..text.reasoning import ReasoningSplit
 from .sample import Sampler
 from ..settings import DEFAULT_DRAFT, MAX_TOKENS
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:   # llguidance is imported only by those who constrain a reply
-    from .grammar import Constraint
+    from ..text.grammar import Constraint
 
 # Prompt tokens per forward pass of a long prefill: the consumer may stop between two chunks.
 PREFILL_CHUNK = 256
@@ -51,7 +51,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
     token None) after each but the last: the consumer cancels by stopping the iteration, between
     two chunks or two tokens, and the cache keeps what ran (the last sampled id never runs).
     Without a `sampler`, the model's sampling defaults apply (tokenizer.sampling). With a
-    `constraint` (a grammar's, runner/generation/grammar.py), the reply follows the grammar and ends "stop"
+    `constraint` (a grammar's, runner/text/grammar.py), the reply follows the grammar and ends "stop"
     where it is complete. `draft`: the most tokens a pass guesses ahead and checks (none with GPU
     layers), the same reply sooner. With a `reasoning` split (a model that thinks), its thinking
     comes apart in each response's `thinking`, and its budget holds. A reply that fills the

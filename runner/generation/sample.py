@@ -16,7 +16,7 @@ import numpy as np
 from ..settings import SamplerSettings
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
 # How many top candidates nucleus() tries before falling back to sorting all of them.
 NUCLEUS_GUESS = 256

@@ -12,7 +12,7 @@ until the pool needs the room: switching back to another chat prefills only its 
 A sampled reply is not always the tokenization its text would get again: the prompt memo
 (runner/kv/prompt_ids.py) gives the ids the cache holds for the texts of earlier turns.
 
-A model that thinks (runner/chat/reasoning.py) streams its thinking apart from its answer. An earlier
+A model that thinks (runner/text/reasoning.py) streams its thinking apart from its answer. An earlier
 reply's thinking comes back as its message's "reasoning_content", which the template keeps or
 drops as the model's own does; most drop it, so a reply that thought is not reused from the
 cache past its prompt.
@@ -29,10 +29,10 @@ from ..kv.cache import KVCache
 from .generate import PREFILL_CHUNK, stream_generate
 from ..model import ContextFull, Model
 from ..kv.prompt_ids import PromptMemo
-from ..chat.reasoning import ReasoningSplit, ThinkingOptions, chat_prompt
+from ..text.reasoning import ReasoningSplit, ThinkingOptions, chat_prompt
 from .sample import make_sampler
 from ..settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

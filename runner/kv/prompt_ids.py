@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 MEMO_SIZE = 64   # texts remembered: a few per conversation that is still going on
 

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..generation.decoding import Event
-from ..chat.reasoning import EFFORTS, STRONGER, Thinking, ThinkingOptions, template_effort
-from ..chat.tools import Call, Content
+from ..text.reasoning import EFFORTS, STRONGER, Thinking, ThinkingOptions, template_effort
+from ..text.tools import Call, Content
 from .api import ChatBody, Options
 from .bodies import Body, Flag, JsonObject, Name, Sampling, Text, by, integer, listed, one_of, read, refused, said
 from .errors import ApiError

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from ..chat.reasoning import ThinkingOptions
+from ..text.reasoning import ThinkingOptions
 from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Text, integer, listed, one_of, read, refused, said,
                      stops, unsupported)
 

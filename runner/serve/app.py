@@ -21,8 +21,8 @@ from starlette.routing import Route
 
 from nibble.formats.errors import NibbleError
 from ..generation.decoding import Event
-from ..chat.reasoning import Thinking
-from ..chat.tools import Call
+from ..text.reasoning import Thinking
+from ..text.tools import Call
 from . import anthropic, api, embeddings, ollama, ollama_models, responses
 from .api import Stamp, tool_call
 from .errors import ApiError

@@ -26,13 +26,13 @@ from pathlib import Path
 from nibble.formats import catalog, hub
 from nibble.formats.errors import NibbleError
 from nibble.formats.sentence_transformers import embeds
-from ..chat.reasoning import ThinkingOptions
+from ..text.reasoning import ThinkingOptions
 from ..embedding.embed import Embedder
 from ..embedding.engine import EmbedEngine
 from ..generation.engine import Engine
 from ..model import Model
 from ..settings import DEFAULT_DRAFT
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .errors import ApiError
 from .memory import available_memory, model_bytes, positions_for
 from .replies import Embedding, Served

@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from nibble.formats.errors import NibbleError
-from ..chat.reasoning import Thinking, ThinkingOptions, template_effort
-from ..chat.tools import Call
+from ..text.reasoning import Thinking, ThinkingOptions, template_effort
+from ..text.tools import Call
 from . import api
 from .api import ChatBody, ChatContent, CompletionBody, Options, Tool
 from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Number, Text, integer, one_of, read, refused, said,

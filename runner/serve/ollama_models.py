@@ -18,8 +18,8 @@ from nibble.formats import catalog, hub
 from nibble.formats.catalog import Details
 from nibble.formats.errors import NibbleError
 from nibble.formats.sentence_transformers import embeds, read_pipeline
-from ..chat.template import ChatTemplateError
-from ..chat.reasoning import reasoning_family
+from ..text.template import ChatTemplateError
+from ..text.reasoning import reasoning_family
 from ..settings import SamplerSettings
 from .bodies import Body, Text, read
 from .models import Models
@@ -96,7 +96,7 @@ class About:
             longest = meta.get(f"{details.family}.context_length")
         else:
             from nibble.formats.model_dir import read_model_dir
-            from ..tokenizer import Tokenizer
+            from ..text.tokenizer import Tokenizer
             model_dir = read_model_dir(path)   # weights mapped, not read
             tokenizer = Tokenizer(model_dir)
             template, sampling = _template_source(tokenizer), tokenizer.sampling

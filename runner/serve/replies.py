@@ -10,15 +10,15 @@ import threading
 from dataclasses import dataclass, replace
 
 from nibble.formats.catalog import Details
-from ..chat.template import ChatTemplateError
+from ..text.template import ChatTemplateError
 from ..generation.decoding import Event, Request
 from ..embedding.engine import EmbedEngine
 from ..generation.engine import Engine
-from ..generation.grammar import Grammar, GrammarError
+from ..text.grammar import Grammar, GrammarError
 from ..kv.prompt_ids import PromptMemo
-from ..tokenizer import Tokenizer
-from ..chat.reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
-from ..chat.tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
+from ..text.tokenizer import Tokenizer
+from ..text.reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
+from ..text.tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
 from .api import ChatBody, CompletionBody, Options, tool_call
 from .errors import ApiError
 

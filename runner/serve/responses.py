@@ -22,8 +22,8 @@ from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..chat.reasoning import STRONGER, Thinking, template_effort
-from ..chat.tools import Call, Content
+from ..text.reasoning import STRONGER, Thinking, template_effort
+from ..text.tools import Call, Content
 from . import api
 from .api import ChatBody, Options, Stamp, ThinkingKnobs
 from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Text, by, either, integer, listed, one_of, read,

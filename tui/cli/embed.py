@@ -29,7 +29,7 @@ def embed(text, model, path, quant, prompt, dimensions, npy):
     from nibble.runner.embedding.embed import Embedder
     from nibble.quant.open_model import open_model
     from nibble.runner.loader import as_quantized
-    from nibble.runner.tokenizer import as_text
+    from nibble.runner.text.tokenizer import as_text
     if text is not None and path is not None:
         raise click.UsageError("give TEXT or -f FILE, not both")
     if text is None and path is None and (sys.stdin is None or sys.stdin.isatty()):

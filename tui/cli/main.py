@@ -221,7 +221,7 @@ def thinking_options(f=None, *, off=False):
 
     @functools.wraps(f)
     def command(think, reasoning_budget, **kwargs):
-        from nibble.runner.chat.reasoning import ThinkingOptions
+        from nibble.runner.text.reasoning import ThinkingOptions
         if off and think is None and reasoning_budget is None:
             think = False
         return f(thinking=ThinkingOptions(think, reasoning_budget), **kwargs)
@@ -288,7 +288,7 @@ def _stdin_is_terminal() -> bool:
 
 def _text(data: bytes | str, source: str) -> str:
     """Text with invalid UTF-8 read as U+FFFD, said in one line (see tokenizer.as_text)."""
-    from nibble.runner.tokenizer import as_text
+    from nibble.runner.text.tokenizer import as_text
     text, note = as_text(data, source)
     _say(note)
     return text
@@ -330,9 +330,9 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     grammar = _grammar(json_schema, json_object)   # a bad schema is refused before the model loads
     threads = _threads(threads)
     model = _model_or_default(model)
-    from nibble.runner.chat.template import build_messages
+    from nibble.runner.text.template import build_messages
     from nibble.runner.generation.generate import stream_generate
-    from nibble.runner.chat.reasoning import chat_prompt
+    from nibble.runner.text.reasoning import chat_prompt
     from nibble.runner.generation.sample import make_sampler
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
     llm.threads.pin(threads)
@@ -416,7 +416,7 @@ def _grammar(json_schema: str | None, json_object: bool):
         return None
     if json_schema is not None and json_object:
         raise click.UsageError("give --json-schema or --json-object, not both")
-    from nibble.runner.generation.grammar import Grammar, GrammarError
+    from nibble.runner.text.grammar import Grammar, GrammarError
     if json_object:
         return Grammar.json_object()
     with open(json_schema, "rb") as f:
@@ -773,7 +773,7 @@ def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_re
 def export(model, target, output, force):
     """Write MODEL (directory, .gguf, hub id or alias) for another engine, its weights as nibble
     runs them where the format holds them; what it rounds again, it says, with the KL."""
-    from nibble.runner.convert.export import export_compressed, export_gguf
+    from nibble.runner.export import export_compressed, export_gguf
     write = export_gguf if target == "gguf" else export_compressed
     click.echo(str(write(model, output, force=force)), err=True)
 

@@ -2,7 +2,7 @@
 
 The Jinja environment copies transformers' `_compile_jinja_template`: the same sandbox, options,
 globals and `tojson`, so a model's template gives the prompt it was trained on. The template is
-code from whoever published the model, so it runs within limits (runner/chat/sandbox.py), and anything
+code from whoever published the model, so it runs within limits (runner/text/sandbox.py), and anything
 it does wrong ends in one ChatTemplateError line.
 """
 from __future__ import annotations
@@ -67,8 +67,8 @@ class ChatTemplate:
 
         With `add_generation_prompt` the text ends with the header that opens the assistant's turn.
         `tools` are OpenAI's function definitions, passed as transformers passes them (see
-        runner/chat/tools.py: prepare_messages makes a conversation with calls ready for this).
-        `options`: more variables the template reads (enable_thinking, say: runner/chat/reasoning.py).
+        runner/text/tools.py: prepare_messages makes a conversation with calls ready for this).
+        `options`: more variables the template reads (enable_thinking, say: runner/text/reasoning.py).
         """
         # documents is None, and tools without any, as transformers passes them.
         context = dict(options or {}, messages=messages, tools=tools, documents=None,

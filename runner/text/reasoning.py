@@ -7,7 +7,7 @@ Two families of markers, told apart by the chat template's source:
              with "<think>\\n"): the reply then starts inside it.
     harmony  gpt-oss's channels, each message `<|channel|>NAME<|message|>…<|end|>`: `analysis`
              is thinking, `final` the answer, `commentary` addressed `to=functions.NAME` a tool
-             call (rewritten in hermes' `<tool_call>` form for runner/chat/tools.py's parser), without
+             call (rewritten in hermes' `<tool_call>` form for runner/text/tools.py's parser), without
              an address a preamble the user reads.
 
 A template's `enable_thinking` (`reasoning_effort` for gpt-oss) turns thinking off or down where
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
 FAMILIES = ("think", "harmony")
 EFFORTS = ("low", "medium", "high")   # gpt-oss's reasoning efforts

@@ -8,9 +8,9 @@ import numpy as np
 import tokenizers
 
 from nibble.formats.model_dir import ModelDir
-from .chat.template import ChatTemplate, build_messages
-from .generation.detokenize import StreamDecoder
-from .settings import DRY_SEQUENCE_BREAKERS, model_sampling
+from .template import ChatTemplate, build_messages
+from .detokenize import StreamDecoder
+from ..settings import DRY_SEQUENCE_BREAKERS, model_sampling
 
 
 def as_text(data: bytes | str, source: str) -> tuple[str, str]:
@@ -65,7 +65,7 @@ class Tokenizer:
 
     @cached_property
     def grammar_tokenizer(self):
-        """llguidance's view of this vocabulary, for grammars (runner/generation/grammar.py): built once, in
+        """llguidance's view of this vocabulary, for grammars (runner/text/grammar.py): built once, in
         about 0.3 s for 49k tokens. Ids past the tokenizer's own are never allowed."""
         import llguidance
         vocab = max(self.vocab_size, self.tokenizer.get_vocab_size())

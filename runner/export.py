@@ -22,8 +22,8 @@ from nibble.quant.convert import default_calibration_text
 from nibble.quant.export import compressed_tensors, gguf_tensors
 from nibble.quant.open_model import open_model
 
-from ..loader import from_model_dir, load
-from ..measure.perplexity import evaluate
+from .loader import from_model_dir, load
+from .measure.perplexity import evaluate
 
 KL_WINDOWS, KL_CTX = 2, 256   # what the KL of a rounded-again export is measured on
 

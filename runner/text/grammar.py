@@ -17,7 +17,7 @@ import numpy as np
 
 from nibble.formats.errors import NibbleError
 
-from ..tokenizer import Tokenizer
+from .tokenizer import Tokenizer
 
 # JSON as json.dumps writes it: ", " and ": ", no other whitespace. The default grammar allows any
 # whitespace between tokens, and small models then loop on newlines.

@@ -10,7 +10,7 @@ what the template's source holds, as llama.cpp does:
              {"name": n, "parameters": {…}}
     mistral  `[TOOL_CALLS]` (Mistral), the calls in one list:
              [TOOL_CALLS][{"name": n, "arguments": {…}}, …]
-    harmony  gpt-oss's commentary channel, `to=functions.n` (runner/chat/reasoning.py reads the
+    harmony  gpt-oss's commentary channel, `to=functions.n` (runner/text/reasoning.py reads the
              channels and hands each call on in hermes' form)
     generic  any other template (it ignores tools): nibble lists the tools in a system message
              and asks for hermes' form
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from nibble.formats.errors import NibbleError
 
-from ..generation.grammar import COMPACT, Grammar
+from .grammar import COMPACT, Grammar
 
 FAMILIES = ("hermes", "llama3", "mistral", "harmony", "generic")
 
