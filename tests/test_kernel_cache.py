@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from nibble.formats.model_dir import write_model_dir
+from nibble.runner.kernels.layer import decoder_layer
 from tests.hand_safetensors import write_safetensors_by_hand
+from tests.kernel_caches import cache_without
 from tests.test_target import needs_avx2
 from tests.tiny import TEXT, tiny_model_dir
 
@@ -63,7 +65,10 @@ def test_kernels_without_avx512_keep_a_folder_of_their_own(tmp_path):
 def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_path):
     """The decoder layer compiled for qwen2 in a process that loaded the other kernels from the
     cache was cached without what starts numba's thread pool: every later qwen2 run died with
-    SIGSEGV. Each run here is a fresh process on one shared cache."""
+    SIGSEGV. Each run here is a fresh process on one shared cache, which starts with this
+    session's kernels but the layers': each model's layer is compiled in such a process, then
+    loaded by the next run of that model."""
+    cache_without(tmp_path / "home", decoder_layer)
     models = {"llama f32": write_model_dir(tiny_model_dir("llama"), tmp_path / "llama"),
               "qwen2 f32": write_model_dir(tiny_model_dir("qwen2"), tmp_path / "qwen2")}
     qwen2 = tiny_model_dir("qwen2")
