@@ -260,7 +260,7 @@ def tiny_layer(kind, D, H, Hkv, hd, F):
     """A random layer's LayerWeights: float with q/k/v biases (qwen2), or int4 without."""
     def linear(N, K):
         if kind == "float":
-            return f32(N, K) / np.sqrt(K)
+            return f32(N, K) / np.float32(np.sqrt(K))   # float32, as a model's: np.sqrt's float64 would widen them
         return quantized(N, K, 4, 32)[0]
     bias = (lambda n: f32(n) * 0.1) if kind == "float" else (lambda n: np.zeros(n, np.float32))
     norm = lambda: 1 + 0.1 * f32(D)
