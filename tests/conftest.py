@@ -34,6 +34,27 @@ settings.register_profile("default", max_examples=200, **_FUZZ)
 settings.register_profile("long", max_examples=100_000, **_FUZZ)
 settings.load_profile("default")
 
+# The files that take longest on a first run (an empty kernel cache: their kernels compile), longest
+# first. `-n 2 --dist loadfile` hands whole files to the two workers in the order of the items:
+# these go first, one to each worker as it frees up, and the many short files fill in after them,
+# so that neither worker is left with a long file while the other has finished (xdist's own
+# order, by the number of tests in a file, would put the longest of them last).
+LONGEST_FIRST = ["test_quant_kernels.py", "test_export.py", "test_transformers.py", "test_prefill_int8.py",
+                 "test_moe.py", "test_offload.py", "test_cli.py", "test_background.py", "test_cuda_kernels.py",
+                 "test_gguf_import.py", "test_bench.py", "test_smollm2.py", "test_team.py", "test_gguf_archs.py",
+                 "test_quantized_model.py", "test_tui.py", "test_tools.py", "test_gguf_levels.py", "test_draft.py",
+                 "test_numerics.py", "test_target.py"]
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist's
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: each file's own order stays
+
 
 @pytest.fixture
 def simulated_gpu():
