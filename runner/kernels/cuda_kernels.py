@@ -17,13 +17,17 @@ float, or numba would compute in float64 (slow on most GPUs).
 """
 import math
 
-from numba import cuda, float32, uint32
+from numba import config, cuda, float32, uint32
 
 # What a matrix product does with its result: out = acc, out += acc (a residual), or SwiGLU of
 # row pairs, out[:, f] = silu(acc[:, 2f]) * acc[:, 2f + 1] (gate and up rows interleaved).
 STORE, ADD, SWIGLU = 0, 1, 2
 
 WORDS = 4   # uint32 words a lane reads from a row per step: a 16-byte chunk of it
+# In the simulator (the tests on a machine without a GPU) each CUDA thread is a Python thread,
+# slow to start: there blocks are as small and a row's threads as few as the kernels allow (their
+# code does not depend on these sizes), so that the tests run the same code on fewer threads.
+SIMULATED = config.ENABLE_CUDASIM
 
 
 @cuda.jit(device=True)
@@ -48,10 +52,10 @@ def _emit(out, t, n, value, following, N, mode):
 # x is staged in shared memory per slab, transposed (element e of chunk c at e * pitch + c, pitch
 # = chunks + 1) so that 32 lanes reading element e of 32 consecutive chunks hit 32 banks.
 MV_WARPS = 2                  # warps per block: 16 rows, N/16 blocks (256 for a 4096-row matrix)
-MV_ROWS = 8                   # rows per warp: each x value read from shared memory serves 8 rows
+MV_ROWS = 16 if SIMULATED else 8   # rows per warp: each x value read from shared memory serves 8 rows
 # (ptxas for sm_90: 128 registers and 18.5 KB of shared memory, so 16 warps per SM with 64 KB of
 # weight loads in flight; a first guess, to be tuned on a GPU)
-SLAB = 4096                   # x elements staged at a time (16 KB)
+SLAB = 256 if SIMULATED else 4096   # x elements staged at a time (16 KB)
 _XS_SIZE = SLAB + 32          # + the padding column: one element per element of a chunk
 _SUMS_SHAPE = (MV_ROWS, MV_WARPS, 32)
 _MV_THREADS = 32 * MV_WARPS
@@ -267,7 +271,7 @@ MATMUL = {4: _matmul(_quantized_tile(4)), 8: _matmul(_quantized_tile(8)), FLOAT:
 
 
 # ---- the rest of the block -----------------------------------------------------------------------
-NORM_THREADS = 128
+NORM_THREADS = 32 if SIMULATED else 128
 
 
 @cuda.jit
@@ -290,7 +294,7 @@ def rmsnorm(x, weight, eps, out):
         out[t, d] = x[t, d] * scale * weight[d]
 
 
-ROPE_THREADS = 128
+ROPE_THREADS = 32 if SIMULATED else 128
 
 
 @cuda.jit(device=True)
@@ -333,7 +337,7 @@ def rope_store(qkv, bias, cos, sin, pos, k_cache, v_cache):
 # (broadcast) and updates the running maximum, sum and its head dims' weighted sum of values.
 # Three barriers a chunk, no T x T matrix. Query heads of one KV group read the same keys through
 # L2 (one block per KV group would read them once: later, with the decode split over the context).
-ATT_THREADS = 64
+ATT_THREADS = 32 if SIMULATED else 64
 MAX_HEAD_DIM = 128
 _KEYS_SIZE = ATT_THREADS * (MAX_HEAD_DIM + 1)
 _DIMS = MAX_HEAD_DIM // ATT_THREADS          # head dims per thread
