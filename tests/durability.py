@@ -4,9 +4,11 @@
 
 Each round runs the real chat app headless in a child process, on the tiny model (greedy, slowed
 to at most 100 tokens a second, replies of 200 tokens), sends a prompt, and kills the child at a
-random moment while the reply streams (after a random token, a random fraction of a frame later). The child prints a line per token generated. The history is
-then opened as the next start opens it: the reply must be marked interrupted, be a prefix of the
-model's greedy reply, and the tokens lost are those generated minus those stored.
+random moment while the reply streams (after a random token, a random fraction of a frame later).
+The child prints a line per token generated, and holds the reply's last token until it is killed:
+however fast it runs, the kill lands before the reply ends. The history is then opened as the next
+start opens it: the reply must be marked interrupted, be a prefix of the model's greedy reply, and
+the tokens lost are those generated minus those stored.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -68,6 +71,8 @@ def child(tiny: str, tokens: int):
         for r in real(*args, **kwargs):
             time.sleep(TOKEN_DELAY)
             if replying and r.generation_tokens:   # the reply's tokens, not the warm-up's
+                if r.finish_reason:   # the reply's end is held until the kill: it lands mid-reply
+                    threading.Event().wait()
                 os.write(1, b"%d\n" % r.generation_tokens)   # fd 1 itself: Textual captures sys.stdout
             yield r
     session_module.stream_generate = slowed
