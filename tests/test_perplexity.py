@@ -56,11 +56,12 @@ def test_perplexity_and_kl_match_exact_values(two_models, tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["base.logprobs"]   # no temporary file left
 
 
-@pytest.mark.parametrize("bits", [None, 8, 4])
-def test_decode_path_scores_like_the_batch_path(two_models, bits):
+# the kinds of test_threads' models, also held in memory: the layers compiled for them serve these
+@pytest.mark.parametrize("bits,group", [(None, None), (8, 64), (4, 32)])
+def test_decode_path_scores_like_the_batch_path(two_models, bits, group):
     """--decode runs each window one token at a time: the same model, other kernels (for
     quantized weights, integer dot products on activations rounded to 16 bits)."""
-    model_dir = two_models[0] if bits is None else quantize_model(two_models[0], bits, 32).model
+    model_dir = two_models[0] if bits is None else quantize_model(two_models[0], bits, group).model
     model, tok = from_model_dir(model_dir)
     tokens = np.array(tok.encode(TEXT, add_bos=False))[:2 * CTX]
     batch = evaluate(model, tokens, ctx=CTX)
