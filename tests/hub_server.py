@@ -29,7 +29,8 @@ class FakeHub:
         self.requests: list[tuple[str, str, str | None]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # shutdown() returns once the loop next looks, every poll_interval (0.5 s by default)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
 
     @staticmethod
     def commit(repo: str) -> str:
