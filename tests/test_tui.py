@@ -4,6 +4,7 @@ import time
 import types
 
 import pytest
+from textual.worker import get_current_worker
 
 from nibble.formats import catalog
 from nibble.formats.errors import NibbleError
@@ -14,6 +15,7 @@ from nibble.runner.settings import SamplerSettings
 from nibble.tui.screens.keys import KeysScreen
 from nibble.tui.screens.models import ModelPicker
 from nibble.tui.screens.settings import SettingsScreen
+from nibble.tui import turn as turn_module
 from nibble.tui.store import ChatSettings, Message, Store
 from tests.tui_helpers import (GREEDY, db_rows, dead_writer, idle, make_app, notes, ready, send,
                                stored_messages, wait_for)
@@ -40,18 +42,30 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture
-def slow(monkeypatch):
-    """Generation at about 100 tokens/s, so that a reply can be stopped halfway."""
-    real = session_module.stream_generate
-    generated = []   # one entry a token
+HELD = 40   # a reply's responses before `held` holds it: a few words on the screen and on disk
 
-    def slowed(*args, **kwargs):
-        for r in real(*args, **kwargs):
-            time.sleep(0.01)
+
+@pytest.fixture
+def held(monkeypatch):
+    """Generation that holds the first reply to reach HELD responses there until its turn is
+    stopped (Esc, a quit): the reply is stopped halfway however fast or slow the machine, not
+    after it ended. Every response is stored as it comes (turn.SAVE 0), so the disk has all the
+    held reply so far. -> the responses generated, one entry each."""
+    real = session_module.stream_generate
+    generated, holding = [], [True]
+
+    def held_reply(*args, **kwargs):
+        worker = get_current_worker()
+        for n, r in enumerate(real(*args, **kwargs)):
+            if n == HELD and holding[0]:
+                holding[0] = False
+                give_up = time.monotonic() + 60   # a turn never stopped: let it end, and the test fail
+                while not worker.is_cancelled and time.monotonic() < give_up:
+                    time.sleep(0.001)
             generated.append(r)
             yield r
-    monkeypatch.setattr(session_module, "stream_generate", slowed)
+    monkeypatch.setattr(session_module, "stream_generate", held_reply)
+    monkeypatch.setattr(turn_module, "SAVE", 0)
     return generated
 
 
@@ -105,15 +119,15 @@ async def test_an_empty_prompt_does_nothing(home, tiny):
         assert app.store.chats() == []
 
 
-async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, monkeypatch):
+async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, held, monkeypatch):
     from nibble.tui.screens.chat import ChatScreen
     tokens = {}   # how many had been generated when Esc was handled, and when the turn ended
     stop, end = ChatScreen.action_stop, ChatScreen._end_turn
-    monkeypatch.setattr(ChatScreen, "action_stop", lambda self: (tokens.setdefault("esc", len(slow)),
+    monkeypatch.setattr(ChatScreen, "action_stop", lambda self: (tokens.setdefault("esc", len(held)),
                                                                  stop(self)))
 
     async def end_turn(self, turn, finish):
-        tokens.setdefault("end", len(slow))
+        tokens.setdefault("end", len(held))
         await end(self, turn, finish)
     monkeypatch.setattr(ChatScreen, "_end_turn", end_turn)
     app = make_app(tiny, max_tokens=200)
@@ -132,7 +146,7 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, slow, mon
     assert stored_messages(home)[-1] == (1, "assistant", reply.content, "stopped")
 
 
-async def test_a_reply_is_stored_as_it_is_written(home, tiny, slow):
+async def test_a_reply_is_stored_as_it_is_written(home, tiny, held):
     app = make_app(tiny, max_tokens=200)
     replies = lambda: db_rows(home, "SELECT content, finish, writer FROM messages WHERE role = 'assistant'")
     async with app.run_test(size=SIZE) as pilot:
@@ -169,7 +183,7 @@ async def test_a_reply_whose_app_was_killed_shows_as_interrupted_and_the_chat_go
         ("user", "Tell me a story", None), ("assistant", "Once upon a", "interrupted"), ("user", "Go on", None)]
 
 
-async def test_a_message_sent_right_after_esc_goes_after_the_stopped_reply(home, tiny, slow):
+async def test_a_message_sent_right_after_esc_goes_after_the_stopped_reply(home, tiny, held):
     app = make_app(tiny, max_tokens=100)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -281,7 +295,7 @@ async def test_a_chat_survives_a_restart(home, tiny):
 
 
 @pytest.mark.parametrize("key", ["ctrl+q", "ctrl+c"])
-async def test_quitting_during_a_reply_keeps_what_was_written(home, tiny, slow, key):
+async def test_quitting_during_a_reply_keeps_what_was_written(home, tiny, held, key):
     app = make_app(tiny, max_tokens=200)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -608,7 +622,7 @@ def test_nibble_help_does_not_import_the_app():
     code = ("import sys; from click.testing import CliRunner; from nibble.tui.cli.main import main; "
             "CliRunner().invoke(main, ['--help']); CliRunner().invoke(main, ['chat', '--help']); "
             "print(sorted({m for m in sys.modules if m.split('.')[0] in ('textual', 'numba')} "
-            "| {m for m in sys.modules if m.startswith('nibble.tui')}))")
+            "| {m for m in sys.modules if m.startswith('nibble.tui.') and not m.startswith('nibble.tui.cli')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
