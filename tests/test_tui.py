@@ -49,8 +49,9 @@ HELD = 40   # a reply's responses before `held` holds it: a few words on the scr
 def held(monkeypatch):
     """Generation that holds the first reply to reach HELD responses there until its turn is
     stopped (Esc, a quit): the reply is stopped halfway however fast or slow the machine, not
-    after it ended. Every response is stored as it comes (turn.SAVE 0), so the disk has all the
-    held reply so far. -> the responses generated, one entry each."""
+    after it ended. Every response is shown and stored as it comes (turn.FRAME and SAVE 0): the
+    screen and the disk have all of the held reply so far. -> the responses generated, one entry
+    each."""
     real = session_module.stream_generate
     generated, holding = [], [True]
 
@@ -65,6 +66,7 @@ def held(monkeypatch):
             generated.append(r)
             yield r
     monkeypatch.setattr(session_module, "stream_generate", held_reply)
+    monkeypatch.setattr(turn_module, "FRAME", 0)
     monkeypatch.setattr(turn_module, "SAVE", 0)
     return generated
 
