@@ -76,6 +76,7 @@ def test_no_background_where_it_is_turned_off(tiny_dir, monkeypatch):
     assert not kernels.first
 
 
+@pytest.mark.slow
 def test_the_full_kernels_compile_in_the_background_and_are_taken_up(tmp_path, tiny_dir):
     """A cache without the layer's kernels (a first run, as stages.py tells one): the first pass
     runs on the first run's kinds and starts the background process; once it has ended, the next

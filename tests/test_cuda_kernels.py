@@ -270,6 +270,7 @@ def tiny_layer(kind, D, H, Hkv, hd, F):
                         norm(), np.float32(hd ** -0.5), np.float32(1), linear(F, D), linear(F, D), linear(D, F))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,window,tol", [
     ("float", 0, 1e-4),
     # the CPU's quantized decode rounds activations (to int8 blocks where it multiplies bytes, 3e-3

@@ -152,6 +152,7 @@ def test_sampled_replies_with_drafts_are_seeded():
     assert text() == text() != ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [SamplerSettings(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=1),
                                       SamplerSettings(temperature=1.3, top_k=5, top_p=0.9, min_p=0.02, seed=2),
                                       SamplerSettings(temperature=0.9, repetition_penalty=1.3, seed=3)])

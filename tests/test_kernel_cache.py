@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.kernels.layer import decoder_layer
@@ -62,6 +63,7 @@ def test_kernels_without_avx512_keep_a_folder_of_their_own(tmp_path):
     assert any(p.name.startswith("cpu.rmsnorm") and p.suffix == ".nbi" for p in avx2.rglob("*"))
 
 
+@pytest.mark.slow
 def test_a_cache_shared_by_model_types_and_dtypes_loads_in_fresh_processes(tmp_path):
     """The decoder layer compiled for qwen2 in a process that loaded the other kernels from the
     cache was cached without what starts numba's thread pool: every later qwen2 run died with

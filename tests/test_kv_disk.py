@@ -209,6 +209,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_writer_killed_twenty_times_leaves_only_whole_blocks(tmp_path):
     folder = tmp_path / "kv" / "model"
     for round in range(20):

@@ -71,6 +71,7 @@ def _run(tmp_path: Path, *names: str) -> list[str]:
     return done.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_cached_kernels_bring_the_code_they_call_into_a_fresh_process(tmp_path):
     (tmp_path / "kernels.py").write_text(KERNELS)
     x = np.arange(12.0)

@@ -131,6 +131,7 @@ def test_run_perplexity_and_bench_end_in_one_line(nan_dir, tmp_path):
     assert_one_line_error(invoke("bench", "-m", nan_dir, "-p", 4, "-n", 2, "-r", 1), match=named)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cuda.is_available(), reason="no CUDA GPU (NUMBA_ENABLE_CUDASIM=1 simulates one)")
 @pytest.mark.filterwarnings("ignore:Simulator timings are bogus", "ignore:invalid value encountered")
 @pytest.mark.parametrize("gpu_layers", [1, -1])   # the head on the CPU, then on the GPU

@@ -52,7 +52,7 @@ def assert_close(got, want):
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL * np.abs(want).max())
 
 
-@pytest.mark.parametrize("gpu_layers,head", [(1, False), (-1, True)])
+@pytest.mark.parametrize("gpu_layers,head", [(1, False), pytest.param(-1, True, marks=pytest.mark.slow)])
 def test_greedy_tokens_and_logits_match_the_cpu(narrow, gpu_layers, head):
     (cpu_model, cpu_cache), (gpu_model, gpu_cache) = pair(narrow, gpu_layers)
     assert (gpu_model.gpu_stage.head is not None) == head and gpu_model.gpu_stage.first == (1 if not head else 0)
@@ -89,6 +89,7 @@ def decode_and_compare(cpu_pair, gpu_pair, steps=2):
         step = [int(np.argmax(want[-1]))]
 
 
+@pytest.mark.slow
 def test_decode_replays_one_recording_per_kv_cache(narrow, monkeypatch):
     """Decode reads the hidden state and position from device memory: the launches recorded at
     the first token give every later token's logits. A new cache gets a new recording."""
@@ -105,6 +106,7 @@ def test_decode_replays_one_recording_per_kv_cache(narrow, monkeypatch):
     assert off.replay is not first and off.replay_kv is cache.parts[-1]
 
 
+@pytest.mark.slow
 def test_without_graphs_decode_launches_kernel_by_kernel(narrow, monkeypatch):
     def refuse(issue, stream):
         raise RuntimeError("no graphs here")
@@ -121,6 +123,7 @@ def as_bf16(model_dir):
     return dataclasses.replace(model_dir, tensors=bf16)
 
 
+@pytest.mark.slow
 def test_16_bit_weights_run_widened_on_the_gpu(narrow):
     """The GPU kernels take float32 or quantized weights: bf16 ones are uploaded widened."""
     cpu_pair, gpu_pair = pair(as_bf16(narrow), -1)
@@ -128,6 +131,7 @@ def test_16_bit_weights_run_widened_on_the_gpu(narrow):
     decode_and_compare(cpu_pair, gpu_pair, steps=1)
 
 
+@pytest.mark.slow
 def test_truncate_reuses_the_device_kv(narrow):
     """Positions past a truncation are overwritten on the device as on the CPU."""
     (cpu_model, cpu_cache), (gpu_model, gpu_cache) = pair(narrow, 1)
@@ -187,6 +191,7 @@ def test_rope_the_gpu_kernels_cannot_run_is_refused_and_runs_on_the_cpu(model_ty
     assert model.gpu_stage is None
 
 
+@pytest.mark.slow
 def test_phi3_with_whole_heads_rotated_runs_on_the_gpu():
     """Phi-3.5-mini's RoPE: its q/k/v and gate/up views are joined again on the device."""
     md = tiny_model_dir("phi3")
@@ -199,6 +204,7 @@ def no_gpu():
     raise offload.NoGPU("numba.cuda cannot be imported: test")
 
 
+@pytest.mark.slow
 def test_bench_json_has_the_gpu_figures(tmp_path):
     model_dir = write_model_dir(narrow_model_dir(), tmp_path / "narrow")   # the tokenizer's vocabulary
     r = invoke("bench", "-m", model_dir, "-p", 3, "-n", 2, "-r", 1, "-ngl", 1, "--json")
