@@ -42,33 +42,40 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-HELD = 40   # a reply's responses before `held` holds it: a few words on the screen and on disk
+HELD = 40   # the responses of a reply before `held` holds it: a few words on the screen and on disk
+
+
+class Held(list):
+    """The responses generated, one entry each; `reached` is set once the first reply is held."""
+
+    def __init__(self):
+        super().__init__()
+        self.reached = threading.Event()
 
 
 @pytest.fixture
 def held(monkeypatch):
-    """Generation that holds the first reply to reach HELD responses there until its turn is
-    stopped (Esc, a quit): the reply is stopped halfway however fast or slow the machine, not
-    after it ended. Every response is shown and stored as it comes (turn.FRAME and SAVE 0): the
-    screen and the disk have all of the held reply so far. -> the responses generated, one entry
-    each."""
+    """Generation that holds the first reply at HELD responses until its turn is stopped (Esc, a
+    quit): a test that waits for `reached` stops the reply halfway however fast or slow the
+    machine, never after it ended. Every response is shown and stored as it comes (turn.FRAME and
+    SAVE 0): the screen and the disk have all of the held reply so far."""
     real = session_module.stream_generate
-    generated, holding = [], [True]
+    responses, first = Held(), [True]
 
     def held_reply(*args, **kwargs):
-        worker = get_current_worker()
+        worker, hold = get_current_worker(), first.pop() if first else False
         for n, r in enumerate(real(*args, **kwargs)):
-            if n == HELD and holding[0]:
-                holding[0] = False
+            if hold and n == HELD:
+                responses.reached.set()
                 give_up = time.monotonic() + 60   # a turn never stopped: let it end, and the test fail
                 while not worker.is_cancelled and time.monotonic() < give_up:
                     time.sleep(0.001)
-            generated.append(r)
+            responses.append(r)
             yield r
     monkeypatch.setattr(session_module, "stream_generate", held_reply)
     monkeypatch.setattr(turn_module, "FRAME", 0)
     monkeypatch.setattr(turn_module, "SAVE", 0)
-    return generated
+    return responses
 
 
 def views(app):
@@ -137,7 +144,7 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(home, tiny, held, mon
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="text")
+        await wait_for(pilot, lambda: held.reached.is_set() and len(screen.turn.text) > 5, what="text")
         await pilot.press("escape")
         await idle(pilot)
         assert tokens["end"] - tokens["esc"] <= 1   # Esc stops before the next token
@@ -154,7 +161,8 @@ async def test_a_reply_is_stored_as_it_is_written(home, tiny, held):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
-        await wait_for(pilot, lambda: replies() and len(replies()[0][0]) > 5, what="the reply on disk")
+        await wait_for(pilot, lambda: held.reached.is_set() and replies() and len(replies()[0][0]) > 5,
+                       what="the reply on disk")
         [(partial, finish, writer)] = replies()
         assert finish is None and writer == app.store.writer   # being written, by this app
         await pilot.press("escape")
@@ -191,7 +199,7 @@ async def test_a_message_sent_right_after_esc_goes_after_the_stopped_reply(home,
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="text")
+        await wait_for(pilot, lambda: held.reached.is_set() and len(screen.turn.text) > 5, what="text")
         screen.action_stop()
         await send(pilot, "Shorter, please", wait=False)   # before the stopped reply is stored
         await wait_for(pilot, lambda: len(screen.history) == 4 and screen.turn is None, what="two replies")
@@ -303,7 +311,7 @@ async def test_quitting_during_a_reply_keeps_what_was_written(home, tiny, held, 
         await ready(pilot)
         await send(pilot, "Tell me a long story", wait=False)
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="text")
+        await wait_for(pilot, lambda: held.reached.is_set() and len(screen.turn.text) > 5, what="text")
         partial = screen.turn.text
         await pilot.press(key)
     assert not app.is_running
