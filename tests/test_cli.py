@@ -392,8 +392,8 @@ def test_invalid_utf8_is_read_as_replacement_characters_with_one_line(tiny_dir, 
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) | {"prompt_tps": 0, "generation_tps": 0, "ttft": 0} == \
         json.loads(want.stdout) | {"prompt_tps": 0, "generation_tps": 0, "ttft": 0}
-    assert r.stderr.splitlines() == ["the prompt on stdin is not valid UTF-8 (from byte 3): "
-                                     "its invalid bytes are read as U+FFFD"]
+    assert notes(r.stderr) == ["the prompt on stdin is not valid UTF-8 (from byte 3): "
+                               "its invalid bytes are read as U+FFFD"]
     # An argument's undecodable bytes, as Python hands them over (os.fsdecode: lone surrogates)
     r = invoke("run", "-m", tiny_dir, *GREEDY, "--json", os.fsdecode(b"caf\xe9 \xff\xfe!"))
     assert r.exit_code == 0 and json.loads(r.stdout)["text"] == json.loads(want.stdout)["text"]
