@@ -10,7 +10,7 @@ from numba import cuda
 
 from nibble.runner.kv.cache import Rows
 from nibble.runner.kernels import cuda as gpu
-from nibble.runner.kernels import layer as cpu_layer, linear
+from nibble.runner.kernels import layer as cpu_layer
 from nibble.runner.kernels.layer import LayerWeights
 from nibble.runner.kernels.cuda_kernels import ATT_THREADS, SLAB
 from nibble.formats import superblocks
@@ -257,30 +257,39 @@ def test_what_the_kernels_cannot_run_is_refused():
 # ---- the whole block ------------------------------------------------------------------------------
 
 def tiny_layer(kind, D, H, Hkv, hd, F):
-    """A random layer's LayerWeights: float with q/k/v biases (qwen2), or int4 without."""
+    """A random layer as (the GPU's LayerWeights, the CPU's): float with q/k/v biases (qwen2), the
+    same on both sides; or int4 without, the CPU's its float dequantization, since the CPU's int4
+    products round activations (to int8 blocks where it multiplies bytes) and the GPU's do not."""
+    gpu_side, cpu_side = [], []
     def linear(N, K):
         if kind == "float":
-            return f32(N, K) / np.float32(np.sqrt(K))   # float32, as a model's: np.sqrt's float64 would widen them
-        return quantized(N, K, 4, 32)[0]
+            w = f32(N, K) / np.float32(np.sqrt(K))   # float32, as a model's: np.sqrt's float64 would widen them
+            gpu_side.append(w), cpu_side.append(w)
+        else:
+            prepared, dequantized = quantized(N, K, 4, 32)
+            gpu_side.append(prepared), cpu_side.append(dequantized.astype(np.float32))
     bias = (lambda n: f32(n) * 0.1) if kind == "float" else (lambda n: np.zeros(n, np.float32))
-    norm = lambda: 1 + 0.1 * f32(D)
     none = np.zeros(0, np.float32)   # no q/k norms: the GPU does not run them
-    return LayerWeights(norm(), linear(H * hd, D), linear(Hkv * hd, D), linear(Hkv * hd, D),
-                        bias(H * hd), bias(Hkv * hd), bias(Hkv * hd), none, none, linear(D, H * hd), none, none,
-                        norm(), np.float32(hd ** -0.5), np.float32(1), linear(F, D), linear(F, D), linear(D, F))
+    attn_norm = 1 + 0.1 * f32(D)
+    for N, K in ((H * hd, D), (Hkv * hd, D), (Hkv * hd, D)):
+        linear(N, K)
+    biases = bias(H * hd), bias(Hkv * hd), bias(Hkv * hd)
+    linear(D, H * hd)
+    mlp_norm = 1 + 0.1 * f32(D)
+    for N, K in ((F, D), (F, D), (D, F)):
+        linear(N, K)
+    def layer(w):
+        return LayerWeights(attn_norm, w[0], w[1], w[2], *biases, none, none, w[3], none, none,
+                            mlp_norm, np.float32(hd ** -0.5), np.float32(1), w[4], w[5], w[6])
+    return layer(gpu_side), layer(cpu_side)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,window,tol", [
-    ("float", 0, 1e-4),
-    # the CPU's quantized decode rounds activations (to int8 blocks where it multiplies bytes, 3e-3
-    # of the largest value here; else to int16 per group, ~5e-5), the GPU's stays in float
-    ("int4", 3, 1e-2 if linear.int8_activations() else 1e-3),
-])
-def test_decoder_layer_matches_the_cpu(kind, window, tol):
+@pytest.mark.parametrize("kind,window", [("float", 0), ("int4", 3)])
+def test_decoder_layer_matches_the_cpu(kind, window):
     """Prefill 3 tokens, then decode 2, through one layer on each side."""
-    D, H, Hkv, hd, F, ctx, eps = 64, 2, 1, 16, 32, 8, 1e-5
-    weights = tiny_layer(kind, D, H, Hkv, hd, F)
+    D, H, Hkv, hd, F, ctx, eps, tol = 64, 2, 1, 16, 32, 8, 1e-5, 1e-4
+    weights, cpu_weights = tiny_layer(kind, D, H, Hkv, hd, F)
     _, cos, sin = rope_tables(hd, ctx)
     # the CPU's cache: one block of ctx positions, its keys transposed
     kv_cpu = (np.zeros((1, Hkv, hd, ctx), np.float32), np.zeros((1, Hkv, ctx, hd), np.float32),
@@ -293,7 +302,7 @@ def test_decoder_layer_matches_the_cpu(kind, window, tol):
     for T in (3, 1, 1):
         x = f32(T, D)
         x_dev = cuda.to_device(x)
-        cpu_layer.decoder_layer(x, weights, kv_cpu, Rows.single(pos0, T, np.zeros(1)), cos, sin, eps, window,
+        cpu_layer.decoder_layer(x, cpu_weights, kv_cpu, Rows.single(pos0, T, np.zeros(1)), cos, sin, eps, window,
                                 np.zeros((0, 0)))
         gpu.decoder_layer(x_dev, on_gpu, kv_gpu, device_pos(pos0), cos_dev, sin_dev, eps, window, work)
         np.testing.assert_allclose(x_dev.copy_to_host(), x, rtol=tol, atol=tol * np.abs(x).max())
