@@ -1,6 +1,8 @@
 """A decoder-only transformer of any family in runner/models/: its weights, its stages, the forward pass."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from nibble.formats.config import ModelConfig
@@ -9,7 +11,7 @@ from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import read_linear
 from .background import Background
-from .kv.cache import BLOCK, KVCache, KVPool, Rows, blocks_for, identity_table, kv_dtype
+from .kv.cache import BLOCK, KVCache, KVPool, Rows, blocks_for, kv_dtype
 from .kernels import compiling, prefill
 from .kernels.linear import SMALL, Weight, prepare
 from .models import family
@@ -88,26 +90,32 @@ class Model:
         own, its blocks in order."""
         ctx = min(ctx or self.config.max_position_embeddings, self.config.max_position_embeddings)
         blocks = blocks_for(ctx)
-        return KVCache(self.new_pool(blocks, kv_type), identity_table(blocks), ctx)
+        return KVCache.on_pool(self.new_pool(blocks, kv_type), ctx, range(blocks))
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
-                act_sq: np.ndarray | None = None) -> np.ndarray:
-        """Run tokens at positions cache.pos.. and return logits [T, V] (all_logits) or [1, V].
+                act_sq: np.ndarray | None = None, *, draft: Sequence[int] = ()) -> np.ndarray:
+        """Run tokens at positions cache.pos.. (they become the sequence's ids there) and return
+        logits [T, V] (all_logits) or [1, V].
+
+        `draft`: ids guessed to follow, run after `tokens` in the same pass, their logits returned
+        after the last token's ([1 + len(draft), V]) but not kept: the caller adds those it accepts
+        to cache.ids and cache.pos, and the next pass overwrites the keys and values of the rest.
 
         act_sq, if given: each layer's sums of its projections' squared inputs by layer index
         (float64, as the family's act_shape; see decoder_layer), accumulated.
         """
         T, pos0 = len(tokens), cache.pos
+        run = np.asarray([*tokens, *draft], np.int64)
         self._check_pool(cache.pool)
-        if pos0 + T > cache.size:
-            raise ContextFull(f"{pos0 + T} tokens do not fit in the context of {cache.size}")
-        if blocks_for(pos0 + T) > len(cache.table):
-            raise NibbleError(f"the KV cache's block table holds {len(cache.table) * BLOCK} positions, "
-                              f"not the {pos0 + T} this pass needs")
-        logit_rows = np.arange(T) if all_logits else np.array([T - 1])
-        x = self._run(np.asarray(tokens, np.int64), Rows.single(pos0, T, cache.table), cache.pool,
-                      logit_rows, act_sq)
-        cache.advance(tokens)
+        if pos0 + len(run) > cache.size:
+            raise ContextFull(f"{pos0 + len(run)} tokens do not fit in the context of {cache.size}")
+        if blocks_for(pos0 + len(run)) > len(cache.blocks.blocks):
+            raise NibbleError(f"the KV cache's block table holds {len(cache.blocks.blocks) * BLOCK} positions, "
+                              f"not the {pos0 + len(run)} this pass needs")
+        logit_rows = np.arange(len(run)) if all_logits else np.arange(T - 1, len(run))
+        x = self._run(run, Rows.single(pos0, len(run), cache.table), cache.pool, logit_rows, act_sq)
+        cache.ids[pos0:pos0 + T] = [int(t) for t in tokens]
+        cache.pos += T
         return x
 
     def forward_batch(self, tokens, rows: Rows, pool: KVPool, logit_rows) -> np.ndarray:

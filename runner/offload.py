@@ -3,7 +3,7 @@
 The last layers, not the first: the hidden state then crosses to the device once per forward pass
 and, when every layer is offloaded, the output head runs there too and only the logits come back.
 Weights are uploaded once, still quantized; the stage's part of a KVPool lives on the device
-while the KVCache keeps the positions and tokens, so truncating it works as on the CPU: later
+while the KVCache keeps the positions and ids, so truncating it works as on the CPU: later
 passes overwrite the device positions. The device cache is contiguous, not in blocks: the GPU
 runs one sequence whose blocks are in order (Model.new_cache's), and refuses other passes.
 """

@@ -100,19 +100,35 @@ def test_greedy_output_is_the_same_with_drafts(tiny, prompt, monkeypatch):
     assert passes.count < len(plain)   # drafts were accepted: fewer passes than tokens
 
 
+def stored(cache):
+    """The keys and values of the positions that ran, [layers, positions, Hkv, hd] each."""
+    kv = cache.parts[0]
+    keys = kv.k.transpose(0, 1, 4, 2, 3).reshape(kv.k.shape[0], -1, *kv.k.shape[2:4])
+    values = kv.v.transpose(0, 1, 3, 2, 4).reshape(keys.shape)
+    return keys[:, :cache.pos], values[:, :cache.pos]
+
+
 def test_a_stopped_reply_leaves_the_cache_as_without_drafts(tiny):
-    """At each response (where the consumer may stop), the cache holds the prompt and the reply
-    but its last id: a draft's accepted ids come back as one pass a token would give them."""
+    """At each response (where the consumer may stop), the cache's record holds the prompt and
+    the reply so far, every id but the last sampled one run; the keys and values of the ids a
+    draft guessed wrong were overwritten: the cache holds what decoding without drafts stores."""
     model, tok = tiny
     ids = tok.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
     cache, seen = model.new_cache(256), []
     steps = stream_generate(model, tok, ids, sampler=make_sampler(GREEDY), max_tokens=60, cache=cache, draft=8)
     for r in steps:
         seen += r.tokens
-        assert cache.tokens == ids + seen[:-1] and cache.pos == len(cache.tokens)
+        assert cache.ids[:len(ids) + len(seen)] == ids + seen and cache.pos == len(cache.ids) - 1
         if len(seen) > 30:
             steps.close()
-    assert len(seen) > 30 and cache.tokens == ids + seen[:-1]
+    assert len(seen) > 30 and cache.pos == len(cache.ids) - 1
+    plain = model.new_cache(256)
+    for _ in stream_generate(model, tok, ids, sampler=make_sampler(GREEDY), max_tokens=len(cache.ids) - len(ids),
+                             cache=plain, draft=0):
+        pass
+    assert plain.ids == cache.ids and plain.pos == cache.pos
+    for got, want in zip(stored(cache), stored(plain)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_drafts_stay_inside_the_context(tiny):

@@ -12,6 +12,7 @@ from nibble.runner.text.grammar import Grammar, GrammarError
 from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
 from nibble.runner.text.tokenizer import Tokenizer
+from tests.test_cli import notes
 from tests.tiny import tiny_model_dir
 
 SCHEMA = {
@@ -163,8 +164,9 @@ def test_run_json_object_combines_with_json(tiny_dir):
 
 def test_run_says_when_the_json_was_cut(tiny_dir):
     r = invoke("-m", tiny_dir, "--temp", 0, "--json-object", "-n", 3, "Who?")
-    assert r.exit_code == 0 and r.stderr.startswith("the reply ended (length) before its JSON was complete")
-    assert r.stderr.rstrip().endswith("| length")
+    said = notes(r.stderr)
+    assert r.exit_code == 0 and said[0].startswith("the reply ended (length) before its JSON was complete")
+    assert said[-1].endswith("| length")
 
 
 @pytest.mark.parametrize("content,message", [

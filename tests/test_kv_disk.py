@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nibble.runner.kv.blocks import BlockPool, resume
-from nibble.runner.kv.cache import BLOCK
+from nibble.runner.kv.blocks import BlockPool
+from nibble.runner.kv.cache import BLOCK, KVCache
 from nibble.runner.generation.decoding import Request
 from nibble.runner.generation.engine import Engine
 from nibble.runner.generation.generate import stream_generate
@@ -56,21 +56,27 @@ def pool_on_disk(model, limit=GIB, kv_type="f32"):
     return BlockPool(kv, open_disk(model.source, kv, limit))
 
 
+def admitted(pool, ids):
+    """A sequence of CTX positions on `pool`, put on `ids` as the engine admits a request."""
+    cache = KVCache.on_pool(pool.kv, CTX)
+    pool.admit(cache, ids, CTX)
+    return cache
+
+
 def reply(model, tok, ids, cache):
-    """The greedy reply to ids[cache.pos:] on `cache`, and the ids that ran."""
-    text = "".join(r.text for r in stream_generate(model, tok, ids[cache.pos:], sampler=make_sampler(GREEDY, tok),
+    """The greedy reply to ids on `cache` (which may hold a prefix of them)."""
+    return "".join(r.text for r in stream_generate(model, tok, ids, sampler=make_sampler(GREEDY, tok),
                                                     max_tokens=8, cache=cache))
-    return text
 
 
 def run_once(tiny, ids):
     """A reply on a fresh pool with a disk tier, its blocks committed as they would be at its end."""
     model, tok = tiny
     pool = pool_on_disk(model)
-    cache, seq = resume(pool, ids, CTX)
+    cache = admitted(pool, ids)
     text = reply(model, tok, ids, cache)
-    pool.commit(seq, cache.tokens)
-    return pool, seq, text
+    pool.commit(cache)
+    return pool, cache.blocks, text
 
 
 def test_blocks_kept_on_disk_are_read_back_by_a_new_pool_byte_for_byte(tiny, home):
@@ -81,7 +87,8 @@ def test_blocks_kept_on_disk_are_read_back_by_a_new_pool_byte_for_byte(tiny, hom
     assert folder.parent == home / "kv" and len(list(folder.glob("*.kv"))) == (len(ids) + 8 - 1) // BLOCK
 
     pool = pool_on_disk(model)          # another process's, as after a restart
-    cache, again = resume(pool, ids, CTX)
+    cache = admitted(pool, ids)
+    again = cache.blocks
     assert again.cached == again.from_disk == 4 * BLOCK and cache.pos == 4 * BLOCK
     for mine, theirs in zip(again.blocks[:4], seq.blocks[:4]):
         assert [bytes(v) for v in pool._views(mine)] == [bytes(v) for v in first._views(theirs)]
@@ -127,7 +134,8 @@ def test_a_damaged_block_is_deleted_and_never_used(tiny, home, damage):
     second.write_bytes(data)
 
     pool = pool_on_disk(model)
-    cache, again = resume(pool, ids, CTX)
+    cache = admitted(pool, ids)
+    again = cache.blocks
     assert again.cached == again.from_disk == BLOCK   # the first block; the rest leads through the damaged one
     assert not second.exists()
     assert len(pool.cached) == 2 and len(pool.by_hash) == 3   # the two read whole past it kept as cache

@@ -34,7 +34,7 @@ def test_prefill_then_decode_matches_reference(model_type):
     for t in tokens[5:]:
         got.append(model.forward([t], cache)[0])
     np.testing.assert_allclose(np.array(got), want[4:], rtol=1e-4, atol=1e-4)
-    assert cache.pos == 16 and cache.tokens == list(tokens)
+    assert cache.pos == 16 and cache.ids == list(tokens)
 
 
 @pytest.mark.parametrize("scaling", [

@@ -106,14 +106,14 @@ def test_caches_on_one_pool_interleaved_equal_private_caches(kv_type):
     a BlockPool's sequences are: the same logits as each on a cache of its own."""
     model = tiny_model("qwen3", sliding_window=5, use_sliding_window=True, max_window_layers=1)
     pool = model.new_pool(8, kv_type)
-    shared = [KVCache.on_pool(pool, table, 40) for table in ([5, 0, 7], [2, 6, 1])]
+    shared = [KVCache.on_pool(pool, 40, table) for table in ([5, 0, 7], [2, 6, 1])]
     private = [model.new_cache(40, kv_type) for _ in range(2)]
     ids = rng.integers(0, model.config.vocab_size, (2, 40))
     for start, n in [(0, 17), (17, 1), (18, 14), (32, 1), (33, 1)]:
         for s in range(2):
             got = model.forward(ids[s, start:start + n], shared[s])
             np.testing.assert_array_equal(got, model.forward(ids[s, start:start + n], private[s]))
-    assert shared[0].pos == 34 and shared[0].tokens == list(ids[0, :34])
+    assert shared[0].pos == 34 and shared[0].ids == list(ids[0, :34])
 
 
 def test_new_cache_is_an_identity_table_on_a_private_pool():
@@ -140,7 +140,7 @@ def test_rows_out_of_bounds_are_one_line(rows, logit_rows, message):
 
 def test_a_cache_past_its_table_is_refused():
     model = tiny_model()
-    cache = KVCache.on_pool(model.new_pool(4), [3], 64)
+    cache = KVCache.on_pool(model.new_pool(4), 64, [3])
     model.forward(np.arange(16), cache)
     with pytest.raises(NibbleError, match="the KV cache's block table holds 16 positions, not the 17 this pass needs"):
         model.forward([1], cache)
@@ -157,6 +157,6 @@ def test_several_sequences_with_a_gpu_stage_are_refused():
     rows = Rows.of([0, 0], [0, 1], [[0, 1], [2, 3]])
     with pytest.raises(NibbleError, match="^a pass over several sequences runs on the CPU only"):
         model.forward_batch([1, 2], rows, model.new_pool(4), [0, 1])
-    shuffled = KVCache.on_pool(model.new_pool(4), [2, 0], 32)
+    shuffled = KVCache.on_pool(model.new_pool(4), 32, [2, 0])
     with pytest.raises(NibbleError, match="^the GPU runs one sequence whose KV blocks are in order"):
         model.forward([1, 2], shuffled)

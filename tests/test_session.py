@@ -69,7 +69,7 @@ def test_turn_two_prefills_only_the_new_tokens(new_session):
     template = s.tokenizer.chat_template
     conv = [{"role": "system", "content": "Be brief."}, user("The quick brown fox")]
     reply, one, _ = run(s, conv)
-    in_cache = s.tokenizer.decode(s.cache.tokens[one.prompt_tokens:])   # the last token never ran
+    in_cache = s.tokenizer.decode(s.cache.ran[one.prompt_tokens:])   # the last token never ran
     assert reply.startswith(in_cache)
     before = template.render(conv) + in_cache
     conv += [assistant(reply), user("jumps over the lazy dog")]
@@ -113,7 +113,7 @@ def test_regenerate_and_edit_reuse_what_the_cache_holds(new_session):
     first, one, _ = run(s, conv)
     conv += [assistant(first), user("jumps over the lazy dog")]
     _, two, _ = run(s, conv)
-    three_ids = list(s.cache.tokens)
+    three_ids = list(s.cache.ran)
     # Regenerate turn two: its whole prompt, spliced ids included, is still in the cache.
     again, three, _ = run(s, conv)
     assert three.reused == two.prompt_tokens - 1 and three.prefilled == 1
@@ -264,7 +264,7 @@ def test_a_model_that_thinks_streams_its_thinking_apart_from_its_answer(r1):
     assert not any(c.thinking for c in chunks[first_answer:])   # the thinking comes first
     assert last.generation_tokens == REPLY and last.finish_reason == "length"   # thinking counted as before
     assert chunks[-1].thinking_tokens == 4   # the budget's count
-    held = s.tokenizer.decode(s.cache.tokens[last.prompt_tokens:])
+    held = s.tokenizer.decode(s.cache.ran[last.prompt_tokens:])
     assert "</think>" in held   # the cache holds the reply as the model wrote it
 
 

@@ -537,6 +537,8 @@ async def test_the_real_loader_shows_progress_and_reports_a_bad_path(home, tiny_
     app = ChatApp(str(tiny_dir), sampling={"temperature": 0}, max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        # but a first run's compile progress (the kernels this test is the first to run)
+        seen[:] = [(t, p) for t, p in seen if not t.startswith(("loading: compiling", "loading: compiled"))]
         assert [t for t, _ in seen] == ["loading: starting", "loading: starting the runner",
                                         "loading: reading the model", "loading: preparing the kernels",
                                         "ready"]

@@ -98,16 +98,16 @@ class Decoding:
             logits = <a pass over [d.ids[-1]] + draft>   # [len(draft) + 1, V]
 
     The reply ends within `room` (its last id is sampled, never run): "length" there, as at
-    max_tokens. `before`: the ids already in the sequence's cache ahead of the prompt, which the
-    sampler's penalties and the drafts look back on.
+    max_tokens. `ids`: the sequence's record of its ids (KVCache.ids), which holds the prompt and
+    takes each id sampled; None: a list of its own.
     """
 
     def __init__(self, request: Request, tokenizer: Tokenizer, room: int, sampler: Sampler | None = None,
-                 before: Sequence[int] = ()):
+                 ids: list[int] | None = None):
         check(request, room)
         r = self.request = request
         self.tokenizer = tokenizer
-        self.ids = [*before, *r.prompt_ids]       # the sequence: then each id sampled
+        self.ids = ids if ids is not None else list(r.prompt_ids)   # the prompt, then each id sampled
         self.prompt_len = len(self.ids)
         self.asked = r.max_tokens
         self.reply = Reply(tokenizer, min(r.max_tokens, room - len(r.prompt_ids) + 1), r.stop, r.skip_special,

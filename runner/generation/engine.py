@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nibble.formats.errors import NibbleError
-from ..kv.blocks import BlockPool, SeqBlocks
-from ..kv.cache import BLOCK, Rows, blocks_for
+from ..kv.blocks import BlockPool
+from ..kv.cache import BLOCK, KVCache, Rows, blocks_for
 from .decoding import Decoding, Event, Request, Usage, check
 from .generate import PREFILL_CHUNK
 from ..kv.disk import open_disk
@@ -75,13 +75,12 @@ class Handle:
 class _Sequence:
     """A request being served: everything here belongs to the engine thread."""
     handle: Handle
-    blocks: SeqBlocks
-    decoding: Decoding
-    pos: int                   # positions whose keys and values are in the pool
+    cache: KVCache             # its ids, the positions that ran, its blocks in the pool
+    decoding: Decoding         # its reply, sampled into cache.ids
 
     @property
     def prefilling(self) -> bool:
-        return self.pos < self.decoding.prompt_len
+        return self.cache.pos < self.decoding.prompt_len
 
 
 class Engine(ModelThread):
@@ -203,10 +202,11 @@ class Engine(ModelThread):
 
     def _admit(self, handle: Handle) -> _Sequence:
         r = handle.request
-        blocks = self.pool.sequence(r.prompt_ids)
-        decoding = Decoding(r, self.tokenizer, self.ctx)
-        decoding.cached, decoding.from_disk = blocks.cached, blocks.from_disk
-        return _Sequence(handle, blocks, decoding, blocks.cached)
+        cache = KVCache.on_pool(self.pool.kv, self.ctx)
+        cached, from_disk = self.pool.admit(cache, r.prompt_ids, 0)   # blocks for what runs: each step's
+        decoding = Decoding(r, self.tokenizer, self.ctx, ids=cache.ids)
+        decoding.cached, decoding.from_disk = cached, from_disk
+        return _Sequence(handle, cache, decoding)
 
     def _step(self, running: list[_Sequence]):
         """One forward pass: every decoding sequence's last token, and the next chunk of the
@@ -216,25 +216,25 @@ class Engine(ModelThread):
         prompt = next((s for s in running if s.prefilling), None)
         chunk = 0
         if prompt is not None:
-            chunk = min(self.prefill_chunk, prompt.decoding.prompt_len - prompt.pos)
+            chunk = min(self.prefill_chunk, prompt.decoding.prompt_len - prompt.cache.pos)
             batch.append(prompt)
         drafts = {id(s): s.decoding.draft() for s in batch if len(batch) == 1 and s is not prompt}
         tokens, positions, seq, logit_rows, sampled = [], [], [], [], []
         for i, s in enumerate(batch):
-            ids = s.decoding.ids
-            run = ids[s.pos:s.pos + chunk] if s is prompt else ids[s.pos:] + drafts.get(id(s), [])
-            self.pool.reserve(s.blocks, s.pos + len(run))
+            ids, pos = s.cache.ids, s.cache.pos
+            run = ids[pos:pos + chunk] if s is prompt else ids[pos:] + drafts.get(id(s), [])
+            self.pool.reserve(s.cache, pos + len(run))
             tokens += run
-            positions += range(s.pos, s.pos + len(run))
+            positions += range(pos, pos + len(run))
             seq += [i] * len(run)
-            if s.pos + len(run) >= len(ids):   # its last id, and a draft: their logits choose what comes next
-                rows = len(run) - (len(ids) - 1 - s.pos)
+            if pos + len(run) >= len(ids):   # its last id, and a draft: their logits choose what comes next
+                rows = len(run) - (len(ids) - 1 - pos)
                 logit_rows += range(len(tokens) - rows, len(tokens))
                 sampled.append((s, rows))
-        width = max(len(s.blocks.blocks) for s in batch)
+        width = max(len(s.cache.blocks.blocks) for s in batch)
         tables = np.zeros((len(batch), width), np.int32)
         for i, s in enumerate(batch):
-            tables[i, :len(s.blocks.blocks)] = s.blocks.blocks
+            tables[i, :len(s.cache.blocks.blocks)] = s.cache.blocks.blocks
         try:
             logits = self.model.forward_batch(tokens, Rows.of(positions, seq, tables), self.pool.kv, logit_rows)
         except Exception as e:   # NaN in the logits, say: those replies end, the engine goes on
@@ -242,16 +242,16 @@ class Engine(ModelThread):
                 self._end(s, s.decoding.failed(_message(e)))
             return
         if prompt is not None:
-            prompt.pos += chunk
+            prompt.cache.pos += chunk
         first = 0
         for s, rows in sampled:
             if s is not prompt:
-                s.pos += 1   # its last id ran
+                s.cache.pos += 1   # its last id ran
             try:
                 events, kept = s.decoding.next(logits[first:first + rows], drafts.get(id(s), []))
             except Exception as e:   # a grammar that cannot go on, say: this reply ends
                 events, kept = [s.decoding.failed(_message(e))], 0
-            s.pos += kept
+            s.cache.pos += kept   # the draft's ids it kept ran; the next pass overwrites the rest
             for event in events:
                 if event.finish_reason is None:
                     self._emit(s.handle, event)
@@ -259,8 +259,8 @@ class Engine(ModelThread):
                     self._end(s, event)
             first += rows
         for s in batch:
-            if s.pos // BLOCK > len(s.blocks.hashes) and s in self._running:   # a block filled: others may share it
-                self.pool.commit(s.blocks, s.decoding.ids[:s.pos])
+            if s.cache.pos // BLOCK > len(s.cache.blocks.hashes) and s in self._running:   # a block filled: others may share it
+                self.pool.commit(s.cache)
 
     def _end(self, s: _Sequence, last: Event):
         with self._lock:
@@ -271,7 +271,7 @@ class Engine(ModelThread):
 
     def _free(self, s: _Sequence):
         """Its blocks become cache: a follow-up turn finds its prompt and reply there."""
-        self.pool.release(s.blocks, s.decoding.ids[:s.pos])
+        self.pool.release(s.cache)
 
     def _emit(self, handle: Handle, event: Event):
         if handle.cancelled:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..kv.cache import KVCache
-from .decoding import Decoding, Request
+from .decoding import Decoding, Request, check
 from ..model import Model
 from ..text.reasoning import ReasoningSplit
 from .sample import Sampler
@@ -29,7 +29,7 @@ class GenerationResponse:
     no tokens generated yet) follows each chunk but the last."""
     text: str                   # the new text since the previous response
     token: int | None           # the token behind it (None while prefilling and on a final flush)
-    prompt_tokens: int          # tokens prefilled for this call
+    prompt_tokens: int          # tokens prefilled for this call (of the prompt, those the cache did not hold)
     prompt_tps: float           # prefill tokens/s (0 until the first token)
     generation_tokens: int      # tokens generated so far
     generation_tps: float       # decode tokens/s (after the first token)
@@ -45,18 +45,21 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
                     prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
                     draft: int = DEFAULT_DRAFT, reasoning: ReasoningSplit | None = None
                     ) -> Iterator[GenerationResponse]:
-    """Stream the reply to `prompt_ids` (appended to `cache`, a fresh one if None).
+    """Stream the reply to `prompt_ids`, the whole prompt, on `cache` (a fresh one if None): the
+    cache keeps what it holds of the prompt (an earlier turn's, KVCache.keep_prefix; a cache on a
+    BlockPool is put on the prompt by BlockPool.admit first) and the rest is prefilled.
 
     The prompt is prefilled in chunks of at most `prefill_chunk` tokens, with a response (text "",
     token None) after each but the last: the consumer cancels by stopping the iteration, between
-    two chunks or two tokens, and the cache keeps what ran (the last sampled id never runs).
-    Without a `sampler`, the model's sampling defaults apply (tokenizer.sampling). With a
-    `constraint` (a grammar's, runner/text/grammar.py), the reply follows the grammar and ends "stop"
-    where it is complete. `draft`: the most tokens a pass guesses ahead and checks (none with GPU
-    layers), the same reply sooner. With a `reasoning` split (a model that thinks), its thinking
-    comes apart in each response's `thinking`, and its budget holds. A reply that fills the
-    context ends "context". The timings are measured here, from the call; the decode tokens/s
-    count the tokens emitted.
+    two chunks or two tokens, and the cache keeps what ran (cache.ids: the prompt, then the reply
+    so far, whose last sampled id never ran). Without a `sampler`, the model's sampling defaults
+    apply (tokenizer.sampling). With a `constraint` (a grammar's, runner/text/grammar.py), the
+    reply follows the grammar and ends "stop" where it is complete. `draft`: the most tokens a
+    pass guesses ahead and checks (none with GPU layers), the same reply sooner. With a
+    `reasoning` split (a model that thinks), its thinking comes apart in each response's
+    `thinking`, and its budget holds. A reply that fills the context ends "context". The
+    timings are measured here, from the call; the decode tokens/s count the tokens emitted;
+    prompt_tokens counts the tokens prefilled.
     """
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
@@ -64,7 +67,11 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
     request = Request(list(prompt_ids), tokenizer.sampling, max_tokens, tuple(stop), constraint,
                       skip_special=reasoning is None, reasoning=reasoning,
                       draft=draft if model.gpu_stage is None else 0)
-    decoding = Decoding(request, tokenizer, cache.size - cache.pos, sampler, before=cache.tokens)
+    check(request, cache.size)   # before the cache lets go of what it holds
+    cached = cache.keep_prefix(prompt_ids)
+    decoding = Decoding(request, tokenizer, cache.size, sampler, ids=cache.ids)
+    decoding.cached = cached
+    prefill = len(prompt_ids) - decoding.cached
     start = time.perf_counter()
     first, prompt_tps = 0.0, 0.0
 
@@ -73,34 +80,24 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
         now = time.perf_counter()
         decode_tps = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         if e is None:   # a prefill chunk ran
-            return GenerationResponse("", None, len(prompt_ids), 0.0, 0, 0.0, 0.0, None)
+            return GenerationResponse("", None, prefill, 0.0, 0, 0.0, 0.0, None)
         reason = "context" if e.finish_reason == "length" and decoding.at_context else e.finish_reason
-        return GenerationResponse(e.text, e.tokens[-1] if e.tokens else None, len(prompt_ids), prompt_tps, n,
+        return GenerationResponse(e.text, e.tokens[-1] if e.tokens else None, prefill, prompt_tps, n,
                                   decode_tps, first - start, reason, e.thinking, e.tokens)
 
-    done = 0
-    while len(prompt_ids) - done > prefill_chunk:
-        model.forward(prompt_ids[done:done + prefill_chunk], cache)
-        done += prefill_chunk
+    while len(prompt_ids) - cache.pos > prefill_chunk:
+        model.forward(prompt_ids[cache.pos:cache.pos + prefill_chunk], cache)
         yield response()
-    logits, proposed = model.forward(prompt_ids[done:], cache)[-1:], []
-    given = decoding.prompt_len   # the sequence's ids the consumer has: the prompt, then the reply's
+    logits, proposed = model.forward(prompt_ids[cache.pos:], cache), []
     while True:
-        ran = cache.pos - len(proposed)   # the pass ran the last id, then the draft: these stay
         events, kept = decoding.next(logits, proposed)
-        ran += kept
+        cache.pos += kept   # the draft's ids it kept ran; the next pass overwrites the rest
         if not first:
             first = time.perf_counter()
-            prompt_tps = len(prompt_ids) / (first - start)
-        # At each response the cache holds what one pass a token would have: the ids given but
-        # the last (a draft's kept ids, their keys and values stored, come back one by one).
-        cache.truncate(ran - kept - 1)
+            prompt_tps = prefill / (first - start)
         for e in events:
-            given += len(e.tokens)
-            cache.advance(decoding.ids[cache.pos:min(ran, max(decoding.prompt_len, given - 1))])
             yield response(e)
-        cache.advance(decoding.ids[cache.pos:ran])
         if decoding.done:
             return
         proposed = decoding.draft()
-        logits = model.forward([decoding.ids[-1]] + proposed, cache, all_logits=bool(proposed))
+        logits = model.forward(cache.ids[cache.pos:], cache, draft=proposed)

@@ -19,12 +19,10 @@ cache past its prompt.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-import numpy as np
-
-from ..kv.blocks import BlockPool, SeqBlocks
+from ..kv.blocks import BlockPool
 from ..kv.cache import KVCache
 from .generate import PREFILL_CHUNK, stream_generate
 from ..model import ContextFull, Model
@@ -94,8 +92,7 @@ class ChatSession:
             self.cache = model.new_cache(ctx, kv_type)
         else:
             longest = model.config.max_position_embeddings
-            self.cache = KVCache.on_pool(pool.kv, np.zeros(0, np.int32), min(ctx or longest, longest))
-            self.blocks = SeqBlocks()   # the cache's blocks in the pool
+            self.cache = KVCache.on_pool(pool.kv, min(ctx or longest, longest))
         self.kv_type = kv_type
         model.threads.pin(threads)
         self.prefill_chunk = prefill_chunk   # prompt tokens per forward pass of a long prefill
@@ -183,14 +180,10 @@ class ChatSession:
         ids = prompt.ids
         self.last_prompt_ids = ids
         cache = self.cache
-        # Keep what the cache shares with the new prompt; the last prompt token always runs,
-        # since its logits choose the reply's first token.
-        reused = min(_common_prefix(cache.tokens, ids), len(ids) - 1)
-        from_disk = 0
-        if self.pool is None:
-            cache.truncate(reused)
-        else:
-            reused, from_disk = self._place(ids, reused, min(len(ids) + max_tokens, cache.size))
+        if self.pool is None:   # keep what the cache shares with the new prompt
+            reused, from_disk = cache.keep_prefix(ids), 0
+        else:   # or where the pool holds more of it: another chat's blocks, say
+            reused, from_disk = self.pool.admit(cache, ids, min(len(ids) + max_tokens, cache.size))
         stats = TurnStats(prompt_tokens=len(ids), reused=reused, from_disk=from_disk, prefilled=len(ids) - reused,
                           dropped=dropped, ctx_used=cache.pos, ctx_size=cache.size)
         yield ChatChunk("", stats)
@@ -198,7 +191,7 @@ class ChatSession:
         sampler = make_sampler(settings or self.tokenizer.sampling, self.tokenizer)
         answer = []
         try:
-            for r in stream_generate(self.model, self.tokenizer, ids[reused:], sampler=sampler,
+            for r in stream_generate(self.model, self.tokenizer, ids, sampler=sampler,
                                      max_tokens=max_tokens, cache=cache, prefill_chunk=self.prefill_chunk,
                                      draft=self.draft, reasoning=prompt.split):
                 stats = replace(stats, generation_tokens=r.generation_tokens, prompt_tps=r.prompt_tps,
@@ -210,35 +203,14 @@ class ChatSession:
             thought = prompt.split is not None and prompt.split.thinking_tokens > 0
             self._remember(prompt, None if thought else "".join(answer))
             if self.pool is not None:   # its full blocks shared, and kept on disk where the pool has a tier
-                self.pool.commit(self.blocks, cache.tokens)
-
-    def _place(self, ids: list[int], reused: int, positions: int) -> tuple[int, int]:
-        """Put the cache where the pool holds most of `ids`: on its own blocks, cut to the
-        `reused` positions it shares with them, or on the blocks of a conversation it left
-        earlier if they hold more (the pool's, or its disk tier's). Give it blocks for `positions`
-        positions. -> (positions reused, of those read back from disk)."""
-        pool, cache = self.pool, self.cache
-        found = pool.sequence(ids)
-        from_disk = 0
-        if found.cached > reused:   # another chat, say, that the pool (or its disk) still holds
-            pool.release(self.blocks, cache.tokens)
-            self.blocks, reused, from_disk = found, found.cached, found.from_disk
-            cache.tokens[:] = ids[:reused]
-            cache.pos = reused
-        else:
-            pool.release(found, ids[:found.cached])
-            pool.truncate(self.blocks, cache.tokens, reused)
-            cache.truncate(reused)
-        pool.reserve(self.blocks, positions)
-        cache.table = np.array(self.blocks.blocks, np.int32)
-        return reused, from_disk
+                self.pool.commit(cache)
 
     def _remember(self, prompt: Prompt, answer: str | None):
         """Note the ids behind the cache's text: the prompt, then the reply as far as its tokens
         ran (the last sampled token never does). The reply is noted only where its tokens spell
         `answer`, the text the next turn's template is given: not where the model thought (None),
         since its tokens spell the thinking too, which the template renders its own way, if at all."""
-        tokens = self.cache.tokens
+        tokens = self.cache.ran
         if tokens[:len(prompt.ids)] != prompt.ids:
             return   # the prefill was stopped halfway
         self.memo.remember(prompt.text, prompt.ids)
@@ -248,10 +220,3 @@ class ChatSession:
         if said and answer.startswith(said):
             self.memo.remember(prompt.text + said, tokens)
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

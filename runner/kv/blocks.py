@@ -21,32 +21,15 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from nibble.formats.errors import NibbleError
-from .cache import BLOCK, HostKV, KVCache, KVPool
+from .cache import BLOCK, ROOT, HostKV, KVCache, KVPool, SeqBlocks, shared_prefix
 from .disk import DiskBlocks
-
-ROOT = bytes(16)   # the parent of a sequence's first block
-
 
 class PoolFull(NibbleError):
     """Every block is held by a running sequence."""
-
-
-@dataclass
-class SeqBlocks:
-    """One sequence's blocks: position p lives in blocks[p // BLOCK], at offset p % BLOCK."""
-    blocks: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)   # the chain of its leading full blocks
-    cached: int = 0      # positions found in the pool when the sequence was made
-    from_disk: int = 0   # of those, the ones read back from the disk tier
-
-    @property
-    def parent(self) -> bytes:
-        return self.hashes[-1] if self.hashes else ROOT
 
 
 def block_hash(parent: bytes, ids: Sequence[int], partial: bool = False) -> bytes:
@@ -61,10 +44,10 @@ class BlockPool:
     """Refcounted blocks, their hashes, and the LRU of the hashed blocks nobody holds.
 
         pool = BlockPool(model.new_pool(blocks), disk)   # disk: disk.open_disk(...) or None
-        seq = pool.sequence(ids)          # seq.cached positions are already there
-        pool.reserve(seq, len(ids))       # blocks for the rest; run ids[seq.cached:]
-        pool.commit(seq, ids)             # hash the blocks that became full
-        pool.release(seq, ids)            # when done: its blocks become cache
+        cache = KVCache.on_pool(pool.kv, size)
+        pool.admit(cache, ids, size)      # cache.pos positions are already there: run ids[cache.pos:]
+        pool.commit(cache)                # hash the blocks that became full
+        pool.release(cache)               # when done: its blocks become cache
 
     `kv` holds the keys and values (the model's KVPool; forward_batch takes it). One thread uses
     a pool at a time.
@@ -114,17 +97,40 @@ class BlockPool:
                 break
         return seq
 
-    def reserve(self, seq: SeqBlocks, positions: int):
-        """Give `seq` blocks enough for `positions` positions (evicting cached blocks if needed)."""
-        while len(seq.blocks) * BLOCK < positions:
+    def admit(self, cache: KVCache, ids: Sequence[int], positions: int) -> tuple[int, int]:
+        """Make `ids` the sequence of `cache` (a sequence of this pool: a new one, or one that ran
+        before), on whichever holds more of them: its own blocks, cut to the prefix they share,
+        or the blocks the pool (or its disk tier) has of them, another sequence's say. Give it
+        blocks for `positions` positions. -> (positions that need not run, of those read back
+        from disk)."""
+        found, ran = self.sequence(ids), cache.ran
+        reused, from_disk = shared_prefix(ran, ids), 0
+        if found.cached > reused:   # another chat, say, that the pool (or its disk) still holds
+            self._release(cache.blocks, ran)
+            cache.blocks, reused, from_disk = found, found.cached, found.from_disk
+        else:
+            self._release(found, ids[:found.cached])
+            self._truncate(cache.blocks, ran, reused)
+        cache.ids[:], cache.pos = ids, reused
+        self.reserve(cache, positions)
+        return reused, from_disk
+
+    def reserve(self, cache: KVCache, positions: int):
+        """Give `cache` blocks enough for `positions` positions (evicting cached blocks if needed)."""
+        blocks = cache.blocks.blocks
+        while len(blocks) * BLOCK < positions:
             block = self._allocate()
             self.refs[block] = 1
-            seq.blocks.append(block)
+            blocks.append(block)
 
-    def commit(self, seq: SeqBlocks, ids: Sequence[int]):
+    def commit(self, cache: KVCache):
+        """Hash the blocks that the ids that ran fill, so that other sequences can find them."""
+        self._commit(cache.blocks, cache.ran)
+
+    def _commit(self, seq: SeqBlocks, ids: Sequence[int]):
         """Hash the blocks that `ids` (the ids at positions 0.. whose keys and values are written)
-        fill, so that other sequences can find them. A block whose hash another block already has
-        stays unhashed (two sequences prefilled the same prefix at once): it is freed when done."""
+        fill. A block whose hash another block already has stays unhashed (two sequences
+        prefilled the same prefix at once): it is freed when done."""
         for i in range(len(seq.hashes), len(ids) // BLOCK):
             h = block_hash(seq.parent, ids[i * BLOCK:(i + 1) * BLOCK])
             seq.hashes.append(h)
@@ -133,16 +139,24 @@ class BlockPool:
                 if self.disk is not None:
                     self.disk.save(h, self._views(seq.blocks[i]))
 
-    def release(self, seq: SeqBlocks, ids: Sequence[int]):
+    def release(self, cache: KVCache):
         """The sequence is done: its blocks become cache (hashed: full ones, and its partly
-        filled last block if `ids`, its written ids, end in one) or free."""
+        filled last block if the ids that ran end in one) or free."""
+        self._release(cache.blocks, cache.ran)
+
+    def truncate(self, cache: KVCache, pos: int):
+        """Forget positions pos.. of the sequence; the blocks past them become cache."""
+        self._truncate(cache.blocks, cache.ran, pos)
+        cache.truncate(pos)
+
+    def _release(self, seq: SeqBlocks, ids: Sequence[int]):
         self._drop(seq, ids, 0)
         seq.hashes.clear()
 
-    def truncate(self, seq: SeqBlocks, ids: Sequence[int], pos: int):
-        """Keep positions ..pos-1 of the sequence whose written ids are `ids`; the blocks past
-        them become cache. A kept block that is hashed is copied to a fresh one first: pos..
-        will be overwritten, and its hash (maybe another sequence's block too) must stay true."""
+    def _truncate(self, seq: SeqBlocks, ids: Sequence[int], pos: int):
+        """Keep positions ..pos-1 of the blocks `seq` whose written ids are `ids`. A kept block
+        that is hashed is copied to a fresh one first: pos.. will be overwritten, and its hash
+        (maybe another sequence's block too) must stay true."""
         keep = -(-pos // BLOCK)
         self._drop(seq, ids, keep)
         del seq.hashes[pos // BLOCK:]
@@ -156,7 +170,7 @@ class BlockPool:
 
     def _drop(self, seq: SeqBlocks, ids: Sequence[int], keep: int):
         """Let go of seq.blocks[keep:], hashing what they hold first."""
-        self.commit(seq, ids)
+        self._commit(seq, ids)
         full = len(ids) // BLOCK
         if len(ids) % BLOCK and keep <= full < len(seq.blocks) and self.refs[seq.blocks[full]] == 1:
             parent = seq.hashes[full - 1] if full else ROOT
@@ -224,17 +238,6 @@ class BlockPool:
         if h is not None:
             del self.by_hash[h]
         self.cached.pop(block, None)
-
-
-def resume(pool: BlockPool, ids: Sequence[int], size: int) -> tuple[KVCache, SeqBlocks]:
-    """A cache of `size` positions on `pool` (blocks for all of them reserved) holding the longest
-    prefix of `ids` that the pool or its disk tier has (its positions filled: run ids[cache.pos:]);
-    and its blocks, to commit once it ran."""
-    seq = pool.sequence(ids)
-    pool.reserve(seq, size)
-    cache = KVCache.on_pool(pool.kv, seq.blocks, size)
-    cache.advance(ids[:seq.cached])
-    return cache, seq
 
 
 def _copy(kv: KVPool, src: int, dst: int):

@@ -6,13 +6,20 @@ and values of its own layers where they run (HostKV on the CPU, device arrays on
 KVCache is one sequence: its block table into a pool, and its positions and tokens. By default
 (Model.new_cache) it has a private pool and the identity table, block i holding positions
 16i..16i+15; a BlockPool (runner/kv/blocks.py) hands out blocks of a shared pool instead
-(KVCache.on_pool). Truncating forgets positions; the next pass overwrites the stale rows.
+(KVCache.on_pool). Cutting `pos` back forgets positions; the next pass overwrites the stale rows.
+
+A KVCache is also the one record of its sequence that generation keeps: the ids (the prompt,
+then each id sampled), how many of them ran, and the block table. A one-shot reply, a chat and
+the serving engine each keep a sequence in one, and put it on a prompt the same way
+(BlockPool.admit; keep_prefix where the blocks are its own). A pass that runs a draft stores its
+keys and values past the positions it keeps: what the sampler rejects is overwritten by the next.
 
 A pass over several sequences names, for each of its rows, the sequence and the position (Rows):
 the kernels store the row's key and value at its position in its sequence's blocks, then attend
 over that sequence's positions up to it.
 """
 import mmap
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -103,21 +110,40 @@ class KVPool:
     blocks: int           # how many blocks it holds
 
 
+ROOT = bytes(16)   # the parent of a sequence's first block (runner/kv/blocks.py's hashes)
+
+
+@dataclass
+class SeqBlocks:
+    """A sequence's block table: position p lives in blocks[p // BLOCK], at offset p % BLOCK."""
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)   # the chain of its leading full blocks
+    cached: int = 0      # positions found in the pool when the table was looked up (BlockPool.sequence)
+    from_disk: int = 0   # of those, the ones read back from the disk tier
+
+    @property
+    def parent(self) -> bytes:
+        return self.hashes[-1] if self.hashes else ROOT
+
+
 @dataclass
 class KVCache:
-    """One sequence on a pool: its blocks, positions and tokens."""
+    """One sequence on a pool: its ids, the positions that ran, its blocks."""
     pool: KVPool
-    table: np.ndarray     # [blocks] int32: its blocks in order (position p is in table[p // BLOCK])
     size: int             # positions the context holds
-    pos: int = 0          # positions filled
-    tokens: list[int] = field(default_factory=list)  # the ids behind those positions
+    blocks: SeqBlocks     # its blocks in order (the table may grow, as long as it covers each pass)
+    ids: list[int] = field(default_factory=list)   # the sequence: ids[:pos] ran, ids[pos:] are to run
+    pos: int = 0          # positions whose keys and values are stored
 
     @classmethod
-    def on_pool(cls, pool: KVPool, table, size: int) -> "KVCache":
-        """A sequence of up to `size` positions in the blocks `table` of a shared pool (the caller
-        owns the blocks: runner/kv/blocks.py). The table may grow later, as long as it covers the
-        positions of each pass."""
-        return cls(pool, np.ascontiguousarray(table, np.int32), size)
+    def on_pool(cls, pool: KVPool, size: int, blocks: Iterable[int] = ()) -> "KVCache":
+        """A sequence of up to `size` positions in the `blocks` of a pool (none yet: a BlockPool
+        gives them, runner/kv/blocks.py)."""
+        return cls(pool, size, SeqBlocks(list(blocks)))
+
+    @property
+    def table(self) -> np.ndarray:
+        return np.asarray(self.blocks.blocks, np.int32)
 
     @property
     def parts(self) -> list:
@@ -127,14 +153,30 @@ class KVCache:
     def stages(self) -> list:
         return self.pool.stages
 
-    def advance(self, tokens):
-        self.pos += len(tokens)
-        self.tokens.extend(int(t) for t in tokens)
+    @property
+    def ran(self) -> list[int]:
+        """The ids whose keys and values are stored."""
+        return self.ids[:self.pos]
 
     def truncate(self, pos: int):
-        """Forget positions pos.. (their values are overwritten on the next store)."""
+        """Forget positions pos.. and the ids there (their keys and values are overwritten on the
+        next store)."""
         self.pos = min(self.pos, pos)
-        del self.tokens[self.pos:]
+        del self.ids[self.pos:]
+
+    def keep_prefix(self, ids: Sequence[int]) -> int:
+        """Make `ids` the sequence, keeping the positions that ran of the prefix it shares with
+        them (on its own blocks; a BlockPool's sequence: BlockPool.admit). -> positions kept."""
+        self.pos = shared_prefix(self.ran, ids)
+        self.ids[:] = ids
+        return self.pos
+
+
+def shared_prefix(ran: Sequence[int], ids: Sequence[int]) -> int:
+    """Of the positions a sequence that ran `ran` holds, those that a sequence of `ids` keeps: the
+    prefix they share, but the last of `ids` (its logits choose what follows: it always runs)."""
+    n = min(len(ran), len(ids) - 1)
+    return next((i for i in range(n) if ran[i] != ids[i]), max(n, 0))
 
 
 def _lazy_zeros(shape, dtype) -> np.ndarray:

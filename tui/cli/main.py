@@ -344,13 +344,13 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     else:
         prompt_text, split = chat_prompt(tokenizer, build_messages(text, system), thinking, forced=grammar is not None)
         ids = tokenizer.encode(prompt_text)
-    cache, pool, seq = _prompt_cache(llm, ids, ctx_size, kv_cache, kv_disk)
+    cache, pool = _prompt_cache(llm, ids, ctx_size, kv_cache, kv_disk)
     cached = cache.pos
     constraint = grammar.constraint(tokenizer) if grammar else None
     shown = PrintedReply(as_json, hide_thinking)
     last = None
     try:
-        for last in stream_generate(llm, tokenizer, ids[cached:], sampler=make_sampler(sampling, tokenizer),
+        for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling, tokenizer),
                                     max_tokens=max_tokens, stop=stop, cache=cache, constraint=constraint,
                                     draft=draft, reasoning=split):
             shown.add(last.thinking, last.text)
@@ -361,7 +361,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
         sys.exit(130)
     finally:   # what ran is kept on disk for the next run with the same prefix
         if pool is not None:
-            pool.commit(seq, cache.tokens)
+            pool.commit(cache)
     shown.end()
     if grammar and last and last.finish_reason != "stop":
         _say(f"the reply ended ({last.finish_reason}) before its JSON was complete: raise -n or -c")
@@ -369,20 +369,20 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
 
 
 def _prompt_cache(llm, ids: list[int], ctx_size: int, kv_type: str, kv_disk: int):
-    """-> (the cache run's reply goes on, holding what the disk tier has of `ids`; the pool and the
-    sequence of blocks to keep on disk once it ran, or None, None where there is no disk tier)."""
-    from nibble.runner.kv.blocks import BlockPool, resume
-    from nibble.runner.kv.cache import blocks_for
+    """-> (the cache run's reply goes on, holding what the disk tier has of `ids`; the pool to keep
+    its blocks on disk once it ran, or None where there is no disk tier)."""
+    from nibble.runner.kv.blocks import BlockPool
+    from nibble.runner.kv.cache import KVCache, blocks_for
     from nibble.runner.kv.disk import open_disk
     if llm.gpu_stage is not None:   # a pool of blocks lives on the CPU only
-        return llm.new_cache(ctx_size, kv_type), None, None
+        return llm.new_cache(ctx_size, kv_type), None
     kv = llm.new_pool(blocks_for(ctx_size), kv_type)
     disk = open_disk(llm.source, kv, kv_disk)
     if disk is None:
-        return llm.new_cache(ctx_size, kv_type), None, None
-    pool = BlockPool(kv, disk)
-    cache, seq = resume(pool, ids, ctx_size)
-    return cache, pool, seq
+        return llm.new_cache(ctx_size, kv_type), None
+    pool, cache = BlockPool(kv, disk), KVCache.on_pool(kv, ctx_size)
+    pool.admit(cache, ids, ctx_size)   # as the engine admits a request
+    return cache, pool
 
 
 class PrintedReply:
