@@ -13,7 +13,7 @@ from nibble.quant.convert import read_linear
 from .background import Background
 from .kv.cache import BLOCK, KVCache, KVPool, Rows, blocks_for, kv_dtype
 from .kernels import compiling, prefill
-from .kernels.linear import SMALL, Weight, prepare
+from .kernels.linear import SMALL, Weight, prepare, read_only
 from .models import family
 from .stages import CPUStage
 from .threads import ThreadChooser
@@ -43,14 +43,15 @@ class Model:
             raise NibbleError(f"{c.model_type} is an encoder, an embedding model: it embeds text "
                               f"(nibble embed), it does not generate")
         get = TensorGetter(tensors, c.quantization)
-        self.embed = get.linear("model.embed_tokens", (c.vocab_size, D))     # [V, D]
+        self.embed = read_only(get.linear("model.embed_tokens", (c.vocab_size, D)))   # [V, D]
         self.embed_scale = self.family.embed_scale(c, self.embed)           # on the embedded rows
         self.norm = self.family.norm(get, "model.norm.weight", (D,))         # [D]
         if head and self.norm is not None and self.family.logits_scale(c) != 1:   # logits = norm(x) . lm_head
             self.norm = self.norm * np.float32(self.family.logits_scale(c))
+        self.norm = read_only(self.norm)
         self.lm_head = (None if not head else self.embed if c.tie_word_embeddings
-                        else get.linear("lm_head", (c.vocab_size, D)))       # [V, D]
-        self.layers = [self.family.layer_weights(get, c, i) for i in range(c.num_hidden_layers)]
+                        else read_only(get.linear("lm_head", (c.vocab_size, D))))   # [V, D]
+        self.layers = [read_only(self.family.layer_weights(get, c, i)) for i in range(c.num_hidden_layers)]
         get.raise_if_missing()
         self.ropes = self.family.ropes(c, c.max_position_embeddings)   # each layer's (cos, sin)
         self.stages = [CPUStage(self, 0, len(self.layers), head=head)]   # see stages.py

@@ -11,6 +11,7 @@ from nibble.formats.errors import NibbleError
 from ..background import Background
 from ..kv.cache import HostKV, Rows, blocks_for
 from ..kernels import compiling, cpu, prefill
+from ..kernels.linear import read_only
 from ..model import Model, TensorGetter
 from ..models import family
 from ..stages import CPUStage
@@ -28,7 +29,7 @@ class Encoder:
         if self.family.encoder:
             get = TensorGetter(tensors, c.quantization)
             self.embeddings, self.decoder = self.family.Embeddings(get, c), None
-            self.layers = [self.family.layer_weights(get, c, i) for i in range(c.num_hidden_layers)]
+            self.layers = [read_only(self.family.layer_weights(get, c, i)) for i in range(c.num_hidden_layers)]
             get.raise_if_missing()
             self.ropes = self.family.ropes(c, c.max_position_embeddings)
         else:

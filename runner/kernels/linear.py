@@ -79,6 +79,18 @@ def prepare(qt: QuantizedTensor) -> QuantizedTensor:
     return kind(*_read_only(weight, as32(qt.scales), as32(qt.biases)), bits, group_size, False, values, high)
 
 
+def read_only(weights):
+    """`weights` (an array, or named tuples of them as the kernels take a block's) with every
+    writable array in it a read-only view: numba compiles each kernel once per array type, and
+    a block's type holds its norms', biases' and float weights' too (_read_only)."""
+    if isinstance(weights, np.ndarray):
+        return _read_only(weights)[0] if weights.flags.writeable else weights
+    if isinstance(weights, tuple):
+        parts = [read_only(w) for w in weights]
+        return type(weights)(*parts) if hasattr(weights, "_fields") else tuple(parts)
+    return weights
+
+
 def _read_only(*arrays: np.ndarray) -> list[np.ndarray]:
     """Read-only views: the kernels never write a weight, and numba compiles a kernel once for each
     array type, writable or not. A memory-mapped file's weights are read-only; as views, weights
