@@ -142,12 +142,11 @@ def main():
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.tokens)
-    start = time.perf_counter()
     results = run(args.kills, args.seed, tokens=args.tokens)
     for i, k in enumerate(results, 1):
         print(json.dumps({"kill": i, **k._asdict(), "lost": k.lost}))
     lost = [k.lost for k in results]
-    print(f"{len(results)} kills in {time.perf_counter() - start:.0f} s: tokens lost at most {max(lost)}, "
+    print(f"{len(results)} kills: tokens lost at most {max(lost)}, "
           f"mean {sum(lost) / len(lost):.1f}; interrupted {sum(k.finish == 'interrupted' for k in results)}, "
           f"dropped before a word {sum(k.finish is None for k in results)}; "
           f"all prefixes of the greedy reply: {all(k.prefix for k in results)}")

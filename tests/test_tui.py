@@ -1,6 +1,5 @@
 """The chat app, driven headless with Textual pilots on the tiny seeded model."""
 import threading
-import time
 import types
 
 import pytest
@@ -66,10 +65,11 @@ def held(monkeypatch):
         worker, hold = get_current_worker(), first.pop() if first else False
         for n, r in enumerate(real(*args, **kwargs)):
             if hold and n == HELD:
+                stopped, cancel = threading.Event(), worker.cancel
+                worker.cancel = lambda: (cancel(), stopped.set())
                 responses.reached.set()
-                give_up = time.monotonic() + 60   # a turn never stopped: let it end, and the test fail
-                while not worker.is_cancelled and time.monotonic() < give_up:
-                    time.sleep(0.001)
+                if not worker.is_cancelled:
+                    stopped.wait(60)   # a turn never stopped: let it end, and the test fail
             responses.append(r)
             yield r
     monkeypatch.setattr(session_module, "stream_generate", held_reply)
