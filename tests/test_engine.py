@@ -158,6 +158,24 @@ def test_busy_past_parallel_and_queue(tiny):
     e.close()
 
 
+@pytest.mark.parametrize("where", ["admission", "step"])
+def test_a_fault_in_the_engine_ends_its_replies_and_the_engine_goes_on(engine, tiny, where):
+    """Not a reply's own error (NaN logits, a grammar's dead end: the step ends those) but the
+    engine's, admitting the request or running a step: the replies it touched end with the
+    error, and the next request is served."""
+    ids = tiny[1].encode("The quick brown fox")
+    reserve, faults = engine.pool.reserve, [RuntimeError("a fault")]
+
+    def faulty(cache, positions):   # admission reserves no positions, a step those it runs
+        if faults and (positions == 0) == (where == "admission"):
+            raise faults.pop()
+        return reserve(cache, positions)
+    engine.pool.reserve = faulty
+    last = submit(engine, ids).last()
+    assert (last.finish_reason, last.error) == ("error", "RuntimeError: a fault") and engine.running == 0
+    assert submit(engine, ids).text() == alone(tiny, ids)
+
+
 def test_drain_ends_running_and_waiting_replies_with_stop(tiny):
     e = Engine(*tiny, parallel=1, queue=4, ctx=256)
     p = prompts(tiny[1])[0]

@@ -179,9 +179,16 @@ class Engine(ModelThread):
                 if self._draining:
                     unstarted = list(self._waiting)
                     self._waiting.clear()
+                refused = []
                 while self._waiting and len(self._running) < self.parallel:
-                    self._running.append(self._admit(self._waiting.popleft()))
+                    handle = self._waiting.popleft()
+                    try:
+                        self._running.append(self._admit(handle))
+                    except Exception as e:   # the disk tier unreadable, say: this request ends
+                        refused.append((handle, e))
                 running, draining, closed = list(self._running), self._draining, self._closed
+            for h, e in refused:
+                self._emit(h, Event("", (), "error", Usage(len(h.request.prompt_ids), 0, 0), _message(e)))
             for s in cancelled:
                 self._free(s)
             for h in unstarted:
@@ -190,7 +197,11 @@ class Engine(ModelThread):
                 for s in running:
                     self._end(s, s.decoding.close("stop"))
             elif running:
-                self._step(running)
+                try:
+                    self._step(running)
+                except Exception as e:   # a fault of the step itself: its replies end, the engine goes on
+                    for s in running:
+                        self._end(s, s.decoding.failed(_message(e)))
             if closed and not running:
                 return
 
@@ -264,8 +275,9 @@ class Engine(ModelThread):
 
     def _end(self, s: _Sequence, last: Event):
         with self._lock:
-            if s in self._running:
-                self._running.remove(s)
+            if s not in self._running:
+                return   # ended already
+            self._running.remove(s)
         self._free(s)
         self._emit(s.handle, last)
 
