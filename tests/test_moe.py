@@ -6,7 +6,7 @@ import pytest
 
 from nibble.quant.affine import AffineScheme, dequantize, quantize
 from nibble.runner.kernels import moe
-from nibble.runner.kernels.linear import prepare
+from nibble.runner.kernels.linear import prepare, read_only
 from nibble.runner.models import switch_layers
 from tests import reference
 
@@ -27,8 +27,9 @@ def stacked(ws: np.ndarray, bits: int):
     quantized = [quantize(w, AffineScheme(bits, 32), method="rtn") for w in ws]
     parts = [prepare(q) for q in quantized]
     kind, p = type(parts[0]), parts[0]
-    return (kind(*(np.stack([getattr(q, f) for q in parts]) for f in ("weight", "scales", "biases")),
-                 p.bits, p.group_size, p.bf16),
+    # read-only, as prepare and a model's loader give every weight (the kernels' type says so)
+    return (read_only(kind(*(np.stack([getattr(q, f) for q in parts]) for f in ("weight", "scales", "biases")),
+                           p.bits, p.group_size, p.bf16)),
             np.stack([dequantize(q) for q in quantized]))
 
 
