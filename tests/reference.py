@@ -471,3 +471,53 @@ def _keep_better(candidate, best_s, best_b, best_err) -> None:
     np.copyto(best_s, s, where=better)
     np.copyto(best_b, b, where=better)
     np.copyto(best_err, err, where=better)
+
+
+def gemma3_pixels(rgb: np.ndarray, size: int) -> np.ndarray:
+    """An image's RGB pixels [H, W, 3] uint8 as Gemma 3's image processor gives them to the tower:
+    resized to size x size (PIL's bilinear), scaled to [-1, 1] ((x / 255 - 0.5) / 0.5), [3, size, size]."""
+    from PIL import Image
+    resized = np.asarray(Image.fromarray(rgb).resize((size, size), Image.Resampling.BILINEAR), np.float64)
+    return ((resized / 255 - 0.5) / 0.5).transpose(2, 0, 1)
+
+
+def siglip_tower(vision: dict, W: dict, pixels: np.ndarray, prefix="model.vision_tower.") -> np.ndarray:
+    """A SigLIP vision tower's last hidden states [patches, D] (post-LayerNorm) of pixels [3, H, W]:
+    patches through the convolution (one patch a row), learned positions, pre-LayerNorm layers of
+    bidirectional attention and a GELU (tanh) MLP."""
+    p, heads, eps = vision["patch_size"], vision["num_attention_heads"], vision["layer_norm_eps"]
+    f = lambda name: W[prefix + name].astype(np.float64)
+    C, H, Wd = pixels.shape
+    gh, gw = H // p, Wd // p
+    patches = pixels.reshape(C, gh, p, gw, p).transpose(1, 3, 0, 2, 4).reshape(gh * gw, C * p * p)
+    conv = f("embeddings.patch_embedding.weight")
+    x = patches @ conv.reshape(conv.shape[0], -1).T + f("embeddings.patch_embedding.bias")
+    x = x + f("embeddings.position_embedding.weight")[:gh * gw]
+    N, D = x.shape
+    hd = D // heads
+    for i in range(vision["num_hidden_layers"]):
+        layer = lambda name: f(f"encoder.layers.{i}.{name}")
+        h = layernorm(x, layer("layer_norm1.weight"), layer("layer_norm1.bias"), eps)
+        q, k, v = ((h @ layer(f"self_attn.{n}_proj.weight").T + layer(f"self_attn.{n}_proj.bias"))
+                   .reshape(N, heads, hd).transpose(1, 0, 2) for n in "qkv")
+        scores = q @ k.transpose(0, 2, 1) * hd ** -0.5
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        att = (scores / scores.sum(-1, keepdims=True)) @ v
+        x = x + att.transpose(1, 0, 2).reshape(N, D) @ layer("self_attn.out_proj.weight").T + layer("self_attn.out_proj.bias")
+        h = layernorm(x, layer("layer_norm2.weight"), layer("layer_norm2.bias"), eps)
+        h = gelu_tanh(h @ layer("mlp.fc1.weight").T + layer("mlp.fc1.bias"))
+        x = x + h @ layer("mlp.fc2.weight").T + layer("mlp.fc2.bias")
+    return layernorm(x, f("post_layernorm.weight"), f("post_layernorm.bias"), eps)
+
+
+def gemma3_projector(config: dict, W: dict, hidden: np.ndarray, prefix="model.multi_modal_projector.") -> np.ndarray:
+    """Gemma 3's image tokens [mm_tokens_per_image, text hidden] from the tower's states [patches, D]:
+    the patch grid average-pooled to the tokens' grid, Gemma's RMSNorm (x (1 + w)), the projection."""
+    vision = config["vision_config"]
+    side = vision["image_size"] // vision["patch_size"]
+    tokens = int(round(config["mm_tokens_per_image"] ** 0.5))
+    k = side // tokens
+    D = hidden.shape[1]
+    pooled = hidden.reshape(tokens, k, tokens, k, D).mean(axis=(1, 3)).reshape(tokens * tokens, D)
+    normed = rmsnorm(pooled, 1 + W[prefix + "mm_soft_emb_norm.weight"].astype(np.float64), vision["layer_norm_eps"])
+    return normed @ W[prefix + "mm_input_projection_weight"].astype(np.float64)
