@@ -89,7 +89,7 @@ def check(request: Request, room: int):
 class Decoding:
     """One reply, token by token, for a loop that runs the passes:
 
-        d = Decoding(request, tokenizer, room)       # room: positions left for prompt and reply
+        d = Decoding(request, tokenizer, room, ids=cache.ids)   # room: the context's positions
         logits = <the prompt's pass>                 # [1, V]: after its last id
         draft = []
         while not d.done:
@@ -99,15 +99,15 @@ class Decoding:
 
     The reply ends within `room` (its last id is sampled, never run): "length" there, as at
     max_tokens. `ids`: the sequence's record of its ids (KVCache.ids), which holds the prompt and
-    takes each id sampled; None: a list of its own.
+    takes each id sampled.
     """
 
-    def __init__(self, request: Request, tokenizer: Tokenizer, room: int, sampler: Sampler | None = None,
-                 ids: list[int] | None = None):
+    def __init__(self, request: Request, tokenizer: Tokenizer, room: int, sampler: Sampler | None = None, *,
+                 ids: list[int]):
         check(request, room)
         r = self.request = request
         self.tokenizer = tokenizer
-        self.ids = ids if ids is not None else list(r.prompt_ids)   # the prompt, then each id sampled
+        self.ids = ids                            # the prompt, then each id sampled
         self.prompt_len = len(self.ids)
         self.asked = r.max_tokens
         self.reply = Reply(tokenizer, min(r.max_tokens, room - len(r.prompt_ids) + 1), r.stop, r.skip_special,

@@ -71,7 +71,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
     cached = cache.keep_prefix(prompt_ids)
     decoding = Decoding(request, tokenizer, cache.size, sampler, ids=cache.ids)
     decoding.cached = cached
-    prefill = len(prompt_ids) - decoding.cached
+    prefill = len(prompt_ids) - cached
     start = time.perf_counter()
     first, prompt_tps = 0.0, 0.0
 

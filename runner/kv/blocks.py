@@ -28,6 +28,7 @@ from nibble.formats.errors import NibbleError
 from .cache import BLOCK, ROOT, HostKV, KVCache, KVPool, SeqBlocks, shared_prefix
 from .disk import DiskBlocks
 
+
 class PoolFull(NibbleError):
     """Every block is held by a running sequence."""
 
