@@ -11,9 +11,11 @@ an animation's first frame; transparency laid over white; 16-bit samples scaled 
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import struct
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,31 @@ MAX_PIXELS = 64 * 2**20     # in all: a 16384 x 4096 strip, 192 MB decoded as RG
 
 class ImageError(NibbleError):
     """Bytes that are not an image nibble reads, or one past its bounds."""
+
+
+@dataclass(frozen=True, eq=False)
+class Picture:
+    """An image in a prompt: its pixels, what to call it, the size of its file, and the hash of
+    its pixels (hex), by which a model keeps what it made of them."""
+    pixels: np.ndarray   # uint8 [height, width, 3], RGB
+    name: str
+    nbytes: int          # of the file it came from
+    digest: str
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) in pixels."""
+        return self.pixels.shape[1], self.pixels.shape[0]
+
+
+def open_image(source: bytes | str | Path, name: str | None = None) -> Picture:
+    """read_image's pixels as a Picture: the same pixels, whatever file holds them, have one digest."""
+    if isinstance(source, (str, Path)):
+        name = name or str(source)
+        source = _read_file(Path(source), name)
+    pixels = read_image(source, name)
+    digest = hashlib.blake2b(repr(pixels.shape).encode() + pixels.tobytes(), digest_size=16).hexdigest()
+    return Picture(pixels, name or "the image", len(source), digest)
 
 
 def read_image(source: bytes | str | Path, name: str | None = None) -> np.ndarray:

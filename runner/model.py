@@ -58,6 +58,7 @@ class Model:
         self.offload_note = ""   # what offload_layers has to tell the user
         self.background = Background()   # none: a first run compiles the full kernels first (see background.py)
         self.threads = ThreadChooser()   # the kernels' thread count, pass by pass (threads.py)
+        self.vision = None   # the vision tower of a model that reads images (runner/vision), else None
 
     @property
     def gpu_stage(self):
