@@ -15,7 +15,7 @@ from .errors import FormatError
 from .half import HalfTensor
 from .safetensors import TensorStream, read_checkpoint, write_safetensors
 from .tempfiles import locked, sibling, temp_dir
-from .wrappers import text_tensors
+from .wrappers import text_tensors, vision_tensors
 
 
 @dataclass
@@ -28,6 +28,10 @@ class ModelDir:
     tokenizer: tokenizers.Tokenizer
     tokenizer_config: dict = field(default_factory=dict)    # chat_template, bos_token, eos_token, add_bos_token
     generation_config: dict = field(default_factory=dict)   # eos_token_id, sampling defaults
+    # a vision-language checkpoint's whole config.json and its vision tower's and projector's
+    # tensors (formats/wrappers.py's names); None and {} for a text model
+    vision_config: dict | None = None
+    vision_tensors: dict = field(default_factory=dict)
 
 
 def read_model_dir(path: str | os.PathLike) -> ModelDir:
@@ -44,6 +48,8 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
         raise FormatError(f"{path} is not a model directory (expected a folder with config.json)")
     raw_config = _read_json(path / "config.json")
     config = ModelConfig.from_dict(raw_config)
+    tensors = read_checkpoint(path)
+    vision = vision_tensors(raw_config, tensors)
     tokenizer_config = _read_json(path / "tokenizer_config.json", optional=True)
     # Special tokens may be AddedToken dicts ({"content": "<s>", "lstrip": ...}): keep the text.
     for key, value in tokenizer_config.items():
@@ -55,10 +61,12 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
     return ModelDir(
         path=path,
         config=config,
-        tensors=text_tensors(raw_config, read_checkpoint(path)),
+        tensors=text_tensors(raw_config, tensors),
         tokenizer=_read_tokenizer(path / "tokenizer.json"),
         tokenizer_config=tokenizer_config,
         generation_config=_read_json(path / "generation_config.json", optional=True),
+        vision_config=raw_config if vision else None,
+        vision_tensors=vision,
     )
 
 

@@ -1,10 +1,10 @@
 """Checkpoints whose tensors are named otherwise than a text model's own, read into its names.
 
-Multimodal checkpoints whose text model nibble runs on its own (a family's `wrappers`: Gemma 3's
-Gemma3ForConditionalGeneration, model_type "gemma3", wraps a gemma3_text model in a vision tower
-and a projector). Its config.json nests the text model's config under `text_config`, and its
-checkpoint prefixes the text model's tensors; both are read here into what a text-only checkpoint
-says, and the vision tensors are left out.
+Multimodal checkpoints (a family's `wrappers`: Gemma 3's Gemma3ForConditionalGeneration, model_type
+"gemma3", wraps a gemma3_text model in a vision tower and a projector). Its config.json nests the
+text model's config under `text_config`, and its checkpoint prefixes the text model's tensors;
+both are read here into what a text-only checkpoint says. The vision tower's and the projector's
+tensors are read apart (vision_tensors), under one set of names whichever transformers saved them.
 
 A decoder saved without its head (transformers' Qwen3Model, as Qwen3-Embedding is: embed_tokens,
 layers.*, norm) lacks the `model.` its causal LM's names have; a BERT saved inside a task model
@@ -27,6 +27,14 @@ _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization", "q
 # module names).
 _TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
                   "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+
+
+# Where a wrapper's checkpoint keeps its vision tower and projector -> the names runner/vision reads
+# (transformers 4 and mlx-vlm: vision_tower.vision_model.*; transformers 5: model.vision_tower.*)
+_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
+                    "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                    "model.multi_modal_projector.": "multi_modal_projector.",
+                    "multi_modal_projector.": "multi_modal_projector."}
 
 
 def is_wrapper(model_type) -> bool:
@@ -69,3 +77,17 @@ def text_tensors(d: dict, tensors: dict) -> dict:
         raise FormatError(f"the checkpoint holds no text model tensors (expected names starting "
                           f"with {' or '.join(_TEXT_PREFIXES)})")
     return text
+
+
+def vision_tensors(d: dict, tensors: dict) -> dict:
+    """A wrapper checkpoint's vision tower and projector tensors (the same arrays) under
+    vision_tower.* and multi_modal_projector.*; {} for any other checkpoint, or a wrapper saved
+    without them."""
+    if not is_wrapper(d.get("model_type")):
+        return {}
+    out = {}
+    for name, t in tensors.items():
+        prefix = next((p for p in _VISION_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            out[_VISION_PREFIXES[prefix] + name[len(prefix):]] = t
+    return out

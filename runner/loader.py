@@ -9,6 +9,7 @@ from .background import Background
 from .model import Model
 from .convert.quantize import quantized_once
 from .text.tokenizer import Tokenizer
+from .vision import vision_of
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 AUTO_QUANT_PARAMS = 1_000_000_000
@@ -55,4 +56,6 @@ def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:
 
 def from_model_dir(model_dir: ModelDir) -> tuple[Model, Tokenizer]:
     source = identity(model_dir.path) if model_dir.path is not None else None
-    return Model(model_dir.config, model_dir.tensors, source=source), Tokenizer(model_dir)
+    model, tokenizer = Model(model_dir.config, model_dir.tensors, source=source), Tokenizer(model_dir)
+    model.vision = vision_of(model_dir, tokenizer.tokenizer.id_to_token)
+    return model, tokenizer

@@ -151,7 +151,7 @@ class Model:
         for group in groups:
             local[group] = np.arange(len(group))
             wanted = np.isin(logit_rows, group)
-            logits[wanted] = self._run(tokens[group], Rows(rows.positions[group], rows.seq[group], rows.tables),
+            logits[wanted] = self._run(tokens[group], rows.part(group),
                                        pool, local[logit_rows[wanted]])
         return logits
 
@@ -163,8 +163,10 @@ class Model:
     def _run(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray,
              act_sq: np.ndarray | None = None) -> np.ndarray:
         """The pass itself: embedding, the stages, the head on x[logit_rows]."""
+        x = self.embedding(tokens)                                       # [T, D] residual stream
+        if self.vision is not None:
+            rows = rows._replace(sees=self.vision.sees(tokens, rows.positions))
         with self.threads.pass_of(len(tokens)):
-            x = self.embedding(tokens)                                   # [T, D] residual stream
             for stage, kv in zip(self.stages, pool.parts):   # the last one returns the logits
                 x = stage.run(x, kv, rows, logit_rows, act_sq)
         compiling.finish()   # if this pass compiled kernels (a first run), say it is over
@@ -198,7 +200,17 @@ class Model:
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
         """[T] ids -> [T, D] float32 rows of the embedding table (float32, quantized or 16-bit:
-        only these rows are made float32), times the family's embed_scale."""
+        only these rows are made float32), times the family's embed_scale; an image's ids
+        (below 0, text/image_ids.py) -> the rows its vision makes, as they are."""
+        image = tokens < 0
+        if image.any():
+            if self.vision is None:
+                raise NibbleError(f"{self.config.model_type} reads no images: a prompt holds image ids")
+            rows = np.empty((len(tokens), self.config.hidden_size), np.float32)
+            rows[image] = self.vision.rows(tokens[image])
+            if not image.all():
+                rows[~image] = self.embedding(tokens[~image])
+            return rows
         if isinstance(self.embed, np.ndarray):
             rows = np.array(self.embed[tokens], np.float32)
         else:

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 import nibble.runner  # noqa: F401  (its model families fill formats' table)
 from nibble.formats.model_dir import write_model_dir
 from tests.locks import shared
-from tests.tiny import SAMPLING, tiny_model_dir, tiny_with_template
+from tests.tiny import SAMPLING, tiny_model_dir, tiny_with_template, write_tiny_vision
 
 # The fuzz suite (tests/test_fuzz_*.py): a short run in every test run, the long one by
 # `python -m pytest -m fuzz --hypothesis-profile=long --hypothesis-show-statistics`.
@@ -74,6 +74,12 @@ def simulated_gpu():
 def tiny_dir(tmp_path_factory):
     """A tiny seeded llama model written as an HF directory."""
     return write_model_dir(tiny_model_dir(), tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def vision_dir(tmp_path_factory):
+    """A tiny random Gemma 3 that reads images (tests/data/vision/gemma3), as a model directory."""
+    return write_tiny_vision(tmp_path_factory.mktemp("tiny") / "gemma3")
 
 
 @pytest.fixture(scope="session")

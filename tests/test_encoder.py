@@ -28,8 +28,11 @@ def test_layernorm_and_gelu_match_their_twins():
     cpu.add_layernorm(residual, y, add, w, b, 1e-5)
     np.testing.assert_allclose(residual, reference.layernorm(x + y + add, w, b, 1e-5), rtol=1e-5, atol=1e-5)
     g = x.copy()
-    cpu.gelu(g, add)
+    cpu.gelu(g, add, False)
     np.testing.assert_allclose(g, reference.gelu(x + add), rtol=1e-6, atol=1e-6)
+    g = x.copy()
+    cpu.gelu(g, add, True)
+    np.testing.assert_allclose(g, reference.gelu_tanh(x + add), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

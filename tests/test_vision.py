@@ -1,30 +1,206 @@
-"""Gemma 3's vision tower and projector, their numpy twins (tests/reference.py) against what
-transformers computes (tests/data/vision/gemma3, made by tests/fixtures/make_vision_fixtures.py):
-the image's pixels as its processor makes them, and the image tokens the decoder takes. The
-twins are what the tower's kernels are checked against."""
+"""Gemma 3's vision against transformers (tests/data/vision/gemma3, made by
+tests/fixtures/make_vision_fixtures.py): the image's pixels as its processor makes them, the image
+tokens its tower and projector make (the numpy twins of tests/reference.py, and nibble's kernels),
+and the logits of a prompt holding two images (float and quantized), in one pass or in chunks."""
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
+import pytest
 
-from nibble.formats.image import read_image
+from nibble.formats.config import ModelConfig
+from nibble.formats.image import open_image, read_image
+from nibble.formats.model_dir import ModelDir
+from nibble.formats.safetensors import read_checkpoint
+from nibble.formats.wrappers import text_tensors, vision_tensors
+from nibble.quant.affine import dequantize
+from nibble.quant.convert import quantize_model, read_linear
+from nibble.runner.model import Model
+from nibble.runner.text.image_ids import image_ids, whole_images
+from nibble.runner.vision import vision_of
 from tests import reference
 
 GEMMA3 = Path(__file__).parent / "data" / "vision" / "gemma3"
+IMAGE_TOKEN = 299   # the fixture's config.image_token_index
+
+
+def config() -> dict:
+    return json.loads((GEMMA3 / "config.json").read_text())
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def gemma3(bits: int | None = None, dequantized: bool = False) -> Model:
+    """The fixture as nibble runs it, its decoder quantized to `bits` (None: float), or those
+    quantized weights made float again (`dequantized`)."""
+    raw, tensors = config(), read_checkpoint(GEMMA3)
+    model_dir = ModelDir(None, ModelConfig.from_dict(raw), text_tensors(raw, tensors), tokenizer=None,
+                         vision_config=raw, vision_tensors=vision_tensors(raw, tensors))
+    if bits:
+        model_dir = quantize_model(model_dir, bits, 32, method="rtn").model
+    if dequantized:
+        q, floats = model_dir.config.quantization, dict(model_dir.tensors)
+        for path in [n.removesuffix(".scales") for n in floats if n.endswith(".scales")]:
+            floats[f"{path}.weight"] = dequantize(read_linear(model_dir.tensors, q, path))
+            del floats[f"{path}.scales"], floats[f"{path}.biases"]
+        model_dir = dataclasses.replace(model_dir, config=dataclasses.replace(model_dir.config, quantization=None),
+                                        tensors=floats)
+    model = Model(model_dir.config, model_dir.tensors)
+    model.vision = vision_of(model_dir, lambda id: f"<token {id}>")
+    return model
+
+
+def prompt(model: Model) -> list[int]:
+    """The fixture's tokens, each run of image tokens the ids of its image (the two images held)."""
+    pictures = [open_image(GEMMA3 / "image.png"), open_image(GEMMA3 / "image2.png")]
+    model.vision.place(model.vision.marker * 2, pictures)
+    ids, runs = [], iter(pictures)
+    for t in np.load(GEMMA3 / "tokens.npy").tolist():
+        if t == IMAGE_TOKEN and (not ids or ids[-1] >= 0):
+            ids += image_ids(next(runs).digest, 4)
+        elif t != IMAGE_TOKEN:
+            ids.append(t)
+    return ids
 
 
 def test_gemma3_pixels_are_transformers_processors():
-    config = json.loads((GEMMA3 / "config.json").read_text())
-    pixels = reference.gemma3_pixels(read_image(GEMMA3 / "image.png"), config["vision_config"]["image_size"])
+    pixels = reference.gemma3_pixels(read_image(GEMMA3 / "image.png"), config()["vision_config"]["image_size"])
     np.testing.assert_allclose(pixels, np.load(GEMMA3 / "pixel_values.npy"), rtol=0, atol=1e-6)
+    vision = gemma3().vision
+    np.testing.assert_allclose(vision.pixels(open_image(GEMMA3 / "image.png")), pixels, rtol=0, atol=1e-6)
 
 
 def test_gemma3_image_tokens_are_transformers():
-    config = json.loads((GEMMA3 / "config.json").read_text())
-    W = load_file(GEMMA3 / "vision.safetensors")
-    hidden = reference.siglip_tower(config["vision_config"], W, np.load(GEMMA3 / "pixel_values.npy").astype(np.float64))
-    tokens = reference.gemma3_projector(config, W, hidden)
+    c = config()
+    W = {f"model.{k}": v for k, v in vision_tensors(c, read_checkpoint(GEMMA3)).items()}
+    hidden = reference.siglip_tower(c["vision_config"], W, np.load(GEMMA3 / "pixel_values.npy").astype(np.float64))
+    tokens = reference.gemma3_projector(c, W, hidden)
     want = np.load(GEMMA3 / "features.npy")
-    assert tokens.shape == want.shape == (config["mm_tokens_per_image"], config["text_config"]["hidden_size"])
+    assert tokens.shape == want.shape == (c["mm_tokens_per_image"], c["text_config"]["hidden_size"])
     np.testing.assert_allclose(tokens, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # nibble's kernels, the image alone and beside another in one pass of the tower
+    vision = gemma3().vision
+    picture = open_image(GEMMA3 / "image.png")
+    alone, = vision.encode([picture])
+    assert relative_error(alone, want) < 1e-5
+    beside = vision.encode([open_image(GEMMA3 / "image2.png"), picture])[1]
+    np.testing.assert_allclose(beside, alone, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def test_gemma3_logits_with_images_are_transformers():
+    """Both images' tokens see each other in both layers, the sliding one (a window of 3) too."""
+    model = gemma3()
+    got = model.forward(prompt(model), model.new_cache(), all_logits=True)
+    assert relative_error(got, np.load(GEMMA3 / "logits.npy")) < 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemma3_quantized_with_images_is_its_float_twin(bits):
+    """A quantized decoder (the tower as stored) against the same weights made float again: what
+    is left is the kernels' rounding of activations to int8."""
+    model, twin = gemma3(bits), gemma3(bits, dequantized=True)
+    got = model.forward(prompt(model), model.new_cache(), all_logits=True)
+    want = twin.forward(prompt(twin), twin.new_cache(), all_logits=True)
+    assert relative_error(got, want) < 2e-2
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_gemma3_prompt_in_chunks_keeps_images_whole():
+    model = gemma3()
+    ids = prompt(model)
+    want = np.load(GEMMA3 / "logits.npy")
+    cache, got = model.new_cache(), []
+    while cache.pos < len(ids):   # chunks of 5 that would cut both images
+        end = whole_images(ids, cache.pos, min(cache.pos + 5, len(ids)))
+        got.append(model.forward(ids[cache.pos:end], cache, all_logits=True))
+    assert relative_error(np.concatenate(got), want) < 1e-4
+
+
+def test_gemma3_images_see_each_others_tokens():
+    """The test above tells: with an image's tokens attending causally, the logits part from
+    transformers'."""
+    model = gemma3()
+    ids = prompt(model)
+    model.vision.bidirectional = False
+    got = model.forward(ids, model.new_cache(), all_logits=True)
+    assert relative_error(got, np.load(GEMMA3 / "logits.npy")) > 1e-2
+
+
+# ---- a prompt with images, from the command line to the model ----
+
+def test_a_prompt_s_images_become_their_tokens_where_the_template_put_them(vision_dir):
+    from nibble.runner.loader import load
+    from nibble.runner.text.reasoning import chat_prompt
+    from nibble.runner.text.template import build_messages
+    from nibble.runner.vision.base import pictures_for, with_images
+    model, tokenizer = load(str(vision_dir), quant="float")
+    pictures = [open_image(GEMMA3 / "image.png"), open_image(GEMMA3 / "image2.png")]
+    messages = build_messages("Tell them apart", None, pictures)
+    assert pictures_for(model.vision, messages) == pictures
+    text, _ = chat_prompt(tokenizer, messages)
+    placed, digests = with_images(model.vision, text, pictures)
+    ids = tokenizer.encode(placed, images=digests)
+    boi, eoi = (tokenizer.tokenizer.token_to_id(t) for t in ("<start_of_image>", "<end_of_image>"))
+    starts = [i for i, t in enumerate(ids) if t == boi]
+    assert len(starts) == 2 and [ids[s + 5] for s in starts] == [eoi, eoi]
+    for s, picture in zip(starts, pictures):
+        assert ids[s + 1:s + 5] == image_ids(picture.digest, 4)
+    # Gemma3Processor's text around each image
+    assert placed.count("\n\n<start_of_image>\ue000") == 2
+    assert placed.count("\ue001<end_of_image>\n\n") == 2
+    # a tag typed in a message is text, and one whose image this prompt did not bring too
+    assert min(tokenizer.encode(placed)) >= 0
+    assert min(tokenizer.encode(placed, images={pictures[0].digest})[starts[1]:]) >= 0
+
+
+def test_a_kept_prefix_runs_no_image_through_the_tower_again(vision_dir, monkeypatch):
+    from nibble.runner.generation.generate import stream_generate
+    from nibble.runner.loader import load
+    from nibble.runner.vision.base import with_images
+    from nibble.runner.text.reasoning import chat_prompt
+    from nibble.runner.text.template import build_messages
+    model, tokenizer = load(str(vision_dir), quant="float")
+    encoded = []
+    encode = model.vision.encode
+    monkeypatch.setattr(model.vision, "encode", lambda pictures: encoded.append(len(pictures)) or encode(pictures))
+    picture = open_image(GEMMA3 / "image.png")
+    cache = model.new_cache(256)
+    replies = []
+    for question in ("What is this?", "And its colours?"):
+        messages = build_messages(question, None, [picture])
+        text, digests = with_images(model.vision, chat_prompt(tokenizer, messages)[0], [picture])
+        ids = tokenizer.encode(text, images=digests)
+        replies.append(list(stream_generate(model, tokenizer, ids, max_tokens=2, cache=cache)))
+    assert encoded == [1]   # the second prompt's image was in the prefix the cache kept
+
+
+def test_run_with_images(vision_dir, monkeypatch, tmp_path):
+    from tests.test_cli import invoke
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    args = ["run", "-m", vision_dir, "--temp", "0", "-n", "3", "--kv-disk", "1G",
+            "--image", GEMMA3 / "image.png", "-i", GEMMA3 / "image2.png", "What differs?"]
+    first, second = invoke(*args), invoke(*args)
+    assert first.exit_code == second.exit_code == 0, first.output + second.output
+    assert second.stdout == first.stdout
+    assert "from the disk cache" in second.stderr.splitlines()[-1]
+    swapped = invoke(*args[:-5], "-i", GEMMA3 / "image2.png", "-i", GEMMA3 / "image.png", "What differs?")
+    assert swapped.exit_code == 0
+    cached = lambda r: int(r.stderr.splitlines()[-1].split("(")[1].split()[0])
+    assert cached(swapped) < cached(second)   # the other order is another prompt after the first image
+
+
+@pytest.mark.parametrize("image, match", [
+    ("README.md", "is not an image"), ("no-such.png", "no such file"), ("tests", "is a folder")])
+def test_run_refuses_a_bad_image_in_one_line_before_loading(vision_dir, image, match):
+    from tests.test_cli import assert_one_line_error, invoke
+    assert_one_line_error(invoke("run", "-m", "no-such-model", "-i", image, "Hi"), match=match)
+
+
+def test_run_image_on_a_text_model_or_raw(tiny_dir):
+    from tests.test_cli import assert_one_line_error, invoke
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "-i", GEMMA3 / "image.png", "Hi"), match="reads no images")
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "--raw", "-i", GEMMA3 / "image.png", "Hi"), code=2,
+                          match="--raw")

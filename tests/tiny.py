@@ -1,5 +1,6 @@
 """A tiny seeded random model of each supported type, built at test time."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +104,24 @@ def tiny_with_template(template: str, model_type="llama", seed=0) -> ModelDir:
     model.tokenizer_config = {**model.tokenizer_config, "chat_template": (TEMPLATES / template).read_text(),
                               "bos_token": "<|im_start|>"}
     return model
+
+
+VISION = Path(__file__).parent / "data" / "vision" / "gemma3"
+
+
+def write_tiny_vision(out: Path) -> Path:
+    """The tiny random Gemma 3 of tests/data/vision/gemma3 as a model directory that runs: its
+    checkpoint, Gemma 3's chat template, and a byte-level tokenizer whose ids 297-299 are the
+    fixture's <start_of_image>, <end_of_image> and <image_soft_token>."""
+    import shutil
+    out.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(VISION / name, out / name)
+    tokenizer = byte_level_tokenizer(TEXT, vocab_size=297)
+    assert tokenizer.get_vocab_size() == 297
+    tokenizer.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": (TEMPLATES / "google-gemma-3-4b-it.jinja").read_text(),
+        "bos_token": "<|im_end|>", "eos_token": "<|im_start|>", "add_bos_token": False}))
+    return out

@@ -9,7 +9,7 @@ import numpy as np
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import NibbleError
 from ..background import Background
-from ..kv.cache import HostKV, Rows, blocks_for
+from ..kv.cache import HostKV, Rows
 from ..kernels import compiling, cpu, prefill
 from ..kernels.linear import read_only
 from ..model import Model, TensorGetter
@@ -61,17 +61,11 @@ class Encoder:
         tokens = np.concatenate([np.asarray(i, np.int64) for i in ids])
         kinds = (np.zeros(len(tokens), np.int64) if types is None
                  else np.concatenate([np.asarray(t, np.int64) for t in types]))
-        positions = np.concatenate([np.arange(n) for n in lengths])
-        blocks = [blocks_for(n) for n in lengths]
-        tables = np.zeros((len(ids), max(blocks)), np.int32)
-        first = np.cumsum([0, *blocks])
-        for s, b in enumerate(blocks):   # each text its own blocks
-            tables[s, :b] = np.arange(first[s], first[s] + b)
-        rows = Rows.of(positions, np.repeat(np.arange(len(ids)), lengths), tables)
+        rows, blocks = Rows.packed(lengths)
         c = self.config
-        kv = _OneLayerKV(HostKV.allocate(1, c.num_key_value_heads, int(first[-1]), c.head_dim, np.float32))
+        kv = _OneLayerKV(HostKV.allocate(1, c.num_key_value_heads, blocks, c.head_dim, np.float32))
         with self.threads.pass_of(len(tokens)):
-            x = self.embedding(tokens, positions, kinds)
+            x = self.embedding(tokens, rows.positions, kinds)
             x = self.stages[0].run(x, kv, rows, np.zeros(0, np.int64))
             if self.decoder:
                 cpu.rmsnorm(x, self.decoder.norm, c.rms_norm_eps, x)

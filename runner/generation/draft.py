@@ -10,6 +10,8 @@ and transformers' prompt_lookup_num_tokens do the same.
 """
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Sequence
 
 from ..settings import DEFAULT_DRAFT
@@ -45,7 +47,7 @@ class NgramIndex:
         self.seen = max(self.seen, len(seq))
         for n in self.sizes:
             if n <= len(seq) and (end := self.after.get(tuple(seq[len(seq) - n:]))) is not None:
-                return list(seq[end:end + k])
+                return list(itertools.takewhile(lambda t: t >= 0, seq[end:end + k]))   # an image's ids are no reply's
         return []
 
 

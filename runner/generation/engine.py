@@ -26,6 +26,7 @@ from .decoding import Decoding, Event, Request, Usage, check
 from .generate import PREFILL_CHUNK
 from ..kv.disk import open_disk
 from ..model import Model
+from ..text.image_ids import whole_images
 from ..text.tokenizer import Tokenizer
 
 
@@ -227,7 +228,8 @@ class Engine(ModelThread):
         prompt = next((s for s in running if s.prefilling), None)
         chunk = 0
         if prompt is not None:
-            chunk = min(self.prefill_chunk, prompt.decoding.prompt_len - prompt.cache.pos)
+            pos = prompt.cache.pos
+            chunk = whole_images(prompt.cache.ids, pos, pos + min(self.prefill_chunk, prompt.decoding.prompt_len - pos)) - pos
             batch.append(prompt)
         drafts = {id(s): s.decoding.draft() for s in batch if len(batch) == 1 and s is not prompt}
         tokens, positions, seq, logit_rows, sampled = [], [], [], [], []

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from ..kv.cache import KVCache
 from .decoding import Decoding, Request, check
 from ..model import Model
+from ..text.image_ids import whole_images
 from ..text.reasoning import ReasoningSplit
 from .sample import Sampler
 from ..settings import DEFAULT_DRAFT, MAX_TOKENS
@@ -86,7 +87,10 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
                                   decode_tps, first - start, reason, e.thinking, e.tokens)
 
     while len(prompt_ids) - cache.pos > prefill_chunk:
-        model.forward(prompt_ids[cache.pos:cache.pos + prefill_chunk], cache)
+        end = whole_images(prompt_ids, cache.pos, cache.pos + prefill_chunk)
+        if end == len(prompt_ids):   # an image to the prompt's end: the last pass's
+            break
+        model.forward(prompt_ids[cache.pos:end], cache)
         yield response()
     logits, proposed = model.forward(prompt_ids[cache.pos:], cache), []
     while True:

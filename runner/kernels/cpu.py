@@ -264,14 +264,18 @@ def _normalize(x, t, weight, bias, eps, out):
 
 
 @njit(parallel=True, **_jit)
-def gelu(x, bias):
-    """x[T, F] = gelu(x + bias) in place (bias [F]), GELU with erf (not tanh's approximation), as
-    BERT's hidden_act "gelu"."""
+def gelu(x, bias, approximate):
+    """x[T, F] = gelu(x + bias) in place (bias [F]): GELU with erf, as BERT's hidden_act "gelu", or
+    (`approximate`) with tanh's approximation, as SigLIP's "gelu_pytorch_tanh"."""
     r = np.float32(1 / math.sqrt(2))
+    c = np.float32(math.sqrt(2 / math.pi))
     for t in prange(x.shape[0]):
         for f in range(x.shape[1]):
             v = x[t, f] + bias[f]
-            x[t, f] = np.float32(0.5) * v * (np.float32(1.0) + erf(v * r))
+            if approximate:
+                x[t, f] = np.float32(0.5) * v * (np.float32(1.0) + np.tanh(c * (v + np.float32(0.044715) * v * v * v)))
+            else:
+                x[t, f] = np.float32(0.5) * v * (np.float32(1.0) + erf(v * r))
 
 
 @njit(inline="always", **_jit)
@@ -343,9 +347,10 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, rows, window, scale, sinks,
     k_cache [blocks, Hkv, hd, BLOCK] (a block's keys transposed) and v_cache [blocks, Hkv, BLOCK,
     hd], float32, or int8 times k_scale, v_scale [blocks, Hkv, BLOCK], already holding that
     sequence's positions 0..p in the blocks its table rows.tables[rows.seq[t]] names, in order;
-    out: [T, H, hd]. Row t sees positions 0..p; window > 0 only the last `window` of them
-    (Mistral's sliding window); window < 0 every position of its sequence this pass stores, later
-    ones too (an encoder's sequences come whole). The scores are q . k times `scale` (1/sqrt(hd)
+    out: [T, H, hd]. Row t sees positions 0..p, or up to rows.sees[t] - 1 (an image's tokens,
+    which see each other); window > 0 not those before p - window + 1 (Mistral's sliding window);
+    window < 0 every position of its sequence this pass stores, later ones too (an encoder's
+    sequences come whole). The scores are q . k times `scale` (1/sqrt(hd)
     but for Gemma's and Granite's). sinks [H] (gpt-oss's; shape (0,): none): a logit per head that
     joins every row's softmax with no value to weigh.
 
@@ -394,8 +399,8 @@ def plan(rows, Hkv, group, hd, window):
     order = _by_sequence(rows)
     lo, hi = np.empty(T, np.int64), np.empty(T, np.int64)   # each row sees positions lo..hi-1
     for t in range(T):
-        hi[t] = rows.positions[t] + 1
-        lo[t] = max(0, hi[t] - window) if window > 0 else 0
+        hi[t] = rows.sees[t]
+        lo[t] = max(0, rows.positions[t] + 1 - window) if window > 0 else 0
     tasks = heads = 0
     a = 0
     while a < T:   # the rows of one sequence, order[a:b], by position

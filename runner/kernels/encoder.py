@@ -1,5 +1,6 @@
-"""An encoder block (BERT's) as one jitted function: decoder_layer's attention made bidirectional
-by the layer's window (-1), LayerNorms with biases after each residual add, an exact-GELU MLP."""
+"""Encoder blocks as jitted functions, decoder_layer's attention made bidirectional by the layer's
+window (-1): BERT's (LayerNorms after each residual add, an exact-GELU MLP) and a vision tower's
+(SigLIP's: LayerNorms before each sublayer, a tanh-GELU MLP)."""
 from typing import NamedTuple
 
 import numpy as np
@@ -11,7 +12,9 @@ from .linear import Weight, linear, out_features
 
 
 class EncoderLayerWeights(NamedTuple):
-    """One encoder block's weights, as encoder_layer takes them."""
+    """One encoder block's weights, as encoder_layer and vision_layer take them (vision_layer's
+    norms come before the attention and the MLP: attention_norm and out_norm are SigLIP's
+    layer_norm1 and layer_norm2)."""
     wq: Weight               # [D, D]
     wk: Weight
     wv: Weight
@@ -57,8 +60,31 @@ def encoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
         cpu.add_squares(x, act_sq[2])
     f = np.empty((T, out_features(w.w_in)), np.float32)                # [T, F]
     linear(x, w.w_in, f, False)
-    cpu.gelu(f, w.b_in)
+    cpu.gelu(f, w.b_in, False)
     if collect:
         cpu.add_squares(f, act_sq[3])
     linear(f, w.w_out, h, False)                                       # h = gelu(...) @ w_out.T
     cpu.add_layernorm(x, h, w.b_out, w.out_norm, w.out_norm_bias, eps)
+
+
+@njit(**cpu._jit)
+def vision_layer(x, weights, kv, rows, eps):
+    """One pre-norm encoder block (a SigLIP vision tower's) on x[T, D], in place: x += attention
+    of LayerNorm(x), then x += MLP of LayerNorm(x), each row attending to every row of its
+    sequence (an image's patches), with no RoPE."""
+    w = weights
+    T = x.shape[0]
+    none = np.zeros(0, np.float32)
+    flat = np.zeros((1, 0), np.float32)
+    h = np.empty_like(x)
+    cpu.layernorm(x, w.attention_norm, w.attention_norm_bias, eps, h)
+    attn = self_attention(h, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, none, none, kv, rows, flat, flat, eps,
+                          -1, w.attention_scale, none)                  # [T, D]
+    linear(attn, w.wo, x, True)                                         # x += attn @ wo.T
+    x += w.bo
+    cpu.layernorm(x, w.out_norm, w.out_norm_bias, eps, h)
+    f = np.empty((T, out_features(w.w_in)), np.float32)                 # [T, F]
+    linear(h, w.w_in, f, False)
+    cpu.gelu(f, w.b_in, True)
+    linear(f, w.w_out, x, True)                                         # x += gelu(...) @ w_out.T
+    x += w.b_out

@@ -37,7 +37,7 @@ def block_hash(parent: bytes, ids: Sequence[int], partial: bool = False) -> byte
     """The identity of a block: its ids after `parent` (the hash of all the ids before them).
     blake2b, not Python's hash(): a client must not be able to collide into another's prefix.
     A partly filled block is hashed apart (its own personalization): it is matched differently."""
-    data = parent + np.asarray(ids, np.int32).tobytes()
+    data = parent + np.asarray(ids, np.int64).tobytes()   # an image's ids take 63 bits (text/image_ids.py)
     return hashlib.blake2b(data, digest_size=16, person=b"partial" if partial else b"").digest()
 
 

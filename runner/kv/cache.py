@@ -54,17 +54,38 @@ class Rows(NamedTuple):
     positions: np.ndarray   # [T] int64
     seq: np.ndarray         # [T] int32: index into tables
     tables: np.ndarray      # [S, max_blocks] int32: each sequence's blocks in order
+    sees: np.ndarray        # [T] int64: the position after the last a row attends to: its own
+                            # position + 1 (causal), or past it among an image's tokens (Gemma 3)
 
     @classmethod
-    def of(cls, positions, seq, tables) -> "Rows":
-        """Rows with the dtypes the kernels are compiled for (another dtype compiles them again)."""
-        return cls(np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(seq, np.int32),
-                   np.ascontiguousarray(np.atleast_2d(tables), np.int32))
+    def of(cls, positions, seq, tables, sees=None) -> "Rows":
+        """Rows with the dtypes the kernels are compiled for (another dtype compiles them again);
+        causal unless `sees` says otherwise."""
+        positions = np.ascontiguousarray(positions, np.int64)
+        sees = positions + 1 if sees is None else np.ascontiguousarray(sees, np.int64)
+        return cls(positions, np.ascontiguousarray(seq, np.int32), np.ascontiguousarray(np.atleast_2d(tables), np.int32),
+                   sees)
 
     @classmethod
     def single(cls, pos0: int, T: int, table: np.ndarray) -> "Rows":
         """T rows of one sequence at positions pos0.. through its block `table`."""
         return cls.of(np.arange(pos0, pos0 + T), np.zeros(T, np.int32), table[None])
+
+    @classmethod
+    def packed(cls, lengths) -> tuple["Rows", int]:
+        """Sequences of `lengths` one after another, each from position 0 on blocks of its own (an
+        encoder's texts, a tower's images) -> their rows and how many blocks they take."""
+        blocks = [blocks_for(n) for n in lengths]
+        tables = np.zeros((len(lengths), max(blocks)), np.int32)
+        first = np.cumsum([0, *blocks])
+        for s, b in enumerate(blocks):
+            tables[s, :b] = np.arange(first[s], first[s] + b)
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        return cls.of(positions, np.repeat(np.arange(len(lengths)), lengths), tables), int(first[-1])
+
+    def part(self, rows: np.ndarray) -> "Rows":
+        """Only these rows (indexes), on the same tables."""
+        return Rows(self.positions[rows], self.seq[rows], self.tables, self.sees[rows])
 
 
 def identity_table(blocks: int) -> np.ndarray:

@@ -9,8 +9,9 @@ that starts with one of those texts starts with its ids; only the rest is tokeni
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+from ..text.image_ids import TAG, TAG_OPEN
 from ..text.tokenizer import Tokenizer
 
 MEMO_SIZE = 64   # texts remembered: a few per conversation that is still going on
@@ -29,13 +30,14 @@ class PromptMemo:
         self.size = size
         self.texts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of `text`: the longest remembered prefix's, then the rest tokenized."""
-        held = max((t for t in self.texts if text.startswith(t)), key=len, default=None)
+    def encode(self, text: str, images: Collection[str] = ()) -> list[int]:
+        """The ids of `text`: the longest remembered prefix's, then the rest tokenized (`images`:
+        Tokenizer.encode's; a remembered text's images are in its tags)."""
+        held = max((t for t in self.texts if text.startswith(t) and _brought(t, images)), key=len, default=None)
         if held is None:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode(text, images=images)
         self.texts.move_to_end(held)
-        return list(self.texts[held]) + self.tokenizer.encode(text[len(held):], add_bos=False)
+        return list(self.texts[held]) + self.tokenizer.encode(text[len(held):], add_bos=False, images=images)
 
     def remember(self, text: str, ids: Sequence[int]):
         """Note that `ids` spell `text` (a prompt, or a prompt and the reply sampled after it)."""
@@ -45,3 +47,9 @@ class PromptMemo:
         self.texts.move_to_end(text)
         while len(self.texts) > self.size:
             self.texts.popitem(last=False)
+
+
+def _brought(text: str, images: Collection[str]) -> bool:
+    """Whether the images whose tags `text` holds are among those a prompt brought (a tag typed
+    in a message names no image)."""
+    return TAG_OPEN not in text or all(digest in images for digest, _ in TAG.findall(text))

@@ -8,6 +8,7 @@ it does wrong ends in one ChatTemplateError line.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -92,9 +93,13 @@ class ChatTemplate:
             raise _failure("failed", e) from None
 
 
-def build_messages(prompt: str, system: str | None = None) -> list[dict]:
-    """A one-turn conversation: an optional system message, then the user's prompt."""
+def build_messages(prompt: str, system: str | None = None, images: Sequence = ()) -> list[dict]:
+    """A one-turn conversation: an optional system message, then the user's prompt, after its
+    `images` (formats.image.Picture) if any, as llama.cpp's and ollama's one-shot prompts put them."""
     messages = [{"role": "system", "content": system}] if system is not None else []
+    if images:
+        return messages + [{"role": "user", "content": [*({"type": "image", "image": p} for p in images),
+                                                         {"type": "text", "text": prompt}]}]
     return messages + [{"role": "user", "content": prompt}]
 
 

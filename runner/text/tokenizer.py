@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from functools import cached_property
 
 import numpy as np
 import tokenizers
 
 from nibble.formats.model_dir import ModelDir
+from . import image_ids
 from .template import ChatTemplate, build_messages
 from .detokenize import StreamDecoder
 from ..settings import DRY_SEQUENCE_BREAKERS, model_sampling
@@ -88,10 +90,19 @@ class Tokenizer:
         bos = self.config.get("bos_token")
         return self.tokenizer.token_to_id(bos) if isinstance(bos, str) else None
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, images: Collection[str] = ()) -> list[int]:
         """Ids of `text`; special tokens written in it are parsed as such (the chat template
-        writes them). A BOS id is prepended when the model asks for one and it is not already there."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        writes them). A BOS id is prepended when the model asks for one and it is not already there.
+        `images`: the digests of the images the prompt brought, whose tags (image_ids.tag) become
+        their tokens' ids; any other tag is text."""
+        ids = []
+        pieces = image_ids.TAG.split(text) if images and image_ids.TAG_OPEN in text else [text]
+        for i in range(0, len(pieces), 3):   # text, then a tag's digest and count
+            ids += self.tokenizer.encode(pieces[i], add_special_tokens=False).ids
+            if i + 1 < len(pieces):
+                digest, count = pieces[i + 1], int(pieces[i + 2])
+                ids += (image_ids.image_ids(digest, count) if digest in images else
+                        self.tokenizer.encode(image_ids.tag(digest, count), add_special_tokens=False).ids)
         if add_bos is None:
             add_bos = bool(self.config.get("add_bos_token", False))
         if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:

@@ -315,6 +315,8 @@ def _read_prompt(prompt: str | None) -> str:
 @gpu_options
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
+@click.option("-i", "--image", "images", multiple=True, metavar="PATH",
+              help="An image the prompt asks about (repeatable; a vision-language model's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and stats.")
 @click.option("--json-schema", type=click.Path(dir_okay=False),
               help="Reply with JSON that validates against the JSON schema in this file.")
@@ -322,18 +324,23 @@ def _read_prompt(prompt: str | None) -> str:
 @thinking_options(off=True)
 @click.option("--hide-thinking", is_flag=True, help="Do not print what a model that thinks thinks (it still thinks).")
 def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk,
-        draft, gpu_layers, require_gpu, stop, raw, as_json, json_schema, json_object, thinking, hide_thinking):
-    """Answer PROMPT (or -p, or stdin) and stream the reply to stdout (a model's thinking, dimmed,
-    to stderr)."""
+        draft, gpu_layers, require_gpu, stop, raw, images, as_json, json_schema, json_object, thinking, hide_thinking):
+    """Answer PROMPT (or -p, or stdin), about the --image files if any, and stream the reply to
+    stdout (a model's thinking, dimmed, to stderr)."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
     system = _text(system, "the system prompt") if system is not None else None
     grammar = _grammar(json_schema, json_object)   # a bad schema is refused before the model loads
+    if images and raw:
+        raise click.UsageError("--raw sends the prompt as it is: an image needs the chat template")
+    from nibble.formats.image import open_image
+    pictures = [open_image(path) for path in images]   # a bad image is refused before the model loads
     threads = _threads(threads)
     model = _model_or_default(model)
     from nibble.runner.text.template import build_messages
     from nibble.runner.generation.generate import stream_generate
     from nibble.runner.text.reasoning import chat_prompt
     from nibble.runner.generation.sample import make_sampler
+    from nibble.runner.vision.base import pictures_for, with_images
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
     llm.threads.pin(threads)
     ctx_size = _context("-c", ctx_size, llm)
@@ -342,8 +349,11 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     if raw:
         ids, split = tokenizer.encode(text), None
     else:
-        prompt_text, split = chat_prompt(tokenizer, build_messages(text, system), thinking, forced=grammar is not None)
-        ids = tokenizer.encode(prompt_text)
+        messages = build_messages(text, system, pictures)
+        pictures = pictures_for(llm.vision, messages)   # a text model refuses them before its template
+        prompt_text, split = chat_prompt(tokenizer, messages, thinking, forced=grammar is not None)
+        prompt_text, digests = with_images(llm.vision, prompt_text, pictures)
+        ids = tokenizer.encode(prompt_text, images=digests)
     cache, pool = _prompt_cache(llm, ids, ctx_size, kv_cache, kv_disk)
     cached = cache.pos
     constraint = grammar.constraint(tokenizer) if grammar else None

@@ -1,0 +1,16 @@
+"""Vision: what a vision-language model makes of the images in a prompt. A family's vision is one
+class in a module of its own (gemma3.py), on the machinery of base.py, with its tower (siglip.py:
+SigLIP's), as runner/models/ holds the text families."""
+
+
+def vision_of(model_dir, token_text):
+    """The vision of a vision-language checkpoint (a ModelDir whose vision_tensors it holds), or
+    None for a text model. token_text(id): the tokenizer's text of a token id."""
+    if not model_dir.vision_tensors:
+        return None
+    from nibble.formats.errors import UnsupportedModel
+    from .gemma3 import Gemma3Vision
+    kind = model_dir.vision_config.get("model_type")
+    if kind != "gemma3":
+        raise UnsupportedModel(f"nibble reads no images with a {kind!r} model's vision tower")
+    return Gemma3Vision(model_dir.vision_config, model_dir.vision_tensors, model_dir.config.quantization, token_text)
