@@ -15,7 +15,7 @@ from .errors import FormatError
 from .half import HalfTensor
 from .safetensors import TensorStream, read_checkpoint, write_safetensors
 from .tempfiles import locked, sibling, temp_dir
-from .wrappers import text_tensors, vision_tensors
+from .wrappers import text_tensors, vision_tensors, wrapped
 
 
 @dataclass
@@ -86,8 +86,12 @@ def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False
         raise FormatError(f"cannot write to {out}: it already exists. "
                           f"Delete it, choose another path, or overwrite it with force")
     out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = model.tensors if tensors is None else tensors
+    config = model.config.to_dict()
+    if model.vision_config is not None:   # the text model back inside its wrapper, beside its vision
+        config, tensors = wrapped(model.vision_config, config, tensors, model.vision_tensors)
     with temp_dir(out) as tmp:
-        _write_json(tmp / "config.json", model.config.to_dict())
+        _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", model.generation_config)
         _write_json(tmp / "tokenizer_config.json", model.tokenizer_config)
         model.tokenizer.save(str(tmp / "tokenizer.json"))
@@ -95,8 +99,7 @@ def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
         # "format": "pt" is what transformers checks for before it will load the file.
-        write_safetensors(model.tensors if tensors is None else tensors, tmp / "model.safetensors",
-                          metadata={"format": "pt"})
+        write_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         _swap_into_place(tmp, out)
     return out
 

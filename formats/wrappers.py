@@ -12,8 +12,11 @@ layers.*, norm) lacks the `model.` its causal LM's names have; a BERT saved insi
 """
 from __future__ import annotations
 
+import itertools
+
 from . import families
 from .errors import FormatError
+from .safetensors import TensorStream, tensor_spec
 from .values import OBJECT
 
 # Outer fields a text_config may leave out: the wrapper's then hold for the text model (mlx-lm and
@@ -91,3 +94,20 @@ def vision_tensors(d: dict, tensors: dict) -> dict:
         if prefix is not None:
             out[_VISION_PREFIXES[prefix] + name[len(prefix):]] = t
     return out
+
+
+def wrapped(d: dict, text: dict, tensors: dict | TensorStream, vision: dict) -> tuple[dict, dict | TensorStream]:
+    """A wrapper checkpoint (its config.json `d`) written again around its text model (`text`, the
+    text config as nibble holds it, and `tensors` under a text-only checkpoint's names) and its
+    `vision` tensors (vision_tensors' names): the config.json and tensors to write, under
+    transformers 5's names, which text_tensors and vision_tensors read back."""
+    inner = {**text, "model_type": families.wrapped(d["model_type"])}
+    config = {**{k: v for k, v in d.items() if k not in _INHERITED or k == "tie_word_embeddings"},
+              "text_config": inner, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
+    rename = lambda name: name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")
+    outer = {"model." + name: t for name, t in vision.items()}
+    if isinstance(tensors, TensorStream):
+        specs = {rename(n): s for n, s in tensors.specs.items()} | {n: tensor_spec(t) for n, t in outer.items()}
+        items = itertools.chain(((rename(n), t) for n, t in tensors.items), outer.items())
+        return config, TensorStream(specs, items)
+    return config, {rename(n): t for n, t in tensors.items()} | outer

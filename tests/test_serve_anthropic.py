@@ -2,6 +2,7 @@
 client, and in the shapes Claude Code sends: greedy replies of the tiny model, their lengths forced
 by max_tokens; a thinking model's (DeepSeek-R1's template) thinking ended by its budget."""
 import asyncio
+import base64
 import json
 
 import anthropic
@@ -14,6 +15,7 @@ from nibble.runner.serve import anthropic as messages_api
 from nibble.runner.serve.errors import ApiError
 from nibble.runner.serve.replies import ReplyParts
 from tests.serving import KEY, Running, serving, with_context
+from tests.test_serve_images import RED, png
 from tests.tiny import tiny_model_dir, tiny_with_template
 
 GREEDY = {"temperature": 0}   # the client no longer takes sampling fields by name
@@ -174,7 +176,9 @@ def test_the_key_as_x_api_key_and_a_wrong_one(server):
     ({"max_tokens": 0}, anthropic.BadRequestError, "max_tokens"),
     ({"messages": [{"role": "system", "content": "Hi"}]}, anthropic.BadRequestError, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, anthropic.BadRequestError,
-     "no images"),
+     "messages[0].content[0].source.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, anthropic.BadRequestError,
+     "no documents"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, anthropic.BadRequestError,
      "web_search_20250305"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, anthropic.BadRequestError, "nope"),
@@ -274,8 +278,13 @@ def test_a_conversation_reads_into_the_neutral_body():
 
 
 @pytest.mark.parametrize("messages, param", [
-    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}],
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]}]}],
      "messages[0].content[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}],
+     "messages[0].content[0].content[0].source"),
+    ([{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/bmp",
+                                                                "data": ""}}]}],
+     "messages[0].content[0].source.media_type"),
     ([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {}}]}], "messages[0].content[0].name"),
     ([{"role": "assistant", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text"),
     ([{"role": "user", "content": [{"type": "tool_use"}]}], "messages[0].content[0].type"),
@@ -317,11 +326,17 @@ VALID = {"model": "tiny", "max_tokens": 2, "stream": False, "temperature": 0, "t
                                                          "input": {"city": "Paris"}}]},
                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                                     "content": "sunny", "is_error": True}]}]}
+PNG = base64.b64encode(png(RED)).decode()
+IMAGES = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+          {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG[:40]}},
+          {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/x.png"}},
+          {"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}]
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 8), st.sampled_from([10**20, -2**63, 1e308, 0.5]),
                     st.floats(allow_nan=False), st.text(max_size=8),
                     st.sampled_from(["user", "assistant", "text", "tool_use", "tool_result", "thinking", "image",
-                                     "enabled", "disabled", "any", "tool", "weather", "\ud800"]))
-JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                     "enabled", "disabled", "any", "tool", "weather", "\ud800", "base64", "url",
+                                     "image/png", "image/bmp", PNG, PNG[:40], "data:image/png;base64," + PNG]))
+JSON = st.recursive(SCALARS | st.sampled_from(IMAGES), lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                      st.dictionaries(st.text(max_size=6), inner, max_size=4)),
                     max_leaves=12)
 

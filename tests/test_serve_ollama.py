@@ -1,6 +1,7 @@
 """ollama's API in nibble serve against the official ollama client: chat and generate, streamed and
 not, raw, formats, tools, thinking, the model list and details, and ollama's error shape for every
 bad body (a fuzz of both bodies: 200 or a 4xx, never a 500)."""
+import base64
 import importlib.metadata
 import json
 
@@ -16,6 +17,7 @@ from nibble.runner.serve.models import EngineOptions
 from nibble.runner.measure.synthetic import CHATML
 from tests.serving import CTX, KEY, serving, with_context
 from tests.test_serve import PERSON, TOOLS
+from tests.test_serve_images import RED, png
 from tests.tiny import TEMPLATES, tiny_model_dir
 
 GREEDY = {"temperature": 0}
@@ -231,7 +233,9 @@ def test_an_unknown_model_is_404_and_the_latest_tag_is_the_model(server):
     ("/api/chat", {"messages": USER, "options": {"num_predict": "ten"}}, "options.num_predict"),
     ("/api/chat", {"messages": USER, "options": {"stop": [1]}}, "options.stop"),
     ("/api/chat", {"messages": USER, "options": []}, "options"),
-    ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "messages[0].images"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "messages[0].images[0]"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["not base64"]}]}, "messages[0].images[0]"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": "aGk="}]}, "messages[0].images"),
     ("/api/chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ("/api/chat", {"messages": USER, "think": "very"}, "think"),
     ("/api/chat", {"messages": USER, "format": "yaml"}, "format"),
@@ -239,7 +243,8 @@ def test_an_unknown_model_is_404_and_the_latest_tag_is_the_model(server):
     ("/api/chat", {"messages": USER, "stream": "yes"}, "stream"),
     ("/api/chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
-    ("/api/generate", {"prompt": "hi", "images": ["aGk="]}, "images"),
+    ("/api/generate", {"prompt": "hi", "images": ["aGk="]}, "images[0]"),
+    ("/api/generate", {"prompt": "hi", "images": ["aGk="], "raw": True}, "images"),
     ("/api/generate", {"prompt": "hi", "suffix": "end"}, "suffix"),
     ("/api/generate", {"prompt": "hi", "context": [1, 2, 3]}, "context"),
     ("/api/generate", {"prompt": "hi", "raw": True, "format": "json"}, "format"),
@@ -280,10 +285,12 @@ def test_parse_chat_reads_ollamas_fields_into_the_neutral_body():
 
 # ---- fuzz ----
 
+PNG = base64.b64encode(png(RED)).decode()
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.sampled_from([2**63, -(2**63), 10**30]),
                     st.floats(allow_nan=False), st.text(max_size=8),
                     st.sampled_from(["user", "assistant", "tool", "system", "json", "high", "max", "5m", "tiny",
-                                     "\ud800", "tiny:latest", "weather"]))
+                                     "\ud800", "tiny:latest", "weather", PNG, PNG[:40], "aGk=", "not base64",
+                                     "data:image/png;base64," + PNG]))
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.sampled_from(["role", "content", "function", "name", "arguments",
                                                        "type", "properties", "thinking", "tool_calls",

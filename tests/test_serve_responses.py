@@ -20,6 +20,7 @@ from nibble.runner.serve.models import EngineOptions
 from nibble.runner.serve.responses import parse, response_events
 from nibble.runner.settings import SamplerSettings
 from tests.serving import serving, with_context
+from tests.test_serve_images import RED, data_url, png
 from tests.tiny import tiny_model_dir, tiny_with_template
 
 GREEDY = {"temperature": 0}
@@ -212,7 +213,12 @@ def test_a_previous_response_id_is_refused_as_the_server_keeps_none(server):
     ({"input": "Hi", "conversation": "conv_1"}, "conversation"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
+     "input[0].content[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": []}, "input"),
@@ -265,16 +271,20 @@ FIELDS = ["model", "input", "instructions", "tools", "tool_choice", "parallel_to
 ITEM_TYPES = ["message", "function_call", "function_call_output", "reasoning", "item_reference", "input_text",
               "output_text", "reasoning_text", "input_image", "web_search", "function", "json_schema", "json_object",
               "text", "none", "auto", "required"]
+IMAGE_URLS = [data_url(png(RED)), data_url(png(RED)[:40]), "data:text/plain;base64,aGk=", "http://127.0.0.1:9/x.png",
+              "file:///etc/passwd"]
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2, 9), st.sampled_from([2**31, 2**63, 10**30]),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
                     st.sampled_from(["\ud800", "tiny", "user", "assistant", "developer", "tool", "weather",
-                                     "high", "none", *ITEM_TYPES]))
+                                     "high", "none", *ITEM_TYPES, *IMAGE_URLS]))
 KEYS = st.sampled_from(["type", "role", "content", "text", "name", "call_id", "arguments", "output", "schema",
-                        "format", "effort", "parameters", "summary", "id", *FIELDS])
+                        "format", "effort", "parameters", "summary", "id", "image_url", "file_id", *FIELDS])
 JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=4),
                     max_leaves=10)
 PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "reasoning_text", "input_image"])
-                              | JUNK, "text": st.text(max_size=8) | JUNK})
+                              | JUNK}, optional={"text": st.text(max_size=8) | JUNK,
+                                                 "image_url": st.sampled_from(IMAGE_URLS) | JUNK,
+                                                 "file_id": st.just("file_1") | JUNK})
 ITEM = st.fixed_dictionaries({}, optional={
     "type": st.sampled_from(ITEM_TYPES) | JUNK, "role": st.sampled_from(["user", "assistant", "system", "developer"])
     | JUNK, "content": st.text(max_size=8) | st.lists(PART, max_size=3) | JUNK,
@@ -283,7 +293,10 @@ ITEM = st.fixed_dictionaries({}, optional={
 BASE = {"model": "tiny", "input": [{"role": "user", "content": "Hi"}], "instructions": "Be brief.",
         "tools": [WEATHER], "tool_choice": "auto", "text": {"format": {"type": "text"}},
         "reasoning": {"effort": "low"}, "max_output_tokens": 2, **GREEDY}
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                 "content": st.lists(PART, min_size=1, max_size=3)})
 VALUES = st.one_of(JUNK, st.lists(ITEM, max_size=4), st.lists(PART, max_size=2),
+                   st.lists(MESSAGE, min_size=1, max_size=2),
                    st.sampled_from([[WEATHER], {"type": "function", "name": "weather"}, {"type": "web_search"},
                                     {"format": {"type": "json_schema", "name": "p", "schema": PERSON}},
                                     {"format": {"type": "json_object"}}, {"effort": "minimal"}]))
@@ -316,6 +329,7 @@ DEEP = b'{"input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 @example(b'{"input": [{"role": "user", "content": [{"type": "input_text", "text": "\\udfff"}]}]}')
 @example(b"not json")
 @example({"input": "Hi", "max_output_tokens": 2, "stream": True})
+@example({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE_URLS[0]}]}]})
 def test_any_body_gets_a_response_or_a_4xx_in_openais_shape(server, body):
     status, _, data = server.post("/v1/responses", body if isinstance(body, bytes) else json.dumps(body).encode())
     if status == 200:

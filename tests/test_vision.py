@@ -204,3 +204,21 @@ def test_run_image_on_a_text_model_or_raw(tiny_dir):
     assert_one_line_error(invoke("run", "-m", tiny_dir, "-i", GEMMA3 / "image.png", "Hi"), match="reads no images")
     assert_one_line_error(invoke("run", "-m", tiny_dir, "--raw", "-i", GEMMA3 / "image.png", "Hi"), code=2,
                           match="--raw")
+
+
+def test_a_quantized_copy_keeps_its_vision(vision_dir, tmp_path, monkeypatch):
+    """nibble quantize, and run's quantizing at load, write the decoder quantized beside the tower
+    as stored, under the wrapper's names: the copy reads images as the float model does."""
+    from nibble.formats.model_dir import read_model_dir
+    from tests.test_cli import invoke
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    out = tmp_path / "int8"
+    r = invoke("quantize", vision_dir, "-o", out, "--bits", "8", "--group-size", "32")
+    assert r.exit_code == 0, r.output
+    copy = read_model_dir(out)
+    assert copy.config.quantization["bits"] == 8 and copy.vision_tensors.keys() == read_model_dir(vision_dir).vision_tensors.keys()
+    ask = ["--temp", "0", "-n", "3", "-i", GEMMA3 / "image.png", "What is it?"]
+    for model in (out, vision_dir):
+        r = invoke("run", "-m", model, *(["--quant", "int4"] if model == vision_dir else []), *ask)
+        assert r.exit_code == 0, r.output
+        assert int(r.stderr.splitlines()[-1].split()[1]) > 4   # the prompt: its text and the image's 4 tokens

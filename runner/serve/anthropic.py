@@ -6,7 +6,8 @@ object. No model here: the handlers start and await a request as the OpenAI ones
 
 A body's fields nibble does not know are ignored (`metadata`, `service_tier`, `cache_control` on
 any block: the engine's pool keeps every prompt's prefix unasked); a field it knows with a wrong
-type or value is a 400 that names it.
+type or value is a 400 that names it. Image blocks (a user message's, a tool result's) are read as
+the body is (bodies.Images), on a worker thread.
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ from ..generation.decoding import Event
 from ..text.reasoning import EFFORTS, STRONGER, Thinking, ThinkingOptions, template_effort
 from ..text.tools import Call, Content
 from .api import ChatBody, Options
-from .bodies import Body, Flag, JsonObject, Name, Sampling, Text, by, integer, listed, one_of, read, refused, said
+from .bodies import (Base64, Body, Flag, ImageLocation, Images, ImageSource, JsonObject, Name, Sampling, Text, by,
+                     integer, listed, message_content, one_of, read, refused, said)
 from .errors import ApiError
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
 from .replies import ReplyParts, chat_text, chat_turn, generating
 
-MEDIA = ("image", "document", "search_result")
+UNREAD = ("document", "search_result")
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")   # those Anthropic's API takes
 # tool_choice's type -> ChatBody's tool_choice
 TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -40,14 +43,16 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 # ---- the request ----
 
-def parse_messages(body, counting: bool = False) -> ChatBody:
+def parse_messages(body, counting: bool = False, images: Images = Images()) -> ChatBody:
     """A /v1/messages body (`counting`: a count_tokens body, which has no max_tokens) -> ChatBody,
-    or ApiError naming the first bad field."""
-    return read(MessagesRequest if counting else CreateRequest, body).chat_body()
+    its images read by `images`, or ApiError naming the first bad field (or image)."""
+    return read(MessagesRequest if counting else CreateRequest, body).chat_body(images)
 
 
-def _text_only(kind) -> str:
-    return f"is {kind}: nibble's models read no images or documents" if kind in MEDIA else 'must be "text"'
+def _blocks(kinds: str):
+    """The rule a block of another kind breaks: one nibble reads nowhere is named as such."""
+    return lambda kind: (f"is {kind}: nibble's models read no documents or search results" if kind in UNREAD
+                         else f"must be {kinds}")
 
 
 def _text(text: str) -> dict:
@@ -59,20 +64,53 @@ class TextBlock(Body):
     text: Text
 
 
-TextBlocks = Annotated[list[Annotated[TextBlock, by("type", {"text": TextBlock}, _text_only)]],
+TextBlocks = Annotated[list[Annotated[TextBlock, by("type", {"text": TextBlock}, _blocks('"text"'))]],
                        listed("must be a string or a list of text blocks", _text)]
+
+
+class Base64Image(Body):
+    media_type: one_of(*IMAGE_TYPES)
+    data: Base64
+
+
+class UrlImage(Body):
+    url: ImageLocation
+
+
+def _image_source(kind) -> str:
+    if kind == "file":
+        return "is 'file': nibble keeps no files: send the image as base64 or its URL"
+    return 'must be "base64" or "url"'
+
+
+class ImageBlock(Body):
+    source: Annotated[Base64Image | UrlImage, by("type", {"base64": Base64Image, "url": UrlImage}, _image_source)]
+
+    def image(self) -> ImageSource:
+        source = self.source
+        return source.url if isinstance(source, UrlImage) else ImageSource(source.data)
+
+
+def _parts(blocks: list, place: str) -> list:
+    """Text and image blocks as bodies.message_content takes them: text, or an image with its
+    place (`place`[j]) in the body; other blocks left out."""
+    return [b.text if isinstance(b, TextBlock) else (f"{place}[{j}]", b.image())
+            for j, b in enumerate(blocks) if isinstance(b, (TextBlock, ImageBlock))]
 
 
 class ToolResult(Body):
     tool_use_id: Text
-    content: TextBlocks | None = None
+    content: Annotated[list[Annotated[TextBlock | ImageBlock, by(
+        "type", {"text": TextBlock, "image": ImageBlock}, _blocks('"text" or "image"'))]],
+        listed("must be a string or a list of text and image blocks", _text)] | None = None
     is_error: Flag | None = None
 
-    def message(self) -> dict:
-        text = "\n".join(b.text for b in self.content or [])
+    def message(self, place: str, images: Images) -> dict:
+        """A "tool" message (the result at `place` in the body)."""
+        parts = _parts(self.content or [], f"{place}.content")
         if self.is_error:   # the templates have no field for it: say it in words
-            text = f"Error: {text}"
-        return {"role": "tool", "tool_call_id": self.tool_use_id, "content": text}
+            parts = [f"Error: {parts[0]}", *parts[1:]] if parts and isinstance(parts[0], str) else ["Error: ", *parts]
+        return {"role": "tool", "tool_call_id": self.tool_use_id, "content": message_content(parts, images, "\n")}
 
 
 class ThinkingBlock(Body):
@@ -90,17 +128,20 @@ class ToolUse(Body):
 
 
 class UserMessage(Body):
-    content: Annotated[list[Annotated[TextBlock | ToolResult, by(
-        "type", {"text": TextBlock, "tool_result": ToolResult},
-        lambda kind: _text_only(kind) if kind in MEDIA else 'must be "text" or "tool_result" in a user message')]],
+    content: Annotated[list[Annotated[TextBlock | ImageBlock | ToolResult, by(
+        "type", {"text": TextBlock, "image": ImageBlock, "tool_result": ToolResult},
+        _blocks('"text", "image" or "tool_result" in a user message'))]],
         listed("must be a string or a list of content blocks", _text)]
 
-    def messages(self) -> list[dict]:
-        """The tool results (first, where Anthropic requires them), each a "tool" message; then the
-        text blocks, joined, as one user message."""
-        results = [b.message() for b in self.content if isinstance(b, ToolResult)]
-        text = [b.text for b in self.content if isinstance(b, TextBlock)]
-        return results + ([{"role": "user", "content": "\n".join(text)}] if text or not results else [])
+    def messages(self, i: int, images: Images) -> list[dict]:
+        """The `i`th message's tool results (first, where Anthropic requires them), each a "tool"
+        message; then its text blocks, joined, as one user message (with images: its text and
+        image blocks, in order)."""
+        place = f"messages[{i}].content"
+        results = [b.message(f"{place}[{j}]", images) for j, b in enumerate(self.content) if isinstance(b, ToolResult)]
+        parts = _parts(self.content, place)
+        return results + ([{"role": "user", "content": message_content(parts, images, "\n")}]
+                          if parts or not results else [])
 
 
 class AssistantMessage(Body):
@@ -110,7 +151,7 @@ class AssistantMessage(Body):
         'must be "text", "thinking", "redacted_thinking" or "tool_use" in an assistant message')]],
         listed("must be a string or a list of content blocks", _text)]
 
-    def messages(self) -> list[dict]:
+    def messages(self, i: int, images: Images) -> list[dict]:
         """One message: its tool_use blocks its tool_calls, its thinking its reasoning_content."""
         text = [b.text for b in self.content if isinstance(b, TextBlock)]
         thoughts = [b.thinking for b in self.content if isinstance(b, ThinkingBlock)]
@@ -206,10 +247,10 @@ class MessagesRequest(Sampling):
             raise refused("cannot be combined with tools: send one or the other", "output_config.format")
         return self
 
-    def chat_body(self) -> ChatBody:
+    def chat_body(self, images: Images) -> ChatBody:
         system = "\n".join(b.text for b in self.system or [])
         messages = [*([{"role": "system", "content": system}] if system else []),
-                    *(m for message in self.messages for m in message.messages())]
+                    *(m for i, message in enumerate(self.messages) for m in message.messages(i, images))]
         options = Options(self.model, bool(self.stream), False, self.max_tokens, self.sampling(),
                           tuple(s for s in self.stop_sequences or () if s), None)
         schema = self._schema()
@@ -353,7 +394,8 @@ def failed(event: Event) -> ApiError:
 # ---- the handlers ----
 
 async def messages(models: Models, request: Request) -> Response:
-    body = parse_messages(await read_json(request))
+    # on a worker thread: images are decoded, and with --allow-image-urls fetched
+    body = await run_in_threadpool(parse_messages, await read_json(request), False, request.app.state.images)
     pending = await start(models, body, chat_turn)
     id, parts = f"msg_{secrets.token_hex(12)}", ReplyParts(pending.turn.tool_names, pending.served.family)
     if body.options.stream:
@@ -364,7 +406,7 @@ async def messages(models: Models, request: Request) -> Response:
 
 async def count_tokens(models: Models, request: Request) -> Response:
     """The prompt's tokens, through the template with its tools, as /v1/messages would run it."""
-    body = parse_messages(await read_json(request), counting=True)
+    body = await run_in_threadpool(parse_messages, await read_json(request), True, request.app.state.images)
     lease = await models.lease(body.options.model)
     try:   # template and tokenizer, off the loop; a prompt past the context is counted all the same
         text, _ = await run_in_threadpool(chat_text, generating(lease.served), body)

@@ -5,6 +5,8 @@ client expects (its error object: errors.py). No HTTP here: the tests feed it di
 
 A body's fields nibble does not know are ignored, as OpenAI's server ignores them; a field it knows
 with a wrong type or value is a 400 that names it. `null` is the same as leaving a field out.
+A message's images (`image_url` parts) are read as the body is (bodies.Images): parse on a worker
+thread, not the event loop.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from ..text.reasoning import ThinkingOptions
-from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Text, integer, listed, one_of, read, refused, said,
-                     stops, unsupported)
+from .bodies import (Body, Flag, FullSampling, ImageLocation, Images, JsonObject, Name, Text, by, integer, listed,
+                     message_content, one_of, read, refused, said, stops, unsupported)
 
 MAX_STOPS = 4              # OpenAI's limit on `stop` strings
 MAX_TOP_LOGPROBS = 20      # chat's `top_logprobs`
@@ -43,7 +45,7 @@ class Options:
 
 @dataclass(frozen=True)
 class ChatBody:
-    messages: list[dict]           # roles and content checked; developer -> system, text parts joined
+    messages: list[dict]           # roles and content checked; developer -> system; content text, or parts with images
     options: Options
     tools: list[dict]              # OpenAI's [{"type": "function", "function": {...}}], as given
     tool_choice: str               # "none" | "auto" | "required" (a named tool: "required" + tool_name)
@@ -60,9 +62,10 @@ class CompletionBody:
     options: Options
 
 
-def parse_chat(body) -> ChatBody:
-    """A /v1/chat/completions body -> ChatBody, or ApiError naming the first bad field."""
-    return read(ChatRequest, body).chat_body()
+def parse_chat(body, images: Images = Images()) -> ChatBody:
+    """A /v1/chat/completions body -> ChatBody, its images read by `images`, or ApiError naming
+    the first bad field (or image)."""
+    return read(ChatRequest, body).chat_body(images)
 
 
 def parse_completion(body) -> CompletionBody:
@@ -119,14 +122,34 @@ class ThinkingKnobs(Body):
 
 
 class TextPart(Body):
-    type: Literal["text"]
     text: Text
 
 
-# A message's content: text, or text parts (joined)
-ChatContent = Annotated[list[TextPart], listed(item=lambda text: {"type": "text", "text": text}),
-                        said("must be a string, a list of text parts or null: nibble's models read no images "
-                             "or audio")]
+class ImageUrl(Body):
+    url: ImageLocation
+    # detail ("auto", "low", "high") is the tower's to decide: ignored
+
+
+def _url_alone(value):
+    """image_url given as the URL itself, as some clients send it."""
+    return {"url": value} if isinstance(value, str) else value
+
+
+class ImagePart(Body):
+    image_url: Annotated[ImageUrl, BeforeValidator(_url_alone)]
+
+
+# A message's content: text, or text and image parts
+ContentPart = Annotated[TextPart | ImagePart, by("type", {"text": TextPart, "image_url": ImagePart},
+                                                 'must be "text" or "image_url": nibble reads no audio or files')]
+ChatContent = Annotated[list[ContentPart], listed("must be a string, a list of content parts or null",
+                                                  lambda text: {"type": "text", "text": text})]
+
+
+def content_parts(parts: list[TextPart | ImagePart], place: str) -> list:
+    """Content parts as bodies.message_content takes them: text, or an image with its place
+    (`place`[j]) in the body."""
+    return [p.text if isinstance(p, TextPart) else (f"{place}[{j}]", p.image_url.url) for j, p in enumerate(parts)]
 
 
 class CalledFunction(Body, extra="allow"):
@@ -151,10 +174,13 @@ class ChatMessage(Body, extra="allow"):
             raise refused("is missing", "content")
         return self
 
-    def chat(self) -> dict:
-        """As the templates read it: developer -> system, text parts joined, thinking as reasoning_content."""
-        out = {**self.model_dump(exclude_unset=True), "role": "system" if self.role == "developer" else self.role,
-               "content": None if self.content is None else "".join(p.text for p in self.content)}
+    def chat(self, i: int, images: Images) -> dict:
+        """As the templates read it (the `i`th message): developer -> system, text parts joined
+        (or, with images, the parts in order), thinking as reasoning_content."""
+        content = None if self.content is None else message_content(
+            content_parts(self.content, f"messages[{i}].content"), images)
+        out = {**self.model_dump(exclude_unset=True, exclude={"content"}), "content": content,
+               "role": "system" if self.role == "developer" else self.role}
         thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         if thought is not None:
             out["reasoning_content"] = thought
@@ -240,11 +266,11 @@ class ChatRequest(OpenAIRequest, ThinkingKnobs):
             return "required", self.tool_choice.function.name
         return self.tool_choice, None
 
-    def chat_body(self) -> ChatBody:
+    def chat_body(self, images: Images) -> ChatBody:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         response_format, schema = self.response_format.kind() if self.response_format else ("text", None)
-        return ChatBody([m.chat() for m in self.messages], options,
+        return ChatBody([m.chat(i, images) for i, m in enumerate(self.messages)], options,
                         [t.model_dump(exclude_unset=True) for t in self.tools or []], *self._choice(),
                         bool(self.parallel_tool_calls), response_format, schema, self.thinking(self.reasoning_effort))
 

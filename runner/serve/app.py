@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -25,6 +26,7 @@ from ..text.reasoning import Thinking
 from ..text.tools import Call
 from . import anthropic, api, embeddings, ollama, ollama_models, responses
 from .api import Stamp, tool_call
+from .bodies import Images
 from .errors import ApiError
 from .guard import Callers, Guard
 from .models import Models
@@ -32,11 +34,12 @@ from .pending import Pending, Streamed, read_json, start, until_disconnected
 from .replies import ReplyParts, chat_delta, chat_turn, completion_turn
 
 
-def make_app(models: Models, api_key: str | None = None, callers: Callers = Callers()) -> Starlette:
+def make_app(models: Models, api_key: str | None = None, callers: Callers = Callers(),
+             images: Images = Images()) -> Starlette:
     """OpenAI's chat, completions, Responses and embeddings APIs, Anthropic's Messages API and
     ollama's API over `models`, for the callers `callers` allows (by default: requests to
     localhost, from no web page but loopback's); with `api_key`, every route but /health and /
-    asks for it."""
+    asks for it. `images` reads the images in bodies (the handlers find it in app.state)."""
     def route(path, handler, methods=("GET",), open=False):
         async def endpoint(request: Request) -> Response:
             try:
@@ -50,25 +53,27 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                 return error_response(ApiError(400, str(e)), path)
         return Route(path, endpoint, methods=list(methods))
 
-    return Starlette(routes=[route("/v1/chat/completions", chat, ["POST"]),
-                             route("/v1/completions", completions, ["POST"]),
-                             route("/v1/responses", responses.create, ["POST"]),
-                             route("/v1/messages", anthropic.messages, ["POST"]),
-                             route("/v1/messages/count_tokens", anthropic.count_tokens, ["POST"]),
-                             route("/v1/embeddings", embeddings.openai, ["POST"]),
-                             route("/v1/models", list_models),
-                             route("/api/chat", ollama.chat, ["POST"]),
-                             route("/api/generate", ollama.generate, ["POST"]),
-                             route("/api/embed", embeddings.ollama, ["POST"]),
-                             route("/api/embeddings", embeddings.ollama_older, ["POST"]),
-                             route("/api/tags", ollama_models.tags),
-                             route("/api/show", ollama_models.show, ["POST"]),
-                             route("/api/ps", ollama_models.running),
-                             route("/api/version", ollama_models.version),
-                             route("/", ollama_models.heartbeat, open=True),
-                             route("/health", health, open=True)],
-                     middleware=[Middleware(Guard, callers=callers, refuse=_forbidden)],
-                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app = Starlette(routes=[route("/v1/chat/completions", chat, ["POST"]),
+                            route("/v1/completions", completions, ["POST"]),
+                            route("/v1/responses", responses.create, ["POST"]),
+                            route("/v1/messages", anthropic.messages, ["POST"]),
+                            route("/v1/messages/count_tokens", anthropic.count_tokens, ["POST"]),
+                            route("/v1/embeddings", embeddings.openai, ["POST"]),
+                            route("/v1/models", list_models),
+                            route("/api/chat", ollama.chat, ["POST"]),
+                            route("/api/generate", ollama.generate, ["POST"]),
+                            route("/api/embed", embeddings.ollama, ["POST"]),
+                            route("/api/embeddings", embeddings.ollama_older, ["POST"]),
+                            route("/api/tags", ollama_models.tags),
+                            route("/api/show", ollama_models.show, ["POST"]),
+                            route("/api/ps", ollama_models.running),
+                            route("/api/version", ollama_models.version),
+                            route("/", ollama_models.heartbeat, open=True),
+                            route("/health", health, open=True)],
+                    middleware=[Middleware(Guard, callers=callers, refuse=_forbidden)],
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.images = images
+    return app
 
 
 # Each API answers errors in its own shape, picked by the request's path (the first prefix that
@@ -88,7 +93,8 @@ def _forbidden(scope, why: str) -> Response:
 
 
 async def chat(models: Models, request: Request) -> Response:
-    body = api.parse_chat(await read_json(request))
+    # on a worker thread: images are decoded, and with --allow-image-urls fetched
+    body = await run_in_threadpool(api.parse_chat, await read_json(request), request.app.state.images)
     pending = await start(models, body, chat_turn)
     served = pending.served
     stamp, parts = Stamp.new("chatcmpl", served.name), ReplyParts(pending.turn.tool_names, served.family)

@@ -7,11 +7,22 @@ Each model ignores the fields it does not declare, as OpenAI's, Anthropic's and 
 do, and a field it declares may be null, which is the same as leaving it out. Types are strict, as
 JSON's are: "5" is no integer and 1 is no boolean (a float with no fraction is an integer, as some
 JSON writers send one).
+
+Images: a body's image (base64, a data: URL, an http(s) URL) is checked where it stands, as an
+ImageSource; `Images` reads it into a Picture (formats/image.py) as the body becomes a ChatBody, and
+`message_content` gives a message's parts as the templates read them.
 """
 from __future__ import annotations
 
+import base64
+import http.client
 import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator,
@@ -19,6 +30,7 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, BeforeValidator, C
 from pydantic_core import PydanticCustomError
 
 from nibble.formats.errors import NibbleError
+from nibble.formats.image import MAX_BYTES, ImageError, Picture, open_image
 from ..settings import SamplerSettings
 from .errors import ApiError
 
@@ -203,3 +215,125 @@ class FullSampling(Sampling):
     dry_allowed_length: SamplingInteger | None = None
     dry_penalty_last_n: SamplingInteger | None = None
     seed: SamplingInteger | None = None
+
+
+# ---- images ----
+
+FETCH_SECONDS = 10   # an image URL's whole fetch, connecting included
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """An image as a body gives it, not yet read: its file's bytes, or the http(s) URL to fetch them from."""
+    data: bytes = b""
+    url: str | None = None
+
+
+def _base64(text: str) -> bytes:
+    """Standard base64, line breaks and spaces allowed (some clients wrap it)."""
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except ValueError as e:   # binascii.Error, or text that is not ASCII
+        raise refused(f"is not valid base64 ({e})") from None
+
+
+def _image_location(text: str) -> ImageSource:
+    """A data: URL's bytes, or an http(s) URL to fetch; any other scheme (file:, ftp:) is refused,
+    since the server would read what the caller names."""
+    scheme = text.partition(":")[0].strip().lower() if ":" in text else ""
+    if scheme == "data":
+        return ImageSource(_data_url(text))
+    if scheme in ("http", "https"):
+        return ImageSource(url=text)
+    which = f", not a {scheme}: URL" if scheme and len(scheme) <= 10 and scheme.isalnum() else ""
+    raise refused(f"must be a data: URL (data:image/png;base64,...) or an http(s) URL{which}")
+
+
+def _data_url(text: str) -> bytes:
+    """data:image/png;base64,... (RFC 2397): an image's media type; base64 or percent-encoded bytes."""
+    head, comma, data = text.partition(",")
+    if not comma:
+        raise refused("is a data: URL without the comma before its data")
+    kind, *params = head[len("data:"):].split(";")
+    kind = kind.strip().lower()
+    if not kind.startswith("image/"):
+        kind = kind if 0 < len(kind) <= 40 else "text/plain" if not kind else kind[:37] + "..."
+        raise refused(f"is a data: URL of {kind}, which is no image: send image/png, image/jpeg, image/webp or "
+                      "image/gif")
+    if "base64" in (p.strip().lower() for p in params):
+        return _base64(data)
+    return urllib.parse.unquote_to_bytes(data)
+
+
+Base64 = Annotated[Text, AfterValidator(_base64)]                   # -> bytes
+ImageLocation = Annotated[Text, AfterValidator(_image_location)]    # -> ImageSource
+
+
+@dataclass(frozen=True)
+class Images:
+    """How a request's images are read: each decoded once, within formats/image.py's bounds; an
+    http(s) URL fetched first only where the server allows it (`allow_urls`, --allow-image-urls),
+    since the server then fetches whatever a caller names, on its own network too."""
+    allow_urls: bool = False
+    seconds: float = FETCH_SECONDS
+
+    def open(self, source: ImageSource, place: str) -> Picture:
+        """The image at `place` in the body (its name in errors), or ApiError (400) saying why not."""
+        data = source.data if source.url is None else self.fetch(source.url, place)
+        try:
+            return open_image(data, place)
+        except ImageError as e:
+            raise ApiError(400, str(e), place) from None
+
+    def fetch(self, url: str, place: str) -> bytes:
+        """The bytes at an http(s) URL: at most formats.image.MAX_BYTES (reading stops past them),
+        within `seconds`."""
+        shown = url if len(url) <= 80 else url[:77] + "..."
+        if not self.allow_urls:
+            raise ApiError(400, f"{place} is an image URL, which this server fetches only when it runs with "
+                                "--allow-image-urls: send the image's bytes instead (a data: URL, base64)", place)
+        deadline = time.monotonic() + self.seconds
+        too_large = ApiError(400, f"{place}: {shown} is more than {MAX_BYTES // 2**20} MB: images of at most "
+                                  f"{MAX_BYTES // 2**20} MB are read", place)
+        try:
+            request = urllib.request.Request(url, headers={"User-Agent": "nibble", "Accept": "image/*"})
+            with urllib.request.build_opener(_WebRedirects).open(request, timeout=self.seconds) as reply:
+                length = reply.headers.get("Content-Length", "")
+                if length.isdigit() and int(length) > MAX_BYTES:
+                    raise too_large
+                data = bytearray()
+                while chunk := reply.read1(1 << 16):
+                    data += chunk
+                    if len(data) > MAX_BYTES:
+                        raise too_large
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"not read within {self.seconds:g} s")
+                return bytes(data)
+        except urllib.error.HTTPError as e:
+            raise ApiError(400, f"{place}: {shown} answered {e.code} {e.reason}", place) from None
+        except urllib.error.URLError as e:
+            raise ApiError(400, f"{place}: cannot fetch {shown}: {e.reason}", place) from None
+        except (OSError, http.client.HTTPException, ValueError) as e:   # timeouts, resets, a malformed reply or URL
+            raise ApiError(400, f"{place}: cannot fetch {shown}: {e or type(e).__name__}", place) from None
+
+
+class _WebRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects to http(s) only (urllib's own refuses file:, not ftp:)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise urllib.error.HTTPError(newurl, code, f"redirected to {scheme}:, which nibble does not fetch",
+                                         headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def message_content(parts: list[str | tuple[str, ImageSource]], images: Images,
+                    joined_by: str = "") -> str | list[dict]:
+    """A message's parts (text, or an image: (its place in the body, its source)) as the
+    templates read them: without images, the text joined as it always was; with them, each in
+    order, {"type": "text", "text": ...} or {"type": "image", "image": Picture} (empty text left out)."""
+    if all(isinstance(p, str) for p in parts):
+        return joined_by.join(parts)
+    return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": images.open(p[1], p[0])}
+            for p in parts if p != ""]

@@ -7,7 +7,8 @@ replies are ollama's objects, streamed (ollama's default) as newline-delimited J
 with `done: true`, why it ended and its durations in nanoseconds; errors are ollama's
 `{"error": message}`. Options and fields ollama has that nibble has
 no use for (num_ctx, num_gpu, keep_alive per request, ...) are accepted and ignored, as ollama
-ignores options it does not know.
+ignores options it does not know. A message's `images` (base64) follow its text, read as the body
+is (bodies.Images), on a worker thread.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, field_validator, model_validator
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,9 +28,9 @@ from nibble.formats.errors import NibbleError
 from ..text.reasoning import Thinking, ThinkingOptions, template_effort
 from ..text.tools import Call
 from . import api
-from .api import ChatBody, ChatContent, CompletionBody, Options, Tool
-from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Number, Text, integer, one_of, read, refused, said,
-                     stops, unsupported)
+from .api import ChatBody, ChatContent, CompletionBody, Options, Tool, content_parts
+from .bodies import (Base64, Body, Flag, FullSampling, Images, ImageSource, JsonObject, Name, Number, Text, integer,
+                     message_content, one_of, read, refused, said, stops, unsupported)
 from .errors import ApiError
 from .models import Models, parse_keep_alive
 from .pending import Pending, Streamed, read_json, start, until_disconnected
@@ -38,7 +40,6 @@ from .replies import ReplyParts, Served, chat_turn, completion_turn
 # generous one, since each is looked for at every token.
 MAX_STOPS = 32
 THINK_LEVELS = ("low", "medium", "high", "max")
-NO_IMAGES = "nibble's models read no images"
 ALL_OF_THEM = 1 << 30   # repeat_last_n -1 (ollama: the whole context): more ids than any context holds
 
 
@@ -48,28 +49,31 @@ def error_body(e: ApiError) -> dict:
 
 # ---- bodies ----
 
-def parse_chat(body) -> ChatBody:
-    """An /api/chat body -> ChatBody (no messages: only load the model), or ApiError naming the
-    first bad field."""
+def parse_chat(body, images: Images = Images()) -> ChatBody:
+    """An /api/chat body -> ChatBody (no messages: only load the model), its images read by
+    `images`, or ApiError naming the first bad field (or image)."""
     chat = read(ChatRequest, body)
     tools = [t.model_dump(exclude_unset=True) for t in chat.tools or []]
     response_format, schema = chat.response_format()
-    return ChatBody(messages=_messages(chat.messages or []), options=chat.neutral_options(), tools=tools,
+    return ChatBody(messages=_messages(chat.messages or [], images), options=chat.neutral_options(), tools=tools,
                     tool_choice=chat.tool_choice or ("auto" if tools else "none"), tool_name=None,
                     parallel_tool_calls=False, response_format=response_format, schema=schema,
                     thinking=chat.thinking())
 
 
-def parse_generate(body) -> ChatBody | CompletionBody:
+def parse_generate(body, images: Images = Images()) -> ChatBody | CompletionBody:
     """An /api/generate body -> a CompletionBody (raw: the prompt as it is) or a ChatBody of the
-    system and user messages (no messages: an empty prompt, which only loads the model)."""
+    system and user messages, the user's images after its prompt (no prompt and no images: no
+    messages, which only loads the model)."""
     generate = read(GenerateRequest, body)
     options, prompt = generate.neutral_options(), generate.prompt or ""
     if generate.raw and prompt:
         return CompletionBody(prompt, options)
     system = [{"role": "system", "content": generate.system}] if generate.system else []
+    user = [prompt, *((f"images[{k}]", ImageSource(data)) for k, data in enumerate(generate.images or []))]
     response_format, schema = generate.response_format()
-    return ChatBody(messages=[*system, {"role": "user", "content": prompt}] if prompt else [], options=options,
+    return ChatBody(messages=[*system, {"role": "user", "content": message_content(user, images)}]
+                    if prompt or generate.images else [], options=options,
                     tools=[], tool_choice="none", tool_name=None, parallel_tool_calls=False,
                     response_format=response_format, schema=schema, thinking=generate.thinking())
 
@@ -165,17 +169,18 @@ def _lower(role):
 class OllamaMessage(Body):
     role: Annotated[one_of(*api.ROLES), BeforeValidator(_lower)]
     content: ChatContent | None = None   # ollama's may be left out
-    images: Annotated[Any, unsupported(NO_IMAGES)] = None
+    images: list[Base64] | None = None   # after the content
     thinking: Text | None = None
     tool_calls: list[HistoryCall] | None = None
     tool_call_id: Text | None = None
     tool_name: Text | None = None
 
-    def chat(self, i: int) -> dict:
-        """As an OpenAI chat message: thinking -> reasoning_content, tool calls with their
-        arguments as JSON text and an id, tool_name -> name."""
-        out = {"role": "system" if self.role == "developer" else self.role,
-               "content": "".join(p.text for p in self.content or [])}
+    def chat(self, i: int, images: Images) -> dict:
+        """As an OpenAI chat message (the `i`th): its images after its content, thinking ->
+        reasoning_content, tool calls with their arguments as JSON text and an id, tool_name -> name."""
+        parts = [*content_parts(self.content or [], f"messages[{i}].content"),
+                 *((f"messages[{i}].images[{k}]", ImageSource(data)) for k, data in enumerate(self.images or []))]
+        out = {"role": "system" if self.role == "developer" else self.role, "content": message_content(parts, images)}
         if self.thinking:
             out["reasoning_content"] = self.thinking
         if self.tool_calls:
@@ -202,7 +207,7 @@ class ChatRequest(OllamaRequest):
 
 
 class GenerateRequest(OllamaRequest):
-    images: Annotated[Any, unsupported(NO_IMAGES)] = None
+    images: list[Base64] | None = None   # after the prompt, in its user message
     suffix: Annotated[Any, unsupported("nibble's models do not fill in the middle")] = None
     template: Annotated[Any, unsupported("nibble renders the model's own chat template; send raw: true and the "
                                          "prompt as you want it")] = None
@@ -216,15 +221,17 @@ class GenerateRequest(OllamaRequest):
     def _raw_takes_no_format(self):
         if self.raw and self.prompt and self.format not in (None, ""):   # completion_turn takes no grammar
             raise refused("cannot be combined with raw: send the prompt without raw, or no format", "format")
+        if self.raw and self.images:   # images reach a model through its chat template
+            raise refused("cannot be combined with raw: a raw prompt holds no images; leave raw out", "images")
         return self
 
 
-def _messages(given: list[OllamaMessage]) -> list[dict]:
+def _messages(given: list[OllamaMessage], images: Images) -> list[dict]:
     """ollama's messages -> OpenAI's chat dicts. A tool result names its tool (tool_name), not its
     call: each is paired with the first unanswered call of that name, whose id it gets."""
     out, unanswered = [], []   # unanswered: (id, name) of the last assistant message's calls
     for i, message in enumerate(given):
-        m = message.chat(i)
+        m = message.chat(i, images)
         if m.get("tool_calls"):
             unanswered = [(c["id"], c["function"]["name"]) for c in m["tool_calls"]]
         elif m["role"] == "tool" and "tool_call_id" not in m:
@@ -349,13 +356,15 @@ def _ending(piece: Piece) -> dict:
 
 async def chat(models: Models, request: Request) -> Response:
     clock = Clock()
-    body = _named(models, parse_chat(await read_json(request)))
+    # on a worker thread: images are decoded, and with --allow-image-urls fetched
+    body = _named(models, await run_in_threadpool(parse_chat, await read_json(request), request.app.state.images))
     return await _reply(models, request, body, clock, chat_object)
 
 
 async def generate(models: Models, request: Request) -> Response:
     clock = Clock()
-    body = _named(models, parse_generate(await read_json(request)))
+    body = _named(models, await run_in_threadpool(parse_generate, await read_json(request),
+                                                  request.app.state.images))
     return await _reply(models, request, body, clock, generate_object)
 
 

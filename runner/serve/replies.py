@@ -118,6 +118,7 @@ def chat_turn(served: Served, body: ChatBody) -> Turn:
 def chat_text(served: Served, body: ChatBody) -> tuple[str, ReasoningSplit | None]:
     """A chat body's prompt text, through the template with its tools and thinking, and its
     reply's split (None: the model does not think): ApiError (400) for what the template refuses."""
+    reads_images(served, body.messages)
     tools = body.tools if body.tool_choice != "none" else []
     forced = bool(tools and body.tool_choice == "required") or body.response_format != "text"
     try:   # a generic template gets the tools in a system message, and no `tools`
@@ -127,6 +128,20 @@ def chat_text(served: Served, body: ChatBody) -> tuple[str, ReasoningSplit | Non
         raise ApiError(400, str(e), "messages") from None
     except ChatTemplateError as e:
         raise ApiError(400, _server_words(str(e)), "messages") from None
+
+
+def reads_images(served: Served, messages: list[dict]):
+    """A 400 for a conversation with an image (api.ChatBody's image parts) when the model has no
+    vision tower, naming the first image."""
+    if served.engine.model.vision is not None:
+        return
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") == "image":
+                name = part["image"].name
+                raise ApiError(400, f"{served.name} reads no images: {name} is one; send text only, or ask a "
+                                    "model that reads images", name, code="model_not_supported")
 
 
 def completion_turn(served: Served, body: CompletionBody) -> Turn:

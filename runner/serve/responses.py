@@ -7,7 +7,8 @@ written as a Response object or as the typed server-sent events that build one (
 The server is stateless: it keeps no responses, so every request carries the whole conversation
 in `input` (the earlier turns' output items sent back as they came), and `previous_response_id`,
 `conversation` and `background` are 400s that say so. As in chat, a field nibble does not know is
-ignored, and one it knows with a wrong type or value is a 400 naming it.
+ignored, and one it knows with a wrong type or value is a 400 naming it. `input_image` parts are
+read as the body is (bodies.Images), on a worker thread.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,16 +28,15 @@ from ..text.reasoning import STRONGER, Thinking, template_effort
 from ..text.tools import Call, Content
 from . import api
 from .api import ChatBody, Options, Stamp, ThinkingKnobs
-from .bodies import (Body, Flag, FullSampling, JsonObject, Name, Text, by, either, integer, listed, one_of, read,
-                     refused, said, unsupported)
+from .bodies import (Body, Flag, FullSampling, ImageLocation, Images, JsonObject, Name, Text, by, either, integer,
+                     listed, message_content, one_of, read, refused, said, unsupported)
 from .errors import ApiError
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
 from .replies import ReplyParts, chat_turn
 
 ROLES = ("user", "assistant", "system", "developer")
-TEXT_PARTS = ("input_text", "output_text")
-MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+UNREAD_PARTS = ("input_file", "input_audio")
 KEPT_NOWHERE = "nibble's server keeps no responses: send the whole conversation in input"
 
 
@@ -47,9 +48,10 @@ class ResponsesBody:
 
 # ---- the request ----
 
-def parse(body) -> ResponsesBody:
-    """A /v1/responses body -> ResponsesBody, or ApiError naming the first bad field."""
-    return read(ResponsesRequest, body).responses_body()
+def parse(body, images: Images = Images()) -> ResponsesBody:
+    """A /v1/responses body -> ResponsesBody, its images read by `images`, or ApiError naming the
+    first bad field (or image)."""
+    return read(ResponsesRequest, body).responses_body(images)
 
 
 def _said(value) -> str:
@@ -62,18 +64,31 @@ class TextPart(Body):
     text: Text
 
 
-def _text_parts(kinds: tuple[str, ...]):
-    """A string, or text parts of these kinds (joined): nibble's models read no images, files or audio."""
+class ImagePart(Body):
+    image_url: ImageLocation | None = None   # detail: the tower's to decide, ignored
+    file_id: Annotated[Any, unsupported("nibble keeps no files: send the image in image_url, as a data: URL")] = None
+
+    @model_validator(mode="after")
+    def _given(self):
+        if self.image_url is None:
+            raise refused("is missing", "image_url")
+        return self
+
+
+def _parts(kinds: dict[str, type[Body]], what: str):
+    """A string, or parts of these kinds (the first, text: what a string is); nibble's models read
+    no files or audio."""
     def otherwise(kind) -> str:
-        if kind in MEDIA_PARTS:
-            return f"{kind!r} is not supported: nibble's models read text only"
-        return f"must be {either(kinds)}"
-    return Annotated[list[Annotated[TextPart, by("type", dict.fromkeys(kinds, TextPart), otherwise)]],
-                     listed("must be a string or a list of text parts", lambda text: {"type": kinds[0], "text": text})]
+        if kind in UNREAD_PARTS:
+            return f"{kind!r} is not supported: nibble's models read text and images"
+        return f"must be {either(tuple(kinds))}"
+    first = next(iter(kinds))
+    return Annotated[list[Annotated[TextPart | ImagePart, by("type", kinds, otherwise)]],
+                     listed(f"must be a string or a list of {what}", lambda text: {"type": first, "text": text})]
 
 
-TextParts = _text_parts(TEXT_PARTS)
-ReasoningText = _text_parts(("reasoning_text",))
+TextParts = _parts({"input_text": TextPart, "output_text": TextPart, "input_image": ImagePart}, "content parts")
+ReasoningText = _parts({"reasoning_text": TextPart}, "text parts")
 
 
 class MessageItem(Body):
@@ -191,10 +206,10 @@ class ResponsesRequest(FullSampling, ThinkingKnobs):
             raise refused("cannot be combined with tools: send one or the other", "text.format")
         return self
 
-    def responses_body(self) -> ResponsesBody:
+    def responses_body(self, images: Images) -> ResponsesBody:
         options = Options(self.model, bool(self.stream), False, self.max_output_tokens, self.sampling(), (), None)
         effort = self.reasoning.effort if self.reasoning is not None else None
-        chat = ChatBody(self._messages(), options, [t.chat_tool() for t in self.tools or []], *self._choice(),
+        chat = ChatBody(self._messages(images), options, [t.chat_tool() for t in self.tools or []], *self._choice(),
                         bool(self.parallel_tool_calls), *self._format(), self.thinking(template_effort(effort)))
         return ResponsesBody(chat, self._echo(effort))
 
@@ -213,11 +228,12 @@ class ResponsesRequest(FullSampling, ThinkingKnobs):
             return "text", None
         return fmt.type, fmt.schema_ if fmt.type == "json_schema" else None
 
-    def _messages(self) -> list[dict]:
+    def _messages(self, images: Images) -> list[dict]:
         """`instructions` and `input` -> chat messages."""
-        conversation = Conversation([{"role": "system", "content": self.instructions}] if self.instructions else [])
-        for item in self.input:
-            conversation.add(item)
+        conversation = Conversation([{"role": "system", "content": self.instructions}] if self.instructions else [],
+                                    images)
+        for i, item in enumerate(self.input):
+            conversation.add(item, f"input[{i}]")
         return conversation.messages
 
     def _echo(self, effort: str | None) -> dict:
@@ -240,27 +256,33 @@ class Conversation:
     calls, as its output listed them) become one assistant message, as chat templates expect a
     turn; a function_call_output becomes a tool message."""
 
-    def __init__(self, messages: list[dict]):
-        self.messages = messages
+    def __init__(self, messages: list[dict], images: Images):
+        self.messages, self.images = messages, images
         self.thought: str | None = None      # a reasoning item's text, for the assistant message after it
         self.names: dict[str, str] = {}      # call_id -> the function called, for its output's message
 
-    def add(self, item: MessageItem | CallItem | CallOutputItem | ReasoningItem):
+    def add(self, item: MessageItem | CallItem | CallOutputItem | ReasoningItem, place: str):
+        """The item at `place` in the body."""
         if isinstance(item, MessageItem):
-            self._message(item)
+            self._message(item, place)
         elif isinstance(item, CallItem):
             self._call(item)
         elif isinstance(item, CallOutputItem):
-            self._output(item)
+            self._output(item, place)
         elif item.content is not None:
             self.thought = (self.thought or "") + _joined(item.content)
 
-    def _message(self, item: MessageItem):
+    def _content(self, parts: list[TextPart | ImagePart], place: str) -> str | list[dict]:
+        """Parts joined, or with images, each in order (bodies.message_content)."""
+        return message_content([p.text if isinstance(p, TextPart) else (f"{place}[{j}]", p.image_url)
+                                for j, p in enumerate(parts)], self.images)
+
+    def _message(self, item: MessageItem, place: str):
+        content = self._content(item.content, f"{place}.content")
         if item.role == "assistant":
-            self._assistant(_joined(item.content))
+            self._assistant(content)
         else:
-            self.messages.append({"role": "system" if item.role == "developer" else item.role,
-                                  "content": _joined(item.content)})
+            self.messages.append({"role": "system" if item.role == "developer" else item.role, "content": content})
 
     def _call(self, item: CallItem):
         self.names[item.call_id] = item.name
@@ -271,13 +293,14 @@ class Conversation:
         else:
             self._assistant(None)["tool_calls"] = [call]
 
-    def _output(self, item: CallOutputItem):
-        message = {"role": "tool", "tool_call_id": item.call_id, "content": _joined(item.output)}
+    def _output(self, item: CallOutputItem, place: str):
+        content = self._content(item.output, f"{place}.output")
+        message = {"role": "tool", "tool_call_id": item.call_id, "content": content}
         if item.call_id in self.names:   # some templates name the function whose result it is
             message["name"] = self.names[item.call_id]
         self.messages.append(message)
 
-    def _assistant(self, content: str | None) -> dict:
+    def _assistant(self, content: str | list[dict] | None) -> dict:
         message = {"role": "assistant", "content": content}
         if self.thought is not None:
             message["reasoning_content"], self.thought = self.thought, None
@@ -441,7 +464,8 @@ async def whole(events: AsyncIterator[dict]) -> Response:
 
 
 async def create(models: Models, request: Request) -> Response:
-    body = parse(await read_json(request))
+    # on a worker thread: images are decoded, and with --allow-image-urls fetched
+    body = await run_in_threadpool(parse, await read_json(request), request.app.state.images)
     pending = await start(models, body.chat, chat_turn)
     stamp = Stamp(_new_id("resp"), int(time.time()), pending.served.name)
     events = response_events(stamp, body.echo, pending)

@@ -9,6 +9,7 @@ import uvicorn
 
 from nibble.formats.errors import NibbleError
 from .app import make_app
+from .bodies import Images
 from .guard import Callers, is_loopback
 from .models import Models
 
@@ -22,9 +23,10 @@ class Server(uvicorn.Server):
     `[DONE]` and closes; uvicorn then finds no connection left to wait for."""
 
     def __init__(self, models: Models, api_key: str | None = None, on_ready: Callable[[], None] = lambda: None,
-                 callers: Callers = Callers()):
-        super().__init__(uvicorn.Config(make_app(models, api_key, callers), lifespan="off", log_level="warning",
-                                        access_log=False, timeout_graceful_shutdown=DRAIN_SECONDS))
+                 callers: Callers = Callers(), allow_image_urls: bool = False):
+        app = make_app(models, api_key, callers, Images(allow_urls=allow_image_urls))
+        super().__init__(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                        timeout_graceful_shutdown=DRAIN_SECONDS))
         self.models, self.on_ready = models, on_ready
 
     def handle_exit(self, sig, frame):
@@ -59,16 +61,16 @@ def exposed(host: str, api_key: str | None) -> str | None:
 
 
 def serve(models: Models, sock: socket.socket, *, api_key: str | None, say: Callable[[str], None],
-          warn: Callable[[str], None], callers: Callers):
+          warn: Callable[[str], None], callers: Callers, allow_image_urls: bool = False):
     """Serve the OpenAI API over `models` (the default one loaded) on `sock` until Ctrl-C, to
     `callers`; `say` gets the ready line once the port listens, `warn` the line that says the
-    network can use it."""
+    network can use it. `allow_image_urls`: fetch the http(s) URLs of a request's images."""
     try:
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         if (line := exposed(host, api_key)) is not None:
             warn(line)
-        server = Server(models, api_key, callers=callers, on_ready=lambda: say(
+        server = Server(models, api_key, callers=callers, allow_image_urls=allow_image_urls, on_ready=lambda: say(
             f"nibble serve: {url} ({models.default}, {models.options.parallel} parallel)"))
         models.start_sweeping()
         try:
