@@ -34,17 +34,27 @@ class ImageError(NibbleError):
 
 @dataclass(frozen=True, eq=False)
 class Picture:
-    """An image in a prompt: its pixels, what to call it, the size of its file, and the hash of
-    its pixels (hex), by which a model keeps what it made of them."""
+    """An image in a prompt: its pixels, what to call it, the file it came from (kept with a chat),
+    and the hash of its pixels (hex), by which a model keeps what it made of them."""
     pixels: np.ndarray   # uint8 [height, width, 3], RGB
     name: str
-    nbytes: int          # of the file it came from
+    data: bytes          # the file's bytes
     digest: str
 
     @property
     def size(self) -> tuple[int, int]:
         """(width, height) in pixels."""
         return self.pixels.shape[1], self.pixels.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def describe(self) -> str:
+        """What a person is shown of it: its name, size in pixels and file size."""
+        kb = self.nbytes / 1024
+        file_size = f"{kb:.0f} KB" if kb < 1024 else f"{kb / 1024:.1f} MB"
+        return f"{Path(self.name).name} ({self.size[0]} x {self.size[1]}, {file_size})"
 
 
 def open_image(source: bytes | str | Path, name: str | None = None) -> Picture:
@@ -54,7 +64,7 @@ def open_image(source: bytes | str | Path, name: str | None = None) -> Picture:
         source = _read_file(Path(source), name)
     pixels = read_image(source, name)
     digest = hashlib.blake2b(repr(pixels.shape).encode() + pixels.tobytes(), digest_size=16).hexdigest()
-    return Picture(pixels, name or "the image", len(source), digest)
+    return Picture(pixels, name or "the image", bytes(source), digest)
 
 
 def read_image(source: bytes | str | Path, name: str | None = None) -> np.ndarray:

@@ -1,5 +1,6 @@
 """The chat app, driven headless with Textual pilots on the tiny seeded model."""
 import threading
+from pathlib import Path
 import types
 
 import pytest
@@ -835,3 +836,68 @@ async def test_a_reply_stopped_while_it_thinks_keeps_its_thinking(home, r1, gate
         assert not view.thinking.collapsed and "Thought for" in title(view)   # all there is: left open
     assert db_rows(home, "SELECT thinking, finish FROM messages WHERE role = 'assistant'") == [
         (reply.thinking, "stopped")]
+
+
+@pytest.fixture(scope="module")
+def seeing(vision_dir):
+    """The tiny random Gemma 3, which reads images."""
+    model, tok = load(str(vision_dir), quant="float")
+    tok.eos_ids = frozenset()
+    return model, tok
+
+
+IMAGE = Path(__file__).parent / "data" / "vision" / "gemma3" / "image.png"
+
+
+async def test_an_image_attached_goes_with_the_next_message_and_stays_with_the_chat(home, seeing):
+    app = make_app(seeing)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        screen.prompt.text = f"/image '{IMAGE}'"   # quoted, as a path dropped into a terminal is
+        await pilot.press("enter")
+        attached = str(screen.query_one("#attached").render())
+        assert "image.png (80 x 60, 12 KB, 4 tokens)" in attached and screen.prompt.text == ""
+        await send(pilot, "What is in it?")
+        user = screen.history[0]
+        assert [p.name for p in user.images] == [str(IMAGE)] and not screen.attached
+        assert "🖼 image.png (80 x 60, 12 KB, 4 tokens)" in str(views(app)[0].query_one(".image").render())
+        reply = screen.history[1]
+        assert reply.stats["prompt_tokens"] > 4   # the image's tokens and the text's
+        await send(pilot, "And its colours?")   # the image is in the kept prefix
+        assert screen.history[3].stats["reused"] >= reply.stats["prompt_tokens"]
+        digest = user.images[0].digest
+        await pilot.press("ctrl+q")
+    app = make_app(seeing)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("tab", "enter")   # the chat again, from the history
+        await wait_for(pilot, lambda: app.chat_screen.chat is not None)
+        assert [p.digest for p in app.chat_screen.history[0].images] == [digest]
+
+
+async def test_an_image_is_refused_in_one_note_by_a_text_model_or_when_unreadable(home, tiny, seeing):
+    app = make_app(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.chat_screen.prompt.text = f"/image {IMAGE}"
+        await pilot.press("enter")
+        assert "reads no images" in notes(app)[-1] and not app.chat_screen.attached
+    app = make_app(seeing)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        for path, why in ((Path(__file__), "is not an image"), (IMAGE.parent / "nothing.png", "no such file")):
+            app.chat_screen.prompt.text = f"/image {path}"
+            await pilot.press("enter")
+            assert why in notes(app)[-1] and not app.chat_screen.attached
+            assert app.chat_screen.prompt.text == f"/image {path}"   # kept, to be corrected
+
+
+async def test_f4_asks_for_the_image_s_path(home, seeing):
+    app = make_app(seeing)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f4")
+        await pilot.pause()
+        app.screen.query_one("#path").value = str(IMAGE)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.chat_screen.attached) == 1)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from nibble.formats.errors import NibbleError
+from nibble.formats.image import ImageError, Picture, open_image
 from nibble.formats.paths import data_home
 from nibble.runner.text.reasoning import ThinkingOptions
 from nibble.runner.settings import MAX_TOKENS, SamplerSettings
@@ -25,8 +26,16 @@ from nibble.runner.settings import MAX_TOKENS, SamplerSettings
 # Seconds to wait for another nibble chat's write before calling the file locked.
 BUSY_TIMEOUT = 2.0
 
-VERSION = 3
+VERSION = 4
 WRITING_INDEX = "CREATE INDEX messages_being_written ON messages(writer) WHERE writer IS NOT NULL"
+IMAGES = """
+CREATE TABLE images (
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    position   INTEGER NOT NULL,            -- its place among the message's images
+    name       TEXT NOT NULL,
+    data       BLOB NOT NULL,               -- the file's bytes, as attached
+    PRIMARY KEY (message_id, position)
+)"""
 SCHEMA = ["""
 CREATE TABLE chats (
     id       INTEGER PRIMARY KEY,
@@ -47,10 +56,11 @@ CREATE TABLE messages (
     stats   TEXT,                           -- a reply's TurnStats as JSON
     created REAL NOT NULL,
     writer  TEXT                            -- a reply being written: its process (process_tag)
-)""", "CREATE INDEX messages_by_chat ON messages(chat_id, id)", WRITING_INDEX]
+)""", "CREATE INDEX messages_by_chat ON messages(chat_id, id)", WRITING_INDEX, IMAGES]
 # Each version's way to the next.
 MIGRATIONS = {1: ["ALTER TABLE messages ADD COLUMN writer TEXT", WRITING_INDEX],
-              2: ["ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''"]}
+              2: ["ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''"],
+              3: [IMAGES]}
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,7 @@ class Message:
     stats: dict = field(default_factory=dict)
     writer: str | None = None   # a reply being written: by this process or another nibble chat
     thinking: str = ""          # a reply's thinking, kept apart from its answer (content)
+    images: list[Picture] = field(default_factory=list)   # a user's attached images, in order
 
 
 class Store:
@@ -209,8 +220,16 @@ class Store:
         _settle(self.db, chat_id)
         rows = self.db.execute("SELECT id, role, content, finish, stats, writer, thinking FROM messages "
                                "WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
-        return [Message(i, role, content, finish, json.loads(stats) if stats else {}, writer, thinking)
-                for i, role, content, finish, stats, writer, thinking in rows]
+        images: dict[int, list[Picture]] = {}
+        for message_id, name, data in self.db.execute(
+                "SELECT message_id, name, data FROM images JOIN messages ON messages.id = message_id "
+                "WHERE chat_id = ? ORDER BY message_id, position", (chat_id,)):
+            try:
+                images.setdefault(message_id, []).append(open_image(data, name))
+            except ImageError:   # a file Pillow no longer reads: the message stands without it
+                pass
+        return [Message(i, role, content, finish, json.loads(stats) if stats else {}, writer, thinking,
+                        images.get(i, [])) for i, role, content, finish, stats, writer, thinking in rows]
 
     def add_message(self, chat_id: int, message: Message) -> int:
         """Store `message` at the end of the chat; sets and returns its id."""
@@ -221,6 +240,8 @@ class Store:
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (chat_id, message.role, message.content, message.thinking, message.finish,
                  json.dumps(message.stats) if message.stats else None, now, message.writer))
+            self.db.executemany("INSERT INTO images (message_id, position, name, data) VALUES (?, ?, ?, ?)",
+                                [(cur.lastrowid, k, p.name, p.data) for k, p in enumerate(message.images)])
             self.db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
         message.id = cur.lastrowid
         return message.id

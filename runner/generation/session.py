@@ -31,6 +31,7 @@ from ..text.reasoning import ReasoningSplit, ThinkingOptions, chat_prompt
 from .sample import make_sampler
 from ..settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 from ..text.tokenizer import Tokenizer
+from ..vision.base import pictures_for, with_images
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ class ChatSession:
         if not messages:
             return 0
         # not the memo's ids: a count may be asked for while a reply runs in another thread
-        return len(self.tokenizer.encode(self._render(messages, self._asked(thinking))[0]))
+        text, _, images = self._render(messages, self._asked(thinking))
+        return len(self.tokenizer.encode(text, images=images))
 
     def fit(self, messages: list[dict], max_tokens: int,
             thinking: ThinkingOptions | None = None) -> tuple[list[int], int]:
@@ -130,13 +132,17 @@ class ChatSession:
         """A turn's thinking options over the session's."""
         return thinking.over(self.thinking) if thinking is not None else self.thinking
 
-    def _render(self, messages: list[dict], asked: ThinkingOptions) -> tuple[str, ReasoningSplit | None]:
-        return chat_prompt(self.tokenizer, messages, asked)
+    def _render(self, messages: list[dict], asked: ThinkingOptions) -> tuple[str, ReasoningSplit | None, frozenset[str]]:
+        """-> (the prompt's text, its reply's split, the digests of its images)."""
+        pictures = pictures_for(self.model.vision, messages)
+        text, split = chat_prompt(self.tokenizer, messages, asked)
+        text, images = with_images(self.model.vision, text, pictures)
+        return text, split, images
 
     def _encode(self, messages: list[dict], asked: ThinkingOptions) -> Prompt:
         """The conversation's prompt, its ids reusing those of what the cache holds."""
-        text, split = self._render(messages, asked)
-        return Prompt(text, self.memo.encode(text), split)
+        text, split, images = self._render(messages, asked)
+        return Prompt(text, self.memo.encode(text, images), split)
 
     def _fit(self, messages: list[dict], max_tokens: int, asked: ThinkingOptions) -> tuple[Prompt, int]:
         """-> (the prompt, how many of the oldest messages were left out).

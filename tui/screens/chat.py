@@ -8,26 +8,39 @@ message's "reasoning_content" (the chat template keeps or drops it, as the model
 """
 from __future__ import annotations
 
+import shlex
 import sqlite3
 from dataclasses import replace
+from pathlib import Path
 
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Label
+from textual.widgets import Label, Static
 
+from nibble.formats.image import ImageError, Picture, open_image
 from ..store import Chat, ChatSettings, Message
 from ..turn import Turn, TurnFailed, TurnUpdate, run_turn, stored_stats
-from ..widgets.messages import ChatView, MessageView
+from ..widgets.messages import ChatView, MessageView, image_line
 from ..widgets.prompt import PromptInput
 from ..widgets.sidebar import ChatList
 from ..widgets.status import KeyHints, StatusBar
-from .dialogs import ConfirmDialog, RenameDialog
+from .dialogs import ConfirmDialog, PathDialog, RenameDialog
 from .settings import SettingsScreen
 
 TITLE_LENGTH = 40
+IMAGE_COMMAND = "/image"
+
+
+def unquoted(path: str) -> str:
+    """A path as typed or dropped into the terminal: quoted, or its spaces escaped, as a shell has it."""
+    try:
+        words = shlex.split(path)
+    except ValueError:   # an unclosed quote: as typed
+        return path
+    return words[0] if len(words) == 1 else path
 
 
 def kept(text: str, finish: str, thinking: str = "") -> bool:
@@ -37,8 +50,12 @@ def kept(text: str, finish: str, thinking: str = "") -> bool:
 
 
 def sent(message: Message) -> dict:
-    """A stored message as the model is given it: a reply's thinking apart from its answer."""
+    """A stored message as the model is given it: a reply's thinking apart from its answer; a
+    message's images before its text."""
     out = {"role": message.role, "content": message.content}
+    if message.images:
+        out["content"] = [*({"type": "image", "image": p} for p in message.images),
+                          {"type": "text", "text": message.content}]
     if message.thinking:
         out["reasoning_content"] = message.thinking
     return out
@@ -57,6 +74,7 @@ class ChatScreen(Screen):
                 tooltip="Copy the last code block of the last reply"),
         Binding("f3", "toggle_thinking", "Thinking", show=False,
                 tooltip="Show or hide the last reply's thinking"),
+        Binding("f4", "attach_image", "Image", tooltip="Attach an image to your next message (or type /image PATH)"),
         Binding("f2", "rename_chat", "Rename", show=False, tooltip="Rename this chat"),
         Binding("f8", "delete_chat", "Delete", show=False, tooltip="Delete this chat"),
     ]
@@ -72,6 +90,7 @@ class ChatScreen(Screen):
         self.editing: Message | None = None  # the user message being edited, if any
         self._code_key, self._code_index = None, 0   # which code block ctrl+f copied last
         self._queued: str | None = None      # sent while the stopped reply was being stored
+        self.attached: list[Picture] = []    # images that go with the next message
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
@@ -80,6 +99,7 @@ class ChatScreen(Screen):
                 yield ChatList(id="chats")
             with Vertical(id="chat-pane"):
                 yield ChatView(id="chat")
+                yield Static("", id="attached", markup=False)
                 yield PromptInput(id="prompt")
         yield StatusBar(id="status")
         yield KeyHints(self.BINDINGS, self.app.BINDINGS, id="keys")
@@ -122,7 +142,11 @@ class ChatScreen(Screen):
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted):
         text = event.text.strip()
-        if not text:
+        if text == IMAGE_COMMAND or text.startswith(IMAGE_COMMAND + " "):
+            if self.attach(text[len(IMAGE_COMMAND):].strip()):
+                self.prompt.clear()
+            return
+        if not text and not self.attached:
             return
         if self.turn is not None:
             if not self.turn.stopping:
@@ -143,7 +167,7 @@ class ChatScreen(Screen):
             await self._drop_from(self.editing)
             self.editing = None
         if self.chat is None:
-            title = text.splitlines()[0][:TITLE_LENGTH]
+            title = text.splitlines()[0][:TITLE_LENGTH] if text else Path(self.attached[0].name).name
             model = self.app.model_ref or self.app.loading or ""
             try:
                 self.chat = self.store.create_chat(title, model, self.settings)
@@ -151,7 +175,9 @@ class ChatScreen(Screen):
                 self.notify(f"Could not save the chat: {e}", severity="error", markup=False)
                 return False
             await self.refresh_sidebar()
-        message = Message(None, "user", text)
+        message = Message(None, "user", text, images=self.attached)
+        self.attached = []
+        self._show_attached()
         chat_id = self.chat.id
         self._save(lambda: self.store.add_message(chat_id, message), "your message")
         self.history.append(message)
@@ -288,6 +314,45 @@ class ChatScreen(Screen):
         self.want_reply = True
         await self.maybe_reply()
 
+    # Images
+
+    def action_attach_image(self):
+        def done(path: str | None):
+            if path:
+                self.attach(path)
+        self.app.push_screen(PathDialog("Attach an image", "The image file's path (PNG, JPEG, WebP, GIF, ...)"), done)
+
+    def attach(self, path: str) -> bool:
+        """Attach the image at `path` to the next message ("clear": drop those attached); False,
+        with a notification saying why, if it cannot go with it."""
+        if path == "clear":
+            self.attached = []
+            self._show_attached()
+            return True
+        if not path:
+            self.notify(f"{IMAGE_COMMAND} PATH attaches an image to your next message; "
+                        f"{IMAGE_COMMAND} clear drops those attached.", timeout=5)
+            return False
+        session = self.app.session
+        if session is not None and session.model.vision is None:
+            self.notify("This model reads no images: pick a vision-language model (ctrl+o) to ask about one.",
+                        severity="warning")
+            return False
+        try:
+            picture = open_image(Path(unquoted(path)).expanduser())
+        except ImageError as e:
+            self.notify(str(e), severity="error", markup=False)
+            return False
+        self.attached.append(picture)
+        self._show_attached()
+        return True
+
+    def _show_attached(self):
+        line = self.query_one("#attached", Static)
+        line.update("Attached: " + ", ".join(image_line(p, self.app.session) for p in self.attached) +
+                    f" (with your next message; {IMAGE_COMMAND} clear drops them)" if self.attached else "")
+        line.display = bool(self.attached)
+
     def on_prompt_input_edit_last(self, _):
         self.action_edit_last()
 
@@ -304,6 +369,8 @@ class ChatScreen(Screen):
         for view in self.chat_view.views():
             view.set_class(view.message is last, "editing")
         self.prompt.text = last.content
+        self.attached = list(last.images)   # sent again with the edited text
+        self._show_attached()
         self.prompt.move_cursor(self.prompt.document.end)
         self.prompt.focus()
         self.notify("Editing your last message: Enter sends it again and replaces what followed, "
@@ -313,6 +380,8 @@ class ChatScreen(Screen):
         if self.editing is not None:
             self.editing = None
             self.prompt.clear()
+            self.attached = []
+            self._show_attached()
         for view in self.chat_view.views():
             view.remove_class("editing")
 

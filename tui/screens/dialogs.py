@@ -1,4 +1,4 @@
-"""Small modal dialogs: rename a chat, confirm a deletion."""
+"""Small modal dialogs: rename a chat, a file's path, confirm a deletion."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
@@ -25,6 +25,25 @@ class RenameDialog(ModalScreen[str | None]):
     def on_input_submitted(self, event: Input.Submitted):
         title = event.value.strip()
         self.dismiss(title or None)
+
+
+class PathDialog(ModalScreen[str | None]):
+    """Asks for a file's path; Enter takes it, Esc cancels."""
+
+    BINDINGS = [("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, title: str, placeholder: str):
+        super().__init__(classes="dialog")
+        self.title_text, self.placeholder = title, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(self.title_text, classes="dialog-title")
+            yield Input(placeholder=self.placeholder, id="path")
+            yield Label("Enter attaches, Esc cancels.", classes="hint")
+
+    def on_input_submitted(self, event: Input.Submitted):
+        self.dismiss(event.value.strip() or None)
 
 
 class ConfirmDialog(ModalScreen[bool]):

@@ -48,6 +48,14 @@ def describe(stats: dict, finish: str | None) -> str:
     return " · ".join(parts)
 
 
+def image_line(picture, session) -> str:
+    """An attached image as the chat shows it: name, pixels, file size, and the tokens it takes
+    with the loaded model (when one that reads images is)."""
+    vision = session.model.vision if session is not None else None
+    tokens = f", {vision.count(picture)} tokens" if vision is not None else ""
+    return picture.describe()[:-1] + tokens + ")"
+
+
 def code_blocks(markdown: str) -> list[str]:
     """The fenced and indented code blocks of a Markdown text, in order."""
     tokens = MarkdownIt("commonmark").parse(markdown)
@@ -169,6 +177,8 @@ class MessageView(Vertical):
             self.body = MarkdownBody(m.content)
             yield self.body
         else:
+            for picture in m.images:
+                yield Static("🖼 " + image_line(picture, self.app.session), markup=False, classes="image")
             yield Static(m.content, markup=False, classes="body")
         yield Static(describe(m.stats, m.finish), classes="meta", markup=False)
 
