@@ -15,6 +15,7 @@ import pytest
 
 from nibble.formats.model_dir import write_model_dir
 from nibble.runner.serve.server import listen
+from nibble.runner.serve.pending import MAX_BODY
 from tests.serving import CTX, KEY, Running, serving, with_context
 from tests.test_cli import interruptible
 from tests.tiny import tiny_model_dir
@@ -197,11 +198,12 @@ def test_over_the_context_is_400_naming_both_numbers(server):
 
 
 def test_a_body_over_the_limit_is_413_whether_its_length_is_said_or_not(server):
-    big = b'{"messages": "' + b"x" * (2 << 20) + b'"}'
+    big = b'{"messages": "' + b"x" * (MAX_BODY + 1) + b'"}'
     status, _, body = server.post("/v1/chat/completions", big)
     assert status == 413 and "over" in json.loads(body)["error"]["message"]
     c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    c.request("POST", "/v1/chat/completions", iter([b"x" * 65536] * 40), {"Authorization": f"Bearer {KEY}"},
+    c.request("POST", "/v1/chat/completions", iter([b"x" * 65536] * (MAX_BODY // 65536 + 1)),
+              {"Authorization": f"Bearer {KEY}"},
               encode_chunked=True)
     r = c.getresponse()
     assert r.status == 413

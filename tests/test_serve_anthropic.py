@@ -14,6 +14,7 @@ from nibble.runner.generation.decoding import Event, Usage
 from nibble.runner.serve import anthropic as messages_api
 from nibble.runner.serve.errors import ApiError
 from nibble.runner.serve.replies import ReplyParts
+from nibble.runner.serve.pending import MAX_BODY
 from tests.serving import KEY, Running, serving, with_context
 from tests.test_serve_images import RED, png
 from tests.tiny import tiny_model_dir, tiny_with_template
@@ -201,7 +202,7 @@ def test_a_missing_max_tokens_and_unknown_paths_answer_in_anthropics_shape(serve
             ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),
             ("/v1/messages", b"{nope", 400, "invalid_request_error"),
             ("/v1/messages/nope", {}, 404, "not_found_error"),
-            ("/v1/messages", b"[" * 2_000_000, 413, "request_too_large")]:
+            ("/v1/messages", b"[" * (MAX_BODY + 1), 413, "request_too_large")]:
         got, _, raw = server.post(path, body)
         assert got == status and json.loads(raw)["error"]["type"] == kind, raw
 

@@ -13,6 +13,7 @@ import json
 import struct
 import threading
 import zlib
+from pathlib import Path
 from types import SimpleNamespace
 
 import anthropic
@@ -177,21 +178,13 @@ def test_an_anthropic_tool_result_may_hold_images():
         ["Error: ", "messages[2].content[0].content[0]", "done"]
 
 
-def test_a_vision_model_gets_the_parts_at_its_template_and_a_text_model_a_400(monkeypatch):
-    """replies.chat_text: the check is the first step; past it the messages keep their Pictures."""
-    seen = []
-    monkeypatch.setattr(replies, "prepare_messages", lambda messages, tools, family: (seen.append(messages), (
-        messages, None))[1])
-    monkeypatch.setattr(replies, "chat_prompt", lambda *args: ("prompt", None))
+def test_a_text_model_refuses_before_its_template():
+    """replies.chat_text's first step: the template of a model that reads no images never sees them."""
     body, places = parsed(openai_chat, [data_url(png(RED))])
-
-    def served(vision):
-        return SimpleNamespace(name="tiny", engine=SimpleNamespace(model=SimpleNamespace(vision=vision)),
-                               family="generic", tokenizer=None, thinking=ThinkingOptions())
-    assert replies.chat_text(served(object()), body) == ("prompt", None)
-    assert_parts(seen[0][0], places, RED)
+    served = SimpleNamespace(name="tiny", engine=SimpleNamespace(model=SimpleNamespace(vision=None)),
+                             family="generic", tokenizer=None, thinking=ThinkingOptions())
     with pytest.raises(ApiError) as e:
-        replies.chat_text(served(None), body)
+        replies.chat_text(served, body)
     assert (e.value.status, e.value.param) == (400, "messages[0].content[1]")
     assert str(e.value).startswith("tiny reads no images: messages[0].content[1] is one")
 
@@ -437,3 +430,49 @@ def test_fuzz_chat_content_parts_are_answered_or_a_4xx(server, content, role):
     assert isinstance(error["message"], str) and "\n" not in error["message"], error
     event(f"{status} {error['param']}")
 
+
+
+# ---- a model that reads images: every client's image reaches it ----
+
+GEMMA3 = Path(__file__).parent / "data" / "vision" / "gemma3"
+
+
+@pytest.fixture(scope="module")
+def seeing(vision_dir):
+    with serving(vision_dir, "gemma") as running:
+        yield running
+
+
+def test_each_client_asks_a_vision_model_about_an_image(seeing):
+    """The image reaches the model (its tokens in the prompt), and a second question about it
+    reuses its keys and values: the tower does not run again."""
+    port, image = seeing.port, (GEMMA3 / "image.png").read_bytes()
+    url = data_url(image)
+    chat = lambda question: seeing.client.chat.completions.create(
+        model="gemma", max_tokens=2, temperature=0, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]}])
+    first, second = chat("What is it?"), chat("What is it? Say it again.")
+    assert first.choices[0].message.content is not None and first.usage.prompt_tokens > 4
+    assert second.usage.prompt_tokens_details.cached_tokens > 4   # past the image's 4 tokens
+    claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key=KEY, max_retries=0)
+    said = claude.messages.create(model="gemma", max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "image", "source": anthropic_source(url)}, {"type": "text", "text": "What is it?"}]}])
+    assert said.usage.input_tokens > 4 and said.stop_reason == "max_tokens"
+    counted = claude.messages.count_tokens(model="gemma", messages=[{"role": "user", "content": [
+        {"type": "image", "source": anthropic_source(url)}, {"type": "text", "text": "What is it?"}]}])
+    assert counted.input_tokens == said.usage.input_tokens + said.usage.cache_read_input_tokens
+    local = ollama.Client(host=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"})
+    reply = local.chat(model="gemma", options={"num_predict": 2, "temperature": 0},
+                       messages=[{"role": "user", "content": "What is it?", "images": [image]}])
+    assert reply.prompt_eval_count is not None and reply.done_reason == "length"
+    answer = seeing.client.responses.create(model="gemma", max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": url, "detail": "auto"}, {"type": "input_text", "text": "What is it?"}]}])
+    assert answer.usage.input_tokens > 4
+
+
+def test_a_prompt_whose_markers_and_images_disagree_is_a_400(seeing):
+    """A message's text holding the model's image marker: one marker too many for the images."""
+    status, _, raw = seeing.post("/v1/chat/completions", {"model": "gemma", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "<start_of_image> here"},
+                                     {"type": "image_url", "image_url": {"url": data_url(png(RED))}}]}]})
+    assert "image markers" in refusal("/v1/chat/completions", status, raw)

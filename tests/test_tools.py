@@ -117,11 +117,13 @@ def test_generic_lists_the_tools_in_the_system_message_and_calls_as_text():
                                       '<tool_response>\nsecond\n</tool_response>')
 
 
-def test_content_parts_are_joined_and_others_refused():
+def test_text_parts_are_joined_image_parts_kept_and_others_refused():
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert prepare_messages(parts, None, "hermes")[0][0]["content"] == "ab"
+    with_image = [{"type": "image", "image": object()}, {"type": "text", "text": "a"}]
+    assert prepare_messages([{"role": "user", "content": with_image}], None, "hermes")[0][0]["content"] == with_image
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(MessageError, match="a user message's content may hold text parts only, not image_url"):
+    with pytest.raises(MessageError, match="a user message's content may hold text and image parts only, not image_url"):
         prepare_messages(image, None, "hermes")
 
 

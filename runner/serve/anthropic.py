@@ -409,8 +409,8 @@ async def count_tokens(models: Models, request: Request) -> Response:
     body = await run_in_threadpool(parse_messages, await read_json(request), True, request.app.state.images)
     lease = await models.lease(body.options.model)
     try:   # template and tokenizer, off the loop; a prompt past the context is counted all the same
-        text, _ = await run_in_threadpool(chat_text, generating(lease.served), body)
-        count = len(await run_in_threadpool(lease.served.tokenizer.encode, text))
+        text, _, images = await run_in_threadpool(chat_text, generating(lease.served), body)
+        count = len(await run_in_threadpool(lease.served.tokenizer.encode, text, None, images))
     finally:
         lease.release()
     return JSONResponse({"input_tokens": count})

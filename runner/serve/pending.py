@@ -20,7 +20,7 @@ from .errors import ApiError
 from .models import Lease, Models
 from .replies import Turn, generating
 
-MAX_BODY = 1 << 20   # bytes: a 32k-token conversation is ~130 KB of JSON
+MAX_BODY = 32 << 20   # bytes: a phone photo in base64 (a 32k-token conversation is ~130 KB of JSON)
 
 
 async def read_json(request: Request):

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from nibble.formats.catalog import Details
+from nibble.formats.errors import NibbleError
 from ..text.template import ChatTemplateError
 from ..generation.decoding import Event, Request
 from ..embedding.engine import EmbedEngine
@@ -19,6 +20,7 @@ from ..kv.prompt_ids import PromptMemo
 from ..text.tokenizer import Tokenizer
 from ..text.reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
 from ..text.tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
+from ..vision.base import pictures_for, with_images
 from .api import ChatBody, CompletionBody, Options, tool_call
 from .errors import ApiError
 
@@ -43,12 +45,12 @@ class Served:
         self.memo, self._memo_lock = PromptMemo(self.tokenizer), threading.Lock()
         self.size = weights_nbytes(self.engine.model)   # for /api/ps
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, images: frozenset[str] = frozenset()) -> list[int]:
         """A prompt's ids, starting with those of the longest prompt or prompt and reply seen
         before that it extends (a conversation's earlier turns): the ids the pool holds, so that
-        only the rest runs."""
+        only the rest runs. `images`: the digests of its images (vision.base.with_images)."""
         with self._memo_lock:   # handlers encode on the thread pool
-            ids = self.memo.encode(text)
+            ids = self.memo.encode(text, images)
             self.memo.remember(text, ids)
         return ids
 
@@ -99,7 +101,7 @@ class Turn:
 def chat_turn(served: Served, body: ChatBody) -> Turn:
     """The engine request for a chat body: ApiError (400) for what the model cannot take."""
     tools = body.tools if body.tool_choice != "none" else []
-    text, split = chat_text(served, body)
+    text, split, images = chat_text(served, body)
     if tools and body.tool_choice == "required":
         grammar = _grammar(lambda: forced_call_grammar(served.family, tools, body.tool_name,
                                                                body.parallel_tool_calls), "tools")
@@ -109,25 +111,32 @@ def chat_turn(served: Served, body: ChatBody) -> Turn:
         grammar = Grammar.json_object()
     else:
         grammar = None
-    request = replace(_request(served, served.encode(text), body.options, "messages", grammar), reasoning=split)
+    request = replace(_request(served, served.encode(text, images), body.options, "messages", grammar), reasoning=split)
     if tools or split:   # the markers may be special tokens, which plain decoding drops
         request = replace(request, skip_special=False)
     return Turn(request, text, tuple(t["function"]["name"] for t in tools))
 
 
-def chat_text(served: Served, body: ChatBody) -> tuple[str, ReasoningSplit | None]:
-    """A chat body's prompt text, through the template with its tools and thinking, and its
-    reply's split (None: the model does not think): ApiError (400) for what the template refuses."""
+def chat_text(served: Served, body: ChatBody) -> tuple[str, ReasoningSplit | None, frozenset[str]]:
+    """A chat body's prompt text, through the template with its tools and thinking, its images'
+    tags placed; its reply's split (None: the model does not think); the digests of its images
+    (Tokenizer.encode's). ApiError (400) for what the template refuses."""
     reads_images(served, body.messages)
+    vision = served.engine.model.vision
     tools = body.tools if body.tool_choice != "none" else []
     forced = bool(tools and body.tool_choice == "required") or body.response_format != "text"
     try:   # a generic template gets the tools in a system message, and no `tools`
         messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
-        return chat_prompt(served.tokenizer, messages, body.thinking.over(served.thinking), template_tools, forced)
+        pictures = pictures_for(vision, messages)
+        text, split = chat_prompt(served.tokenizer, messages, body.thinking.over(served.thinking), template_tools, forced)
+        text, images = with_images(vision, text, pictures)
+        return text, split, images
     except MessageError as e:
         raise ApiError(400, str(e), "messages") from None
     except ChatTemplateError as e:
         raise ApiError(400, _server_words(str(e)), "messages") from None
+    except NibbleError as e:   # the template wrote its image markers otherwise than the images
+        raise ApiError(400, str(e), "messages") from None
 
 
 def reads_images(served: Served, messages: list[dict]):

@@ -116,7 +116,9 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None,
     return _generic(out, tools)
 
 
-def _text(content, role) -> str:
+def _text(content, role) -> str | list[dict]:
+    """A message's content as templates take it: a string, or its text and image parts as they
+    are (a vision model's template writes its image marker for each image)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -125,8 +127,10 @@ def _text(content, role) -> str:
         kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"}
         if not kinds:
             return "".join(p.get("text", "") for p in content)
-        others = ", ".join(sorted(map(str, kinds)))
-        raise MessageError(f"a {role} message's content may hold text parts only, not {others}")
+        if kinds == {"image"}:
+            return content
+        others = ", ".join(sorted(map(str, kinds - {"image"})))
+        raise MessageError(f"a {role} message's content may hold text and image parts only, not {others}")
     raise MessageError(f"a {role} message's content must be text or a list of text parts")
 
 
