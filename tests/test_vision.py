@@ -222,3 +222,17 @@ def test_a_quantized_copy_keeps_its_vision(vision_dir, tmp_path, monkeypatch):
         r = invoke("run", "-m", model, *(["--quant", "int4"] if model == vision_dir else []), *ask)
         assert r.exit_code == 0, r.output
         assert int(r.stderr.splitlines()[-1].split()[1]) > 4   # the prompt: its text and the image's 4 tokens
+
+
+def test_bench_times_the_tower_over_an_image(vision_dir):
+    from tests.test_cli import invoke
+    r = invoke("bench", "-m", vision_dir, "--image", GEMMA3 / "image.png", "-r", "1", "--json")
+    assert r.exit_code == 0, r.output
+    figures = json.loads(r.stdout)
+    assert (figures["width"], figures["height"], figures["tokens"], figures["repeats"]) == (80, 60, 4, 1)
+    assert figures["encode_s"] > 0 and figures["preprocess_s"] > 0
+
+
+def test_bench_image_on_a_text_model(tiny_dir):
+    from tests.test_cli import assert_one_line_error, invoke
+    assert_one_line_error(invoke("bench", "-m", tiny_dir, "--image", GEMMA3 / "image.png"), match="reads no images")

@@ -223,6 +223,42 @@ def run_embed_bench(embedder, ids: list[int], texts: int, repeats: int = 5) -> E
     return EmbedResult(texts, len(ids), texts / statistics.median(times), embedder.encoder.threads.current, repeats)
 
 
+@dataclass
+class ImageResult:
+    width: int             # the image's pixels
+    height: int
+    tokens: int            # the image's tokens in the prompt
+    preprocess_s: float    # median: resizing and scaling its pixels
+    encode_s: float        # median: the tower and the projector
+    threads: int
+    repeats: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (f"image: {self.width} x {self.height} pixels, {self.tokens} tokens: the tower and projector "
+                f"{self.encode_s:.2f} s, its pixels prepared in {self.preprocess_s * 1000:.0f} ms, "
+                f"{self.threads} threads (median of {self.repeats})")
+
+
+def run_image_bench(vision, picture, repeats: int = 3) -> ImageResult:
+    """An image through a model's vision `repeats` times (after one untimed pass that loads the
+    compiled kernels): its processor's pixels, then the tower and projector, timed apart."""
+    pixels = vision.pixels(picture)
+    vision.embed([pixels])
+    prepare, encode = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        pixels = vision.pixels(picture)
+        middle = time.perf_counter()
+        vision.embed([pixels])
+        prepare.append(middle - start)
+        encode.append(time.perf_counter() - middle)
+    return ImageResult(*picture.size, vision.count(picture), statistics.median(prepare), statistics.median(encode),
+                       vision.tower.threads.current, repeats)
+
+
 def weight_bytes_per_token(model: Model) -> int:
     """Every matrix and norm is read once per decoded token; of the embedding, one row."""
     layers_and_head = sum(stage.weight_nbytes for stage in model.stages)

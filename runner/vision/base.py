@@ -33,7 +33,8 @@ class Vision:
     """A family's vision: `marker`, the text its chat template writes where an image goes;
     `bidirectional`, whether an image's tokens see each other in the decoder; `count(picture)`,
     the tokens an image takes; `text(picture, tag)`, what stands for it in the prompt (its tag and
-    the tokens around it); `encode(pictures)`, their rows [count, hidden] in one pass."""
+    the tokens around it); `pixels(picture)`, what its processor makes of it; `embed(pixels)`,
+    their rows [count, hidden] in one pass of the tower."""
     marker: str
     bidirectional = False
 
@@ -47,8 +48,15 @@ class Vision:
     def text(self, picture: Picture, tag: str) -> str:
         return tag
 
-    def encode(self, pictures: list[Picture]) -> list[np.ndarray]:
+    def pixels(self, picture: Picture) -> np.ndarray:
         raise NotImplementedError
+
+    def embed(self, pixels: list[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def encode(self, pictures: list[Picture]) -> list[np.ndarray]:
+        """The images' rows [count, hidden], float32, all in one pass of the tower."""
+        return self.embed([self.pixels(p) for p in pictures])
 
     def place(self, text: str, pictures: Sequence[Picture]) -> str:
         """A rendered prompt with each image marker, in order, replaced by its image's text and

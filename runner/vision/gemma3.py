@@ -58,8 +58,8 @@ class Gemma3Vision(Vision):
         resized = np.asarray(Image.fromarray(picture.pixels).resize((size, size), Image.Resampling.BILINEAR), np.float32)
         return ((resized * np.float32(1 / 255) - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)
 
-    def encode(self, pictures: list[Picture]) -> list[np.ndarray]:
-        hidden = self.tower.run(np.stack([self.pixels(p) for p in pictures]))   # [n, patches, D]
+    def embed(self, pixels: list[np.ndarray]) -> list[np.ndarray]:
+        hidden = self.tower.run(np.stack(pixels))   # [n, patches, D]
         n, _, D = hidden.shape
         side, k = self.tower.size // self.tower.patch, self.pool
         pooled = hidden.reshape(n, side // k, k, side // k, k, D).mean(axis=(2, 4), dtype=np.float32)

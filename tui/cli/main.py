@@ -670,11 +670,14 @@ def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_ba
 @click.option("--matrices", is_flag=True,
               help="Instead: each kind of matrix's share of a decoded token, its bytes read from memory and "
                    "from cache, against the memory bandwidth (where decode's time goes).")
+@click.option("-i", "--image", metavar="PATH",
+              help="Instead: how long a vision-language model's tower and projector take over this image.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, gpu_layers, require_gpu,
-          shapes, write_checkpoint, parallel, matrices, as_json):
+          shapes, write_checkpoint, parallel, matrices, image, as_json):
     """Measure prefill and decode speed, and decode's share of the memory bandwidth; for an embedding
-    model, texts per second (batches of --parallel texts of -p tokens)."""
+    model, texts per second (batches of --parallel texts of -p tokens); with --image, the vision
+    tower's time over an image."""
     if write_checkpoint:
         if not shapes:
             raise click.UsageError("--write-checkpoint writes random weights of --shapes NAME: give one")
@@ -689,6 +692,8 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         if matrices:
             raise click.UsageError("--matrices profiles a language model's decode; this one embeds")
         return _bench_embedding(model, quant, prompt_tokens, parallel, repeats, threads, as_json)
+    if image:
+        return _bench_image(model, quant, image, repeats, threads, as_json)
     if matrices and (parallel > 1 or gpu_layers):
         raise click.UsageError("--matrices times the CPU's kernels one product at a time: without --parallel "
                                "or --gpu-layers")
@@ -718,6 +723,19 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         result = run_parallel_bench(llm, ids, parallel, gen_tokens, repeats, kv_cache)
     else:
         result = run_bench(llm, ids, gen_tokens, repeats, kv_cache)
+    click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
+
+
+def _bench_image(model, quant, path, repeats, threads, as_json):
+    """A vision-language model's bench: its tower and projector over one image."""
+    from nibble.formats.image import open_image
+    from nibble.runner.measure.bench import run_image_bench
+    picture = open_image(path)
+    llm, _ = _load(model, quant, 0, False, None, background=False)
+    if llm.vision is None:
+        raise NibbleError(f"{model} reads no images: --image measures a vision-language model's tower")
+    llm.vision.tower.threads.pin(threads)
+    result = run_image_bench(llm.vision, picture, repeats)
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 
 
