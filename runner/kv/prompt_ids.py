@@ -52,4 +52,4 @@ class PromptMemo:
 def _brought(text: str, images: Collection[str]) -> bool:
     """Whether the images whose tags `text` holds are among those a prompt brought (a tag typed
     in a message names no image)."""
-    return TAG_OPEN not in text or all(digest in images for digest, _ in TAG.findall(text))
+    return TAG_OPEN not in text or all(digest in images for digest, *_ in TAG.findall(text))

@@ -6,9 +6,11 @@ memory and on disk, reuses an image's keys and values only for the same pixels, 
 keeps asking about one screenshot runs its tower once. A model's vision (runner/vision) makes the
 rows these ids stand for.
 
-In a prompt's text an image is a tag, `TAG_OPEN digest:count TAG_CLOSE`, which the vision puts
-where the chat template wrote the model's image marker, and Tokenizer.encode turns into `count`
-ids, only for the digests of the images the request brought (a tag typed in a message is text).
+In a prompt's text an image is a tag, `TAG_OPEN digest:start:count TAG_CLOSE` (its tokens
+start.., several tags where the model's text runs between an image's tiles), which the vision
+puts where the chat template wrote the model's image marker, and Tokenizer.encode turns into
+`count` ids, only for the digests of the images the request brought (a tag typed in a message is
+text).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 INDEX_BITS = 24   # an image's tokens: up to 16 million
 KEY_BITS = 38     # of its pixels' hash: 63 bits in all, an int64's
 TAG_OPEN, TAG_CLOSE = "\ue000", "\ue001"   # Unicode's private use: no model's text
-TAG = re.compile(f"{TAG_OPEN}([0-9a-f]{{32}}):([0-9]+){TAG_CLOSE}")
+TAG = re.compile(f"{TAG_OPEN}([0-9a-f]{{32}}):([0-9]+):([0-9]+){TAG_CLOSE}")
 
 
 def key_of(digest: str) -> int:
@@ -28,10 +30,10 @@ def key_of(digest: str) -> int:
     return int(digest, 16) >> (4 * len(digest) - KEY_BITS)
 
 
-def image_ids(digest: str, count: int) -> list[int]:
-    """The ids of an image's `count` tokens."""
+def image_ids(digest: str, count: int, start: int = 0) -> list[int]:
+    """The ids of an image's `count` tokens from its token `start` on."""
     base = key_of(digest) << INDEX_BITS
-    return [-1 - (base + k) for k in range(count)]
+    return [-1 - (base + k) for k in range(start, start + count)]
 
 
 def split_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,9 +42,9 @@ def split_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return code >> INDEX_BITS, code & ((1 << INDEX_BITS) - 1)
 
 
-def tag(digest: str, count: int) -> str:
-    """The text that stands for an image of `count` tokens in a prompt."""
-    return f"{TAG_OPEN}{digest}:{count}{TAG_CLOSE}"
+def tag(digest: str, count: int, start: int = 0) -> str:
+    """The text that stands for an image's `count` tokens from its token `start` on in a prompt."""
+    return f"{TAG_OPEN}{digest}:{start}:{count}{TAG_CLOSE}"
 
 
 def whole_images(ids: Sequence[int], start: int, end: int) -> int:

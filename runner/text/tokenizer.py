@@ -97,12 +97,12 @@ class Tokenizer:
         their tokens' ids; any other tag is text."""
         ids = []
         pieces = image_ids.TAG.split(text) if images and image_ids.TAG_OPEN in text else [text]
-        for i in range(0, len(pieces), 3):   # text, then a tag's digest and count
+        for i in range(0, len(pieces), 4):   # text, then a tag's digest, start and count
             ids += self.tokenizer.encode(pieces[i], add_special_tokens=False).ids
             if i + 1 < len(pieces):
-                digest, count = pieces[i + 1], int(pieces[i + 2])
-                ids += (image_ids.image_ids(digest, count) if digest in images else
-                        self.tokenizer.encode(image_ids.tag(digest, count), add_special_tokens=False).ids)
+                digest, start, count = pieces[i + 1], int(pieces[i + 2]), int(pieces[i + 3])
+                ids += (image_ids.image_ids(digest, count, start) if digest in images else
+                        self.tokenizer.encode(image_ids.tag(digest, count, start), add_special_tokens=False).ids)
         if add_bos is None:
             add_bos = bool(self.config.get("add_bos_token", False))
         if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:

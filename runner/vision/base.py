@@ -32,8 +32,8 @@ class _Held:
 class Vision:
     """A family's vision: `marker`, the text its chat template writes where an image goes;
     `bidirectional`, whether an image's tokens see each other in the decoder; `count(picture)`,
-    the tokens an image takes; `text(picture, tag)`, what stands for it in the prompt (its tag and
-    the tokens around it); `pixels(picture)`, what its processor makes of it; `embed(pixels)`,
+    the tokens an image takes; `text(picture)`, what stands for it in the prompt (its tags, and
+    the model's text around them: image_ids.tag); `pixels(picture)`, what its processor makes of it; `embed(pixels)`,
     their rows [count, hidden] in one pass of the tower."""
     marker: str
     bidirectional = False
@@ -45,8 +45,8 @@ class Vision:
     def count(self, picture: Picture) -> int:
         raise NotImplementedError
 
-    def text(self, picture: Picture, tag: str) -> str:
-        return tag
+    def text(self, picture: Picture) -> str:
+        return tag(picture.digest, self.count(picture))
 
     def pixels(self, picture: Picture) -> np.ndarray:
         raise NotImplementedError
@@ -68,9 +68,8 @@ class Vision:
                               f"text holds the marker")
         out = [parts[0]]
         for picture, after in zip(pictures, parts[1:]):
-            count = self.count(picture)
-            self._hold(picture, count)
-            out += [self.text(picture, tag(picture.digest, count)), after]
+            self._hold(picture, self.count(picture))
+            out += [self.text(picture), after]
         return "".join(out)
 
     def _hold(self, picture: Picture, count: int):

@@ -14,6 +14,7 @@ from PIL import Image
 from nibble.formats.errors import FormatError
 from nibble.formats.image import Picture
 from ..model import TensorGetter
+from ..text.image_ids import tag
 from .base import Vision
 from .siglip import SigLIP
 
@@ -49,8 +50,8 @@ class Gemma3Vision(Vision):
     def count(self, picture: Picture) -> int:
         return self.tokens
 
-    def text(self, picture: Picture, tag: str) -> str:
-        return f"\n\n{self.marker}{tag}{self.end}\n\n"
+    def text(self, picture: Picture) -> str:
+        return f"\n\n{self.marker}{tag(picture.digest, self.tokens)}{self.end}\n\n"
 
     def pixels(self, picture: Picture) -> np.ndarray:
         """[3, size, size] float32, as Gemma3ImageProcessor makes them."""
