@@ -32,6 +32,7 @@ class ModelDir:
     # tensors (formats/wrappers.py's names); None and {} for a text model
     vision_config: dict | None = None
     vision_tensors: dict = field(default_factory=dict)
+    preprocessor_config: dict = field(default_factory=dict)   # its image processor's settings
 
 
 def read_model_dir(path: str | os.PathLike) -> ModelDir:
@@ -58,6 +59,9 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
     template = path / "chat_template.jinja"
     if "chat_template" not in tokenizer_config and template.is_file():
         tokenizer_config["chat_template"] = template.read_text(encoding="utf-8")
+    if "chat_template" not in tokenizer_config:   # a multimodal processor's (SmolVLM's)
+        tokenizer_config |= {k: v for k, v in _read_json(path / "chat_template.json", optional=True).items()
+                             if k == "chat_template"}
     return ModelDir(
         path=path,
         config=config,
@@ -67,6 +71,7 @@ def read_model_dir(path: str | os.PathLike) -> ModelDir:
         generation_config=_read_json(path / "generation_config.json", optional=True),
         vision_config=raw_config if vision else None,
         vision_tensors=vision,
+        preprocessor_config=_read_json(path / "preprocessor_config.json", optional=True) if vision else {},
     )
 
 
@@ -94,6 +99,8 @@ def write_model_dir(model: ModelDir, out: str | os.PathLike, force: bool = False
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", model.generation_config)
         _write_json(tmp / "tokenizer_config.json", model.tokenizer_config)
+        if model.preprocessor_config:
+            _write_json(tmp / "preprocessor_config.json", model.preprocessor_config)
         model.tokenizer.save(str(tmp / "tokenizer.json"))
         for name, data in (files or {}).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)

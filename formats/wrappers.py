@@ -1,7 +1,8 @@
 """Checkpoints whose tensors are named otherwise than a text model's own, read into its names.
 
 Multimodal checkpoints (a family's `wrappers`: Gemma 3's Gemma3ForConditionalGeneration, model_type
-"gemma3", wraps a gemma3_text model in a vision tower and a projector). Its config.json nests the
+"gemma3", wraps a gemma3_text model in a vision tower and a projector; Idefics3's and SmolVLM's, a
+llama one in a tower and a connector). Its config.json nests the
 text model's config under `text_config`, and its checkpoint prefixes the text model's tensors;
 both are read here into what a text-only checkpoint says. The vision tower's and the projector's
 tensors are read apart (vision_tensors), under one set of names whichever transformers saved them.
@@ -29,15 +30,23 @@ _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization", "q
 # these names too, and mlx-vlm), or model.language_model.* and lm_head.* (transformers 5's
 # module names).
 _TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
-                  "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+                  "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                  "model.text_model.": "model."}
+# Wrappers whose head transformers ties unless config.json says otherwise (Gemma3Config's default;
+# Idefics3Config's is untied)
+_TIED = {"gemma3"}
+# Where transformers 5 keeps a wrapper's text model and vision tower (wrapped() writes them there)
+_BODIES = {"gemma3": ("model.language_model.", "model.vision_tower."),
+           "idefics3": ("model.text_model.", "model.vision_model."), "smolvlm": ("model.text_model.", "model.vision_model.")}
 
 
 # Where a wrapper's checkpoint keeps its vision tower and projector -> the names runner/vision reads
 # (transformers 4 and mlx-vlm: vision_tower.vision_model.*; transformers 5: model.vision_tower.*)
 _VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
                     "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                    "model.vision_model.": "vision_tower.",
                     "model.multi_modal_projector.": "multi_modal_projector.",
-                    "multi_modal_projector.": "multi_modal_projector."}
+                    "multi_modal_projector.": "multi_modal_projector.", "model.connector.": "connector."}
 
 
 def is_wrapper(model_type) -> bool:
@@ -56,7 +65,7 @@ def text_config(d: dict) -> dict:
     text |= {k: d[k] for k in _INHERITED if k in d and k not in text}
     # transformers 5 ties the head by the wrapper's flag (Gemma3Config's default: tied), not the
     # text_config's
-    text["tie_word_embeddings"] = d.get("tie_word_embeddings", True)
+    text["tie_word_embeddings"] = d.get("tie_word_embeddings", wrapper in _TIED)
     return text
 
 
@@ -103,9 +112,11 @@ def wrapped(d: dict, text: dict, tensors: dict | TensorStream, vision: dict) -> 
     transformers 5's names, which text_tensors and vision_tensors read back."""
     inner = {**text, "model_type": families.wrapped(d["model_type"])}
     config = {**{k: v for k, v in d.items() if k not in _INHERITED or k == "tie_word_embeddings"},
-              "text_config": inner, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
-    rename = lambda name: name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")
-    outer = {"model." + name: t for name, t in vision.items()}
+              "text_config": inner, "tie_word_embeddings": text.get("tie_word_embeddings", d["model_type"] in _TIED)}
+    body, tower = _BODIES[d["model_type"]]
+    rename = lambda name: name if name.startswith("lm_head.") else body + name.removeprefix("model.")
+    outer = {(tower + name.removeprefix("vision_tower.") if name.startswith("vision_tower.") else "model." + name): t
+             for name, t in vision.items()}
     if isinstance(tensors, TensorStream):
         specs = {rename(n): s for n, s in tensors.specs.items()} | {n: tensor_spec(t) for n, t in outer.items()}
         items = itertools.chain(((rename(n), t) for n, t in tensors.items), outer.items())

@@ -83,6 +83,12 @@ def vision_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smolvlm_dir(tmp_path_factory):
+    """A tiny random Idefics3 (SmolVLM's kind: tiles, pixel shuffle) with SmolVLM's template."""
+    return write_tiny_vision(tmp_path_factory.mktemp("tiny") / "smolvlm", "idefics3")
+
+
+@pytest.fixture(scope="session")
 def r1_dir(tmp_path_factory):
     """The tiny model under DeepSeek-R1's template, whose prompt opens the reply's <think> block:
     it thinks until a budget ends its thinking."""

@@ -106,17 +106,24 @@ def tiny_with_template(template: str, model_type="llama", seed=0) -> ModelDir:
     return model
 
 
-VISION = Path(__file__).parent / "data" / "vision" / "gemma3"
+VISION = Path(__file__).parent / "data" / "vision"
 
 
-def write_tiny_vision(out: Path) -> Path:
-    """The tiny random Gemma 3 of tests/data/vision/gemma3 as a model directory that runs: its
-    checkpoint, Gemma 3's chat template, and a byte-level tokenizer whose ids 297-299 are the
-    fixture's <start_of_image>, <end_of_image> and <image_soft_token>."""
+def write_tiny_vision(out: Path, family: str = "gemma3") -> Path:
+    """A tiny random vision-language model of tests/data/vision as a model directory that runs,
+    with its family's chat template: Gemma 3 (its checkpoint, and a byte-level tokenizer whose
+    ids 297-299 are the fixture's <start_of_image>, <end_of_image> and <image_soft_token>), or
+    Idefics3 (SmolVLM's kind: its folder as it is, and SmolVLM's template)."""
     import shutil
+    if family == "idefics3":
+        shutil.copytree(VISION / "idefics3", out)
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["chat_template"] = (TEMPLATES / "HuggingFaceTB-SmolVLM-256M-Instruct.jinja").read_text()
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+        return out
     out.mkdir(parents=True)
     for name in ("config.json", "model.safetensors"):
-        shutil.copy(VISION / name, out / name)
+        shutil.copy(VISION / "gemma3" / name, out / name)
     tokenizer = byte_level_tokenizer(TEXT, vocab_size=297)
     assert tokenizer.get_vocab_size() == 297
     tokenizer.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])

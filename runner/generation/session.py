@@ -31,7 +31,7 @@ from ..text.reasoning import ReasoningSplit, ThinkingOptions, chat_prompt
 from .sample import make_sampler
 from ..settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 from ..text.tokenizer import Tokenizer
-from ..vision.base import pictures_for, with_images
+from ..vision.base import for_template, with_images
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class ChatSession:
 
     def _render(self, messages: list[dict], asked: ThinkingOptions) -> tuple[str, ReasoningSplit | None, frozenset[str]]:
         """-> (the prompt's text, its reply's split, the digests of its images)."""
-        pictures = pictures_for(self.model.vision, messages)
+        messages, pictures = for_template(self.model.vision, messages)
         text, split = chat_prompt(self.tokenizer, messages, asked)
         text, images = with_images(self.model.vision, text, pictures)
         return text, split, images

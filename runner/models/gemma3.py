@@ -1,4 +1,5 @@
-"""Gemma 3 (gemma3_text, and the text model of a gemma3 checkpoint: formats/wrappers.py): four
+"""Gemma 3 (gemma3_text, and the text model of a gemma3 checkpoint: formats/wrappers.py; its vision
+is runner/vision/gemma3.py): four
 RMSNorms a block, q/k norms, a GELU-gated MLP, embeddings scaled by sqrt(hidden_size), attention
 scores divided by sqrt(query_pre_attn_scalar), and sliding layers with a RoPE of their own."""
 import dataclasses
@@ -50,7 +51,7 @@ class Gemma3(Transformer):
                                             "post_ffw_norm": "post_feedforward_layernorm"},
                                fields=_gguf_fields)}
     local_rope = True
-    wrappers = {"gemma3": "gemma3_text"}   # Gemma3ForConditionalGeneration, its vision tower left out
+    wrappers = {"gemma3": "gemma3_text"}   # Gemma3ForConditionalGeneration
     fixed = {"hidden_activation": ("gelu_pytorch_tanh",),   # its MLP's
              "use_bidirectional_attention": (False, None)}   # causal attention
     fields = {

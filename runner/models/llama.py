@@ -35,6 +35,9 @@ class Llama(Transformer):
                 **{f"ffn_{p}_exps": f"block_sparse_moe.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}),
             "qwen2": GGUFArch("qwen2"), "qwen3": GGUFArch("qwen3"),
             "smollm3": GGUFArch("smollm3", permuted_qk=True, fields=_smollm3_gguf)}
+    # Idefics3ForConditionalGeneration (SmolVLM-256M/500M-Instruct) and SmolVLM's: a Llama text
+    # model (its vision: runner/vision/idefics3.py)
+    wrappers = {"idefics3": "llama", "smolvlm": "llama"}
     fields = {
         "use_sliding_window": optional(BOOL),   # qwen2/3, smollm3: false (their default) turns sliding_window off
         "max_window_layers": optional(integer()),   # qwen2/3 without layer_types: the layers from here on slide

@@ -20,7 +20,7 @@ from ..kv.prompt_ids import PromptMemo
 from ..text.tokenizer import Tokenizer
 from ..text.reasoning import ReasoningSplit, Thinking, ThinkingOptions, chat_prompt, reasoning_family
 from ..text.tools import Call, Content, MessageError, ToolCallParser, forced_call_grammar, prepare_messages, tool_family
-from ..vision.base import pictures_for, with_images
+from ..vision.base import for_template, with_images
 from .api import ChatBody, CompletionBody, Options, tool_call
 from .errors import ApiError
 
@@ -127,7 +127,7 @@ def chat_text(served: Served, body: ChatBody) -> tuple[str, ReasoningSplit | Non
     forced = bool(tools and body.tool_choice == "required") or body.response_format != "text"
     try:   # a generic template gets the tools in a system message, and no `tools`
         messages, template_tools = prepare_messages(body.messages, tools or None, served.family)
-        pictures = pictures_for(vision, messages)
+        messages, pictures = for_template(vision, messages)
         text, split = chat_prompt(served.tokenizer, messages, body.thinking.over(served.thinking), template_tools, forced)
         text, images = with_images(vision, text, pictures)
         return text, split, images

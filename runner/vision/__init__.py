@@ -1,6 +1,6 @@
 """Vision: what a vision-language model makes of the images in a prompt. A family's vision is one
-class in a module of its own (gemma3.py), on the machinery of base.py, with its tower (siglip.py:
-SigLIP's), as runner/models/ holds the text families."""
+class in a module of its own (gemma3.py, idefics3.py), on the machinery of base.py, with its tower
+(siglip.py: SigLIP's), as runner/models/ holds the text families."""
 
 
 def vision_of(model_dir, token_text):
@@ -10,7 +10,11 @@ def vision_of(model_dir, token_text):
         return None
     from nibble.formats.errors import UnsupportedModel
     from .gemma3 import Gemma3Vision
-    kind = model_dir.vision_config.get("model_type")
-    if kind != "gemma3":
-        raise UnsupportedModel(f"nibble reads no images with a {kind!r} model's vision tower")
-    return Gemma3Vision(model_dir.vision_config, model_dir.vision_tensors, model_dir.config.quantization, token_text)
+    from .idefics3 import Idefics3Vision
+    kind, c = model_dir.vision_config.get("model_type"), model_dir.vision_config
+    if kind == "gemma3":
+        return Gemma3Vision(c, model_dir.vision_tensors, model_dir.config.quantization, token_text)
+    if kind in ("idefics3", "smolvlm"):
+        return Idefics3Vision(c, model_dir.vision_tensors, model_dir.config.quantization, token_text,
+                              model_dir.preprocessor_config)
+    raise UnsupportedModel(f"nibble reads no images with a {kind!r} model's vision tower")

@@ -37,6 +37,7 @@ class Vision:
     their rows [count, hidden] in one pass of the tower."""
     marker: str
     bidirectional = False
+    parts = False   # whether its chat template takes every message's content as a list of parts
 
     def __init__(self):
         self._held: OrderedDict[int, _Held] = OrderedDict()
@@ -114,18 +115,23 @@ class Vision:
         return sees
 
 
-def pictures_for(vision: Vision | None, messages: Sequence[dict]) -> list[Picture]:
-    """The images of a conversation's messages (their content's {"type": "image", "image":
-    Picture} parts), in order; refused in one line for a model without vision."""
+def for_template(vision: Vision | None, messages: Sequence[dict]) -> tuple[list[dict], list[Picture]]:
+    """A conversation's messages as the model's template takes them, and their images (their
+    content's {"type": "image", "image": Picture} parts), in order. A text model refuses images
+    in one line; a vision whose template reads every content as a list of parts (`parts`:
+    SmolVLM's) gets a string content as one text part."""
     pictures = [part["image"] for m in messages if isinstance(m.get("content"), list)
                 for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
     if pictures and vision is None:
-        raise NibbleError("this model reads no images: choose a vision-language model (Gemma 3) to ask about them")
-    return pictures
+        raise NibbleError("this model reads no images: choose a vision-language model (Gemma 3, SmolVLM) to ask about them")
+    if vision is not None and vision.parts:
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+                    for m in messages]
+    return list(messages), pictures
 
 
 def with_images(vision: Vision | None, text: str, pictures: Sequence[Picture]) -> tuple[str, frozenset[str]]:
-    """A prompt rendered from messages holding `pictures` (pictures_for) with their tags placed
+    """A prompt rendered from messages holding `pictures` (for_template) with their tags placed
     (Vision.place), and the digests Tokenizer.encode is to turn into image ids; as it was, and
     none, without images."""
     if not pictures:
