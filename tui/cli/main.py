@@ -340,7 +340,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     from nibble.runner.generation.generate import stream_generate
     from nibble.runner.text.reasoning import chat_prompt
     from nibble.runner.generation.sample import make_sampler
-    from nibble.runner.vision.base import pictures_for, with_images
+    from nibble.runner.vision.base import for_template, with_images
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
     llm.threads.pin(threads)
     ctx_size = _context("-c", ctx_size, llm)
@@ -350,7 +350,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
         ids, split = tokenizer.encode(text), None
     else:
         messages = build_messages(text, system, pictures)
-        pictures = pictures_for(llm.vision, messages)   # a text model refuses them before its template
+        messages, pictures = for_template(llm.vision, messages)   # a text model refuses images before its template
         prompt_text, split = chat_prompt(tokenizer, messages, thinking, forced=grammar is not None)
         prompt_text, digests = with_images(llm.vision, prompt_text, pictures)
         ids = tokenizer.encode(prompt_text, images=digests)
