@@ -34,6 +34,10 @@ import llama_cpp
 from llama_cpp import mtmd_cpp as mtmd
 
 
+FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
 def quiet_logs():
     """llama.cpp and libmtmd log every tensor they load to stderr: keep only warnings and errors
     (ggml.h's levels: 3 and 4, 5 continuing the line before)."""
@@ -73,6 +77,8 @@ def main(argv=None):
     image.add_argument("--pixels", help="[3, H, W] pixels as transformers' Gemma 3 processor makes them (.npy)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--flash-attn", choices=FLASH_ATTN, default="auto",
+                   help="the tower's attention: libmtmd's default, auto, takes flash attention on the CPU")
     p.add_argument("--prompt", default="Describe this image: <__media__>",
                    help="the text around the image; <__media__> marks where it goes")
     p.add_argument("--embd-out", help="write the image's embeddings here (.npy)")
@@ -92,6 +98,7 @@ def main(argv=None):
     params.print_timings = False
     params.n_threads = args.threads   # the thread count of the tower's ggml graph (default 4)
     params.warmup = True              # one encode at load, of a placeholder image: not timed
+    params.flash_attn_type = FLASH_ATTN[args.flash_attn]
     t = time.perf_counter()
     ctx = mtmd.mtmd_init_from_file(str(args.mmproj).encode(), model, params)
     load_s = time.perf_counter() - t
@@ -138,7 +145,8 @@ def main(argv=None):
     width = llama_cpp.llama_model_n_embd(model)
     embd = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n_tokens, width)).copy()
     result = {"median_s": round(statistics.median(seconds), 4), "seconds": [round(s, 4) for s in seconds],
-              "image_tokens": n_tokens, "grid": grid, "threads": args.threads, "load_s": round(load_s, 3),
+              "image_tokens": n_tokens, "grid": grid, "threads": args.threads, "flash_attn": args.flash_attn,
+              "load_s": round(load_s, 3),
               "tokenize_s": round(tokenize_s, 4), "chunks": layout,
               "mmproj": str(args.mmproj), "llama_cpp_python": llama_cpp.__version__,
               "embd_rms": float(np.sqrt(np.mean(embd.astype(np.float64) ** 2)))}
