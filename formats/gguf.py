@@ -181,6 +181,15 @@ def import_gguf(path: str | Path, repack_blocks: bool = True) -> GGUFImport:
         raise FormatError(f"{path}: {e}") from None
 
 
+def read_tensors(path: Path) -> tuple[dict, dict]:
+    """A GGUF file's tensors by their GGUF names, in numpy order (F32 and F16 as the memory map,
+    BF16 a HalfTensor, any other type float32, none repacked, each checked finite), and its
+    metadata: what a file other than a model's (a vision projector) is read as."""
+    tensors, meta = _open(path)
+    _check_types(tensors)
+    return {t.name: _each_array(_finite(_read(t, False), t.name), _read_only) for t in tensors}, meta
+
+
 def _open(path: Path) -> tuple[list, dict]:
     """The tensors and the metadata of the model in `path`, and in its other parts if it is split,
     decoded: any failure is the files'."""

@@ -169,6 +169,20 @@ def gguf_models(files: list[str]) -> dict[str, list[str]]:
     return models
 
 
+def pick_mmproj(files: list[str], model: str) -> str | None:
+    """The vision projector of the GGUF model `model` among a repo's (or a folder's) `files`: an
+    mmproj*.gguf in its folder, as llama.cpp's -hf and LM Studio keep them, F16 before BF16
+    before F32 before any other; None where there is none."""
+    folder = model.rpartition("/")[0]
+    found = sorted(f for f in files if f.rpartition("/")[0] == folder
+                   and f.rsplit("/", 1)[-1].lower().startswith("mmproj") and f.endswith(".gguf"))
+
+    def rank(f: str) -> int:
+        words = re.split(r"[-_.]", f.rsplit("/", 1)[-1].lower())
+        return next((i for i, t in enumerate(("f16", "bf16", "f32")) if t in words), 3)
+    return min(found, key=rank) if found else None
+
+
 def is_fetched(name: str) -> bool:
     """Whether the alias `name` is imported in models_dir() as this nibble imports it."""
     config = models_dir() / name / "config.json"
@@ -410,9 +424,11 @@ def _fetch_hub_model(repo_id: str, revision: str | None, tag: str | None) -> Pat
             path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
         else:
             # A dropped connection resumes from what huggingface_hub has written of the part
+            chosen = pick_gguf(files, tag, label)
+            mmproj = pick_mmproj(files, chosen[0])   # its vision, as llama.cpp's -hf fetches it
             parts = [Path(hf_hub_download(repo_id, f, revision=revision,
                                           tqdm_class=functools.partial(_Download, f.rsplit("/", 1)[-1])))
-                     for f in pick_gguf(files, tag, label)]
+                     for f in chosen + ([mmproj] if mmproj else [])]
             progress.done(f"nibble: downloaded {label} into the Hugging Face cache")
             return parts[0]
     except GatedRepoError as e:

@@ -340,11 +340,12 @@ GGUF_REPO = {"README.md": b"# m", "m-Q4_K_M.gguf": b"q4km" * 100, "m-Q8_0.gguf":
     ("org/m-GGUF", "m-Q4_K_M.gguf"),                 # no tag: Q4_K_M
     ("org/m-GGUF@main:Q4_K_M", "m-Q4_K_M.gguf"),
 ])
-def test_a_gguf_repo_downloads_only_the_model_its_tag_names(fake_hub, monkeypatch, ref, file):
+def test_a_gguf_repo_downloads_only_the_model_its_tag_names_and_its_vision(fake_hub, monkeypatch, ref, file):
     fake = fake_hub({"org/m-GGUF": GGUF_REPO})
     path = hub.resolve(ref)
     assert path.name == file and path.read_bytes() == GGUF_REPO[file]
-    assert gets(fake) == [file]
+    assert gets(fake) == [file, "mmproj-m-f16.gguf"]   # beside it: formats/gguf_mmproj.find_mmproj
+    assert (path.parent / "mmproj-m-f16.gguf").read_bytes() == GGUF_REPO["mmproj-m-f16.gguf"]
     # Then from the cache, offline: the same file, no request
     set_offline(monkeypatch, True)
     fake.requests.clear()

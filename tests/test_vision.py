@@ -287,3 +287,38 @@ def test_smolvlm_runs_with_or_without_an_image(smolvlm_dir):
     assert with_image.exit_code == text_only.exit_code == 0, with_image.output + text_only.output
     prompt_tokens = lambda r: int(r.stderr.splitlines()[-1].split()[1])
     assert prompt_tokens(with_image) > 5 * 4 and prompt_tokens(text_only) > 0   # the image: five tiles of 4 tokens
+
+
+# ---- GGUF: a model's file and its vision projector (llama.cpp's mmproj) beside it ----
+
+GGUF = Path(__file__).parent / "data" / "vision" / "gemma3-gguf"
+
+
+def test_a_gguf_with_its_mmproj_reads_images_as_transformers_does():
+    """tests/fixtures/make_vision_gguf.py converted the fixture with llama.cpp's converter: the
+    tower's tensors are the checkpoint's, the projection rounded to F16 as the converter stores it."""
+    from nibble.quant.open_model import open_model
+    from nibble.runner.loader import from_model_dir
+    model, tokenizer = from_model_dir(open_model(str(GGUF / "model-f32.gguf")))
+    assert model.vision is not None and model.vision.marker == "<start_of_image>"
+    rows, = model.vision.encode([open_image(GEMMA3 / "image.png")])
+    assert relative_error(rows, np.load(GEMMA3 / "features.npy")) < 1e-3
+
+
+def test_run_a_gguf_with_an_image(tmp_path, monkeypatch):
+    from tests.test_cli import invoke
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    r = invoke("run", "-m", GGUF / "model-f32.gguf", "--temp", "0", "-n", "2", "-i", GEMMA3 / "image.png", "What is it?")
+    assert r.exit_code == 0, r.output
+    assert int(r.stderr.splitlines()[-1].split()[1]) > 4
+
+
+def test_a_bad_mmproj_beside_a_gguf_is_one_line(tmp_path, monkeypatch):
+    import shutil
+    from tests.test_cli import assert_one_line_error, invoke
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path / "home"))
+    shutil.copy(GGUF / "model-f32.gguf", tmp_path / "model-f32.gguf")
+    (tmp_path / "mmproj-f16.gguf").write_bytes(b"GGUF not really")
+    assert_one_line_error(invoke("run", "-m", tmp_path / "model-f32.gguf", "Hi"), match="mmproj-f16.gguf")
+    shutil.copy(GGUF / "model-f32.gguf", tmp_path / "mmproj-f16.gguf")   # a model, not a projector
+    assert_one_line_error(invoke("run", "-m", tmp_path / "model-f32.gguf", "Hi"), match="is not a vision projector")
