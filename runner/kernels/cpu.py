@@ -9,7 +9,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import f32_from_bits, fma, hsum, load_f32x8, prefetch, splat_f32, store_f32x8, zero_f32
+from .simd import (LANES, f32_from_bits, fma, hsum, load_f32w, load_f32x8, prefetch, splat_f32, splat_f32w,
+                   store_f32w, store_f32x8, zero_f32, zero_f32w)
 
 # error_model="numpy": a division by zero gives inf or NaN (as numpy does) instead of raising
 # ZeroDivisionError from inside a kernel; non-finite values are caught on the logits (model.py).
@@ -32,10 +33,9 @@ def matmul(x, w, out, accumulate):
     Decode (T <= SMALL) is bound by reading w: rows split across threads, each row read once and
     dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill is bound by
     arithmetic: w is packed into panels of PANEL rows, transposed (wp[p, k]: the PANEL weights of
-    column k of panel p, one cache line), then each task multiplies BLOCK_ROWS rows of x by one
-    panel (_tile_6x16). Up to PACKED floats of panels at a time: a bounded copy of a large w (an
-    output head's), kept in L3 while every block of x passes over it. Each output is one chain of
-    FMAs along k, so a row's result is the same whatever T (past SMALL) and whatever rows beside it.
+    column k of panel p), then multiplied by the rows of x (times_panels). Up to PACKED floats of
+    panels at a time: a bounded copy of a large w (an output head's), kept in L3 while every block
+    of x passes over it.
     """
     T, K = x.shape
     N = w.shape[0]
@@ -48,7 +48,6 @@ def matmul(x, w, out, accumulate):
     panels = (N + PANEL - 1) // PANEL
     step = max(1, PACKED // (K * PANEL))
     wp = np.empty((min(step, panels), K, PANEL), np.float32)
-    blocks = (T + BLOCK_ROWS - 1) // BLOCK_ROWS
     for p0 in range(0, panels, step):
         n_panels = min(step, panels - p0)
         for p in prange(n_panels):
@@ -56,56 +55,69 @@ def matmul(x, w, out, accumulate):
                 n = (p0 + p) * PANEL + c
                 for k in range(K):
                     wp[p, k, c] = w[n, k] if n < N else 0
-        for task in prange(blocks * n_panels):
-            # consecutive tasks share a block of x (kept in L2): each thread runs a contiguous range
-            b, p = np.int64(task) // n_panels, np.int64(task) % n_panels
-            t0, t1 = b * BLOCK_ROWS, min(T, b * BLOCK_ROWS + BLOCK_ROWS)
-            tile = np.empty((BLOCK_ROWS, PANEL), np.float32)
-            for t in range(t0, t1, 6):
-                _tile_6x16(x, t, t1 - 1, wp[p], tile, t - t0)
-            n0 = (p0 + p) * PANEL
-            for t in range(t0, t1):
-                for c in range(min(PANEL, N - n0)):
-                    out[t, n0 + c] = out[t, n0 + c] + tile[t - t0, c] if accumulate else tile[t - t0, c]
+        times_panels(x, wp[:n_panels], p0 * PANEL, out, accumulate)
 
 
-PANEL, BLOCK_ROWS = 16, 48   # prefill: columns (two vectors) and rows (8 micro-tiles) a task
+# prefill: columns (two vectors) and rows (8 micro-tiles) a task
+PANEL, BLOCK_ROWS = 2 * LANES, 48
 PACKED = 1 << 20             # floats of w packed at a time (4 MB)
 
 
+@njit(parallel=True, **_jit)
+def times_panels(x, wp, n0, out, accumulate):
+    """out[:, n0 + p PANEL + c] (+)= x @ wp[p, :, c] for the packed panels wp [panels, K, PANEL]
+    (columns past out's width are padding): each task BLOCK_ROWS rows of x by one panel
+    (_tile_6). Each output is one chain of FMAs along k, so a row's result is the same whatever T
+    (past SMALL), whatever rows beside it, and whatever the vectors' width."""
+    T, N = x.shape[0], out.shape[1]
+    n_panels = wp.shape[0]
+    blocks = (T + BLOCK_ROWS - 1) // BLOCK_ROWS
+    for task in prange(blocks * n_panels):
+        # consecutive tasks share a block of x (kept in L2): each thread runs a contiguous range
+        b, p = np.int64(task) // n_panels, np.int64(task) % n_panels
+        t0, t1 = b * BLOCK_ROWS, min(T, b * BLOCK_ROWS + BLOCK_ROWS)
+        tile = np.empty((BLOCK_ROWS, PANEL), np.float32)
+        for t in range(t0, t1, 6):
+            _tile_6(x, t, t1 - 1, wp[p], tile, t - t0)
+        first = n0 + p * PANEL
+        for t in range(t0, t1):
+            for c in range(min(PANEL, N - first)):
+                out[t, first + c] = out[t, first + c] + tile[t - t0, c] if accumulate else tile[t - t0, c]
+
+
 @njit(inline="always", **_jit)
-def _tile_6x16(x, t, last, wp, tile, r):
-    """tile[r:r+6] = x[t:t+6] @ wp [K, 16], rows past `last` repeating it (unused): 12 vector
-    accumulators, each step 2 loads of wp and 6 of x (broadcast) for 12 FMAs."""
-    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero_f32()
+def _tile_6(x, t, last, wp, tile, r):
+    """tile[r:r+6] = x[t:t+6] @ wp [K, PANEL], rows past `last` repeating it (unused): 12 vector
+    accumulators (of LANES lanes), each step 2 loads of wp and 6 of x (broadcast) for 12 FMAs."""
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero_f32w()
     t1, t2, t3, t4, t5 = min(t + 1, last), min(t + 2, last), min(t + 3, last), min(t + 4, last), min(t + 5, last)
     for k in range(x.shape[1]):
-        w0, w1 = load_f32x8(wp, k * PANEL), load_f32x8(wp, k * PANEL + 8)
-        u = splat_f32(np.float32(x[t, k]))
+        w0, w1 = load_f32w(wp, k * PANEL), load_f32w(wp, k * PANEL + LANES)
+        u = splat_f32w(np.float32(x[t, k]))
         a00, a01 = fma(u, w0, a00), fma(u, w1, a01)
-        u = splat_f32(np.float32(x[t1, k]))
+        u = splat_f32w(np.float32(x[t1, k]))
         a10, a11 = fma(u, w0, a10), fma(u, w1, a11)
-        u = splat_f32(np.float32(x[t2, k]))
+        u = splat_f32w(np.float32(x[t2, k]))
         a20, a21 = fma(u, w0, a20), fma(u, w1, a21)
-        u = splat_f32(np.float32(x[t3, k]))
+        u = splat_f32w(np.float32(x[t3, k]))
         a30, a31 = fma(u, w0, a30), fma(u, w1, a31)
-        u = splat_f32(np.float32(x[t4, k]))
+        u = splat_f32w(np.float32(x[t4, k]))
         a40, a41 = fma(u, w0, a40), fma(u, w1, a41)
-        u = splat_f32(np.float32(x[t5, k]))
+        u = splat_f32w(np.float32(x[t5, k]))
         a50, a51 = fma(u, w0, a50), fma(u, w1, a51)
     at = r * PANEL
-    store_f32x8(tile, at, a00)
-    store_f32x8(tile, at + 8, a01)
-    store_f32x8(tile, at + PANEL, a10)
-    store_f32x8(tile, at + PANEL + 8, a11)
-    store_f32x8(tile, at + 2 * PANEL, a20)
-    store_f32x8(tile, at + 2 * PANEL + 8, a21)
-    store_f32x8(tile, at + 3 * PANEL, a30)
-    store_f32x8(tile, at + 3 * PANEL + 8, a31)
-    store_f32x8(tile, at + 4 * PANEL, a40)
-    store_f32x8(tile, at + 4 * PANEL + 8, a41)
-    store_f32x8(tile, at + 5 * PANEL, a50)
-    store_f32x8(tile, at + 5 * PANEL + 8, a51)
+    store_f32w(tile, at, a00)
+    store_f32w(tile, at + LANES, a01)
+    store_f32w(tile, at + PANEL, a10)
+    store_f32w(tile, at + PANEL + LANES, a11)
+    store_f32w(tile, at + 2 * PANEL, a20)
+    store_f32w(tile, at + 2 * PANEL + LANES, a21)
+    store_f32w(tile, at + 3 * PANEL, a30)
+    store_f32w(tile, at + 3 * PANEL + LANES, a31)
+    store_f32w(tile, at + 4 * PANEL, a40)
+    store_f32w(tile, at + 4 * PANEL + LANES, a41)
+    store_f32w(tile, at + 5 * PANEL, a50)
+    store_f32w(tile, at + 5 * PANEL + LANES, a51)
 
 
 def _dot(x, t, w, n):
@@ -185,12 +197,9 @@ def silu_times(g, u):
 @njit(parallel=True, **_jit)
 def gelu_tanh_mul(g, up):
     """g[T, F] = gelu(g) * up, in place, with GELU's tanh approximation (gelu_pytorch_tanh)"""
-    c = np.float32(math.sqrt(2 / math.pi))
     for t in prange(g.shape[0]):
         for f in range(g.shape[1]):
-            x = g[t, f]
-            inner = c * (x + np.float32(0.044715) * x * x * x)
-            g[t, f] = np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner)) * up[t, f]
+            g[t, f] = gelu_tanh(g[t, f]) * up[t, f]
 
 
 @njit(parallel=True, **_jit)
@@ -268,14 +277,18 @@ def gelu(x, bias, approximate):
     """x[T, F] = gelu(x + bias) in place (bias [F]): GELU with erf, as BERT's hidden_act "gelu", or
     (`approximate`) with tanh's approximation, as SigLIP's "gelu_pytorch_tanh"."""
     r = np.float32(1 / math.sqrt(2))
-    c = np.float32(math.sqrt(2 / math.pi))
     for t in prange(x.shape[0]):
         for f in range(x.shape[1]):
             v = x[t, f] + bias[f]
-            if approximate:
-                x[t, f] = np.float32(0.5) * v * (np.float32(1.0) + np.tanh(c * (v + np.float32(0.044715) * v * v * v)))
-            else:
-                x[t, f] = np.float32(0.5) * v * (np.float32(1.0) + erf(v * r))
+            x[t, f] = gelu_tanh(v) if approximate else np.float32(0.5) * v * (np.float32(1.0) + erf(v * r))
+
+
+@njit(inline="always", **_jit)
+def gelu_tanh(v):
+    """GELU's tanh approximation as x sigmoid(2 c (x + 0.044715 x^3)), the same function: `exp`
+    vectorizes where libm's tanh is a call a value (five times the time over a tower's MLP)."""
+    c = np.float32(2 * math.sqrt(2 / math.pi))
+    return v / (np.float32(1.0) + exp(-c * (v + np.float32(0.044715) * v * v * v)))
 
 
 @njit(inline="always", **_jit)

@@ -1,10 +1,11 @@
-"""Encoder blocks as jitted functions, decoder_layer's attention made bidirectional by the layer's
-window (-1): BERT's (LayerNorms after each residual add, an exact-GELU MLP) and a vision tower's
-(SigLIP's: LayerNorms before each sublayer, a tanh-GELU MLP)."""
+"""Encoder blocks as jitted functions: BERT's (decoder_layer's attention made bidirectional by the
+layer's window, -1; LayerNorms after each residual add, an exact-GELU MLP) and a vision tower's
+(SigLIP's: LayerNorms before each sublayer, dense attention over each image's patches, a
+tanh-GELU MLP)."""
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import cpu
 from .layer import self_attention, weight_nbytes
@@ -68,18 +69,23 @@ def encoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
 
 
 @njit(**cpu._jit)
-def vision_layer(x, weights, kv, rows, eps):
+def vision_layer(x, weights, starts, heads, eps):
     """One pre-norm encoder block (a SigLIP vision tower's) on x[T, D], in place: x += attention
-    of LayerNorm(x), then x += MLP of LayerNorm(x), each row attending to every row of its
-    sequence (an image's patches), with no RoPE."""
+    of LayerNorm(x) over `heads` heads, then x += MLP of LayerNorm(x); rows starts[s]..starts[s +
+    1] - 1 are one image's patches, which all see each other (dense_attention), with no RoPE."""
     w = weights
-    T = x.shape[0]
-    none = np.zeros(0, np.float32)
-    flat = np.zeros((1, 0), np.float32)
+    T, D = x.shape
     h = np.empty_like(x)
     cpu.layernorm(x, w.attention_norm, w.attention_norm_bias, eps, h)
-    attn = self_attention(h, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, none, none, kv, rows, flat, flat, eps,
-                          -1, w.attention_scale, none)                  # [T, D]
+    q, k, v = np.empty((T, D), np.float32), np.empty((T, D), np.float32), np.empty((T, D), np.float32)
+    linear(h, w.wq, q, False)
+    linear(h, w.wk, k, False)
+    linear(h, w.wv, v, False)
+    q += w.bq
+    k += w.bk
+    v += w.bv
+    attn = np.empty((T, D), np.float32)
+    dense_attention(q, k, v, starts, heads, w.attention_scale, attn)
     linear(attn, w.wo, x, True)                                         # x += attn @ wo.T
     x += w.bo
     cpu.layernorm(x, w.out_norm, w.out_norm_bias, eps, h)
@@ -88,3 +94,65 @@ def vision_layer(x, weights, kv, rows, eps):
     cpu.gelu(f, w.b_in, True)
     linear(f, w.w_out, x, True)                                         # x += gelu(...) @ w_out.T
     x += w.b_out
+
+
+@njit(parallel=True, **cpu._jit)
+def dense_attention(q, k, v, starts, heads, scale, out):
+    """out[T, H hd] = softmax(q k^T scale) v, head by head, each row over every row of its
+    sequence (rows starts[s]..starts[s + 1] - 1): an encoder's whole sequences, no cache, no mask.
+
+    The products run on cpu.matmul's tiles (times_panels' _tile_6): a sequence's keys and values
+    packed once a head into panels, then a task per head and block of BLOCK_ROWS queries, its
+    scores [BLOCK_ROWS, n] (in L2), their softmax, and their product with the values. Each
+    output is one chain of FMAs along the keys."""
+    T, width = q.shape
+    hd = width // heads
+    P, R = cpu.PANEL, cpu.BLOCK_ROWS
+    vpanels = (hd + P - 1) // P
+    for s in range(len(starts) - 1):
+        a, n = starts[s], starts[s + 1] - starts[s]
+        kpanels = (n + P - 1) // P
+        kp = np.zeros((heads, kpanels, hd, P), np.float32)    # kp[h, p, d, c] = k[a + p P + c, h hd + d]
+        vp = np.zeros((heads, vpanels, n, P), np.float32)     # vp[h, p, j, c] = v[a + j, h hd + p P + c]
+        for h in prange(heads):
+            for j in range(n):
+                for d in range(hd):
+                    kp[h, j // P, d, j % P] = k[a + j, h * hd + d]
+                    vp[h, d // P, j, d % P] = v[a + j, h * hd + d]
+        blocks = (n + R - 1) // R
+        for task in prange(heads * blocks):
+            h, b = np.int64(task) // blocks, np.int64(task) % blocks
+            t0, t1 = a + b * R, min(a + n, a + b * R + R)
+            rows = t1 - t0
+            qs = np.empty((rows, hd), np.float32)
+            for t in range(rows):
+                for d in range(hd):
+                    qs[t, d] = q[t0 + t, h * hd + d] * scale
+            scores = np.empty((rows, kpanels * P), np.float32)
+            tile = np.empty((R, P), np.float32)
+            for p in range(kpanels):
+                for t in range(0, rows, 6):
+                    cpu._tile_6(qs, t, rows - 1, kp[h, p], tile, t)
+                for t in range(rows):
+                    for c in range(P):
+                        scores[t, p * P + c] = tile[t, c]
+            total = np.empty(rows, np.float32)
+            for t in range(rows):
+                top = scores[t, 0]
+                for j in range(1, n):
+                    top = max(top, scores[t, j])
+                for j in range(n):
+                    scores[t, j] = cpu.exp(scores[t, j] - top)
+                acc = np.float32(0.0)
+                for j in range(n):
+                    acc += scores[t, j]
+                total[t] = acc
+                for j in range(n, kpanels * P):
+                    scores[t, j] = 0
+            for p in range(vpanels):
+                for t in range(0, rows, 6):
+                    cpu._tile_6(scores[:, :n], t, rows - 1, vp[h, p], tile, t)
+                for t in range(rows):
+                    inverse = np.float32(1.0) / total[t]
+                    for c in range(min(P, hd - p * P)):
+                        out[t0 + t, h * hd + p * P + c] = tile[t, c] * inverse

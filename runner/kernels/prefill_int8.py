@@ -514,6 +514,23 @@ def _to_levels_typed(values, wq):
 
 # ---- the kernel ------------------------------------------------------------------------------
 
+@njit(inline="always", **_jit)
+def _put2(out, t, n, v0, v1, accumulate):
+    if accumulate:
+        v0 += out[t, n]
+        v1 += out[t, n + 1]
+    out[t, n], out[t, n + 1] = v0, v1
+
+
+@njit(inline="always", **_jit)
+def _put3(out, t, n, v0, v1, v2, accumulate):
+    if accumulate:
+        v0 += out[t, n]
+        v1 += out[t, n + 1]
+        v2 += out[t, n + 2]
+    out[t, n], out[t, n + 1], out[t, n + 2] = v0, v1, v2
+
+
 @njit(**_jit)
 def matmul_int8(x, qw, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T on integer dot products (where DOT is set)."""
@@ -614,10 +631,10 @@ def _tile_4x3(xq, dx, xs, wq, sw, bw, out, t, r, n0, small, span, accumulate):
         f30, f31, f32_ = (_finish(f30, a30, dx, xs, sw, bw, t + 3, r, v), _finish(f31, a31, dx, xs, sw, bw, t + 3, r + 1, v),
                           _finish(f32_, a32, dx, xs, sw, bw, t + 3, r + 2, v))
     n = n0 + r
-    prefill._put3(out, t, n, hsum(f00), hsum(f01), hsum(f02), accumulate)
-    prefill._put3(out, t + 1, n, hsum(f10), hsum(f11), hsum(f12), accumulate)
-    prefill._put3(out, t + 2, n, hsum(f20), hsum(f21), hsum(f22), accumulate)
-    prefill._put3(out, t + 3, n, hsum(f30), hsum(f31), hsum(f32_), accumulate)
+    _put3(out, t, n, hsum(f00), hsum(f01), hsum(f02), accumulate)
+    _put3(out, t + 1, n, hsum(f10), hsum(f11), hsum(f12), accumulate)
+    _put3(out, t + 2, n, hsum(f20), hsum(f21), hsum(f22), accumulate)
+    _put3(out, t + 3, n, hsum(f30), hsum(f31), hsum(f32_), accumulate)
 
 
 @njit(inline="always", **_jit)
@@ -651,10 +668,10 @@ def _tile_4x2(xq, dx, xs, wq, sw, bw, out, t, r, n0, signed, span, accumulate):
         f20, f21 = _finish(f20, a20, dx, xs, sw, bw, t + 2, r, v), _finish(f21, a21, dx, xs, sw, bw, t + 2, r + 1, v)
         f30, f31 = _finish(f30, a30, dx, xs, sw, bw, t + 3, r, v), _finish(f31, a31, dx, xs, sw, bw, t + 3, r + 1, v)
     n = n0 + r
-    prefill._put2(out, t, n, hsum(f00), hsum(f01), accumulate)
-    prefill._put2(out, t + 1, n, hsum(f10), hsum(f11), accumulate)
-    prefill._put2(out, t + 2, n, hsum(f20), hsum(f21), accumulate)
-    prefill._put2(out, t + 3, n, hsum(f30), hsum(f31), accumulate)
+    _put2(out, t, n, hsum(f00), hsum(f01), accumulate)
+    _put2(out, t + 1, n, hsum(f10), hsum(f11), accumulate)
+    _put2(out, t + 2, n, hsum(f20), hsum(f21), accumulate)
+    _put2(out, t + 3, n, hsum(f30), hsum(f31), accumulate)
 
 
 @njit(inline="always", **_jit)

@@ -11,6 +11,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, models, overload, register_model
 
+from nibble.quant import target
+
 
 class Vec(types.Type):
     """An LLVM vector <count x dtype>, kept in a register."""
@@ -27,6 +29,17 @@ class _VecModel(models.PrimitiveModel):
 
 
 I16, I32, F32 = Vec(types.int16, 16), Vec(types.int32, 8), Vec(types.float32, 8)   # 256 bits each
+
+
+def _wide_lanes() -> int:
+    """float32 lanes of the widest vector the CPU compiled for holds: 16 with AVX-512 (a Zen 5
+    multiplies them at full width), else 8."""
+    features = target.features()
+    return 16 if features is not None and features.get("avx512f") else 8
+
+
+LANES = _wide_lanes()
+FW = Vec(types.float32, LANES)   # the float tiles' vectors (cpu.matmul)
 _i32 = ir.IntType(32)
 # Fast math short of regrouping or fusing sums ("reassoc", "contract"): LLVM may not sum a row's
 # products differently in one copy of a loop than in another (decode's rows summed alike in a
@@ -351,14 +364,14 @@ def vadd(typingctx, a, b):
 
 @intrinsic
 def fma(typingctx, a, b, c):
-    """a * b + c lane by lane (float32), rounded once."""
+    """a * b + c lane by lane (float32 vectors of any width), rounded once."""
     def codegen(context, builder, sig, args):
         return _fma(builder, *args)
-    return F32(a, b, c), codegen
+    return a(a, b, c), codegen
 
 
 def _fma(builder, a, b, c):
-    ty = a.type   # <8 x float>
+    ty = a.type   # <n x float>
     fn = builder.module.declare_intrinsic(f"llvm.fma.v{ty.count}f32", fnty=ir.FunctionType(ty, [ty, ty, ty]))
     return builder.call(fn, [a, b, c])
 
@@ -383,6 +396,39 @@ def zero_f32(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_ll(F32), None)
     return F32(), codegen
+
+
+@intrinsic
+def load_f32w(typingctx, arr, i):
+    """float32 arr.flat[i:i+LANES]."""
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig, args, _ll(FW), 4)
+    return FW(arr, i), codegen
+
+
+@intrinsic
+def store_f32w(typingctx, arr, i, v):
+    """arr.flat[i:i+LANES] = v (float32)."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_element(context, builder, sig, args, 0), _ll(FW).as_pointer())
+        builder.store(args[2], ptr, align=4)
+        return context.get_dummy_value()
+    return types.none(arr, i, v), codegen
+
+
+@intrinsic
+def splat_f32w(typingctx, x):
+    """x in all LANES float32 lanes."""
+    def codegen(context, builder, sig, args):
+        return _splat(builder, args[0], LANES)
+    return FW(x), codegen
+
+
+@intrinsic
+def zero_f32w(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_ll(FW), None)
+    return FW(), codegen
 
 
 def _load_first(context, builder, sig, args, lltype, align, count, at=0):

@@ -11,7 +11,6 @@ from nibble.formats.errors import FormatError
 from ..kernels import compiling, cpu
 from ..kernels.encoder import EncoderLayerWeights, vision_layer
 from ..kernels.linear import linear, read_only
-from ..kv.cache import HostKV, Rows
 from ..model import TensorGetter
 from ..threads import ThreadChooser
 
@@ -66,15 +65,14 @@ class SigLIP:
             raise ValueError(f"the tower takes {self.size} x {self.size} pixels, not {H} x {W}")
         patches = (pixels.reshape(n, C, side, p, side, p).transpose(0, 2, 4, 1, 3, 5)
                    .reshape(n * side * side, C * p * p).astype(np.float32))
-        rows, blocks = Rows.packed([side * side] * n)
-        kv = HostKV.allocate(1, self.heads, blocks, self.width // self.heads, np.float32).layer(0)
+        starts = np.arange(n + 1, dtype=np.int64) * side * side   # each image's patches
         with self.threads.pass_of(len(patches)):
             x = np.empty((len(patches), self.width), np.float32)
             linear(patches, self.patch_weight, x, False)
             x += self.patch_bias
             x += np.tile(self.positions, (n, 1))
             for layer in self.layers:
-                vision_layer(x, layer, kv, rows, np.float32(self.eps))
+                vision_layer(x, layer, starts, self.heads, np.float32(self.eps))
             cpu.layernorm(x, self.norm, self.norm_bias, np.float32(self.eps), x)
         compiling.finish()
         return x.reshape(n, side * side, self.width)
