@@ -273,6 +273,29 @@ def quantize_linears(model: ModelDir, paths: list[str], scheme: AffineScheme) ->
         params=count_params(tensors, model.config.quantization))
 
 
+# A vision tower's matrices (formats/wrappers.py's names): its blocks' projections and MLP
+_TOWER_LINEAR = re.compile(r"vision_tower\.encoder\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.fc\d)\.weight")
+
+
+def quantize_vision(model: ModelDir, bits: int, group_size: int, method: str = "search") -> tuple[ModelDir, dict[str, str]]:
+    """A vision-language model with its tower's matrices quantized too, as the decoder's default
+    scheme (`bits`, `group_size`: the tower reads config.quantization); its patch embedding,
+    positions, norms and projector as stored. -> (the model, each matrix kept in float and why)."""
+    scheme = AffineScheme(bits, group_size)
+    out, kept_float = dict(model.vision_tensors), {}
+    for name, t in model.vision_tensors.items():
+        if not _TOWER_LINEAR.fullmatch(name):
+            continue
+        w = t.widen() if isinstance(t, HalfTensor) else np.asarray(t, np.float32)
+        if misfit := _misfit(w.shape, scheme):
+            kept_float[name] = misfit
+            continue
+        qt, _ = _quantized(name, w, scheme, None, method, measure=False)
+        del out[name]
+        out |= dict(zip(_parts(name), (qt.weight, qt.scales, qt.biases)))
+    return dataclasses.replace(model, vision_tensors=out), kept_float
+
+
 def count_params(tensors: dict[str, np.ndarray | HalfTensor], quantization: dict | None) -> int:
     """Weights in a model, a quantized matrix counted as the float matrix it stands for."""
     n = 0

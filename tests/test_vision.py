@@ -322,3 +322,23 @@ def test_a_bad_mmproj_beside_a_gguf_is_one_line(tmp_path, monkeypatch):
     assert_one_line_error(invoke("run", "-m", tmp_path / "model-f32.gguf", "Hi"), match="mmproj-f16.gguf")
     shutil.copy(GGUF / "model-f32.gguf", tmp_path / "mmproj-f16.gguf")   # a model, not a projector
     assert_one_line_error(invoke("run", "-m", tmp_path / "model-f32.gguf", "Hi"), match="is not a vision projector")
+
+
+def test_quantize_vision_quantizes_the_tower_too(vision_dir, tiny_dir, tmp_path, monkeypatch):
+    """--vision: the tower's matrices at the decoder's scheme, where their rows split into whole
+    groups (SigLIP's MLP here: 48 inputs, not whole groups of 32, stays float and is named)."""
+    from tests.test_cli import invoke
+    from nibble.runner.loader import from_model_dir
+    monkeypatch.setenv("NIBBLE_HOME", str(tmp_path))
+    out = tmp_path / "int8"
+    r = invoke("quantize", vision_dir, "-o", out, "--bits", "8", "--group-size", "32", "--vision")
+    assert r.exit_code == 0, r.output
+    assert "kept in float: vision_tower.encoder.layers.0.mlp.fc2.weight (row length 48" in r.stderr
+    copy = read_model_dir(out)
+    assert "vision_tower.encoder.layers.1.self_attn.q_proj.scales" in copy.vision_tensors
+    assert "vision_tower.encoder.layers.1.mlp.fc2.scales" not in copy.vision_tensors
+    model, _ = from_model_dir(copy)
+    rows, = model.vision.encode([open_image(GEMMA3 / "image.png")])
+    assert relative_error(rows, np.load(GEMMA3 / "features.npy")) < 3e-2   # int8 weights, activations
+    r = invoke("quantize", tiny_dir, "-o", tmp_path / "q", "--bits", "8", "--vision")
+    assert r.exit_code == 1 and "no vision tower" in r.stderr

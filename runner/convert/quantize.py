@@ -16,7 +16,8 @@ from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
 from nibble.formats.paths import quantized_dir
 from nibble.formats.safetensors import TensorStream, prefetch
 from nibble.formats.sentence_transformers import pipeline_files
-from nibble.quant.convert import QuantizePlan, QuantizeReport, default_calibration_text, is_mxfp4, is_quantized
+from nibble.quant.convert import (QuantizePlan, QuantizeReport, default_calibration_text, is_mxfp4, is_quantized,
+                                 quantize_vision)
 from nibble.quant.open_model import open_model
 from .calibrate import layer_importances
 from ..embedding.encoder import Encoder
@@ -33,7 +34,8 @@ _BLOCK = re.compile(r"(?:model\.layers|encoder\.layer)\.(\d+)\.")   # a decoder'
 
 def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: int | None = None,
              calib_text: str | None = None, force: bool = False, allow_requantize: bool = False,
-             progress: Callable[[str, int, int], None] | None = None, integer_zeros: bool = False) -> QuantizeReport:
+             progress: Callable[[str, int, int], None] | None = None, integer_zeros: bool = False,
+             vision: bool = False) -> QuantizeReport:
     """Quantize the model at `ref` into the directory `out`; returns the report (its model: `out`
     as written).
 
@@ -42,6 +44,8 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
     the output file one matrix at a time, so a model larger than memory quantizes.
     progress(stage, done, total). integer_zeros: each bias -scale times an integer, the zero
     point vLLM's asymmetric integers hold (`nibble quantize --for vllm`; quant.affine.AffineScheme).
+    vision: a vision-language model's tower quantized too (quant.convert.quantize_vision), which
+    otherwise is written as stored.
     """
     if Path(out).exists() and not force:
         raise NibbleError(f"{out} already exists: choose another path or pass --force to replace it")
@@ -52,9 +56,15 @@ def quantize(ref: str, out: str, bits: int, group_size: int = 64, embed_bits: in
     if is_mxfp4(model_dir.config):
         raise NibbleError(f"{ref} holds MXFP4 experts, which nibble runs as stored: "
                           "it does not requantize them")
-    return _write_quantized(model_dir, out, bits=bits, group_size=group_size, embed_bits=embed_bits,
-                            calib_text=calib_text, calib_tokens=CALIBRATION_TOKENS, force=force,
-                            allow_requantize=allow_requantize, progress=progress, integer_zeros=integer_zeros)
+    kept_float = {}
+    if vision:
+        if not model_dir.vision_tensors:
+            raise NibbleError(f"{ref} has no vision tower to quantize: drop --vision")
+        model_dir, kept_float = quantize_vision(model_dir, bits, group_size)
+    report = _write_quantized(model_dir, out, bits=bits, group_size=group_size, embed_bits=embed_bits,
+                              calib_text=calib_text, calib_tokens=CALIBRATION_TOKENS, force=force,
+                              allow_requantize=allow_requantize, progress=progress, integer_zeros=integer_zeros)
+    return dataclasses.replace(report, kept_float={**report.kept_float, **kept_float})
 
 
 def quantized_once(ref: str, model_dir: ModelDir, bits: int) -> ModelDir:

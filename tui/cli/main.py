@@ -776,14 +776,16 @@ def _bench_embedding(model, quant, tokens, texts, repeats, threads, as_json):
 @click.option("--for", "engine", type=click.Choice(["nibble", "vllm"]), default="nibble", show_default=True,
               help="vllm: zero points that are integers, as vLLM's and SGLang's asymmetric integers hold them "
                    "(nibble export --to compressed-tensors writes it exactly).")
-def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_requantize, engine):
+@click.option("--vision", is_flag=True,
+              help="Quantize a vision-language model's tower too (by default it is written as stored).")
+def quantize(model, output, bits, group_size, embed_bits, calib, force, allow_requantize, engine, vision):
     """Quantize MODEL (directory, .gguf, hub id or alias) to int8 or int4 in OUTPUT."""
     from nibble.runner.convert.quantize import quantize as run_quantize, read_calibration_file
     calib_text = read_calibration_file(calib) if calib else None
     report = run_quantize(model, output, int(bits), int(group_size),
                           embed_bits=int(embed_bits or 8), calib_text=calib_text, force=force,
                           allow_requantize=allow_requantize, progress=_progress_bar,
-                          integer_zeros=engine == "vllm")
+                          integer_zeros=engine == "vllm", vision=vision)
     click.echo(err=True)
     for name, why in report.kept_float.items():
         click.echo(f"kept in float: {name} ({why})", err=True)
