@@ -33,7 +33,7 @@ def matmul(x, w, out, accumulate):
     Decode (T <= SMALL) is bound by reading w: rows split across threads, each row read once and
     dotted with every row of x (_dot: the same sum for a row of x whatever T). Prefill is bound by
     arithmetic: w is packed into panels of PANEL rows, transposed (wp[p, k]: the PANEL weights of
-    column k of panel p), then multiplied by the rows of x (times_panels). Up to PACKED floats of
+    column k of panel p), then multiplied by the rows of x (panel_matmul). Up to PACKED floats of
     panels at a time: a bounded copy of a large w (an output head's), kept in L3 while every block
     of x passes over it.
     """
@@ -45,16 +45,43 @@ def matmul(x, w, out, accumulate):
                 acc = _dot(x, t, w, n)
                 out[t, n] = out[t, n] + acc if accumulate else acc
         return
+    panel_matmul(x, w, out, accumulate)
+
+
+def weight_row(w, n, row):
+    """row[:K] = W[n] as float32 (njit code only): a float32 array's here, a quantized or 16-bit
+    weight's in prefill.py (overloads of it, chosen from w's numba type)."""
+
+
+@overload(weight_row, jit_options=_jit)
+def _float_weight_row(w, n, row):
+    if isinstance(w, types.Array):
+        def copy(w, n, row):
+            for k in range(row.shape[0]):
+                row[k] = w[n, k]
+        return copy
+
+
+@njit(parallel=True, **_jit)
+def panel_matmul(x, w, out, accumulate):
+    """out[T, N] (+)= x[T, K] @ W.T for more than SMALL rows, W any weight weight_row reads: its
+    rows made float32 into panels (PACKED floats of them at a time), then times_panels."""
+    K, N = x.shape[1], out.shape[1]
     panels = (N + PANEL - 1) // PANEL
     step = max(1, PACKED // (K * PANEL))
     wp = np.empty((min(step, panels), K, PANEL), np.float32)
     for p0 in range(0, panels, step):
         n_panels = min(step, panels - p0)
         for p in prange(n_panels):
+            row = np.empty(K, np.float32)
             for c in range(PANEL):
                 n = (p0 + p) * PANEL + c
+                if n < N:
+                    weight_row(w, n, row)
+                else:
+                    row[:] = 0
                 for k in range(K):
-                    wp[p, k, c] = w[n, k] if n < N else 0
+                    wp[p, k, c] = row[k]
         times_panels(x, wp[:n_panels], p0 * PANEL, out, accumulate)
 
 

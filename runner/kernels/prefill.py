@@ -12,7 +12,7 @@ from numba.extending import overload
 from nibble.formats.half import HalfTensor
 from nibble.quant.affine import QuantizedTensor
 from . import half
-from .cpu import INNER, PACKED, PANEL, _jit, times_panels
+from .cpu import INNER, _jit, panel_matmul, weight_row
 from .simd import group_scale_bias, high_of, level, plane_count
 
 f32 = np.float32
@@ -71,30 +71,17 @@ def _dequantize_row(qw, n, w):
                 wg[2 * j + 1] = s * f32(level(qw.values, qg[j] >> 4) | high_of(qw.high, n, k + 1, hb) << 4) + b
 
 
-@njit(parallel=True, **_jit)
+@overload(weight_row, jit_options=_jit)
+def _weight_row(w, n, row):
+    if _is(w, QuantizedTensor) or _is(w, HalfTensor):
+        return lambda w, n, row: float_row(w, n, row)
+
+
+@njit(**_jit)
 def matmul(x, w, out, accumulate):
     """out[T, N] (+)= x[T, K] @ W.T, shapes checked by the caller (linear.qmatmul): W's rows made
-    float32 (float_row) into cpu.matmul's panels, PACKED floats of them at a time, and multiplied
-    as cpu.matmul multiplies a float32 weight's (cpu.times_panels)."""
-    T, K = x.shape
-    N = dims(w)[0]
-    panels = (N + PANEL - 1) // PANEL
-    step = max(1, PACKED // (K * PANEL))
-    wp = np.empty((min(step, panels), K, PANEL), np.float32)
-    for p0 in range(0, panels, step):
-        n_panels = min(step, panels - p0)
-        for p in prange(n_panels):
-            row = np.empty(K, np.float32)
-            for c in range(PANEL):
-                n = (p0 + p) * PANEL + c
-                if n < N:
-                    float_row(w, n, row)
-                    for k in range(K):
-                        wp[p, k, c] = row[k]
-                else:
-                    for k in range(K):
-                        wp[p, k, c] = 0
-        times_panels(x, wp[:n_panels], p0 * PANEL, out, accumulate)
+    float32 (float_row) into cpu.matmul's panels and multiplied by its tiles (cpu.panel_matmul)."""
+    panel_matmul(x, w, out, accumulate)
 
 
 @njit(parallel=True, **_jit)

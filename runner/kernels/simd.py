@@ -111,22 +111,25 @@ def prefetch(typingctx, arr, i):
     return types.none(arr, i), codegen
 
 
-@intrinsic
-def load_f32x8(typingctx, arr, i):
-    """float32 arr.flat[i:i+8]."""
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig, args, _ll(F32), 4)
-    return F32(arr, i), codegen
+def _float_io(vec, name: str):
+    """load_<name>(arr, i) -> float32 arr.flat[i:i+n] as `vec` (n lanes), and store_<name>(arr, i, v)."""
+    def load(typingctx, arr, i):
+        def codegen(context, builder, sig, args):
+            return _load(context, builder, sig, args, _ll(vec), 4)
+        return vec(arr, i), codegen
+
+    def store(typingctx, arr, i, v):
+        def codegen(context, builder, sig, args):
+            ptr = builder.bitcast(_element(context, builder, sig, args, 0), _ll(vec).as_pointer())
+            builder.store(args[2], ptr, align=4)
+            return context.get_dummy_value()
+        return types.none(arr, i, v), codegen
+    load.__name__, store.__name__ = f"load_{name}", f"store_{name}"
+    return intrinsic(load), intrinsic(store)
 
 
-@intrinsic
-def store_f32x8(typingctx, arr, i, v):
-    """arr.flat[i:i+8] = v (float32)."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.bitcast(_element(context, builder, sig, args, 0), _ll(F32).as_pointer())
-        builder.store(args[2], ptr, align=4)
-        return context.get_dummy_value()
-    return types.none(arr, i, v), codegen
+load_f32x8, store_f32x8 = _float_io(F32, "f32x8")
+load_f32w, store_f32w = _float_io(FW, "f32w")   # LANES lanes
 
 
 def _widen_half(builder, v, bf16):
@@ -396,24 +399,6 @@ def zero_f32(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_ll(F32), None)
     return F32(), codegen
-
-
-@intrinsic
-def load_f32w(typingctx, arr, i):
-    """float32 arr.flat[i:i+LANES]."""
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig, args, _ll(FW), 4)
-    return FW(arr, i), codegen
-
-
-@intrinsic
-def store_f32w(typingctx, arr, i, v):
-    """arr.flat[i:i+LANES] = v (float32)."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.bitcast(_element(context, builder, sig, args, 0), _ll(FW).as_pointer())
-        builder.store(args[2], ptr, align=4)
-        return context.get_dummy_value()
-    return types.none(arr, i, v), codegen
 
 
 @intrinsic
