@@ -16,7 +16,7 @@ from nibble.formats.image import Picture
 from ..model import TensorGetter
 from ..text.image_ids import tag
 from .base import Vision
-from .siglip import SigLIP
+from .siglip import tower_of
 
 
 class Gemma3Vision(Vision):
@@ -26,12 +26,7 @@ class Gemma3Vision(Vision):
         """config: the checkpoint's config.json (Gemma3Config's); tensors under vision_tower.* and
         multi_modal_projector.*; token_text(id): the tokenizer's text of a token id."""
         super().__init__()
-        vision = config.get("vision_config")
-        if not isinstance(vision, dict):
-            raise FormatError("config.json: a gemma3 checkpoint needs its vision_config")
-        tower = TensorGetter({k.removeprefix("vision_tower."): t for k, t in tensors.items()}, quantization)
-        self.tower = SigLIP(vision, tower)
-        tower.raise_if_missing()
+        self.tower = tower_of(config, tensors, quantization)
         self.tokens = config.get("mm_tokens_per_image", 256)
         side, pooled = self.tower.size // self.tower.patch, math.isqrt(self.tokens)
         if pooled * pooled != self.tokens or side % pooled:

@@ -19,7 +19,7 @@ from ..kernels.linear import linear, read_only
 from ..model import TensorGetter
 from ..text.image_ids import tag
 from .base import Vision
-from .siglip import SigLIP
+from .siglip import tower_of
 
 FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
 MAX_SIDE = 4096   # the processor's bound on the resized image
@@ -30,13 +30,8 @@ class Idefics3Vision(Vision):
 
     def __init__(self, config: dict, tensors: dict, quantization: dict | None, token_text, preprocessor: dict):
         super().__init__()
-        vision = config.get("vision_config")
-        if not isinstance(vision, dict):
-            raise FormatError(f"config.json: a {config.get('model_type')} checkpoint needs its vision_config")
+        self.tower = tower_of(config, tensors, quantization)
         get = TensorGetter(tensors, quantization)
-        tower = TensorGetter({k.removeprefix("vision_tower."): t for k, t in tensors.items()}, quantization)
-        self.tower = SigLIP(vision, tower)
-        tower.raise_if_missing()
         self.scale = config.get("scale_factor", 2)
         side = self.tower.size // self.tower.patch
         if not isinstance(self.scale, int) or self.scale < 1 or side % self.scale:

@@ -78,6 +78,17 @@ class SigLIP:
         return x.reshape(n, side * side, self.width)
 
 
+def tower_of(config: dict, tensors: dict, quantization: dict | None) -> SigLIP:
+    """The SigLIP tower of a wrapper's config.json and its vision tensors (vision_tower.*)."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        raise FormatError(f"config.json: a {config.get('model_type')} checkpoint needs its vision_config")
+    get = TensorGetter({k.removeprefix("vision_tower."): t for k, t in tensors.items()}, quantization)
+    tower = SigLIP(vision, get)
+    get.raise_if_missing()
+    return tower
+
+
 def _field(config: dict, name: str, default=None) -> int:
     value = config.get(name, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
