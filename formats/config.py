@@ -259,6 +259,8 @@ def _checked_rope_scaling(c: ModelConfig, family: families.Family) -> dict | Non
     s = dict(c.rope_scaling or {})
     kind = s.pop("type", None)
     kind = s.setdefault("rope_type", kind or "default")
+    if kind == "mrope":   # Qwen2-VL's first name for default RoPE with mrope_section (runner/vision reads it)
+        kind = s["rope_type"] = "default"
     for key, field_kind in ROPE_FIELDS.items():
         if s.get(key) is not None:
             field_kind.check(f"config.json: rope_parameters.{key}", s[key])

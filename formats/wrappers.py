@@ -2,9 +2,11 @@
 
 Multimodal checkpoints (a family's `wrappers`: Gemma 3's Gemma3ForConditionalGeneration, model_type
 "gemma3", wraps a gemma3_text model in a vision tower and a projector; Idefics3's and SmolVLM's, a
-llama one in a tower and a connector). Its config.json nests the
-text model's config under `text_config`, and its checkpoint prefixes the text model's tensors;
-both are read here into what a text-only checkpoint says. The vision tower's and the projector's
+llama one in a tower and a connector; Qwen2.5-VL's a qwen2 one in a tower that ends in its patch
+merger). Its config.json nests the text model's config under `text_config` (or, as transformers 4
+wrote Qwen2.5-VL's, keeps it at the top level beside vision_config), and its checkpoint prefixes
+the text model's tensors (or, Qwen2.5-VL's on the hub, keeps a causal LM's names); both are read
+here into what a text-only checkpoint says. The vision tower's and the projector's
 tensors are read apart (vision_tensors), under one set of names whichever transformers saved them.
 
 A decoder saved without its head (transformers' Qwen3Model, as Qwen3-Embedding is: embed_tokens,
@@ -31,20 +33,23 @@ _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization", "q
 # module names).
 _TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
                   "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
-                  "model.text_model.": "model."}
+                  "model.text_model.": "model.",
+                  **{f"model.{part}": f"model.{part}" for part in ("embed_tokens.", "layers.", "norm.")}}
 # Wrappers whose head transformers ties unless config.json says otherwise (Gemma3Config's default;
 # Idefics3Config's is untied)
 _TIED = {"gemma3"}
 # Where transformers 5 keeps a wrapper's text model and vision tower (wrapped() writes them there)
 _BODIES = {"gemma3": ("model.language_model.", "model.vision_tower."),
-           "idefics3": ("model.text_model.", "model.vision_model."), "smolvlm": ("model.text_model.", "model.vision_model.")}
+           "idefics3": ("model.text_model.", "model.vision_model."), "smolvlm": ("model.text_model.", "model.vision_model."),
+           "qwen2_5_vl": ("model.language_model.", "model.visual.")}
 
 
 # Where a wrapper's checkpoint keeps its vision tower and projector -> the names runner/vision reads
 # (transformers 4 and mlx-vlm: vision_tower.vision_model.*; transformers 5: model.vision_tower.*)
 _VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
                     "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
-                    "model.vision_model.": "vision_tower.",
+                    "model.vision_model.": "vision_tower.", "model.visual.": "vision_tower.",
+                    "visual.": "vision_tower.",
                     "model.multi_modal_projector.": "multi_modal_projector.",
                     "multi_modal_projector.": "multi_modal_projector.", "model.connector.": "connector."}
 
@@ -57,8 +62,13 @@ def is_wrapper(model_type) -> bool:
 def text_config(d: dict) -> dict:
     """The config.json dict of the text model inside the wrapper config `d`."""
     wrapper, inner = d["model_type"], families.wrapped(d["model_type"])
-    OBJECT.check("config.json: text_config", d.get("text_config") or {})
-    text = {"model_type": inner, **(d.get("text_config") or {})}
+    nested = d.get("text_config")
+    OBJECT.check("config.json: text_config", nested or {})
+    if nested is None:   # transformers 4's Qwen2.5-VL: the text model's fields beside vision_config
+        nested = {k: v for k, v in d.items() if k not in ("model_type", "vision_config")}
+    text = {"model_type": inner, **nested}
+    if text["model_type"] == f"{wrapper}_text":   # transformers 5's name for it (qwen2_5_vl_text)
+        text["model_type"] = inner
     if text["model_type"] != inner:
         raise FormatError(f"config.json: a {wrapper!r} wrapper around a {text['model_type']!r} text "
                           f"model in text_config: nibble runs the {inner!r} in {wrapper!r}")
@@ -109,9 +119,12 @@ def wrapped(d: dict, text: dict, tensors: dict | TensorStream, vision: dict) -> 
     """A wrapper checkpoint (its config.json `d`) written again around its text model (`text`, the
     text config as nibble holds it, and `tensors` under a text-only checkpoint's names) and its
     `vision` tensors (vision_tensors' names): the config.json and tensors to write, under
-    transformers 5's names, which text_tensors and vision_tensors read back."""
-    inner = {**text, "model_type": families.wrapped(d["model_type"])}
-    config = {**{k: v for k, v in d.items() if k not in _INHERITED or k == "tie_word_embeddings"},
+    transformers 5's names, which text_tensors and vision_tensors read back. What the text config
+    held that nibble does not (Qwen2.5-VL's mrope_section, which its vision reads) is kept."""
+    inner = {**text_config(d), **text, "model_type": families.wrapped(d["model_type"])}
+    flat = "text_config" not in d   # transformers 4's Qwen2.5-VL: the text fields nest now
+    config = {**{k: v for k, v in d.items() if (k not in _INHERITED or k == "tie_word_embeddings")
+                 and (not flat or k in ("model_type", "vision_config") or k not in inner)},
               "text_config": inner, "tie_word_embeddings": text.get("tie_word_embeddings", d["model_type"] in _TIED)}
     body, tower = _BODIES[d["model_type"]]
     rename = lambda name: name if name.startswith("lm_head.") else body + name.removeprefix("model.")

@@ -115,14 +115,17 @@ class Model:
             raise NibbleError(f"the KV cache's block table holds {len(cache.blocks.blocks) * BLOCK} positions, "
                               f"not the {pos0 + len(run)} this pass needs")
         logit_rows = np.arange(len(run)) if all_logits else np.arange(T - 1, len(run))
-        x = self._run(run, Rows.single(pos0, len(run), cache.table), cache.pool, logit_rows, act_sq)
+        x = self._run(run, Rows.single(pos0, len(run), cache.table), cache.pool, logit_rows, act_sq, [cache.ids])
         cache.ids[pos0:pos0 + T] = [int(t) for t in tokens]
         cache.pos += T
         return x
 
-    def forward_batch(self, tokens, rows: Rows, pool: KVPool, logit_rows) -> np.ndarray:
+    def forward_batch(self, tokens, rows: Rows, pool: KVPool, logit_rows,
+                      ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
         """Run one pass over rows of several sequences -> logits [len(logit_rows), V] of the rows
-        logit_rows (indexes into tokens).
+        logit_rows (indexes into tokens). `ids`: each sequence's ids (by rows.seq), at least those
+        before its rows, which a vision-language model's RoPE may turn by (runner/vision; None:
+        text alone before them).
 
         Row t is token tokens[t] at position rows.positions[t] of sequence rows.seq[t], whose
         blocks in `pool` are rows.tables[rows.seq[t]] in order; a sequence's rows are consecutive
@@ -152,7 +155,7 @@ class Model:
             local[group] = np.arange(len(group))
             wanted = np.isin(logit_rows, group)
             logits[wanted] = self._run(tokens[group], rows.part(group),
-                                       pool, local[logit_rows[wanted]])
+                                       pool, local[logit_rows[wanted]], ids=ids)
         return logits
 
     def _check_pool(self, pool: KVPool):
@@ -161,11 +164,11 @@ class Model:
                               "this one's layers: make a new one with model.new_cache()")
 
     def _run(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray,
-             act_sq: np.ndarray | None = None) -> np.ndarray:
+             act_sq: np.ndarray | None = None, ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
         """The pass itself: embedding, the stages, the head on x[logit_rows]."""
         x = self.embedding(tokens)                                       # [T, D] residual stream
         if self.vision is not None:
-            rows = rows._replace(sees=self.vision.sees(tokens, rows.positions))
+            rows = self.vision.placed(tokens, rows, ids)
         with self.threads.pass_of(len(tokens)):
             for stage, kv in zip(self.stages, pool.parts):   # the last one returns the logits
                 x = stage.run(x, kv, rows, logit_rows, act_sq)

@@ -155,9 +155,10 @@ class GPUStage:
                 or not np.array_equal(rows.tables[rows.seq[0], :blocks], np.arange(blocks))):
             raise NibbleError("the GPU runs one sequence whose KV blocks are in order (Model.new_cache): "
                               "load the model without --gpu-layers to share a KV pool")
-        if not np.array_equal(rows.sees, rows.positions + 1):
-            raise NibbleError("the GPU's attention is causal, and an image's tokens see each other: load the "
-                              "model without --gpu-layers to ask about images")
+        if not rows.plain:
+            raise NibbleError("the GPU's attention is causal and turns each row by its position, and an image's "
+                              "tokens see each other or turn by their place in the image: load the model "
+                              "without --gpu-layers to ask about images")
         last_only = len(logit_rows) == 1 and logit_rows[0] == T - 1
         if self.head is None:   # every row's hidden state, for the head on the host
             return self.forward(x, kv, pos0, True, act_sq, check)

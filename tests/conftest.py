@@ -89,6 +89,12 @@ def smolvlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen_vl_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL (windows, the patch merger, multimodal RoPE) with Qwen2-VL's template."""
+    return write_tiny_vision(tmp_path_factory.mktemp("tiny") / "qwen2_5_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def r1_dir(tmp_path_factory):
     """The tiny model under DeepSeek-R1's template, whose prompt opens the reply's <think> block:
     it thinks until a budget ends its thinking."""

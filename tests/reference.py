@@ -145,10 +145,11 @@ def rope_frequencies(c: ModelConfig, positions):
 
 
 def rotate(x, positions, inv_freq, scale=1.0):
-    """x [T, H, hd] rotate-half RoPE at the given positions; inv_freq [r/2] or [T, r/2] rotates
-    the first r dims of each head and passes the others (partial rotary); cos and sin
-    multiplied by `scale` (HF's attention_scaling)."""
-    ang = positions[:, None] * inv_freq                 # [T, r/2]
+    """x [T, H, hd] rotate-half RoPE at the given positions ([T], or [T, r/2]: each pair's own,
+    as multimodal RoPE's); inv_freq [r/2] or [T, r/2] rotates the first r dims of each head and
+    passes the others (partial rotary); cos and sin multiplied by `scale` (HF's
+    attention_scaling)."""
+    ang = (positions if positions.ndim == 2 else positions[:, None]) * inv_freq   # [T, r/2]
     cos, sin = scale * np.cos(ang)[:, None], scale * np.sin(ang)[:, None]
     half = ang.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]

@@ -100,15 +100,18 @@ def test_rmsnorm_in_place():
     np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("each", [False, True])   # a position a row, or one a pair (multimodal RoPE)
 @pytest.mark.parametrize("rotated", [16, 12, 0])   # whole heads, phi3's partial rotary, none
-def test_rope(rotated):
+def test_rope(rotated, each):
     hd, positions = 16, np.array([5, 6, 40, 0])   # each row its own position (rows of a batch)
+    if each:   # three axes' positions, each pair turned by one of them
+        positions = np.random.default_rng(1).integers(0, 64, (4, 3))[:, np.arange(rotated // 2) % 3]
     inv_freq = 1.0 / 10000 ** (np.arange(0, rotated, 2) / max(rotated, 1))
     ang = np.outer(np.arange(64), inv_freq)
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     x = f32(4, 3, hd)
     want = reference.rotate(x.astype(np.float64), positions, inv_freq)
-    cpu.rope(x, cos, sin, positions)
+    cpu.rope(x, cos, sin, positions if each else positions[:, None])
     np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(x[..., rotated:], want[..., rotated:])   # passed through as they were
 

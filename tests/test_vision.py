@@ -243,7 +243,7 @@ def test_run_image_on_a_text_model_or_raw(tiny_dir):
                           match="--raw")
 
 
-@pytest.mark.parametrize("fixture", ["vision_dir", "smolvlm_dir"])
+@pytest.mark.parametrize("fixture", ["vision_dir", "smolvlm_dir", "qwen_vl_dir"])
 def test_a_quantized_copy_keeps_its_vision(fixture, request, tmp_path, monkeypatch):
     """nibble quantize, and run's quantizing at load, write the decoder quantized beside the tower
     as stored, under the wrapper's names (and its image processor's settings): the copy reads

@@ -113,8 +113,11 @@ def write_tiny_vision(out: Path, family: str = "gemma3") -> Path:
     """A tiny random vision-language model of tests/data/vision as a model directory that runs,
     with its family's chat template: Gemma 3 (its checkpoint, and a byte-level tokenizer whose
     ids 297-299 are the fixture's <start_of_image>, <end_of_image> and <image_soft_token>), or
-    Idefics3 (SmolVLM's kind: its folder as it is, and SmolVLM's template)."""
+    Idefics3 (SmolVLM's kind: its folder as it is, and SmolVLM's template), or Qwen2.5-VL (its
+    folder as it is)."""
     import shutil
+    if family == "qwen2_5_vl":   # its folder holds Qwen2-VL's template
+        return Path(shutil.copytree(VISION / "qwen2_5_vl", out))
     if family == "idefics3":
         shutil.copytree(VISION / "idefics3", out)
         config = json.loads((out / "tokenizer_config.json").read_text())

@@ -249,7 +249,8 @@ class Engine(ModelThread):
         for i, s in enumerate(batch):
             tables[i, :len(s.cache.blocks.blocks)] = s.cache.blocks.blocks
         try:
-            logits = self.model.forward_batch(tokens, Rows.of(positions, seq, tables), self.pool.kv, logit_rows)
+            logits = self.model.forward_batch(tokens, Rows.of(positions, seq, tables), self.pool.kv, logit_rows,
+                                              [s.cache.ids for s in batch])
         except Exception as e:   # NaN in the logits, say: those replies end, the engine goes on
             for s in batch:
                 self._end(s, s.decoding.failed(_message(e)))

@@ -350,18 +350,27 @@ def rmsnorm(x, weight, eps, out):
 
 
 @njit(**_jit)
-def rope(x, cos, sin, positions):
-    """Rotate x[T, H, hd] in place, row t for position positions[t] (the rotate-half layout of HF
-    models).
+def rope(x, cos, sin, turns):
+    """Rotate x[T, H, hd] in place (the rotate-half layout of HF models), row t's pair i by the
+    position turns[t, 0] (turns [T, 1]), or turns[t, i] (turns [T, r/2]: multimodal RoPE, each
+    pair turned by the position of its own axis).
 
     cos, sin: [max_ctx, r/2] tables built once at load, rotating the first r dims of each head
     (r = hd but for partial rotary; r = 0: a layer without RoPE).
     """
     T, H, hd = x.shape
     half = cos.shape[1]
+    if half == 0:
+        return
+    c, s = np.empty(half, np.float32), np.empty(half, np.float32)
     for t in range(T):
-        c = cos[positions[t]]
-        s = sin[positions[t]]
+        if turns.shape[1] > 1:
+            for i in range(half):
+                c[i] = cos[turns[t, i], i]
+                s[i] = sin[turns[t, i], i]
+        else:
+            c[:] = cos[turns[t, 0]]
+            s[:] = sin[turns[t, 0]]
         for h in range(H):
             for i in range(half):
                 x1 = x[t, h, i]
@@ -730,8 +739,8 @@ def place_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, kv, rows, cos, sin, eps):
         n, m = q_norm.shape[0], k_norm.shape[0]
         rmsnorm(q.reshape(T * H * hd // n, n), q_norm, eps, q.reshape(T * H * hd // n, n))
         rmsnorm(k.reshape(T * Hkv * hd // m, m), k_norm, eps, k.reshape(T * Hkv * hd // m, m))
-    rope(q, cos, sin, rows.positions)
-    rope(k, cos, sin, rows.positions)
+    rope(q, cos, sin, rows.turns)
+    rope(k, cos, sin, rows.turns)
     k_cache, v_cache, k_scale, v_scale = kv
     for t in range(T):
         store_kv(k_cache, k_scale, k[t], rows, t, True)

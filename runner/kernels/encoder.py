@@ -1,7 +1,7 @@
 """Encoder blocks as jitted functions: BERT's (decoder_layer's attention made bidirectional by the
 layer's window, -1; LayerNorms after each residual add, an exact-GELU MLP) and a vision tower's
 (SigLIP's: LayerNorms before each sublayer, dense attention over each image's patches, a
-tanh-GELU MLP)."""
+tanh-GELU MLP; Qwen2.5-VL's: RMSNorms, 2D RoPE, attention in windows, a SwiGLU MLP)."""
 from typing import NamedTuple
 
 import numpy as np
@@ -12,10 +12,14 @@ from .layer import self_attention, weight_nbytes
 from .linear import Weight, linear, out_features
 
 
+_NO_MATRIX = np.zeros((0, 0), np.float32)
+_NO_VECTOR = np.zeros(0, np.float32)
+
+
 class EncoderLayerWeights(NamedTuple):
     """One encoder block's weights, as encoder_layer and vision_layer take them (vision_layer's
     norms come before the attention and the MLP: attention_norm and out_norm are SigLIP's
-    layer_norm1 and layer_norm2)."""
+    layer_norm1 and layer_norm2; without biases, RMSNorms)."""
     wq: Weight               # [D, D]
     wk: Weight
     wv: Weight
@@ -33,6 +37,8 @@ class EncoderLayerWeights(NamedTuple):
     b_out: np.ndarray        # [D]
     out_norm: np.ndarray     # [D]: LayerNorm after the MLP's residual add
     out_norm_bias: np.ndarray
+    w_gate: Weight = _NO_MATRIX   # [F, D]: a gated MLP's (vision_layer: silu(w_gate x) * w_in x)
+    b_gate: np.ndarray = _NO_VECTOR
 
     @property
     def nbytes(self) -> int:
@@ -69,14 +75,18 @@ def encoder_layer(x, weights, kv, rows, cos, sin, eps, window, act_sq):
 
 
 @njit(**cpu._jit)
-def vision_layer(x, weights, starts, heads, eps):
-    """One pre-norm encoder block (a SigLIP vision tower's) on x[T, D], in place: x += attention
-    of LayerNorm(x) over `heads` heads, then x += MLP of LayerNorm(x); rows starts[s]..starts[s +
-    1] - 1 are one image's patches, which all see each other (dense_attention), with no RoPE."""
+def vision_layer(x, weights, starts, heads, eps, cos, sin):
+    """One pre-norm encoder block of a vision tower on x[T, D], in place: x += attention of
+    norm(x) over `heads` heads, then x += MLP of norm(x). The norms are LayerNorms (SigLIP's), or
+    RMSNorms where they have no bias (Qwen2.5-VL's); q and k turn by RoPE where cos and sin [T,
+    hd/2] are not zero-width, each row by its own angles (the Qwens' 2D RoPE over a patch's row
+    and column); rows starts[s]..starts[s + 1] - 1 all see each other (dense_attention): an
+    image's patches, or a window of them. The MLP is tanh-GELU(w_in x), or with w_gate
+    silu(w_gate x) * w_in x (Qwen2.5-VL's), each with its biases."""
     w = weights
     T, D = x.shape
     h = np.empty_like(x)
-    cpu.layernorm(x, w.attention_norm, w.attention_norm_bias, eps, h)
+    _norm(x, w.attention_norm, w.attention_norm_bias, eps, h)
     q, k, v = np.empty((T, D), np.float32), np.empty((T, D), np.float32), np.empty((T, D), np.float32)
     linear(h, w.wq, q, False)
     linear(h, w.wk, k, False)
@@ -84,16 +94,41 @@ def vision_layer(x, weights, starts, heads, eps):
     q += w.bq
     k += w.bk
     v += w.bv
+    if cos.shape[1]:
+        own = np.arange(T).reshape((T, 1))   # row t's angles: cos[t], sin[t]
+        cpu.rope(q.reshape((T, heads, D // heads)), cos, sin, own)
+        cpu.rope(k.reshape((T, heads, D // heads)), cos, sin, own)
     attn = np.empty((T, D), np.float32)
     dense_attention(q, k, v, starts, heads, w.attention_scale, attn)
     linear(attn, w.wo, x, True)                                         # x += attn @ wo.T
     x += w.bo
-    cpu.layernorm(x, w.out_norm, w.out_norm_bias, eps, h)
+    _norm(x, w.out_norm, w.out_norm_bias, eps, h)
     f = np.empty((T, out_features(w.w_in)), np.float32)                 # [T, F]
     linear(h, w.w_in, f, False)
-    cpu.gelu(f, w.b_in, True)
-    linear(f, w.w_out, x, True)                                         # x += gelu(...) @ w_out.T
+    if w.b_gate.shape[0]:
+        g = np.empty_like(f)
+        linear(h, w.w_gate, g, False)
+        _gate(f, w.b_in, g, w.b_gate)
+    else:
+        cpu.gelu(f, w.b_in, True)
+    linear(f, w.w_out, x, True)                                         # x += mlp(...) @ w_out.T
     x += w.b_out
+
+
+@njit(**cpu._jit)
+def _norm(x, weight, bias, eps, out):
+    if bias.shape[0]:
+        cpu.layernorm(x, weight, bias, eps, out)
+    else:
+        cpu.rmsnorm(x, weight, eps, out)
+
+
+@njit(parallel=True, **cpu.ACTIVATION)
+def _gate(f, b_in, g, b_gate):
+    """f[T, F] = silu(g + b_gate) * (f + b_in), in place."""
+    for t in prange(f.shape[0]):
+        for i in range(f.shape[1]):
+            f[t, i] = cpu.silu_times(g[t, i] + b_gate[i], f[t, i] + b_in[i])
 
 
 @njit(parallel=True, **cpu._jit)

@@ -56,15 +56,18 @@ class Rows(NamedTuple):
     tables: np.ndarray      # [S, max_blocks] int32: each sequence's blocks in order
     sees: np.ndarray        # [T] int64: the position after the last a row attends to: its own
                             # position + 1 (causal), or past it among an image's tokens (Gemma 3)
+    turns: np.ndarray       # [T, R] int64: the position RoPE turns a row by: its own (R = 1), or
+                            # one for each rotated pair (R = rotated dims / 2: multimodal RoPE)
 
     @classmethod
-    def of(cls, positions, seq, tables, sees=None) -> "Rows":
+    def of(cls, positions, seq, tables, sees=None, turns=None) -> "Rows":
         """Rows with the dtypes the kernels are compiled for (another dtype compiles them again);
-        causal unless `sees` says otherwise."""
+        causal and turned by their positions unless `sees` and `turns` say otherwise."""
         positions = np.ascontiguousarray(positions, np.int64)
         sees = positions + 1 if sees is None else np.ascontiguousarray(sees, np.int64)
+        turns = positions[:, None].copy() if turns is None else np.ascontiguousarray(turns, np.int64)
         return cls(positions, np.ascontiguousarray(seq, np.int32), np.ascontiguousarray(np.atleast_2d(tables), np.int32),
-                   sees)
+                   sees, turns)
 
     @classmethod
     def single(cls, pos0: int, T: int, table: np.ndarray) -> "Rows":
@@ -85,7 +88,13 @@ class Rows(NamedTuple):
 
     def part(self, rows: np.ndarray) -> "Rows":
         """Only these rows (indexes), on the same tables."""
-        return Rows(self.positions[rows], self.seq[rows], self.tables, self.sees[rows])
+        return Rows(self.positions[rows], self.seq[rows], self.tables, self.sees[rows], self.turns[rows])
+
+    @property
+    def plain(self) -> bool:
+        """Whether every row attends causally and turns by its own position."""
+        return (np.array_equal(self.sees, self.positions + 1) and self.turns.shape[1] == 1
+                and np.array_equal(self.turns[:, 0], self.positions))
 
 
 def identity_table(blocks: int) -> np.ndarray:

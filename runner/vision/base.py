@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nibble.formats.errors import NibbleError
+from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.image import Picture
+from ..kv.cache import Rows
 from ..text.image_ids import key_of, split_ids, tag
 
 HELD = 32   # images whose rows (or pixels, until they run) a model keeps
@@ -103,16 +104,26 @@ class Vision:
             raise NibbleError("an image id past its image's tokens")
         return np.stack([held[int(k)].rows[i] for k, i in zip(keys, index)])
 
-    def sees(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rows.sees for a pass's tokens: an image token of a bidirectional family sees to its
-        image's last token, every other token up to itself."""
-        sees = positions + 1
-        image = ids < 0
+    def placed(self, tokens: np.ndarray, rows: Rows, ids: Sequence[Sequence[int]] | None) -> Rows:
+        """A pass's rows as its model runs them: an image token of a bidirectional family sees to
+        its image's last token (Rows.sees), every other token up to itself. `ids`: each
+        sequence's ids (by rows.seq) up to its rows at least, for a vision whose rows turn by
+        where earlier images were (None: no images before them)."""
+        sees = rows.positions + 1
+        image = tokens < 0
         if self.bidirectional and image.any():
-            keys, index = split_ids(ids[image])
+            keys, index = split_ids(tokens[image])
             counts = np.array([self._get(int(k)).count for k in keys])
-            sees[image] = positions[image] - index + counts
-        return sees
+            sees[image] = rows.positions[image] - index + counts
+        return rows._replace(sees=sees)
+
+
+def count_field(config: dict, name: str, default=None) -> int:
+    """A vision_config's positive integer `name` (`default` where it is left out)."""
+    value = config.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FormatError(f"config.json: vision_config.{name} must be a positive integer, not {value!r}")
+    return value
 
 
 def for_template(vision: Vision | None, messages: Sequence[dict]) -> tuple[list[dict], list[Picture]]:

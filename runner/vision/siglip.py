@@ -13,6 +13,7 @@ from ..kernels.encoder import EncoderLayerWeights, vision_layer
 from ..kernels.linear import linear, read_only
 from ..model import TensorGetter
 from ..threads import ThreadChooser
+from .base import count_field
 
 
 class SigLIP:
@@ -20,9 +21,9 @@ class SigLIP:
     SiglipVisionModel's without `vision_model.` (embeddings.*, encoder.layers.*, post_layernorm.*)."""
 
     def __init__(self, config: dict, get: TensorGetter):
-        self.width = D = _field(config, "hidden_size")
-        F, self.heads = _field(config, "intermediate_size"), _field(config, "num_attention_heads")
-        self.patch, self.size, C = _field(config, "patch_size"), _field(config, "image_size"), _field(config, "num_channels", 3)
+        self.width = D = count_field(config, "hidden_size")
+        F, self.heads = count_field(config, "intermediate_size"), count_field(config, "num_attention_heads")
+        self.patch, self.size, C = count_field(config, "patch_size"), count_field(config, "image_size"), count_field(config, "num_channels", 3)
         self.eps = float(config.get("layer_norm_eps", 1e-6))
         if D % self.heads or self.size % self.patch:
             raise FormatError(f"config.json: vision_config's hidden_size {D} and heads {self.heads}, or its "
@@ -33,7 +34,7 @@ class SigLIP:
         self.patch_bias = get("embeddings.patch_embedding.bias", (D,))
         self.positions = get("embeddings.position_embedding.weight", (side * side, D))
         self.layers = [read_only(self._layer(get, f"encoder.layers.{i}.", D, F))
-                       for i in range(_field(config, "num_hidden_layers"))]
+                       for i in range(count_field(config, "num_hidden_layers"))]
         self.norm = get("post_layernorm.weight", (D,))
         self.norm_bias = get("post_layernorm.bias", (D,))
         self.threads = ThreadChooser()
@@ -66,13 +67,14 @@ class SigLIP:
         patches = (pixels.reshape(n, C, side, p, side, p).transpose(0, 2, 4, 1, 3, 5)
                    .reshape(n * side * side, C * p * p).astype(np.float32))
         starts = np.arange(n + 1, dtype=np.int64) * side * side   # each image's patches
+        no_rope = np.zeros((0, 0), np.float32)
         with self.threads.pass_of(len(patches)):
             x = np.empty((len(patches), self.width), np.float32)
             linear(patches, self.patch_weight, x, False)
             x += self.patch_bias
             x += np.tile(self.positions, (n, 1))
             for layer in self.layers:
-                vision_layer(x, layer, starts, self.heads, np.float32(self.eps))
+                vision_layer(x, layer, starts, self.heads, np.float32(self.eps), no_rope, no_rope)
             cpu.layernorm(x, self.norm, self.norm_bias, np.float32(self.eps), x)
         compiling.finish()
         return x.reshape(n, side * side, self.width)
@@ -88,9 +90,3 @@ def tower_of(config: dict, tensors: dict, quantization: dict | None) -> SigLIP:
     get.raise_if_missing()
     return tower
 
-
-def _field(config: dict, name: str, default=None) -> int:
-    value = config.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise FormatError(f"config.json: vision_config.{name} must be a positive integer, not {value!r}")
-    return value

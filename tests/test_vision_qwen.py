@@ -1,0 +1,103 @@
+"""Qwen2.5-VL's vision against transformers (tests/data/vision/qwen2_5_vl, made by
+tests/fixtures/make_vision_fixtures.py): the processor's patches of two images of other shapes
+than square, the tower's tokens (2D RoPE, windows cut at the image's edges, a full-attention
+block, the patch merger), the prompt's ids through Qwen2-VL's chat template, and the logits of
+that prompt with multimodal RoPE: in one pass, in chunks, a token at a time, and as one sequence
+of a batch beside another."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nibble.formats.image import open_image
+from nibble.runner.text.image_ids import whole_images
+from nibble.runner.text.reasoning import chat_prompt
+from nibble.runner.vision.base import for_template, with_images
+from tests.test_vision import relative_error, runnable
+
+QWEN = Path(__file__).parent / "data" / "vision" / "qwen2_5_vl"
+LOGITS = QWEN / "logits.npy"
+
+
+def pictures():
+    return [open_image(QWEN / "image1.png"), open_image(QWEN / "image2.png")]
+
+
+def prompt(model, tokenizer) -> list[int]:
+    """The fixture's conversation (an image, text, an image) through nibble's template and tokenizer."""
+    first, second = pictures()
+    messages = [{"role": "user", "content": [{"type": "image", "image": first}, {"type": "text", "text": "What is in these?"},
+                                             {"type": "image", "image": second}]}]
+    messages, images = for_template(model.vision, messages)
+    text, _ = chat_prompt(tokenizer, messages)
+    placed, digests = with_images(model.vision, text, images)
+    return tokenizer.encode(placed, images=digests)
+
+
+def test_patches_and_image_tokens_are_transformers():
+    model, _ = runnable(QWEN)
+    vision = model.vision
+    images = pictures()
+    patches = np.concatenate([vision.pixels(p).reshape(-1, 3 * 2 * 4 * 4) for p in images])
+    np.testing.assert_allclose(patches, np.load(QWEN / "pixel_values.npy"), rtol=0, atol=1e-6)
+    assert [vision.grid(p) for p in images] == [(5, 6), (7, 4)]   # image_grid_thw [1, 10, 12], [1, 14, 8] merged 2 x 2
+    want = np.load(QWEN / "features.npy")
+    got = np.concatenate(vision.encode(images))
+    assert got.shape == want.shape == (30 + 28, 64) and relative_error(got, want) < 1e-5
+    alone, = vision.encode(images[1:])   # windows and attention stay inside each image
+    np.testing.assert_allclose(alone, got[30:], rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def test_prompt_and_logits_are_transformers():
+    model, tokenizer = runnable(QWEN)
+    ids = prompt(model, tokenizer)
+    image_token = json.loads((QWEN / "config.json").read_text())["image_token_id"]
+    assert [t if t >= 0 else image_token for t in ids] == np.load(QWEN / "tokens.npy").tolist()
+    assert relative_error(model.forward(ids, model.new_cache(), all_logits=True), np.load(LOGITS)) < 1e-4
+
+
+def test_rope_positions_follow_the_images_in_chunks_and_token_by_token():
+    """Text after an image turns by the image's longer side, not its tokens: so chunks (never
+    cutting an image) and single tokens, which read the earlier images from the sequence's ids,
+    give transformers' logits; RoPE by cache position does not."""
+    model, tokenizer = runnable(QWEN)
+    ids, want = prompt(model, tokenizer), np.load(LOGITS)
+    cache, got = model.new_cache(), []
+    while cache.pos < len(ids) - 6:
+        end = whole_images(ids, cache.pos, min(cache.pos + 7, len(ids) - 6))
+        got.append(model.forward(ids[cache.pos:end], cache, all_logits=True))
+    while cache.pos < len(ids):
+        got.append(model.forward(ids[cache.pos:cache.pos + 1], cache, all_logits=True))
+    assert relative_error(np.concatenate(got), want) < 1e-4
+    model.vision.placed = lambda tokens, rows, ids: rows   # every row turned by its cache position
+    plain = model.forward(ids, model.new_cache(), all_logits=True)
+    assert relative_error(plain[-5:], want[-5:]) > 1e-2
+
+
+def test_a_batch_turns_each_sequence_by_its_own_images():
+    """forward_batch, as the engine runs it: a sequence's last token decoded beside another
+    sequence's prompt, each turned by the images of its own ids."""
+    from nibble.runner.kv.cache import Rows
+    model, tokenizer = runnable(QWEN)
+    ids, want = prompt(model, tokenizer), np.load(LOGITS)
+    pool = model.new_pool(16)
+    n = len(ids) - 1
+    blocks = -(-len(ids) // 16)
+    tables = [list(range(blocks)), list(range(blocks, 2 * blocks))]
+    model.forward_batch(ids[:n], Rows.of(np.arange(n), np.zeros(n), tables), pool, [n - 1], [ids])
+    other = ids[:20]
+    tokens = [ids[n], *other]
+    rows = Rows.of([n, *range(20)], [0] + [1] * 20, tables)
+    logits = model.forward_batch(tokens, rows, pool, [0, 20], [ids, other])
+    assert relative_error(logits[:1], want[n:]) < 1e-4
+    assert relative_error(logits[1:], want[19:20]) < 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_decoder_is_its_float_twin(bits):
+    (model, tokenizer), (twin, twin_tokenizer) = runnable(QWEN, bits), runnable(QWEN, bits, dequantized=True)
+    got = model.forward(prompt(model, tokenizer), model.new_cache(), all_logits=True)
+    want = twin.forward(prompt(twin, twin_tokenizer), twin.new_cache(), all_logits=True)
+    assert relative_error(got, want) < 3e-2
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
