@@ -41,7 +41,7 @@ _TIED = {"gemma3"}
 # Where transformers 5 keeps a wrapper's text model and vision tower (wrapped() writes them there)
 _BODIES = {"gemma3": ("model.language_model.", "model.vision_tower."),
            "idefics3": ("model.text_model.", "model.vision_model."), "smolvlm": ("model.text_model.", "model.vision_model."),
-           "qwen2_5_vl": ("model.language_model.", "model.visual.")}
+           "qwen2_5_vl": ("model.language_model.", "model.visual."), "qwen3_vl": ("model.language_model.", "model.visual.")}
 
 
 # Where a wrapper's checkpoint keeps its vision tower and projector -> the names runner/vision reads

@@ -167,19 +167,20 @@ class Model:
              act_sq: np.ndarray | None = None, ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
         """The pass itself: embedding, the stages, the head on x[logit_rows]."""
         x = self.embedding(tokens)                                       # [T, D] residual stream
+        adds = ()
         if self.vision is not None:
-            rows = self.vision.placed(tokens, rows, ids)
+            rows, adds = self.vision.placed(tokens, rows, ids), self.vision.deep(tokens)
         with self.threads.pass_of(len(tokens)):
             for stage, kv in zip(self.stages, pool.parts):   # the last one returns the logits
-                x = stage.run(x, kv, rows, logit_rows, act_sq)
+                x = stage.run(x, kv, rows, logit_rows, act_sq, adds=adds)
         compiling.finish()   # if this pass compiled kernels (a first run), say it is over
         # One check of the logits a pass (the sampler reads them anyway); which layer went wrong
         # is looked for only when they are not finite, so decoding is as fast as without it.
         if not np.isfinite(x).all():
-            self._raise_where_non_finite(tokens, rows, pool, logit_rows)
+            self._raise_where_non_finite(tokens, rows, pool, logit_rows, adds)
         return x
 
-    def _raise_where_non_finite(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray):
+    def _raise_where_non_finite(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray, adds=()):
         """Run the same pass again (over the same cache positions), checking the output of the
         embedding, of each layer and of the head, and raise NonFinite naming the first that holds
         NaN or Inf."""
@@ -198,7 +199,7 @@ class Model:
         if not np.isfinite(x).all():
             raise NonFinite(f"the embedding (model.embed_tokens) {why}")
         for stage, kv in zip(self.stages, pool.parts):
-            x = stage.run(x, kv, rows, logit_rows, check=check)
+            x = stage.run(x, kv, rows, logit_rows, check=check, adds=adds)
         raise NonFinite("the logits held NaN/Inf values, but the same pass run again layer by layer did not")
 
     def embedding(self, tokens: np.ndarray) -> np.ndarray:
@@ -210,7 +211,7 @@ class Model:
             if self.vision is None:
                 raise NibbleError(f"{self.config.model_type} reads no images: a prompt holds image ids")
             rows = np.empty((len(tokens), self.config.hidden_size), np.float32)
-            rows[image] = self.vision.rows(tokens[image])
+            rows[image] = self.vision.rows(tokens[image])[:, :self.config.hidden_size]
             if not image.all():
                 rows[~image] = self.embedding(tokens[~image])
             return rows

@@ -146,7 +146,7 @@ class GPUStage:
                               f"lower --ctx-size or --gpu-layers") from None
 
     def run(self, x: np.ndarray, kv: list[tuple], rows, logit_rows: np.ndarray,
-            act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
+            act_sq: np.ndarray | None = None, check=None, adds=()) -> np.ndarray:
         """The stage's face (stages.py): forward() for rows of one sequence at consecutive
         positions in blocks 0, 1, 2, ... of the pool, which the contiguous device cache is."""
         T, pos0 = len(x), int(rows.positions[0])
@@ -155,7 +155,7 @@ class GPUStage:
                 or not np.array_equal(rows.tables[rows.seq[0], :blocks], np.arange(blocks))):
             raise NibbleError("the GPU runs one sequence whose KV blocks are in order (Model.new_cache): "
                               "load the model without --gpu-layers to share a KV pool")
-        if not rows.plain:
+        if not rows.plain or adds:
             raise NibbleError("the GPU's attention is causal and turns each row by its position, and an image's "
                               "tokens see each other or turn by their place in the image: load the model "
                               "without --gpu-layers to ask about images")

@@ -5,11 +5,12 @@ Every stage has the same face, so Model runs them in order without asking where 
 
     new_cache(ctx, dtype) -> its part of a KVPool of ceil(ctx / BLOCK) blocks (None when it has
         no layers)
-    run(x, kv, rows, logit_rows, act_sq, check) -> the hidden state [T, D] of every row for the
-        next stage, or, from the stage with the head, the logits [len(logit_rows), V] of the rows
-        logit_rows; rows (cache.Rows) place each row in its sequence's blocks; check(i, out), if
-        given, is called with each layer's output (i: the layer's index) and the logits (i: the
-        number of layers), on the host: Model.forward's search for a layer that made NaN/Inf
+    run(x, kv, rows, logit_rows, act_sq, check, adds) -> the hidden state [T, D] of every row for
+        the next stage, or, from the stage with the head, the logits [len(logit_rows), V] of the
+        rows logit_rows; rows (cache.Rows) place each row in its sequence's blocks; check(i, out),
+        if given, is called with each layer's output (i: the layer's index) and the logits (i: the
+        number of layers), on the host: Model.forward's search for a layer that made NaN/Inf;
+        adds[i] = (indexes, values): x[indexes] += values after layer i (Qwen3-VL's deepstack)
     weight_nbytes -> bytes of the weights a decoded token reads there
 
 CPUStage is here; offload.GPUStage is the same on an NVIDIA GPU (`-ngl`).
@@ -61,7 +62,7 @@ class CPUStage:
         return self.run(x, kv, rows, np.arange(T) if all_logits else np.array([T - 1]), act_sq)
 
     def run(self, x: np.ndarray, kv: HostKV | None, rows: Rows, logit_rows: np.ndarray,
-            act_sq: np.ndarray | None = None, check=None) -> np.ndarray:
+            act_sq: np.ndarray | None = None, check=None, adds=()) -> np.ndarray:
         """act_sq, if given: each layer's sums of its projections' squared inputs by layer index
         (float64, as the family's act_shape; see decoder_layer), accumulated."""
         m, c = self.model, self.model.config
@@ -69,6 +70,8 @@ class CPUStage:
         kernels = self.kernels(x, kv, rows, acts[self.first] if self.last > self.first else None)
         for i, block, layer in zip(range(self.first, self.last), kernels.blocks, kernels.layers):
             block(x, layer, kv.layer(i - self.first), rows, *m.ropes[i], c.rms_norm_eps, c.windows[i], acts[i])
+            if i < len(adds):
+                x[adds[i][0]] += adds[i][1]
             if check:
                 check(i, x)
         if not self.head:

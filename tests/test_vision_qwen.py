@@ -1,9 +1,11 @@
-"""Qwen2.5-VL's vision against transformers (tests/data/vision/qwen2_5_vl, made by
-tests/fixtures/make_vision_fixtures.py): the processor's patches of two images of other shapes
-than square, the tower's tokens (2D RoPE, windows cut at the image's edges, a full-attention
-block, the patch merger), the prompt's ids through Qwen2-VL's chat template, and the logits of
-that prompt with multimodal RoPE: in one pass, in chunks, a token at a time, and as one sequence
-of a batch beside another."""
+"""Qwen2.5-VL's and Qwen3-VL's vision against transformers (tests/data/vision/qwen2_5_vl and
+qwen3_vl, made by tests/fixtures/make_vision_fixtures.py): the processor's patches of two images
+of other shapes than square, the tower's tokens (2D RoPE; Qwen2.5-VL's windows cut at the
+image's edges and a full-attention block; Qwen3-VL's learned positions resized to each image and
+its deepstack mergers), the prompt's ids through Qwen2-VL's chat template, and the logits of that
+prompt with multimodal RoPE (Qwen3-VL's interleaved, and its deepstack rows added in the first
+decoder layers): in one pass, in chunks, a token at a time, and as one sequence of a batch beside
+another."""
 import json
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from nibble.runner.vision.base import for_template, with_images
 from tests.test_vision import relative_error, runnable
 
 QWEN = Path(__file__).parent / "data" / "vision" / "qwen2_5_vl"
-LOGITS = QWEN / "logits.npy"
+QWEN3 = Path(__file__).parent / "data" / "vision" / "qwen3_vl"
+FAMILIES = pytest.mark.parametrize("folder", [QWEN, QWEN3], ids=["qwen2_5_vl", "qwen3_vl"])
 
 
 def pictures():
@@ -35,34 +38,45 @@ def prompt(model, tokenizer) -> list[int]:
     return tokenizer.encode(placed, images=digests)
 
 
-def test_patches_and_image_tokens_are_transformers():
-    model, _ = runnable(QWEN)
+@FAMILIES
+def test_patches_and_image_tokens_are_transformers(folder):
+    model, _ = runnable(folder)
     vision = model.vision
     images = pictures()
     patches = np.concatenate([vision.pixels(p).reshape(-1, 3 * 2 * 4 * 4) for p in images])
-    np.testing.assert_allclose(patches, np.load(QWEN / "pixel_values.npy"), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(patches, np.load(folder / "pixel_values.npy"), rtol=0, atol=1e-6)
     assert [vision.grid(p) for p in images] == [(5, 6), (7, 4)]   # image_grid_thw [1, 10, 12], [1, 14, 8] merged 2 x 2
-    want = np.load(QWEN / "features.npy")
+    want = np.load(folder / "features.npy")
     got = np.concatenate(vision.encode(images))
-    assert got.shape == want.shape == (30 + 28, 64) and relative_error(got, want) < 1e-5
+    assert relative_error(got[:, :64], want) < 1e-5 and len(got) == len(want) == 30 + 28
+    if folder == QWEN3:   # the rows deepstack adds after the first two decoder layers
+        deep = np.load(folder / "deepstack.npy")
+        assert got.shape == (58, 3 * 64) and all(relative_error(got[:, 64 * (i + 1):64 * (i + 2)], deep[i]) < 1e-5
+                                                 for i in range(2))
     alone, = vision.encode(images[1:])   # windows and attention stay inside each image
     np.testing.assert_allclose(alone, got[30:], rtol=0, atol=1e-6 * np.abs(want).max())
 
 
-def test_prompt_and_logits_are_transformers():
-    model, tokenizer = runnable(QWEN)
+@FAMILIES
+def test_prompt_and_logits_are_transformers(folder):
+    model, tokenizer = runnable(folder)
     ids = prompt(model, tokenizer)
-    image_token = json.loads((QWEN / "config.json").read_text())["image_token_id"]
-    assert [t if t >= 0 else image_token for t in ids] == np.load(QWEN / "tokens.npy").tolist()
-    assert relative_error(model.forward(ids, model.new_cache(), all_logits=True), np.load(LOGITS)) < 1e-4
+    image_token = json.loads((folder / "config.json").read_text())["image_token_id"]
+    assert [t if t >= 0 else image_token for t in ids] == np.load(folder / "tokens.npy").tolist()
+    want = np.load(folder / "logits.npy")
+    assert relative_error(model.forward(ids, model.new_cache(), all_logits=True), want) < 1e-4
+    if folder == QWEN3:   # deepstack's rows matter
+        model.vision.deep = lambda tokens: []
+        assert relative_error(model.forward(ids, model.new_cache(), all_logits=True), want) > 1e-2
 
 
-def test_rope_positions_follow_the_images_in_chunks_and_token_by_token():
+@FAMILIES
+def test_rope_positions_follow_the_images_in_chunks_and_token_by_token(folder):
     """Text after an image turns by the image's longer side, not its tokens: so chunks (never
     cutting an image) and single tokens, which read the earlier images from the sequence's ids,
     give transformers' logits; RoPE by cache position does not."""
-    model, tokenizer = runnable(QWEN)
-    ids, want = prompt(model, tokenizer), np.load(LOGITS)
+    model, tokenizer = runnable(folder)
+    ids, want = prompt(model, tokenizer), np.load(folder / "logits.npy")
     cache, got = model.new_cache(), []
     while cache.pos < len(ids) - 6:
         end = whole_images(ids, cache.pos, min(cache.pos + 7, len(ids) - 6))
@@ -75,12 +89,13 @@ def test_rope_positions_follow_the_images_in_chunks_and_token_by_token():
     assert relative_error(plain[-5:], want[-5:]) > 1e-2
 
 
-def test_a_batch_turns_each_sequence_by_its_own_images():
+@FAMILIES
+def test_a_batch_turns_each_sequence_by_its_own_images(folder):
     """forward_batch, as the engine runs it: a sequence's last token decoded beside another
     sequence's prompt, each turned by the images of its own ids."""
     from nibble.runner.kv.cache import Rows
-    model, tokenizer = runnable(QWEN)
-    ids, want = prompt(model, tokenizer), np.load(LOGITS)
+    model, tokenizer = runnable(folder)
+    ids, want = prompt(model, tokenizer), np.load(folder / "logits.npy")
     pool = model.new_pool(16)
     n = len(ids) - 1
     blocks = -(-len(ids) // 16)
@@ -94,9 +109,10 @@ def test_a_batch_turns_each_sequence_by_its_own_images():
     assert relative_error(logits[1:], want[19:20]) < 1e-4
 
 
+@FAMILIES
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_decoder_is_its_float_twin(bits):
-    (model, tokenizer), (twin, twin_tokenizer) = runnable(QWEN, bits), runnable(QWEN, bits, dequantized=True)
+def test_quantized_decoder_is_its_float_twin(folder, bits):
+    (model, tokenizer), (twin, twin_tokenizer) = runnable(folder, bits), runnable(folder, bits, dequantized=True)
     got = model.forward(prompt(model, tokenizer), model.new_cache(), all_logits=True)
     want = twin.forward(prompt(twin, twin_tokenizer), twin.new_cache(), all_logits=True)
     assert relative_error(got, want) < 3e-2

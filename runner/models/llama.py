@@ -36,9 +36,9 @@ class Llama(Transformer):
             "qwen2": GGUFArch("qwen2"), "qwen3": GGUFArch("qwen3"),
             "smollm3": GGUFArch("smollm3", permuted_qk=True, fields=_smollm3_gguf)}
     # Idefics3ForConditionalGeneration (SmolVLM-256M/500M-Instruct) and SmolVLM's: a Llama text
-    # model (its vision: runner/vision/idefics3.py); Qwen2.5-VL's, a Qwen2 one whose RoPE turns an
-    # image's tokens by their row and column (runner/vision/qwen2_5_vl.py)
-    wrappers = {"idefics3": "llama", "smolvlm": "llama", "qwen2_5_vl": "qwen2"}
+    # model (its vision: runner/vision/idefics3.py); Qwen2.5-VL's and Qwen3-VL's, a Qwen2 and a
+    # Qwen3 one whose RoPE turns an image's tokens by their row and column (runner/vision/qwen*_vl.py)
+    wrappers = {"idefics3": "llama", "smolvlm": "llama", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
     fields = {
         "use_sliding_window": optional(BOOL),   # qwen2/3, smollm3: false (their default) turns sliding_window off
         "max_window_layers": optional(integer()),   # qwen2/3 without layer_types: the layers from here on slide

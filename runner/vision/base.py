@@ -118,6 +118,12 @@ class Vision:
         return rows._replace(sees=sees)
 
 
+    def deep(self, tokens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """What the first decoder layers add to a pass's image rows, each (the rows' indexes,
+        what to add): none but for deepstack (Qwen3-VL)."""
+        return []
+
+
 def count_field(config: dict, name: str, default=None) -> int:
     """A vision_config's positive integer `name` (`default` where it is left out)."""
     value = config.get(name, default)

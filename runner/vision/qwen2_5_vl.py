@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -26,7 +27,7 @@ from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.image import Picture
 from ..kernels import compiling, cpu
 from ..kernels.encoder import EncoderLayerWeights, vision_layer
-from ..kernels.linear import linear, read_only, row_block
+from ..kernels.linear import Weight, linear, read_only, row_block
 from ..kv.cache import Rows
 from ..model import TensorGetter
 from ..text.image_ids import key_of, split_ids
@@ -39,6 +40,8 @@ GRIDS = 1 << 16   # images whose grids are remembered, for the RoPE of the text 
 
 
 class Qwen25VLVision(Vision):
+    interleaved = False   # whether the decoder's rotated pairs take the three axes in turn (Qwen3-VL's)
+    windowed = True       # whether blocks outside fullatt_block_indexes attend in windows
     def __init__(self, config: dict, tensors: dict, quantization: dict | None, token_text, preprocessor: dict):
         super().__init__()
         v = config.get("vision_config")
@@ -48,27 +51,30 @@ class Qwen25VLVision(Vision):
         self.heads, F = count_field(v, "num_heads"), count_field(v, "intermediate_size")
         self.patch, self.merge = count_field(v, "patch_size", 14), count_field(v, "spatial_merge_size", 2)
         self.frames, C = count_field(v, "temporal_patch_size", 2), count_field(v, "in_channels", 3)
-        self.window = count_field(v, "window_size", 112) // (self.patch * self.merge)   # merged patches a side
+        # merged patches a window's side; 0: none, every block over whole images
+        self.window = count_field(v, "window_size", 112) // (self.patch * self.merge) if self.windowed else 0
         hd = D // self.heads
-        if D % self.heads or hd % 4 or not self.window:
+        if D % self.heads or hd % 4 or (self.windowed and not self.window):
             raise FormatError(f"config.json: vision_config's hidden_size {D} over {self.heads} heads must be "
                               f"heads of a multiple of 4, and window_size at least one merged patch")
-        self.full = set(v.get("fullatt_block_indexes", (7, 15, 23, 31)))
+        self.full = set(v.get("fullatt_block_indexes", (7, 15, 23, 31))) if self.windowed else set()
         theta = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         self.inv_freq = 1.0 / theta ** (np.arange(0, hd // 2, 2, dtype=np.float64) / (hd // 2))   # [hd / 4]
         text = config.get("text_config") or config
         self.hidden = count_field(text, "hidden_size")
-        self.axes = _axes(text, self.hidden // count_field(text, "num_attention_heads"))
+        self.axes = _axes(text, text.get("head_dim") or self.hidden // count_field(text, "num_attention_heads"),
+                          self.interleaved)
         get = TensorGetter({k.removeprefix("vision_tower."): t for k, t in tensors.items()}, quantization)
-        K, m2 = C * self.frames * self.patch ** 2, self.merge ** 2
+        K = C * self.frames * self.patch ** 2
         conv = get("patch_embed.proj.weight", (D, C, self.frames, self.patch, self.patch))
         self.patch_weight = None if conv is None else read_only(np.ascontiguousarray(conv.reshape(D, K)))
-        self.layers = [read_only(self._layer(get, f"blocks.{i}.", D, F)) for i in range(count_field(v, "depth"))]
-        self.merger_norm = get("merger.ln_q.weight", (D,))
-        self.merger_in = get.linear("merger.mlp.0", (D * m2, D * m2))
-        self.merger_in_bias = get("merger.mlp.0.bias", (D * m2,))
-        self.merger_out = get.linear("merger.mlp.2", (self.hidden, D * m2))
-        self.merger_out_bias = get("merger.mlp.2.bias", (self.hidden,))
+        self.patch_bias = self._patch_bias(get, D)
+        self.depth = count_field(v, "depth")
+        self.layers = [read_only(self._layer(get, f"blocks.{i}.", D, F)) for i in range(self.depth)]
+        self.merger = self._merger(get, v)
+        # the blocks whose output is merged apart and added to the first decoder layers' image
+        # rows (Qwen3-VL's deepstack), with their mergers
+        self.deep_blocks, self.deep_mergers = self._deepstack(get, v)
         get.raise_if_missing()
         self.threads = ThreadChooser()
         self.marker = token_text(config.get("image_token_id", 151655))
@@ -81,6 +87,18 @@ class Qwen25VLVision(Vision):
         self.mean = np.float32(p.get("image_mean", CLIP_MEAN)).reshape(3, 1, 1)
         self.std = np.float32(p.get("image_std", CLIP_STD)).reshape(3, 1, 1)
         self._grids: OrderedDict[int, tuple[int, int]] = OrderedDict()
+
+    def _patch_bias(self, get, D: int) -> np.ndarray | None:
+        return None
+
+    def _merger(self, get, v: dict) -> Merger:
+        D, m2 = self.width, self.merge ** 2
+        return Merger(get("merger.ln_q.weight", (D,)), None, get.linear("merger.mlp.0", (D * m2, D * m2)),
+                      get("merger.mlp.0.bias", (D * m2,)), get.linear("merger.mlp.2", (self.hidden, D * m2)),
+                      get("merger.mlp.2.bias", (self.hidden,)))
+
+    def _deepstack(self, get, v: dict) -> tuple[list[int], list[Merger]]:
+        return [], []
 
     def _layer(self, get, p: str, D: int, F: int) -> EncoderLayerWeights:
         qkv, bias = get.linear(p + "attn.qkv", (3 * D, D)), get(p + "attn.qkv.bias", (3 * D,))
@@ -145,46 +163,76 @@ class Qwen25VLVision(Vision):
         return np.ascontiguousarray(x.reshape(h // (p * m), w // (p * m), m * m, -1))
 
     def embed(self, pixels: list[np.ndarray]) -> list[np.ndarray]:
+        """Each image's rows [tokens, hidden] (with deepstack, [tokens, hidden x (1 + its blocks)]:
+        the merger's, then each deepstack merger's)."""
         m2 = self.merge ** 2
         units, windows, images, angles = [], [0], [0], []   # the merged patches in window order
         first = 0
         for grid in pixels:
             rows, cols = grid.shape[:2]
             index = first + np.arange(rows * cols).reshape(rows, cols)
-            w = self.window
+            w = self.window or max(rows, cols)   # none: the whole image
             for r in range(0, rows, w):
                 for c in range(0, cols, w):
                     units.append(index[r:r + w, c:c + w].ravel())
                     windows.append(windows[-1] + units[-1].size * m2)
             first += rows * cols
             images.append(images[-1] + rows * cols * m2)
-            m = self.merge
-            row = (np.arange(rows)[:, None, None, None] * m + np.arange(m)[None, None, :, None]) + np.zeros((1, cols, 1, m), int)
-            col = (np.arange(cols)[None, :, None, None] * m + np.arange(m)[None, None, None, :]) + np.zeros((rows, 1, m, 1), int)
-            angles.append(np.concatenate([np.outer(row.ravel(), self.inv_freq), np.outer(col.ravel(), self.inv_freq)], 1))
+            row, col = _places(rows, cols, self.merge)
+            angles.append(np.concatenate([np.outer(row, self.inv_freq), np.outer(col, self.inv_freq)], 1))
         order = np.concatenate(units)
         patches = (order[:, None] * m2 + np.arange(m2)).ravel()   # the patches in window order
-        x_in = np.concatenate([g.reshape(-1, g.shape[-1]) for g in pixels])[patches]
         angle = np.concatenate(angles)[patches]
         cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
         windows, images = np.array(windows, np.int64), np.array(images, np.int64)
-        with self.threads.pass_of(len(x_in)):
-            x = np.empty((len(x_in), self.width), np.float32)
-            linear(np.ascontiguousarray(x_in, np.float32), self.patch_weight, x, False)
+        flat = np.ascontiguousarray(np.concatenate([g.reshape(-1, g.shape[-1]) for g in pixels]), np.float32)
+        with self.threads.pass_of(len(flat)):
+            x = np.empty((len(flat), self.width), np.float32)
+            linear(flat, self.patch_weight, x, False)
+            if self.patch_bias is not None:
+                x += self.patch_bias
+            self._add_positions(x, pixels)
+            x = x[patches]
+            deep = []
             for i, layer in enumerate(self.layers):
                 vision_layer(x, layer, images if i in self.full else windows, self.heads, EPS, cos, sin)
-            cpu.rmsnorm(x, self.merger_norm, EPS, x)
-            merged = x.reshape(-1, self.width * m2)
-            h = np.empty_like(merged)
-            linear(merged, self.merger_in, h, False)
-            cpu.gelu(h, self.merger_in_bias, False)
-            out = np.empty((len(h), self.hidden), np.float32)
-            linear(h, self.merger_out, out, False)
-            out += self.merger_out_bias
+                if i in self.deep_blocks:
+                    deep.append(self._merged(x, self.deep_mergers[self.deep_blocks.index(i)]))
+            out = np.concatenate([self._merged(x, self.merger), *deep], axis=1)
         compiling.finish()
         tokens = np.empty_like(out)
         tokens[order] = out   # back in each image's order
         return np.split(tokens, np.cumsum([g.shape[0] * g.shape[1] for g in pixels])[:-1])
+
+    def _add_positions(self, x: np.ndarray, pixels: list[np.ndarray]):
+        """Learned positions of the patches (none here: RoPE alone places them)."""
+
+    def _merged(self, x: np.ndarray, m: Merger) -> np.ndarray:
+        """A merger's rows [patches / merge^2, hidden]: merge^2 patches one row, normed before or
+        after (m.after), then a GELU MLP."""
+        wide = self.width * self.merge ** 2
+        h = np.empty_like(x)
+        if m.after:   # normed in merged rows
+            _normed(x.reshape(-1, wide), m.norm, m.norm_bias, h.reshape(-1, wide))
+        else:
+            _normed(x, m.norm, m.norm_bias, h)
+        h = h.reshape(-1, wide)
+        mid = np.empty_like(h)
+        linear(h, m.w_in, mid, False)
+        cpu.gelu(mid, m.b_in, False)
+        out = np.empty((len(mid), self.hidden), np.float32)
+        linear(mid, m.w_out, out, False)
+        out += m.b_out
+        return out
+
+    def deep(self, tokens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """What the first decoder layers add to a pass's image rows: for each of them (indexes
+        of those rows, the rows to add)."""
+        image = np.flatnonzero(tokens < 0)
+        if not self.deep_blocks or not len(image):
+            return []
+        held, D = self.rows(tokens[image]), self.hidden
+        return [(image, np.ascontiguousarray(held[:, (i + 1) * D:(i + 2) * D])) for i in range(len(self.deep_blocks))]
 
     def placed(self, tokens: np.ndarray, rows: Rows, ids: Sequence[Sequence[int]] | None) -> Rows:
         """Rows.turns: each rotated pair of each row turned by its axis' position (_positions)."""
@@ -229,13 +277,47 @@ class Qwen25VLVision(Vision):
         return grid
 
 
-def _axes(text: dict, head_dim: int) -> np.ndarray:
+class Merger(NamedTuple):
+    """A patch merger's weights: its norm (an RMSNorm without a bias, else a LayerNorm; over each
+    patch, or with `after`, over merge^2 patches' row) and its MLP."""
+    norm: np.ndarray
+    norm_bias: np.ndarray | None
+    w_in: Weight
+    b_in: np.ndarray
+    w_out: Weight
+    b_out: np.ndarray
+    after: bool = False
+
+
+def _normed(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, out: np.ndarray):
+    if bias is None:
+        cpu.rmsnorm(x, weight, EPS, out)
+    else:
+        cpu.layernorm(x, weight, bias, EPS, out)
+
+
+def _places(rows: int, cols: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The row and column of each patch of an image of rows x cols merged patches, in the
+    processor's order (merge block after merge block, each block's patches by rows)."""
+    r = np.arange(rows)[:, None, None, None] * m + np.arange(m)[None, None, :, None]
+    c = np.arange(cols)[None, :, None, None] * m + np.arange(m)[None, None, None, :]
+    shape = (rows, cols, m, m)
+    return np.broadcast_to(r, shape).ravel(), np.broadcast_to(c, shape).ravel()
+
+
+def _axes(text: dict, head_dim: int, interleaved: bool) -> np.ndarray:
     """The axis (0 time, 1 rows, 2 columns) each rotated pair of a head turns by: mrope_section's
-    pairs of each, in turn."""
+    pairs of each, one section after another, or `interleaved`, rows and columns in turn among the
+    first pairs (time, rows, columns, time, ...) and time for the rest."""
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if (not isinstance(section, list) or len(section) != 3 or not all(isinstance(n, int) and n >= 0 for n in section)
             or sum(section) != head_dim // 2):
         raise FormatError(f"config.json: rope_parameters.mrope_section must be three counts of the {head_dim // 2} "
                           f"rotated pairs of a head, not {section!r}")
-    return np.repeat(np.arange(3), section)
+    if not interleaved:
+        return np.repeat(np.arange(3), section)
+    axes = np.zeros(head_dim // 2, np.int64)
+    for axis in (1, 2):
+        axes[axis:3 * section[axis]:3] = axis
+    return axes
