@@ -117,3 +117,20 @@ def test_quantized_decoder_is_its_float_twin(folder, bits):
     want = twin.forward(prompt(twin, twin_tokenizer), twin.new_cache(), all_logits=True)
     assert relative_error(got, want) < 3e-2
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_a_large_image_is_at_most_1280_tokens():
+    """As ollama bounds them, whatever the processor's max_pixels allows (transformers' default:
+    16384 tokens, past the default context)."""
+    import io
+
+    from PIL import Image
+
+    from nibble.formats.model_dir import read_model_dir
+    from nibble.runner.vision.qwen2_5_vl import MAX_TOKENS, Qwen25VLVision
+    folder = read_model_dir(QWEN)
+    vision = Qwen25VLVision(folder.vision_config, folder.vision_tensors, None, str, {"max_pixels": 10 ** 9})
+    png = io.BytesIO()
+    Image.new("RGB", (3000, 2000), (200, 100, 50)).save(png, "PNG")
+    rows, cols = vision.grid(open_image(png.getvalue(), "photo.png"))
+    assert rows * cols <= MAX_TOKENS == 1280 and rows * cols > 0.9 * MAX_TOKENS and abs(cols / rows - 1.5) < 0.1

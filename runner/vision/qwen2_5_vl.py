@@ -37,6 +37,10 @@ from .base import Vision, count_field
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 EPS = np.float32(1e-6)   # the tower's RMSNorms' (fixed in transformers' code)
 GRIDS = 1 << 16   # images whose grids are remembered, for the RoPE of the text after them
+# An image's tokens at most, as ollama bounds them (transformers lets Qwen2.5-VL's processor make
+# 16384, llama.cpp 4096): a photo in a few hundred, within the default context, its tower in
+# seconds on a CPU rather than minutes. A larger image is resized down, as smart_resize does.
+MAX_TOKENS = 1280
 
 
 class Qwen25VLVision(Vision):
@@ -81,7 +85,8 @@ class Qwen25VLVision(Vision):
         p = preprocessor
         size = p.get("size") or {}
         self.min_pixels = p.get("min_pixels") or size.get("shortest_edge") or 56 * 56
-        self.max_pixels = p.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
+        f = self.patch * self.merge
+        self.max_pixels = min(p.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280, MAX_TOKENS * f * f)
         self.resample = Image.Resampling(p.get("resample", Image.Resampling.BICUBIC))
         self.rescale = np.float32(p.get("rescale_factor", 1 / 255))
         self.mean = np.float32(p.get("image_mean", CLIP_MEAN)).reshape(3, 1, 1)
