@@ -256,7 +256,7 @@ def run_image_bench(vision, picture, repeats: int = 3) -> ImageResult:
         prepare.append(middle - start)
         encode.append(time.perf_counter() - middle)
     return ImageResult(*picture.size, vision.count(picture), statistics.median(prepare), statistics.median(encode),
-                       vision.tower.threads.current, repeats)
+                       vision.threads.current, repeats)
 
 
 def weight_bytes_per_token(model: Model) -> int:

@@ -22,6 +22,13 @@ def _smollm3_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) ->
     return dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)])
 
 
+def _qwen_vl_gguf(meta: dict, a: str, layers: int, width: int, head_dim: int) -> dict:
+    """llama.cpp's qwen2vl and qwen3vl: Qwen2's and Qwen3's text models, multimodal RoPE's sections
+    in rope.dimension_sections (its fourth, 0, unused), which their vision reads (mrope_section)."""
+    sections = meta.get(a + "rope.dimension_sections")
+    return {"mrope_section": [int(n) for n in list(sections)[:3]]} if sections is not None else {}
+
+
 class Llama(Transformer):
     # a window that config.json leaves out is 4096, not none (qwen2/3: with use_sliding_window)
     model_types = {"llama": {}, "mistral": dict(sliding_window=4096), "qwen2": dict(sliding_window=4096),
@@ -34,6 +41,7 @@ class Llama(Transformer):
                 "ffn_gate_inp": "block_sparse_moe.gate",
                 **{f"ffn_{p}_exps": f"block_sparse_moe.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}),
             "qwen2": GGUFArch("qwen2"), "qwen3": GGUFArch("qwen3"),
+            "qwen2vl": GGUFArch("qwen2", fields=_qwen_vl_gguf), "qwen3vl": GGUFArch("qwen3", fields=_qwen_vl_gguf),
             "smollm3": GGUFArch("smollm3", permuted_qk=True, fields=_smollm3_gguf)}
     # Idefics3ForConditionalGeneration (SmolVLM-256M/500M-Instruct) and SmolVLM's: a Llama text
     # model (its vision: runner/vision/idefics3.py); Qwen2.5-VL's and Qwen3-VL's, a Qwen2 and a

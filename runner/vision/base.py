@@ -44,6 +44,11 @@ class Vision:
         self._held: OrderedDict[int, _Held] = OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def threads(self):
+        """The tower's thread count, pass by pass (runner/threads.py)."""
+        return self.tower.threads
+
     def count(self, picture: Picture) -> int:
         raise NotImplementedError
 

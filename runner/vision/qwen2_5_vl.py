@@ -80,7 +80,7 @@ class Qwen25VLVision(Vision):
         # rows (Qwen3-VL's deepstack), with their mergers
         self.deep_blocks, self.deep_mergers = self._deepstack(get, v)
         get.raise_if_missing()
-        self.threads = ThreadChooser()
+        self._threads = ThreadChooser()
         self.marker = token_text(config.get("image_token_id", 151655))
         p = preprocessor
         size = p.get("size") or {}
@@ -92,6 +92,10 @@ class Qwen25VLVision(Vision):
         self.mean = np.float32(p.get("image_mean", CLIP_MEAN)).reshape(3, 1, 1)
         self.std = np.float32(p.get("image_std", CLIP_STD)).reshape(3, 1, 1)
         self._grids: OrderedDict[int, tuple[int, int]] = OrderedDict()
+
+    @property
+    def threads(self) -> ThreadChooser:
+        return self._threads
 
     def _patch_bias(self, get, D: int) -> np.ndarray | None:
         return None

@@ -734,7 +734,7 @@ def _bench_image(model, quant, path, repeats, threads, as_json):
     llm, _ = _load(model, quant, 0, False, None, background=False)
     if llm.vision is None:
         raise NibbleError(f"{model} reads no images: --image measures a vision-language model's tower")
-    llm.vision.tower.threads.pin(threads)
+    llm.vision.threads.pin(threads)
     result = run_image_bench(llm.vision, picture, repeats)
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 
