@@ -134,3 +134,15 @@ def test_a_large_image_is_at_most_1280_tokens():
     Image.new("RGB", (3000, 2000), (200, 100, 50)).save(png, "PNG")
     rows, cols = vision.grid(open_image(png.getvalue(), "photo.png"))
     assert rows * cols <= MAX_TOKENS == 1280 and rows * cols > 0.9 * MAX_TOKENS and abs(cols / rows - 1.5) < 0.1
+
+
+def test_run_and_bench_an_image(qwen_vl_dir):
+    from tests.test_cli import invoke
+    r = invoke("bench", "-m", qwen_vl_dir, "--image", QWEN / "image1.png", "-r", "1", "--json")
+    assert r.exit_code == 0, r.output
+    figures = json.loads(r.stdout)
+    assert (figures["width"], figures["height"], figures["tokens"]) == (80, 60, 30)
+    r = invoke("run", "-m", qwen_vl_dir, "--temp", "0", "-n", "3", "-i", QWEN / "image1.png", "-i", QWEN / "image2.png",
+               "What is in these?")
+    assert r.exit_code == 0, r.output
+    assert int(r.stderr.splitlines()[-1].split()[1]) > 30 + 28   # the prompt: its text and both images' tokens
