@@ -517,7 +517,10 @@ def _config(meta: dict, arch: str, layout: families.GGUFArch, tie: bool, rope: d
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     eos = list(dict.fromkeys(eos))  # unique, in order; one id is written as an int, as HF does
-    return config_class(model_type)(
+    cls = config_class(model_type)
+    known = {f.name for f in dataclasses.fields(cls)}
+    extra = {k: fields.pop(k) for k in list(fields) if k not in known}   # what the vision reads (mrope_section)
+    return cls(
         model_type=model_type,
         hidden_size=hidden,
         intermediate_size=need(meta, a + "feed_forward_length"),
@@ -535,6 +538,7 @@ def _config(meta: dict, arch: str, layout: families.GGUFArch, tie: bool, rope: d
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
         **fields,
+        extra=extra,
     )
 
 

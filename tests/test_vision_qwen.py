@@ -146,3 +146,26 @@ def test_run_and_bench_an_image(qwen_vl_dir):
                "What is in these?")
     assert r.exit_code == 0, r.output
     assert int(r.stderr.splitlines()[-1].split()[1]) > 30 + 28   # the prompt: its text and both images' tokens
+
+
+@FAMILIES
+def test_a_gguf_with_its_mmproj_is_transformers(folder):
+    """llama.cpp's converter's files (tests/fixtures/make_vision_gguf.py): the text model as
+    qwen2vl or qwen3vl, its RoPE sections in rope.dimension_sections; the mmproj's patch
+    convolution cut into its two frames and Qwen2.5-VL's q, k, v apart, joined again. The mmproj
+    keeps neither the processor's bounds nor the windows' size (libmtmd's 112 pixels): the
+    fixture's are set."""
+    from nibble.quant.open_model import open_model
+    from nibble.runner.model import Model
+    from nibble.runner.text.tokenizer import Tokenizer
+    from nibble.runner.vision import vision_of
+    model_dir = open_model(folder.parent / f"{folder.name}-gguf" / "model-f32.gguf")
+    assert model_dir.vision_config["model_type"] == folder.name
+    model, tokenizer = Model(model_dir.config, model_dir.tensors), Tokenizer(model_dir)
+    model.vision = vision_of(model_dir, tokenizer.tokenizer.id_to_token)
+    model.vision.min_pixels, model.vision.max_pixels = 64, 48 * 48
+    if folder == QWEN:
+        assert model.vision.window == 112 // (4 * 2)
+        model.vision.window = 2
+    ids = prompt(model, tokenizer)
+    assert relative_error(model.forward(ids, model.new_cache(), all_logits=True), np.load(folder / "logits.npy")) < 1e-4
