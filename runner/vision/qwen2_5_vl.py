@@ -244,10 +244,9 @@ class Qwen25VLVision(Vision):
         return [(image, np.ascontiguousarray(held[:, (i + 1) * D:(i + 2) * D])) for i in range(len(self.deep_blocks))]
 
     def placed(self, tokens: np.ndarray, rows: Rows, ids: Sequence[Sequence[int]] | None) -> Rows:
-        """Rows.turns: each rotated pair of each row turned by its axis' position (_positions)."""
-        if ids is None and not (tokens < 0).any():
-            return rows
-        turns = np.empty((len(tokens), len(self.axes)), np.int64)
+        """Rows.turns: each rotated pair of each row turned by its axis' position (_positions);
+        as they were (each row by its position) where no sequence of the pass holds an image."""
+        seqs = []
         for s in np.unique(rows.seq):
             mine = np.flatnonzero(rows.seq == s)
             first = int(rows.positions[mine].min())
@@ -255,6 +254,11 @@ class Qwen25VLVision(Vision):
             if ids is not None:
                 seq[:first] = ids[s][:first]
             seq[rows.positions[mine]] = tokens[mine]
+            seqs.append((mine, seq))
+        if all(seq.min() >= 0 for _, seq in seqs):
+            return rows
+        turns = np.empty((len(tokens), len(self.axes)), np.int64)
+        for mine, seq in seqs:
             turns[mine] = self._positions(seq)[:, rows.positions[mine]].T[:, self.axes]
         return rows._replace(turns=turns)
 
