@@ -1,8 +1,11 @@
 """Time llama.cpp's vision encoder (libmtmd) on one image, the figure nibble's tower is compared
 with: a text GGUF and its mmproj GGUF loaded through libmtmd's C API, a prompt holding one image
-tokenized (which preprocesses the image: resized to the tower's square, scaled by mean and std),
-and `mtmd_encode_chunk` of the image chunk alone (the tower and the projector) timed over
-repeats. Prints JSON: the median seconds, every repeat, the image's tokens (256 for Gemma 3).
+tokenized (which preprocesses the image: resized as the model wants it, scaled by mean and std),
+and `mtmd_encode_chunk` of the image's chunks (the tower and the projector) timed over repeats:
+Gemma 3's one, SmolVLM's one a tile and one for the whole image (libmtmd cuts them as Idefics3's
+processor does: a 512 x 512 image made 2048 x 2048, 4 x 4 tiles of 512 and the whole, 17). Prints
+JSON: the median seconds of all the chunks, every repeat, the chunks, the median per chunk, the
+image's tokens (256 for Gemma 3, 17 x 64 for SmolVLM at 512).
 
 A script, not a test (pytest collects test_*.py only); it runs in llama-cpp-python's environment
 (0.3.36, with its lib/libmtmd.so), not nibble's:
@@ -11,6 +14,10 @@ A script, not a test (pytest collects test_*.py only); it runs in llama-cpp-pyth
         --model ~/.cache/nibble-ref/vision/gemma3-real/model-f32.gguf \\
         --mmproj ~/.cache/nibble-ref/vision/gemma3-real/mmproj-f16.gguf \\
         --image ~/.cache/nibble-ref/vision/gemma3-real/image-896.png --threads 2 --repeats 5
+    ~/.cache/nibble-ref/llcpp/bin/python tests/bench_vision_llamacpp.py \\
+        --model ~/.cache/nibble-ref/vision/smolvlm-real/model-f32.gguf \\
+        --mmproj ~/.cache/nibble-ref/vision/smolvlm-real/mmproj-f16.gguf \\
+        --image ~/.cache/nibble-ref/vision/smolvlm-real/image-512.png --threads 2 --repeats 5
 
 `--pixels FILE.npy` gives the image as transformers' processor made it ([3, H, W] in [-1, 1]
 with mean and std 0.5, tests/data/vision/gemma3/pixel_values.npy) instead of a file: its bytes
@@ -118,7 +125,7 @@ def main(argv=None):
     tokenize_s = time.perf_counter() - t   # the image's resize and normalization, and the text's
     if rc != 0:
         raise SystemExit(f"mtmd_tokenize: {rc}")
-    layout, image_chunk = [], None
+    layout, image_chunks = [], []
     for i in range(mtmd.mtmd_input_chunks_size(chunks)):
         chunk = mtmd.mtmd_input_chunks_get(chunks, i)
         kind = mtmd.mtmd_input_chunk_get_type(chunk)
@@ -127,24 +134,32 @@ def main(argv=None):
             ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
             layout.append([ids[j] for j in range(n.value)])
         elif kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-            image_chunk = chunk
+            image_chunks.append(chunk)
             layout.append(f"image: {mtmd.mtmd_input_chunk_get_n_tokens(chunk)} tokens")
-    if image_chunk is None:
+    if not image_chunks:
         raise SystemExit(f"no image in the prompt's chunks: {layout}")
-    n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(image_chunk)
-    tokens = mtmd.mtmd_input_chunk_get_tokens_image(image_chunk)
+    counts = [mtmd.mtmd_input_chunk_get_n_tokens(c) for c in image_chunks]
+    tokens = mtmd.mtmd_input_chunk_get_tokens_image(image_chunks[0])
     grid = [mtmd.mtmd_image_tokens_get_nx(tokens), mtmd.mtmd_image_tokens_get_ny(tokens)]
 
-    seconds = []
-    for _ in range(args.repeats):
+    # a repeat encodes every image chunk (SmolVLM's: a chunk a tile, the whole image's last)
+    seconds, width, embd = [], llama_cpp.llama_model_n_embd(model), []
+    for repeat in range(args.repeats):
         t = time.perf_counter()
-        rc = mtmd.mtmd_encode_chunk(ctx, image_chunk)
+        for chunk, n_tokens in zip(image_chunks, counts):
+            rc = mtmd.mtmd_encode_chunk(ctx, chunk)
+            if rc != 0:
+                raise SystemExit(f"mtmd_encode_chunk: {rc}")
+            if repeat == args.repeats - 1:   # untimed: the output is the last chunk's
+                pause = time.perf_counter()
+                embd.append(np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n_tokens, width)).copy())
+                t += time.perf_counter() - pause
         seconds.append(time.perf_counter() - t)
-        if rc != 0:
-            raise SystemExit(f"mtmd_encode_chunk: {rc}")
-    width = llama_cpp.llama_model_n_embd(model)
-    embd = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n_tokens, width)).copy()
+    embd = np.concatenate(embd)
+    n_tokens = len(embd)
     result = {"median_s": round(statistics.median(seconds), 4), "seconds": [round(s, 4) for s in seconds],
+              "image_chunks": len(image_chunks),
+              "median_per_chunk_s": round(statistics.median(seconds) / len(image_chunks), 4),
               "image_tokens": n_tokens, "grid": grid, "threads": args.threads, "flash_attn": args.flash_attn,
               "load_s": round(load_s, 3),
               "tokenize_s": round(tokenize_s, 4), "chunks": layout,
