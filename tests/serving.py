@@ -48,8 +48,10 @@ def with_context(model, positions: int = CTX):
 
 
 @contextlib.contextmanager
-def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOptions(parallel=4, queue=16, ctx=CTX)):
-    """The model at `model_dir` (one that generates, or embeds) served as `name`, asking for the key KEY."""
+def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOptions(parallel=4, queue=16, ctx=CTX),
+            metrics: bool = False):
+    """The model at `model_dir` (one that generates, or embeds) served as `name`, asking for the key
+    KEY; `metrics`: with GET /metrics."""
     models = Models({name: str(model_dir)}, name, options)
     if models.embeds(name):   # as nibble serve starts
         models.load_now(name)
@@ -57,7 +59,7 @@ def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOption
         models.add(name, *load(str(model_dir)))
     [engine] = models.engines()
     sock = listen("127.0.0.1", 0)
-    uvicorn = Server(models, KEY)
+    uvicorn = Server(models, KEY, metrics=metrics)
     thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not uvicorn.started:

@@ -146,12 +146,13 @@ def test_response_formats():
 def test_completion_bodies():
     body = parse_completion({"model": "m", "prompt": ["Once"], "max_tokens": 3, "logprobs": 2, "echo": False,
                              "best_of": 1, "suffix": None})
-    assert (body.prompt, body.options.max_tokens, body.options.logprobs) == ("Once", 3, 2)
+    assert (body.prompt, body.options.max_tokens, body.options.logprobs, body.suffix) == ("Once", 3, 2, None)
+    assert parse_completion({"prompt": "def f(", "suffix": ")\n"}).suffix == ")\n"   # fill in the middle
 
 
 @pytest.mark.parametrize("fields, param", [
     (dict(prompt=""), "prompt"), (dict(prompt=["a", "b"]), "prompt"), (dict(prompt=[1, 2]), "prompt"),
-    (dict(suffix="x"), "suffix"), (dict(echo=True), "echo"), (dict(best_of=2), "best_of"),
+    (dict(suffix=3), "suffix"), (dict(echo=True), "echo"), (dict(best_of=2), "best_of"),
     (dict(logprobs=6), "logprobs"), (dict(logprobs=True), "logprobs"),
 ])
 def test_each_bad_completion_field_is_a_400_naming_it(fields, param):

@@ -89,6 +89,20 @@ def tiny_model_dir(model_type="llama", seed=0) -> ModelDir:
                     generation_config={"eos_token_id": 2})
 
 
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def tiny_coder_dir(seed=0) -> ModelDir:
+    """The tiny model with Qwen2.5-Coder's fill-in-the-middle tokens in its vocabulary."""
+    tok = tiny_tokenizer()
+    tok.add_special_tokens(FIM)
+    config = tiny_config(vocab_size=tok.get_vocab_size())
+    return ModelDir(path=None, config=config, tensors=tiny_tensors(config, seed), tokenizer=tok,
+                    tokenizer_config={"chat_template": CHATML, "bos_token": "<|im_start|>",
+                                      "eos_token": "<|im_end|>", "add_bos_token": False},
+                    generation_config={"eos_token_id": 2})
+
+
 # Sampling defaults as a publisher writes them in generation_config.json (the sampled_dir fixture).
 SAMPLING = {"do_sample": True, "temperature": 0.3, "top_k": 5, "top_p": 0.7}
 

@@ -60,6 +60,7 @@ class ChatBody:
 class CompletionBody:
     prompt: str
     options: Options
+    suffix: str | None = None   # fill in the middle between prompt and suffix
 
 
 def parse_chat(body, images: Images = Images()) -> ChatBody:
@@ -282,14 +283,14 @@ def _only(value):
 
 class CompletionRequest(OpenAIRequest):
     prompt: Annotated[Name, BeforeValidator(_only), said("must be a non-empty string (or a list of one)")]
-    suffix: Annotated[Any, unsupported()] = None
+    suffix: Text | None = None
     echo: Annotated[Any, unsupported()] = None
     best_of: Annotated[integer(1, 1), said("is not supported: leave it out or set 1")] | None = None
     logprobs: integer(0, MAX_TEXT_LOGPROBS) | None = None
     max_tokens: integer(1) | None = None
 
     def completion_body(self) -> CompletionBody:
-        return CompletionBody(self.prompt, self.options(self.max_tokens, self.logprobs))
+        return CompletionBody(self.prompt, self.options(self.max_tokens, self.logprobs), self.suffix)
 
 
 # ---- responses ----

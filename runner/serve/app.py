@@ -24,7 +24,7 @@ from nibble.formats.errors import NibbleError
 from ..generation.decoding import Event
 from ..text.reasoning import Thinking
 from ..text.tools import Call
-from . import anthropic, api, embeddings, ollama, ollama_models, responses
+from . import anthropic, api, embeddings, infill, llamacpp, ollama, ollama_models, responses
 from .api import Stamp, tool_call
 from .bodies import Images
 from .errors import ApiError
@@ -35,13 +35,24 @@ from .replies import ReplyParts, chat_delta, chat_turn, completion_turn
 
 
 def make_app(models: Models, api_key: str | None = None, callers: Callers = Callers(),
-             images: Images = Images()) -> Starlette:
+             images: Images = Images(), metrics: bool = False) -> Starlette:
     """OpenAI's chat, completions, Responses and embeddings APIs, Anthropic's Messages API and
     ollama's API over `models`, for the callers `callers` allows (by default: requests to
     localhost, from no web page but loopback's); with `api_key`, every route but /health and /
-    asks for it. `images` reads the images in bodies (the handlers find it in app.state)."""
+    asks for it. `images` reads the images in bodies (the handlers find it in app.state).
+    `metrics`: GET /metrics (runner/serve/metrics.py)."""
+    if metrics:
+        from .metrics import Metrics   # prometheus-client: only for a server that counts
+        models.metrics = Metrics(models)
+
     def route(path, handler, methods=("GET",), open=False):
         async def endpoint(request: Request) -> Response:
+            response = await answer(request)
+            if models.metrics is not None:
+                models.metrics.answered(request.url.path, response.status_code)
+            return response
+
+        async def answer(request: Request) -> Response:
             try:
                 if not open and api_key is not None and not _authorized(request, api_key):
                     raise ApiError(401, "wrong or missing API key: send it as 'Authorization: Bearer KEY' "
@@ -60,6 +71,7 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                             route("/v1/messages/count_tokens", anthropic.count_tokens, ["POST"]),
                             route("/v1/embeddings", embeddings.openai, ["POST"]),
                             route("/v1/models", list_models),
+                            route("/v1/models/{id:path}", llamacpp.model_info),
                             route("/api/chat", ollama.chat, ["POST"]),
                             route("/api/generate", ollama.generate, ["POST"]),
                             route("/api/embed", embeddings.ollama, ["POST"]),
@@ -69,7 +81,13 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                             route("/api/ps", ollama_models.running),
                             route("/api/version", ollama_models.version),
                             route("/", ollama_models.heartbeat, open=True),
-                            route("/health", health, open=True)],
+                            route("/health", health, open=True),
+                            route("/infill", infill.infill, ["POST"]),
+                            route("/tokenize", llamacpp.tokenize, ["POST"]),
+                            route("/detokenize", llamacpp.detokenize, ["POST"]),
+                            route("/apply-template", llamacpp.apply_template, ["POST"]),
+                            route("/props", llamacpp.props),
+                            *([route("/metrics", models.metrics.route)] if metrics else [])],
                     middleware=[Middleware(Guard, callers=callers, refuse=_forbidden)],
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.images = images

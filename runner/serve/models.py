@@ -128,6 +128,7 @@ class Models:
         self._one_load = threading.Lock()
         self._closed = False
         self._stop_sweeping = threading.Event()
+        self.metrics = None   # the server's metrics.Metrics, with --metrics (replies count themselves there)
 
     # What the routes ask
 

@@ -181,8 +181,12 @@ async def heartbeat(models: Models, request: Request) -> Response:
 
 
 async def version(models: Models, request: Request) -> Response:
+    return JSONResponse({"version": nibble_version()})
+
+
+def nibble_version() -> str:
     try:
-        return JSONResponse({"version": importlib.metadata.version("nibble")})
+        return importlib.metadata.version("nibble")
     except importlib.metadata.PackageNotFoundError:   # run from a checkout that was never installed
-        return JSONResponse({"version": "0.0.0"})
+        return "0.0.0"
 

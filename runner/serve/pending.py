@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -83,14 +84,20 @@ class Pending:
             raise ApiError(503, f"{e}: try again in a moment", type="server_error", code="server_busy") from None
         self.lease, self.served, self.turn, self.done = lease, served, turn, False
         self.text, self.tokens = [], []   # the reply so far
+        self.submitted, self.first = time.monotonic(), None   # for /metrics
 
     async def next(self) -> Event:
         event = await self.events.get()
         self.text.append(event.text)
         self.tokens += event.tokens
+        if self.first is None and event.tokens:
+            self.first = time.monotonic()
         self.done = event.finish_reason is not None
         if self.done:   # the engine is done with it: the model may go while the last chunks are sent
             self.lease.release()
+            if self.lease.models.metrics is not None and event.usage is not None:
+                self.lease.models.metrics.reply(self.served.name, event.usage, self.submitted, self.first,
+                                                time.monotonic())
         if event.finish_reason in ("stop", "length"):
             self.served.remember(self.turn, "".join(self.text), self.tokens)
         return event

@@ -15,6 +15,7 @@ from ..text.template import ChatTemplateError
 from ..generation.decoding import Event, Request
 from ..embedding.engine import EmbedEngine
 from ..generation.engine import Engine
+from ..text.fim import fim_tokens, infill_ids
 from ..text.grammar import Grammar, GrammarError
 from ..kv.prompt_ids import PromptMemo
 from ..text.tokenizer import Tokenizer
@@ -44,6 +45,7 @@ class Served:
             self.family, self.reasoning = "generic", None
         self.memo, self._memo_lock = PromptMemo(self.tokenizer), threading.Lock()
         self.size = weights_nbytes(self.engine.model)   # for /api/ps
+        self.fim = fim_tokens(self.tokenizer.tokenizer)   # a coder model's fill-in-the-middle tokens, or None
 
     def encode(self, text: str, images: frozenset[str] = frozenset()) -> list[int]:
         """A prompt's ids, starting with those of the longest prompt or prompt and reply seen
@@ -58,7 +60,7 @@ class Served:
         """After a reply: its prompt and text are spelled by its prompt's ids and the ids sampled,
         which a next turn that repeats them finds in the pool (its text tokenized afresh may
         differ). Not when the ids say more than the text (a stop string cut it)."""
-        if self.tokenizer.decode(reply_ids) == reply:
+        if turn.text is not None and self.tokenizer.decode(reply_ids) == reply:
             with self._memo_lock:
                 self.memo.remember(turn.text + reply, turn.request.prompt_ids + reply_ids)
 
@@ -94,7 +96,7 @@ def weights_nbytes(model) -> int:
 class Turn:
     """What a request becomes: the engine's Request, and what the server keeps to read its reply."""
     request: Request
-    text: str                          # the prompt as text (the memo's key)
+    text: str | None                   # the prompt as text (the memo's key); None: ids no text spells (FIM's)
     tool_names: tuple[str, ...] = ()   # the tools whose calls are parsed out of the reply (none: plain text)
 
 
@@ -154,7 +156,27 @@ def reads_images(served: Served, messages: list[dict]):
 
 
 def completion_turn(served: Served, body: CompletionBody) -> Turn:
+    """A completion of `prompt`, or with a `suffix`, of the middle between them (fill_turn)."""
+    if body.suffix is not None:
+        return fill_turn(served, body.prompt, body.suffix, (), "", body.options, "suffix")
     return Turn(_request(served, served.encode(body.prompt), body.options, "prompt"), body.prompt)
+
+
+def fill_turn(served: Served, prefix: str, suffix: str, extra, typed: str, options: Options, param: str) -> Turn:
+    """Fill-in-the-middle (runner/text/fim.py): the text between `prefix` (and what is `typed`
+    after it) and `suffix`, other files' (name, text) chunks before them; a 400 naming `param`
+    for a model without FIM tokens. The reply ends at the model's end of text or its FIM pad or
+    file separator, as llama.cpp's does."""
+    fim = served.fim
+    if fim is None:
+        raise ApiError(400, f"{served.name} has no fill-in-the-middle tokens (<|fim_prefix|>, <fim_prefix>, <PRE> "
+                            "...): choose a coder model trained for it (Qwen2.5-Coder, StarCoder2, CodeLlama)", param)
+    tokenizer = served.tokenizer
+    ids = infill_ids(lambda text: tokenizer.encode(text, add_bos=False), fim, prefix, suffix, list(extra), typed,
+                     served.engine.ctx, options.max_tokens,
+                     tokenizer.bos_id if tokenizer.config.get("add_bos_token") else None)
+    request = _request(served, ids, replace(options, stop=options.stop + fim.ends), "input_prefix and input_suffix")
+    return Turn(replace(request, skip_special=False), None)   # its end tokens' text meets the stops
 
 
 def _request(served: Served, ids: list[int], options: Options, what: str, grammar: Grammar | None = None) -> Request:

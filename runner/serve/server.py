@@ -23,8 +23,8 @@ class Server(uvicorn.Server):
     `[DONE]` and closes; uvicorn then finds no connection left to wait for."""
 
     def __init__(self, models: Models, api_key: str | None = None, on_ready: Callable[[], None] = lambda: None,
-                 callers: Callers = Callers(), allow_image_urls: bool = False):
-        app = make_app(models, api_key, callers, Images(allow_urls=allow_image_urls))
+                 callers: Callers = Callers(), allow_image_urls: bool = False, metrics: bool = False):
+        app = make_app(models, api_key, callers, Images(allow_urls=allow_image_urls), metrics)
         super().__init__(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                         timeout_graceful_shutdown=DRAIN_SECONDS))
         self.models, self.on_ready = models, on_ready
@@ -61,16 +61,18 @@ def exposed(host: str, api_key: str | None) -> str | None:
 
 
 def serve(models: Models, sock: socket.socket, *, api_key: str | None, say: Callable[[str], None],
-          warn: Callable[[str], None], callers: Callers, allow_image_urls: bool = False):
+          warn: Callable[[str], None], callers: Callers, allow_image_urls: bool = False, metrics: bool = False):
     """Serve the OpenAI API over `models` (the default one loaded) on `sock` until Ctrl-C, to
     `callers`; `say` gets the ready line once the port listens, `warn` the line that says the
-    network can use it. `allow_image_urls`: fetch the http(s) URLs of a request's images."""
+    network can use it. `allow_image_urls`: fetch the http(s) URLs of a request's images;
+    `metrics`: serve GET /metrics."""
     try:
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         if (line := exposed(host, api_key)) is not None:
             warn(line)
-        server = Server(models, api_key, callers=callers, allow_image_urls=allow_image_urls, on_ready=lambda: say(
+        server = Server(models, api_key, callers=callers, allow_image_urls=allow_image_urls, metrics=metrics,
+                        on_ready=lambda: say(
             f"nibble serve: {url} ({models.default}, {models.options.parallel} parallel)"))
         models.start_sweeping()
         try:

@@ -542,12 +542,15 @@ def _fetch_if_needed(ref: str):
 @click.option("--allow-image-urls", is_flag=True,
               help="Fetch the http(s) URLs of the images in requests (off: only images sent as base64 are "
                    "read, since the server would fetch whatever a caller names, on its own network too).")
+@click.option("--metrics", is_flag=True,
+              help="Serve GET /metrics in Prometheus' format (requests, tokens, speeds, latencies, queue, KV "
+                   "blocks), behind --api-key when one is set.")
 @thinking_options
 @draft_options
 @gpu_options
 def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, kv_disk, cache_tokens,
-          only, max_models, keep_alive, allowed_hosts, cors_origins, allow_image_urls, thinking, draft, gpu_layers,
-          require_gpu):
+          only, max_models, keep_alive, allowed_hosts, cors_origins, allow_image_urls, metrics, thinking, draft,
+          gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) and Anthropic's and ollama's: MODEL loaded at start, the others when a request
     names them."""
@@ -578,7 +581,7 @@ def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size,
     if len(refs) > 1:
         log(f"{len(refs) - 1} more model{'s' * (len(refs) > 2)} loaded on request (GET /v1/models lists them)")
     run_server(models, sock, api_key=api_key, say=lambda line: click.echo(line) or sys.stdout.flush(), warn=log,
-               callers=callers, allow_image_urls=allow_image_urls)
+               callers=callers, allow_image_urls=allow_image_urls, metrics=metrics)
 
 
 def _comma_list(text: str | None, option: str, what: str) -> list[str] | None:
