@@ -39,7 +39,7 @@ settings.load_profile("default")
 # these go first, one to each worker as it frees up, and the many short files fill in after them,
 # so that neither worker is left with a long file while the other has finished (xdist's own
 # order, by the number of tests in a file, would put the longest of them last).
-LONGEST_FIRST = ["test_quant_kernels.py", "test_export.py", "test_transformers.py", "test_vision.py", "test_prefill_int8.py",
+LONGEST_FIRST = ["test_quant_kernels.py", "test_export.py", "test_transformers.py", "test_vision.py", "test_vision_qwen.py", "test_prefill_int8.py",
                  "test_moe.py", "test_offload.py", "test_cli.py", "test_background.py", "test_cuda_kernels.py",
                  "test_gguf_import.py", "test_bench.py", "test_smollm2.py", "test_team.py", "test_gguf_archs.py",
                  "test_quantized_model.py", "test_tui.py", "test_tools.py", "test_gguf_levels.py", "test_draft.py",

@@ -109,9 +109,10 @@ def test_a_batch_turns_each_sequence_by_its_own_images(folder):
     assert relative_error(logits[1:], want[19:20]) < 1e-4
 
 
-@FAMILIES
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("folder, bits", [(QWEN, 8), (QWEN3, 4)], ids=["qwen2_5_vl-int8", "qwen3_vl-int4"])
 def test_quantized_decoder_is_its_float_twin(folder, bits):
+    """The decoder's kernels are Llama's, quantized as every family's (test_vision.py runs both
+    widths on Gemma 3 and Idefics3): a width each here, with multimodal RoPE."""
     (model, tokenizer), (twin, twin_tokenizer) = runnable(folder, bits), runnable(folder, bits, dequantized=True)
     got = model.forward(prompt(model, tokenizer), model.new_cache(), all_logits=True)
     want = twin.forward(prompt(twin, twin_tokenizer), twin.new_cache(), all_logits=True)
