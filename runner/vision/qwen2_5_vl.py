@@ -110,19 +110,23 @@ class Qwen25VLVision(Vision):
         return [], []
 
     def _layer(self, get, p: str, D: int, F: int) -> EncoderLayerWeights:
+        none = np.zeros(0, np.float32)   # RMSNorms: no biases
+        return EncoderLayerWeights(
+            **self._attention(get, p, D), attention_norm_bias=none, out_norm_bias=none,
+            w_in=get.linear(p + "mlp.up_proj", (F, D)), b_in=get(p + "mlp.up_proj.bias", (F,)),
+            w_gate=get.linear(p + "mlp.gate_proj", (F, D)), b_gate=get(p + "mlp.gate_proj.bias", (F,)),
+            w_out=get.linear(p + "mlp.down_proj", (D, F)), b_out=get(p + "mlp.down_proj.bias", (D,)))
+
+    def _attention(self, get, p: str, D: int) -> dict:
+        """A block's attention and its norms' weights: q, k and v as views of the rows of its
+        one qkv matrix."""
         qkv, bias = get.linear(p + "attn.qkv", (3 * D, D)), get(p + "attn.qkv.bias", (3 * D,))
         wq, wk, wv = (None if qkv is None else row_block(qkv, i * D, (i + 1) * D) for i in range(3))
         bq, bk, bv = (None if bias is None else bias[i * D:(i + 1) * D] for i in range(3))
-        none = np.zeros(0, np.float32)   # RMSNorms: no biases
-        return EncoderLayerWeights(
-            wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv,
-            wo=get.linear(p + "attn.proj", (D, D)), bo=get(p + "attn.proj.bias", (D,)),
-            attention_norm=get(p + "norm1.weight", (D,)), attention_norm_bias=none,
-            attention_scale=np.float32(1 / math.sqrt(D // self.heads)),
-            w_in=get.linear(p + "mlp.up_proj", (F, D)), b_in=get(p + "mlp.up_proj.bias", (F,)),
-            w_gate=get.linear(p + "mlp.gate_proj", (F, D)), b_gate=get(p + "mlp.gate_proj.bias", (F,)),
-            w_out=get.linear(p + "mlp.down_proj", (D, F)), b_out=get(p + "mlp.down_proj.bias", (D,)),
-            out_norm=get(p + "norm2.weight", (D,)), out_norm_bias=none)
+        return dict(wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv,
+                    wo=get.linear(p + "attn.proj", (D, D)), bo=get(p + "attn.proj.bias", (D,)),
+                    attention_scale=np.float32(1 / math.sqrt(D // self.heads)),
+                    attention_norm=get(p + "norm1.weight", (D,)), out_norm=get(p + "norm2.weight", (D,)))
 
     @property
     def nbytes(self) -> int:

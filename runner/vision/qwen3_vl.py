@@ -13,7 +13,6 @@ import numpy as np
 
 from nibble.formats.errors import FormatError
 from ..kernels.encoder import EncoderLayerWeights
-from ..kernels.linear import row_block
 from .qwen2_5_vl import Merger, Qwen25VLVision, _places
 
 
@@ -25,17 +24,11 @@ class Qwen3VLVision(Qwen25VLVision):
         return get("patch_embed.proj.bias", (D,))
 
     def _layer(self, get, p: str, D: int, F: int) -> EncoderLayerWeights:
-        qkv, bias = get.linear(p + "attn.qkv", (3 * D, D)), get(p + "attn.qkv.bias", (3 * D,))
-        wq, wk, wv = (None if qkv is None else row_block(qkv, i * D, (i + 1) * D) for i in range(3))
-        bq, bk, bv = (None if bias is None else bias[i * D:(i + 1) * D] for i in range(3))
         return EncoderLayerWeights(
-            wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv,
-            wo=get.linear(p + "attn.proj", (D, D)), bo=get(p + "attn.proj.bias", (D,)),
-            attention_norm=get(p + "norm1.weight", (D,)), attention_norm_bias=get(p + "norm1.bias", (D,)),
-            attention_scale=np.float32(1 / math.sqrt(D // self.heads)),
+            **self._attention(get, p, D),
+            attention_norm_bias=get(p + "norm1.bias", (D,)), out_norm_bias=get(p + "norm2.bias", (D,)),
             w_in=get.linear(p + "mlp.linear_fc1", (F, D)), b_in=get(p + "mlp.linear_fc1.bias", (F,)),
-            w_out=get.linear(p + "mlp.linear_fc2", (D, F)), b_out=get(p + "mlp.linear_fc2.bias", (D,)),
-            out_norm=get(p + "norm2.weight", (D,)), out_norm_bias=get(p + "norm2.bias", (D,)))
+            w_out=get.linear(p + "mlp.linear_fc2", (D, F)), b_out=get(p + "mlp.linear_fc2.bias", (D,)))
 
     def _merger(self, get, v: dict, name: str = "merger", after: bool = False) -> Merger:
         D, m2 = self.width, self.merge ** 2
