@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import families
+from .cross_encoder import ranks
 from .errors import FormatError
 
 # Pooling's config keys -> the mode, in the order sentence-transformers concatenates them
@@ -37,8 +38,10 @@ class Pipeline:
 
 def embeds(path: Path | None, model_type: str) -> bool:
     """Whether the model at `path` (None: in memory; of config.json's `model_type`) is an embedding
-    model: an encoder's family (BERT's), or a decoder with sentence-transformers' files
-    (Qwen3-Embedding)."""
+    model: an encoder's family (BERT's) that is no reranker, or a decoder with sentence-transformers'
+    files (Qwen3-Embedding)."""
+    if ranks(path):   # an encoder under a classifier's head: a reranker
+        return False
     kind = families.of(model_type)
     return (kind is not None and kind.encoder) or (path is not None and (path / "modules.json").is_file())
 

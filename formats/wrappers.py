@@ -35,6 +35,8 @@ _TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
                   "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                   "model.text_model.": "model.",
                   **{f"model.{part}": f"model.{part}" for part in ("embed_tokens.", "layers.", "norm.")}}
+# the bodies of encoders saved under a task head (BertForSequenceClassification's, XLM-RoBERTa's)
+_ENCODER_BODIES = ("bert.", "roberta.")
 # Wrappers whose head transformers ties unless config.json says otherwise (Gemma3Config's default;
 # Idefics3Config's is untied)
 _TIED = {"gemma3"}
@@ -87,8 +89,10 @@ def text_tensors(d: dict, tensors: dict) -> dict:
     if not is_wrapper(d.get("model_type")):
         if "embed_tokens.weight" in tensors and "model.embed_tokens.weight" not in tensors:
             return {name if name.startswith("lm_head.") else f"model.{name}": t for name, t in tensors.items()}
-        if "bert.embeddings.word_embeddings.weight" in tensors:
-            return {name.removeprefix("bert."): t for name, t in tensors.items() if name.startswith("bert.")}
+        body = next((p for p in _ENCODER_BODIES if f"{p}embeddings.word_embeddings.weight" in tensors), None)
+        if body is not None:   # an encoder under a task's head: its body's, and a classifier's head
+            return {name.removeprefix(body): t for name, t in tensors.items()
+                    if name.startswith((body, "classifier."))}
         return tensors
     text = {}
     for name, t in tensors.items():

@@ -1,5 +1,6 @@
 """From a model reference to a runnable model and its tokenizer."""
 from nibble.formats.catalog import identity
+from nibble.formats.cross_encoder import ranks
 from nibble.formats.errors import NibbleError
 from nibble.formats.model_dir import ModelDir
 from nibble.formats.sentence_transformers import embeds
@@ -28,6 +29,8 @@ def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: b
     if embeds(model_dir.path, model_dir.config.model_type):   # before a first use quantizes it
         raise NibbleError(f"{ref} is an embedding model: it computes vectors of texts (nibble embed), "
                           "it does not generate")
+    if ranks(model_dir.path):
+        raise NibbleError(f"{ref} is a reranker: it scores documents for a query (nibble rerank), it does not generate")
     running = as_quantized(ref, model_dir, quant)
     model, tokenizer = from_model_dir(running)
     if background and running.path is not None:

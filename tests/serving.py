@@ -7,9 +7,11 @@ import threading
 import time
 
 import openai
+from hypothesis import event, strategies as st
 
 from nibble.runner.generation.engine import Engine
 from nibble.runner.loader import load
+from nibble.runner.serve.errors import ApiError
 from nibble.runner.serve.models import EngineOptions, Models
 from nibble.runner.serve.server import Server, listen
 
@@ -53,7 +55,7 @@ def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOption
     """The model at `model_dir` (one that generates, or embeds) served as `name`, asking for the key
     KEY; `metrics`: with GET /metrics."""
     models = Models({name: str(model_dir)}, name, options)
-    if models.embeds(name):   # as nibble serve starts
+    if models.encodes(name):   # as nibble serve starts
         models.load_now(name)
     else:
         models.add(name, *load(str(model_dir)))
@@ -70,3 +72,33 @@ def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOption
         uvicorn.should_exit = True
         thread.join()
         models.close()
+
+
+def read_or_400(parse, body):
+    """parse(body) (a route's reader of a body), or None where it refused the body with a 400
+    naming the field in one line, as it must; the outcome counted as a hypothesis event."""
+    try:
+        given = parse(body)
+    except ApiError as e:
+        assert e.status == 400 and str(e).startswith(f"{e.param} ") and "\n" not in str(e)
+        event("400")
+        return None
+    event("read")
+    return given
+
+
+SCALARS = st.none() | st.booleans() | st.integers(-3, 200) | st.floats(allow_nan=False) | st.text(max_size=8)
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=10)
+
+
+@st.composite
+def bodies(draw, good: dict, keys: list[str]):
+    """A route's bodies to fuzz it with: any JSON one time in ten; else the `good` body, less one of
+    its fields at times, with up to three of `keys` set to any JSON."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(JSON)
+    body = dict(good)
+    for key in draw(st.sets(st.sampled_from(list(good)), max_size=1)):
+        body.pop(key)
+    return body | draw(st.dictionaries(st.sampled_from(keys), JSON, max_size=3))

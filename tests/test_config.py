@@ -73,7 +73,7 @@ def test_rope_per_layer_type():
     ({"rope_parameters": [10000.0]}, "rope_parameters is \\[10000.0\\], not an object"),
     ({"model_type": "mistral3", "text_config": {"model_type": "mistral"}},
      "unsupported architecture 'mistral3' \\(a wrapper around a 'mistral' text model in text_config\\): "
-     "nibble runs bert, gemma3_text, gpt_oss, granitemoe, granitemoeshared, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3"),
+     "nibble runs bert, gemma3_text, gpt_oss, granitemoe, granitemoeshared, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, roberta, smollm3, xlm-roberta"),
 ])
 def test_fields_that_would_change_the_numbers_are_named(fields, message):
     with pytest.raises(FormatError, match=message):

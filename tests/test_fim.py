@@ -8,6 +8,7 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from nibble.formats.model_dir import write_model_dir
+from nibble.runner.kv.cache import BLOCK
 from nibble.runner.text.fim import BATCH, SNIPPET, fim_tokens, infill_ids
 from tests.serving import serving, with_context
 from tests.tiny import FIM, tiny_coder_dir, tiny_tokenizer
@@ -86,6 +87,25 @@ def test_infill_whole_and_streamed(server):
     assert again["tokens_cached"] > 0 and again["timings"]["prompt_n"] < again["tokens_evaluated"]
 
 
+def test_llama_vscodes_requests(server):
+    """llama.vscode's two bodies as its src/llama-server.ts builds them: the file's chunks read
+    ahead (n_predict 0: nothing said, the prompt cached), then a completion that finds them cached."""
+    chunks = [{"text": "".join(f"y{i} = {i}\n" for i in range(12)), "time": 1732900000, "filename": "b.py"}]
+    ahead = {"input_prefix": "", "input_suffix": "", "input_extra": chunks, "prompt": "", "n_predict": 0,
+             "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1}
+    status, _, raw = server.post("/infill", ahead)
+    read = json.loads(raw)
+    assert status == 200 and read["content"] == "" and read["tokens_predicted"] == 0 and read["stop_type"] == "limit"
+    completion = {"input_prefix": "def g(y):\n    ", "input_suffix": "\n", "input_extra": chunks, "prompt": "re",
+                  "n_predict": 8, "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+                  "cache_prompt": True, "n_indent": 4, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000}
+    status, _, raw = server.post("/infill", completion)
+    done = json.loads(raw)
+    assert status == 200 and isinstance(done["content"], str) and 1 <= done["tokens_predicted"] <= 8
+    # the chunks read ahead, to the KV block their FIM tokens end in
+    assert done["tokens_cached"] >= (read["tokens_evaluated"] - 4) // BLOCK * BLOCK > 0
+
+
 def test_completions_with_a_suffix_fill_the_middle(server):
     r = server.client.completions.create(model="tiny", prompt="def f(x):\n    ", suffix="\n", max_tokens=5, temperature=0)
     direct = json.loads(server.post("/infill", {"input_prefix": "def f(x):\n    ", "input_suffix": "\n", "n_predict": 5,
@@ -112,8 +132,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                                                                   "n_predict", "stream", "stop", "temperature")}))
 def test_fuzz_infill_answers_or_says_why_not(server, body):
     n = body.get("n_predict")
-    if isinstance(n, int) and not isinstance(n, bool) and n not in (0,) and n >= -1:
-        body["n_predict"] = 4 if n == -1 else min(n, 4)   # a reply that ends soon; 0 and below -1 stay (400s)
+    if isinstance(n, int) and not isinstance(n, bool) and n >= -1:
+        body["n_predict"] = 4 if n == -1 else min(n, 4)   # a reply that ends soon; below -1 stays (a 400)
     elif "n_predict" not in body:
         body["n_predict"] = 4
     status, _, raw = server.post("/infill", body)

@@ -90,7 +90,7 @@ def serve(cache):
         log, clock = [], Clock()
         refs, default = servable(first, only)
         models = Models(refs, default, OPTIONS, log=log.append, clock=clock, **kwargs)
-        if models.embeds(default):   # as nibble serve starts
+        if models.encodes(default):   # as nibble serve starts
             models.load_now(default)
         else:
             models.add(default, *LOAD(refs[default]))

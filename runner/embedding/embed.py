@@ -32,7 +32,7 @@ class Embedder:
                               "with sentence-transformers' files (Qwen3-Embedding)")
         self.encoder = Encoder(model_dir.config, model_dir.tensors)
         self.pipeline: Pipeline = read_pipeline(model_dir.path) if model_dir.path else Pipeline()
-        longest = model_dir.config.max_position_embeddings
+        longest = self.encoder.longest
         self.max_length = min(self.pipeline.max_length or longest, longest)
         self.tokenizer = model_dir.tokenizer
         self.tokenizer.no_padding()   # a tokenizer.json may pad every text to a fixed length
@@ -66,11 +66,15 @@ class Embedder:
         (one count for all, or one a text)."""
         skips = np.broadcast_to(skip, len(ids))
         out = np.empty((len(ids), self.dimensions), np.float32)
-        for batch in _batches([len(i) for i in ids], PASS_TOKENS):
+        for batch in batches([len(i) for i in ids], PASS_TOKENS):
             states = self.encoder.encode([ids[i] for i in batch])
             for i, s in zip(batch, states):
                 out[i] = pool(s[min(skips[i], len(s) - 1):], self.pipeline.pooling)
         return _unit(out) if self.pipeline.normalize else out
+
+    def run(self, ids: list[list[int]], skips: Sequence[int]) -> np.ndarray:
+        """What an EmbedEngine calls: embed_ids."""
+        return self.embed_ids(ids, skips)
 
     def shorten(self, vectors: np.ndarray, dimensions: int) -> np.ndarray:
         """Each vector's first `dimensions`, of unit length again where the model normalizes; only
@@ -120,7 +124,7 @@ def pool(states: np.ndarray, modes: tuple[str, ...]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def _batches(lengths: list[int], budget: int) -> list[list[int]]:
+def batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Indexes of texts in runs of at most `budget` tokens (a longer text runs alone)."""
     out, run, used = [], [], 0
     for i, n in enumerate(lengths):

@@ -32,9 +32,12 @@ class Encoder:
             self.layers = [read_only(self.family.layer_weights(get, c, i)) for i in range(c.num_hidden_layers)]
             get.raise_if_missing()
             self.ropes = self.family.ropes(c, c.max_position_embeddings)
+            self.offset = self.family.position_offset(c)
         else:
             self.decoder = Model(c, tensors, head=False)
             self.layers, self.ropes = self.decoder.layers, self.decoder.ropes
+            self.offset = 0
+        self.longest = c.max_position_embeddings - self.offset   # a text's most tokens
         self.stages = [CPUStage(self, 0, len(self.layers), head=False)]
         self.threads = ThreadChooser()
         self.background = Background()   # none: an embedder compiles its kernels whole (runner/background.py)
@@ -55,7 +58,7 @@ class Encoder:
         [n, D], float32: those it gets alone (to float32's rounding: the matrix kernels block a
         pass's rows by its size)."""
         lengths = [len(i) for i in ids]
-        longest = self.config.max_position_embeddings
+        longest = self.longest
         if not all(0 < n <= longest for n in lengths):
             raise NibbleError(f"each text must take 1 to {longest} tokens (the model's positions), not {min(lengths) if min(lengths) < 1 else max(lengths)}")
         tokens = np.concatenate([np.asarray(i, np.int64) for i in ids])
@@ -83,7 +86,7 @@ class Encoder:
         e = self.embeddings
         x = (np.array(e.words[tokens], np.float32) if isinstance(e.words, np.ndarray)
              else prefill.dequantize_rows(e.words, tokens))
-        x += e.positions[np.arange(len(tokens)) if positions is None else positions]
+        x += e.positions[(np.arange(len(tokens)) if positions is None else positions) + self.offset]
         x += e.types[0] if types is None else e.types[types]
         cpu.layernorm(x, e.norm, e.norm_bias, self.config.rms_norm_eps, x)
         return x

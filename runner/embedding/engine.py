@@ -1,6 +1,6 @@
-"""An embedding model's thread (what generation/engine.py's Engine is to a model that generates): the texts of
-every request waiting when a pass starts run through the encoder together, so that many small
-requests (an indexer's) cost few passes."""
+"""An embedding model's or a reranker's thread (what generation/engine.py's Engine is to a model that
+generates): the texts of every request waiting when a pass starts run through the encoder
+together, so that many small requests (an indexer's) cost few passes."""
 from __future__ import annotations
 
 from collections import deque
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .embed import PASS_TOKENS, Embedder
+from .rerank import Reranker
 from ..generation.engine import Busy, ModelThread
 
 
@@ -17,8 +18,9 @@ class EmbedEngine(ModelThread):
     """Jobs of texts queued and run together a pass, at most `parallel + queue` of them at once
     (then Busy). Drained, it refuses new jobs and runs those queued."""
 
-    def __init__(self, embedder: Embedder, *, parallel: int = 4, queue: int = 16, threads: int | None = None):
-        self.embedder, self.limit = embedder, parallel + queue
+    def __init__(self, embedder: Embedder | Reranker, *, parallel: int = 4, queue: int = 16,
+                 threads: int | None = None):
+        self.embedder, self.limit = embedder, parallel + queue   # what runs the texts (its `run`)
         embedder.encoder.threads.pin(threads)
         self.ctx = embedder.max_length   # a text's most tokens
         super().__init__()
@@ -37,13 +39,14 @@ class EmbedEngine(ModelThread):
 
     def start(self):
         """A first pass (the kernels compiled or loaded), then the thread."""
-        self.embedder.embed_ids([[0]])
-        self._start_thread("nibble embed")
+        self.embedder.run([[0]], [[0]] if isinstance(self.embedder, Reranker) else [0])
+        self._start_thread("nibble embed" if isinstance(self.embedder, Embedder) else "nibble rerank")
 
-    def submit(self, ids: list[list[int]], skip: int) -> Future:
-        """The vectors of texts already tokenized, pooled from token `skip` on: a Future of
-        [len(ids), dimensions]. Busy past the jobs allowed or while shutting down."""
-        job = _Job(ids, skip, Future())
+    def submit(self, ids: list[list[int]], each: list) -> Future:
+        """What `embedder.run` makes of texts already tokenized and what goes with each (an
+        embedder's token to pool from, a reranker's token types): a Future of an array, a row a
+        text. Busy past the jobs allowed or while shutting down."""
+        job = _Job(ids, each, Future())
         with self._lock:
             if self._draining or self._closed:
                 raise Busy("the server is shutting down")
@@ -66,8 +69,7 @@ class EmbedEngine(ModelThread):
                     jobs.append(self._jobs.popleft())
                 self._running = len(jobs)
             try:
-                vectors = self.embedder.embed_ids([i for j in jobs for i in j.ids],
-                                                  [j.skip for j in jobs for _ in j.ids])
+                vectors = self.embedder.run([i for j in jobs for i in j.ids], [e for j in jobs for e in j.each])
                 for job, part in zip(jobs, np.split(vectors, np.cumsum([len(j.ids) for j in jobs])[:-1])):
                     job.future.set_result(part)
             except Exception as e:   # NaN, a bug: each request answers, the thread goes on
@@ -81,7 +83,7 @@ class EmbedEngine(ModelThread):
 @dataclass
 class _Job:
     ids: list[list[int]]
-    skip: int
+    each: list
     future: Future
 
     @property

@@ -18,8 +18,9 @@ from .mixtral import Mixtral
 from .olmoe import Olmoe
 from .phi3 import Phi3
 from .qwen3_moe import Qwen3Moe
+from .xlm_roberta import XLMRoberta
 
-FAMILIES = (Bert(), Gemma3(), GptOss(), GraniteMoe(), Llama(), Mixtral(), Olmoe(), Phi3(), Qwen3Moe())
+FAMILIES = (Bert(), Gemma3(), GptOss(), GraniteMoe(), Llama(), Mixtral(), Olmoe(), Phi3(), Qwen3Moe(), XLMRoberta())
 for _family in FAMILIES:
     families.add(_family)
 

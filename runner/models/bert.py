@@ -42,6 +42,10 @@ class Bert(Transformer):
     def windows(self, c: ModelConfig) -> list[int]:
         return [-1] * c.num_hidden_layers   # every layer bidirectional
 
+    def position_offset(self, c: ModelConfig) -> int:
+        """The row of position_embeddings a text's first token takes."""
+        return 0
+
     def rope_layers(self, c: ModelConfig) -> list[bool]:
         return [False] * c.num_hidden_layers
 

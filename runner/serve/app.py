@@ -24,7 +24,7 @@ from nibble.formats.errors import NibbleError
 from ..generation.decoding import Event
 from ..text.reasoning import Thinking
 from ..text.tools import Call
-from . import anthropic, api, embeddings, infill, llamacpp, ollama, ollama_models, responses
+from . import anthropic, api, embeddings, infill, llamacpp, ollama, ollama_models, rerank, responses
 from .api import Stamp, tool_call
 from .bodies import Images
 from .errors import ApiError
@@ -36,8 +36,8 @@ from .replies import ReplyParts, chat_delta, chat_turn, completion_turn
 
 def make_app(models: Models, api_key: str | None = None, callers: Callers = Callers(),
              images: Images = Images(), metrics: bool = False) -> Starlette:
-    """OpenAI's chat, completions, Responses and embeddings APIs, Anthropic's Messages API and
-    ollama's API over `models`, for the callers `callers` allows (by default: requests to
+    """OpenAI's chat, completions, Responses and embeddings APIs, Anthropic's Messages API,
+    ollama's API, Jina's and Cohere's rerank and llama.cpp's own routes over `models`, for the callers `callers` allows (by default: requests to
     localhost, from no web page but loopback's); with `api_key`, every route but /health and /
     asks for it. `images` reads the images in bodies (the handlers find it in app.state).
     `metrics`: GET /metrics (runner/serve/metrics.py)."""
@@ -70,6 +70,8 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                             route("/v1/messages", anthropic.messages, ["POST"]),
                             route("/v1/messages/count_tokens", anthropic.count_tokens, ["POST"]),
                             route("/v1/embeddings", embeddings.openai, ["POST"]),
+                            *(route(path, rerank.rerank, ["POST"])
+                              for path in ("/v1/rerank", "/v2/rerank", "/rerank", "/v1/reranking", "/reranking")),
                             route("/v1/models", list_models),
                             route("/v1/models/{id:path}", llamacpp.model_info),
                             route("/api/chat", ollama.chat, ["POST"]),

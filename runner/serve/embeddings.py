@@ -122,25 +122,32 @@ class Embedded:
 async def embed(served, body: EmbedBody) -> Embedded:
     """The body's vectors from its leased model; ApiError (400) for a model that does not embed or
     an input it cannot take, 503 when its engine is full."""
-    if not isinstance(served, Embedding):
-        raise ApiError(400, f"{served.name} generates text and computes no embeddings: name an embedding model "
+    if not isinstance(served, Embedding) or served.ranks:
+        kind = "is a reranker" if isinstance(served, Embedding) else "generates text"
+        raise ApiError(400, f"{served.name} {kind} and computes no embeddings: name an embedding model "
                             "(GET /v1/models lists those served; nibble pull all-minilm fetches one)", "model",
                        code="model_not_supported")
     if not body.inputs:   # ollama's way of loading a model ahead
         return Embedded(np.zeros((0, served.embedder.dimensions), np.float32), 0)
     ids, skip = await run_in_threadpool(_tokenized, served.embedder, body)
-    try:
-        future = served.engine.submit(ids, skip)
-    except Busy as e:
-        raise ApiError(503, f"{e}: try again in a moment", type="server_error", code="server_busy") from None
-    try:
-        vectors = await asyncio.wrap_future(future)
-    except NibbleError as e:
-        raise ApiError(500, f"the embedding failed: {e}", type="server_error") from None
+    vectors = await encoded(served, ids, [skip] * len(ids), "embedding")
     if body.dimensions is not None:
         with _param("dimensions"):
             vectors = served.embedder.shorten(vectors, body.dimensions)
     return Embedded(vectors, sum(len(i) for i in ids))
+
+
+async def encoded(served: Embedding, ids: list[list[int]], each: list, what: str) -> np.ndarray:
+    """What the model's EmbedEngine makes of texts (EmbedEngine.submit), awaited; 503 when it is
+    full, 500 (the `what` failed) when its pass does."""
+    try:
+        future = served.engine.submit(ids, each)
+    except Busy as e:
+        raise ApiError(503, f"{e}: try again in a moment", type="server_error", code="server_busy") from None
+    try:
+        return await asyncio.wrap_future(future)
+    except NibbleError as e:
+        raise ApiError(500, f"the {what} failed: {e}", type="server_error") from None
 
 
 def _tokenized(embedder: Embedder, body: EmbedBody) -> tuple[list[list[int]], int]:

@@ -36,14 +36,14 @@ class InfillRequest(FullSampling):
     input_suffix: Text
     input_extra: list[Chunk] = Field(default_factory=list, max_length=MAX_CHUNKS)
     prompt: Text = ""
-    n_predict: integer(-1) | None = None   # -1 or none: up to the context
+    n_predict: integer(-1) | None = None   # -1 or none: up to the context; 0: the prompt only (cached)
     stream: Flag = False
     stop: stops(16) | None = None
 
     def options(self) -> Options:
-        most = None if self.n_predict in (None, -1) else self.n_predict
-        if most == 0:
-            raise ApiError(400, "n_predict must be -1 (no bound) or at least 1", "n_predict")
+        # n_predict 0 is how llama.vscode has the server read a file's context ahead of the next
+        # keystroke: the prompt runs (and stays in the cache), one token is sampled and dropped
+        most = None if self.n_predict in (None, -1) else max(self.n_predict, 1)
         return Options(self.model, self.stream, False, most, self.sampling(), tuple(s for s in self.stop or () if s), None)
 
 
@@ -54,6 +54,7 @@ class InfillBody:
     extra: list[tuple[str, str]]   # (file name, text) chunks
     prompt: str
     options: Options
+    silent: bool = False   # n_predict 0: the prompt read, nothing said
 
 
 def infill_turn(served: Served, body: InfillBody) -> Turn:
@@ -63,33 +64,33 @@ def infill_turn(served: Served, body: InfillBody) -> Turn:
 async def infill(models: Models, request: Request) -> Response:
     given = read(InfillRequest, await read_json(request))
     body = InfillBody(given.input_prefix, given.input_suffix, [(c.filename, c.text) for c in given.input_extra],
-                      given.prompt, given.options())
+                      given.prompt, given.options(), given.n_predict == 0)
     pending = await start(models, body, infill_turn)
     if body.options.stream:
-        return Streamed(_events(pending), pending)
+        return Streamed(_events(pending, body.silent), pending)
     with pending:
-        return await until_disconnected(request, _whole(pending))
+        return await until_disconnected(request, _whole(pending, body.silent))
 
 
-async def _whole(pending: Pending) -> Response:
+async def _whole(pending: Pending, silent: bool) -> Response:
     while True:
         event = await pending.next()
         if event.finish_reason == "error":
             return JSONResponse(ApiError(500, f"the reply failed: {event.error}", type="server_error").body(), 500)
         if event.finish_reason:
-            return JSONResponse(_last(pending, event, "".join(pending.text)))
+            return JSONResponse(_last(pending, event, "" if silent else "".join(pending.text), silent))
 
 
-async def _events(pending: Pending) -> AsyncIterator[str]:
+async def _events(pending: Pending, silent: bool) -> AsyncIterator[str]:
     while True:
         event = await pending.next()
         if event.finish_reason == "error":
             yield _data(ApiError(500, f"the reply failed: {event.error}", type="server_error").body())
             return
-        if event.text:
+        if event.text and not silent:
             yield _data({"content": event.text, "stop": False})
         if event.finish_reason:
-            yield _data(_last(pending, event, ""))
+            yield _data(_last(pending, event, "", silent))
             return
 
 
@@ -97,20 +98,21 @@ def _data(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-def _last(pending: Pending, event, content: str) -> dict:
+def _last(pending: Pending, event, content: str, silent: bool) -> dict:
     """llama.cpp's last object of a completion: the text (whole, or "" after a stream), why it
-    stopped, the tokens and the timings."""
+    stopped, the tokens and the timings (`silent`: the prompt's only)."""
     usage, now = event.usage, time.monotonic()
+    predicted = 0 if silent else usage.completion_tokens
     first = pending.first or now
     prompt_ms, predicted_ms = (first - pending.submitted) * 1000, (now - first) * 1000
     new = usage.prompt_tokens - usage.cached_tokens
     return {"content": content, "stop": True, "model": pending.served.name,
-            "stop_type": "limit" if event.finish_reason == "length" else "word" if event.stop_string else "eos",
+            "stop_type": "limit" if silent or event.finish_reason == "length" else "word" if event.stop_string else "eos",
             "stopping_word": event.stop_string or "", "truncated": False,
-            "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
+            "tokens_predicted": predicted, "tokens_evaluated": usage.prompt_tokens,
             "tokens_cached": usage.cached_tokens,
             "timings": {"prompt_n": new, "prompt_ms": prompt_ms,
                         "prompt_per_second": new / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
-                        "predicted_n": usage.completion_tokens, "predicted_ms": predicted_ms,
-                        "predicted_per_second": usage.completion_tokens / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
+                        "predicted_n": predicted, "predicted_ms": predicted_ms,
+                        "predicted_per_second": predicted / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
                         "cache_n": usage.cached_tokens}}

@@ -7,7 +7,7 @@ name is the same 404, so no request makes the server read a path it names or the
 run one at a time on a thread of their own (a float model's first quantization takes minutes),
 never on the event loop: the loaded models' requests are served meanwhile, and the requests for
 the model being loaded await that one load. Each loaded model has its own Engine, so its own
-generation thread; an embedding model its EmbedEngine.
+generation thread; an embedding model or a reranker its EmbedEngine.
 
 A model is in use from when a request names it until that request's reply ends (a `Lease`); one in
 use is never unloaded.
@@ -25,10 +25,12 @@ from pathlib import Path
 
 from nibble.formats import catalog, hub
 from nibble.formats.errors import NibbleError
+from nibble.formats.cross_encoder import ranks
 from nibble.formats.sentence_transformers import embeds
 from ..text.reasoning import ThinkingOptions
 from ..embedding.embed import Embedder
 from ..embedding.engine import EmbedEngine
+from ..embedding.rerank import Reranker
 from ..generation.engine import Engine
 from ..model import Model
 from ..settings import DEFAULT_DRAFT
@@ -210,7 +212,7 @@ class Models:
             if name in self._loaded:
                 return
             nbytes = self._estimate(name)
-            cache = "" if self.embeds(name) else " with its KV cache"
+            cache = "" if self.encodes(name) else " with its KV cache"
             about = f" (about {gb(nbytes)}{cache})" if nbytes is not None else ""
             self._log(f"loading {name}{why}{about} ...")
             try:
@@ -226,9 +228,10 @@ class Models:
         from nibble.quant.open_model import open_model
         from ..loader import as_quantized, load
         o, ref = self.options, self.refs[name]
-        if not self.embeds(name):
+        if not self.encodes(name):
             return self._served(name, *load(ref, o.quant, 0, False, o.ctx, background=True))
-        embedder = Embedder(as_quantized(ref, open_model(ref), o.quant), name)
+        model_dir = as_quantized(ref, open_model(ref), o.quant)
+        embedder = (Reranker if ranks(model_dir.path) else Embedder)(model_dir, name)
         engine = EmbedEngine(embedder, parallel=o.parallel, queue=o.queue, threads=o.threads)
         engine.start()
         return Embedding(engine, name, self.created, self._details(name, embedder.encoder.config))
@@ -255,12 +258,12 @@ class Models:
             served.engine.close()
             raise ApiError(503, "the server is shutting down", type="server_error", code="server_busy")
 
-    def embeds(self, name: str) -> bool:
-        """Whether the model's files say it is an embedding model (its headers only: no weight is
-        read)."""
+    def encodes(self, name: str) -> bool:
+        """Whether the model's files say it is an embedding model or a reranker, which an EmbedEngine
+        runs (its headers only: no weight is read)."""
         try:
             path = hub.resolve(self.refs[name], record=False)
-            return embeds(path, catalog.describe(path).family)
+            return ranks(path) or embeds(path, catalog.describe(path).family)
         except (NibbleError, OSError):
             return False   # the load says what is wrong
 
@@ -269,7 +272,7 @@ class Models:
         o = self.options
         try:
             path = hub.resolve(self.refs[name], record=False)   # served models are on disk: no network
-            positions = 0 if self.embeds(name) else positions_for(path, o.parallel, o.ctx, o.cache_tokens)
+            positions = 0 if self.encodes(name) else positions_for(path, o.parallel, o.ctx, o.cache_tokens)
             return model_bytes(path, o.quant, positions, o.kv_type)
         except (NibbleError, OSError, ValueError, TypeError, AttributeError):
             return None

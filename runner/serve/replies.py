@@ -14,6 +14,7 @@ from nibble.formats.errors import NibbleError
 from ..text.template import ChatTemplateError
 from ..generation.decoding import Event, Request
 from ..embedding.engine import EmbedEngine
+from ..embedding.rerank import Reranker
 from ..generation.engine import Engine
 from ..text.fim import fim_tokens, infill_ids
 from ..text.grammar import Grammar, GrammarError
@@ -67,22 +68,25 @@ class Served:
 
 @dataclass
 class Embedding:
-    """An embedding model a server runs, and what its routes need of it."""
+    """An embedding model or a reranker a server runs (an EmbedEngine's), and what its routes need of it."""
     engine: EmbedEngine
     name: str
     created: int
     details: Details | None = None
 
     def __post_init__(self):
-        self.embedder = self.engine.embedder
+        self.embedder = self.engine.embedder   # an Embedder, or a Reranker
+        self.ranks = isinstance(self.embedder, Reranker)
         self.size = self.embedder.encoder.nbytes   # for /api/ps
 
 
 def generating(served: Served | Embedding) -> Served:
-    """`served`, a model that generates text; a 400 for an embedding model."""
+    """`served`, a model that generates text; a 400 for an embedding model or a reranker."""
     if isinstance(served, Embedding):
-        raise ApiError(400, f"{served.name} is an embedding model, which generates no text: POST /v1/embeddings "
-                            "(or ollama's /api/embed) computes its vectors", "model", code="model_not_supported")
+        route = ("is a reranker, which generates no text: POST /v1/rerank scores documents with it" if served.ranks
+                 else "is an embedding model, which generates no text: POST /v1/embeddings (or ollama's /api/embed) "
+                      "computes its vectors")
+        raise ApiError(400, f"{served.name} {route}", "model", code="model_not_supported")
     return served
 
 

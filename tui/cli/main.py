@@ -18,6 +18,7 @@ from nibble.formats.hub import DEFAULT_MODEL, FALLBACK_MODEL
 
 from .embed import embed
 from .models import ls, ps, pull, rm
+from .rerank import rerank
 from nibble.runner.serve import DEFAULT_HOST, DEFAULT_PORT
 from nibble.runner.settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
 
@@ -572,7 +573,7 @@ def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size,
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, _threads(threads), cache_tokens,
                             quant, thinking, draft, kv_disk)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
-    if models.embeds(default):   # an embedding model: /v1/embeddings
+    if models.encodes(default):   # an embedding model or a reranker: /v1/embeddings, /v1/rerank
         models.load_now(default)
     else:
         llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
@@ -820,7 +821,7 @@ def _progress_bar(stage: str, done: int, total: int, width: int = 30):
     click.echo(f"\r{stage:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", nl=False, err=True)
 
 
-for command in (pull, ls, rm, ps, embed):
+for command in (pull, ls, rm, ps, embed, rerank):
     main.add_command(command)
 
 if __name__ == "__main__":

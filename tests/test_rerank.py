@@ -1,0 +1,113 @@
+"""Reranking as sentence-transformers' CrossEncoder scores (formats/cross_encoder.py,
+runner/embedding/rerank.py): tests/data/rerank/'s tiny random rerankers of every kind, each with
+the ids, logits and scores its reference gave (tests/fixtures/make_rerank_fixtures.py)."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from nibble.formats.cross_encoder import ranks
+from nibble.formats.errors import FormatError, NibbleError
+from nibble.formats.model_dir import read_model_dir
+from nibble.formats.sentence_transformers import embeds
+from nibble.runner.embedding.encoder import Encoder
+from nibble.runner.embedding.rerank import Reranker
+from tests.test_transformers import DATA as TRANSFORMERS
+
+DATA = TRANSFORMERS.parent / "rerank"
+KINDS = ["bert", "xlm-roberta", "qwen3-reranker", "qwen3-seq-cls"]
+
+
+def reference(kind: str) -> dict:
+    return json.loads((DATA / kind / "scores.json").read_text())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_scores_equal_the_references(kind):
+    """The same ids (a pair cut longest first to the tokenizer's length, or inside Qwen3-Reranker's
+    prompt), logits within 1e-4 of CrossEncoder's (the card's for Qwen3-Reranker), every pair of
+    the request in one pass, and the scores through the model's activation."""
+    want = reference(kind)
+    reranker = Reranker(read_model_dir(DATA / kind))
+    pairs = reranker.pairs(want["query"], want["documents"])
+    assert pairs.ids == want["ids"]
+    assert pairs.cut == (0 if kind == "qwen3-reranker" else 3)
+    logits = reranker.logits(pairs.ids, pairs.types)
+    np.testing.assert_allclose(logits, want["logits"], atol=1e-4)
+    np.testing.assert_allclose(reranker.scores(logits), want["scores"], atol=1e-4)
+    np.testing.assert_allclose(reranker.rerank(want["query"], want["documents"]), want["scores"], atol=1e-4)
+
+
+def test_a_pair_alone_scores_as_in_a_pass_of_many():
+    want = reference("bert")
+    reranker = Reranker(read_model_dir(DATA / "bert"))
+    together = reranker.rerank(want["query"], want["documents"])
+    alone = [reranker.rerank(want["query"], [d])[0] for d in want["documents"]]
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+def test_bert_reads_the_documents_as_token_type_1():
+    want = reference("bert")
+    pairs = Reranker(read_model_dir(DATA / "bert")).pairs(want["query"], want["documents"][-1:])
+    first_sep = pairs.ids[0].index(3)
+    assert pairs.types[0] == [0] * (first_sep + 1) + [1] * (len(pairs.ids[0]) - first_sep - 1)
+
+
+def test_an_instruction_goes_to_qwen3_reranker_only():
+    want = reference("qwen3-reranker")
+    reranker = Reranker(read_model_dir(DATA / "qwen3-reranker"))
+    told = reranker.tokenizer.decode(reranker.pairs("q", ["d"], "Find code")[0][0])
+    assert "<Instruct>: Find code\n<Query>: q\n<Document>: d" in told
+    assert reranker.pairs("q", ["d"], "Find code").ids != reranker.pairs("q", ["d"]).ids
+    with pytest.raises(NibbleError, match="takes no instruction"):
+        Reranker(read_model_dir(DATA / "bert")).pairs(want["query"], ["d"], "Find code")
+
+
+def test_xlm_roberta_positions_start_after_the_padding_id():
+    """42 positions, pad id 1: a text takes at most 40 tokens, its first at row 2."""
+    encoder = Encoder(read_model_dir(DATA / "xlm-roberta").config, read_model_dir(DATA / "xlm-roberta").tensors)
+    assert encoder.longest == 40
+    with pytest.raises(NibbleError, match="1 to 40 tokens"):
+        encoder.encode([[0] * 41])
+
+
+def test_what_is_a_reranker(tmp_path):
+    """A classifier's architectures or Qwen3-Reranker's card say so; an embedding model, a causal LM
+    without the card, a model in memory are none."""
+    assert all(ranks(DATA / k) for k in KINDS)
+    assert not embeds(DATA / "bert", "bert")
+    assert not ranks(TRANSFORMERS / "bert") and embeds(TRANSFORMERS / "bert", "bert")
+    assert not ranks(TRANSFORMERS / "qwen3") and not ranks(None)
+    plain = tmp_path / "plain"
+    shutil.copytree(DATA / "qwen3-reranker", plain)
+    (plain / "README.md").write_text("# Qwen3-0.6B\n")
+    assert not ranks(plain)
+    with pytest.raises(NibbleError, match="is not a reranker"):
+        Reranker(read_model_dir(plain), "plain")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"id2label": {"0": "no", "1": "yes"}}, "a classifier of 2 labels"),
+    ({"id2label": None, "num_labels": 3}, "a classifier of 3 labels"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}}, "not 'torch.nn.modules"),
+])
+def test_a_classifier_it_cannot_rank_with_is_said(tmp_path, change, message):
+    folder = tmp_path / "m"
+    shutil.copytree(DATA / "bert", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(change)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(FormatError, match=message):
+        Reranker(read_model_dir(folder))
+
+
+def test_an_identity_activation_reports_the_logits(tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(DATA / "bert", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (folder / "config.json").write_text(json.dumps(config))
+    want = reference("bert")
+    np.testing.assert_allclose(Reranker(read_model_dir(folder)).rerank(want["query"], want["documents"]),
+                               want["logits"], atol=1e-4)
