@@ -2,7 +2,7 @@
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nibble.runner.text.detokenize import MAX_HELD_TOKENS, StreamDecoder
+from nibble.runner.text.detokenize import MAX_HELD_TOKENS, StreamDecoder, piece
 
 CORPUS = ["Hello world, café naïve résumé. 東京は日本の首都です。 I ❤️ emoji 🎉🚀👍🏽 and 中文 text.",
           "Zoë déjà vu; Ελληνικά, русский, עברית, हिन्दी."] * 20
@@ -100,3 +100,30 @@ def test_sentencepiece_spaces_survive():
     deltas, tail = stream(tok, ids)
     assert deltas[-1] == " again"
     assert "".join(deltas) + tail == tok.decode(ids) == "Hello world again"
+
+
+def _bytes(p) -> bytes:
+    return p.encode() if isinstance(p, str) else bytes(p)
+
+
+@pytest.mark.parametrize("text", ["naïve 🙂 日本", "plain words"])
+def test_a_tokens_piece_is_its_text_or_its_bytes(tokenizer, text):
+    """As llama.cpp's /tokenize gives pieces: text where a token holds whole characters, the
+    token's bytes where it holds part of one; all of them together spell the text."""
+    pieces = [piece(tokenizer, i) for i in tokenizer.encode(text).ids]
+    assert b"".join(map(_bytes, pieces)) == text.encode()
+    assert any(isinstance(p, list) for p in pieces) == (text != "plain words")
+    for p in pieces:
+        if isinstance(p, list):   # bytes only where they are no text by themselves
+            with pytest.raises(UnicodeDecodeError):
+                bytes(p).decode("utf-8")
+
+
+def test_a_byte_fallback_tokens_piece_is_its_byte():
+    """SentencePiece's <0xE2> tokens (Llama 2's vocabulary from its GGUF)."""
+    from nibble.formats.gguf import import_gguf
+    from tests.test_tokenizer_gguf import SPM
+    tok = import_gguf(SPM).model.tokenizer
+    ids = tok.encode("🙂", add_special_tokens=False).ids
+    pieces = [piece(tok, i) for i in ids]
+    assert b"".join(map(_bytes, pieces)).strip() == "🙂".encode() and any(isinstance(p, list) for p in pieces)

@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..text.detokenize import piece
 from ..text.template import ChatTemplateError
 from . import api
 from .bodies import Body, Flag, Text, read
@@ -25,7 +26,7 @@ class TokenizeBody(Body):
     model: Text | None = None
     content: Text
     add_special: Flag = False   # the model's BOS before the ids, where it has one
-    with_pieces: Flag = False   # each id with its text
+    with_pieces: Flag = False   # each id with its text (its bytes where that is part of a character)
 
 
 class DetokenizeBody(Body):
@@ -45,7 +46,7 @@ async def tokenize(models: Models, request: Request) -> Response:
         ids = await run_in_threadpool(tokenizer.encode, body.content, body.add_special)
         if not body.with_pieces:
             return JSONResponse({"tokens": ids})
-        pieces = await run_in_threadpool(lambda: [tokenizer.tokenizer.decode([i], skip_special_tokens=False) for i in ids])
+        pieces = await run_in_threadpool(lambda: [piece(tokenizer.tokenizer, i) for i in ids])
         return JSONResponse({"tokens": [{"id": i, "piece": piece} for i, piece in zip(ids, pieces)]})
     finally:
         lease.release()

@@ -11,6 +11,8 @@ through a character loses its tail, where `Tokenizer.decode` gives U+FFFD.
 """
 from __future__ import annotations
 
+import re
+
 import tokenizers
 
 # What decoding gives for an incomplete UTF-8 sequence: the signal to wait for more tokens.
@@ -18,6 +20,37 @@ REPLACEMENT = "\ufffd"
 # A character spans at most 4 tokens (4 bytes), so a longer held run is junk bytes, not a character
 # in progress; letting it out as U+FFFD bounds the window and keeps each step O(1).
 MAX_HELD_TOKENS = 8
+
+
+def _byte_level() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the
+    others for chr(256 + n) in order."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(moved)}
+
+
+_BYTES = _byte_level()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte fallback
+
+
+def piece(tokenizer: tokenizers.Tokenizer, token_id: int) -> str | list[int]:
+    """One token's text, as llama.cpp's /tokenize gives it: a string, or the token's bytes where
+    they are part of a character (a byte-level BPE's, a byte fallback's)."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    raw = tokenizer.id_to_token(token_id) or ""
+    if REPLACEMENT not in text or REPLACEMENT in raw:
+        return text
+    byte = _BYTE_TOKEN.fullmatch(raw)
+    if byte:
+        return [int(byte.group(1), 16)]
+    if raw and all(c in _BYTES for c in raw):
+        data = bytes(_BYTES[c] for c in raw)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(data)
+    return text
 
 
 class StreamDecoder:
