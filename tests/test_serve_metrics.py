@@ -5,6 +5,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nibble.runner.serve.metrics import api_of
 from tests.serving import serving
 
 

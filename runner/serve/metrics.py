@@ -20,7 +20,8 @@ from ..generation.decoding import Usage
 # a request's path -> its API, the first prefix that matches
 APIS = [("/v1/chat/completions", "openai_chat"), ("/v1/completions", "openai_completions"),
         ("/v1/responses", "openai_responses"), ("/v1/embeddings", "openai_embeddings"), ("/v1/messages", "anthropic"),
-        ("/v1/models", "openai_models"), ("/api/", "ollama"), ("/metrics", "metrics"), ("/health", "health")]
+        ("/v1/models", "openai_models"), ("/api/", "ollama"), ("/metrics", "metrics"), ("/health", "health"),
+        ("/v1/rerank", "rerank"), ("/v2/rerank", "rerank"), ("/rerank", "rerank")]
 LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)            # seconds to a first token
 PER_TOKEN = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)             # seconds a token after it
 
