@@ -246,7 +246,7 @@ def test_nibble_bench_times_batches_of_texts_for_an_embedding_model(tmp_path):
     assert r.exit_code == 0, r.output
     figures = json.loads(r.stdout)
     assert figures["texts"] == 3 and figures["tokens"] == 6 and figures["texts_per_s"] > 0
-    assert_one_line_error(invoke("bench", "-m", folder, "-p", "17"), 1, "this model embeds at most 16 tokens a text")
+    assert_one_line_error(invoke("bench", "-m", folder, "-p", "17"), 1, "this model takes at most 16 tokens a text")
 
 
 @pytest.mark.parametrize("model", [decoder_model, sentence_model])

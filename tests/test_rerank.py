@@ -13,6 +13,7 @@ from nibble.formats.model_dir import read_model_dir
 from nibble.formats.sentence_transformers import embeds
 from nibble.runner.embedding.encoder import Encoder
 from nibble.runner.embedding.rerank import Reranker
+from tests.test_cli import assert_one_line_error, invoke
 from tests.test_transformers import DATA as TRANSFORMERS
 
 DATA = TRANSFORMERS.parent / "rerank"
@@ -111,3 +112,27 @@ def test_an_identity_activation_reports_the_logits(tmp_path):
     want = reference("bert")
     np.testing.assert_allclose(Reranker(read_model_dir(folder)).rerank(want["query"], want["documents"]),
                                want["logits"], atol=1e-4)
+
+
+def test_nibble_rerank_prints_the_documents_best_first(tmp_path):
+    want = reference("bert")
+    documents = tmp_path / "documents.txt"
+    documents.write_text("\n".join(want["documents"]) + "\n\n")   # a blank line is no document
+    r = invoke("rerank", want["query"], "-m", DATA / "bert", "-f", documents, "--json")
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    order = np.argsort(-np.array(want["scores"]), kind="stable")
+    assert [x["index"] for x in lines] == order.tolist() and [x["text"] for x in lines] == [want["documents"][i] for i in order]
+    np.testing.assert_allclose([x["score"] for x in lines], np.array(want["scores"])[order], atol=1e-5)
+    assert "3 of 4 documents cut to 40 tokens" in r.stderr
+    top = invoke("rerank", want["query"], "-m", DATA / "bert", "-f", documents, "--top", "1")
+    assert top.exit_code == 0 and top.stdout == f"{want['scores'][order[0]]:.4f}  {want['documents'][order[0]]}\n"
+    assert_one_line_error(invoke("rerank", "q", "-m", TRANSFORMERS / "bert", "-f", documents), 1, "is not a reranker")
+    assert_one_line_error(invoke("run", "-m", DATA / "bert", "hi"), 1, "is a reranker: it scores documents")
+
+
+def test_nibble_bench_times_batches_of_pairs_for_a_reranker():
+    r = invoke("bench", "-m", DATA / "xlm-roberta", "--parallel", "3", "-p", "6", "--json")
+    assert r.exit_code == 0, r.output
+    figures = json.loads(r.stdout)
+    assert figures["kind"] == "rerank" and figures["texts"] == 3 and figures["tokens"] == 6 and figures["texts_per_s"] > 0

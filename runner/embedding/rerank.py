@@ -19,6 +19,11 @@ from .encoder import Encoder
 YES_NO_LENGTH = 8192   # tokens a yes/no reranker's pair is cut to, as Qwen3-Reranker's card cuts it
 
 
+def not_a_reranker(name: str) -> NibbleError:
+    return NibbleError(f"{name} is not a reranker: nibble reranks with cross-encoders (BERT's or XLM-RoBERTa's "
+                       "...ForSequenceClassification, ms-marco-MiniLM's or bge-reranker's) and Qwen3-Reranker")
+
+
 class Pairs(NamedTuple):
     ids: list[list[int]]     # each pair's, as the model reads it
     types: list[list[int]]   # their token types (the document's are 1 for BERT)
@@ -30,9 +35,7 @@ class Reranker:
 
     def __init__(self, model_dir: ModelDir, name: str = "the model"):
         if not ranks(model_dir.path):
-            raise NibbleError(f"{name} is not a reranker: nibble reranks with cross-encoders (BERT's or "
-                              "XLM-RoBERTa's ...ForSequenceClassification, ms-marco-MiniLM's or bge-reranker's) "
-                              "and Qwen3-Reranker")
+            raise not_a_reranker(name)
         self.scoring: Scoring = read_scoring(model_dir.path)
         c = model_dir.config
         self.encoder = Encoder(c, model_dir.tensors)

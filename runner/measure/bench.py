@@ -23,6 +23,7 @@ from numba import njit, prange
 
 from nibble.quant.affine import QuantizedTensor
 
+from ..embedding.rerank import Reranker
 from ..kv.cache import Rows, blocks_for
 from ..kernels.layer import weights_of
 from ..kernels.moe import MoEWeights
@@ -200,27 +201,31 @@ class EmbedResult:
     texts_per_s: float     # median
     threads: int           # the kernels' count in the last pass
     repeats: int
+    kind: str = "embed"    # or "rerank": the texts are query and document pairs
 
     def as_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": self.texts_per_s * self.tokens}
 
     def summary(self) -> str:
-        return (f"embed: {self.texts_per_s:.1f} texts/s ({self.texts_per_s * self.tokens:.0f} tokens/s), "
-                f"batches of {self.texts} texts of {self.tokens} tokens, {self.threads} threads "
+        texts = "pairs" if self.kind == "rerank" else "texts"
+        return (f"{self.kind}: {self.texts_per_s:.1f} {texts}/s ({self.texts_per_s * self.tokens:.0f} tokens/s), "
+                f"batches of {self.texts} {texts} of {self.tokens} tokens, {self.threads} threads "
                 f"(median of {self.repeats})")
 
 
 def run_embed_bench(embedder, ids: list[int], texts: int, repeats: int = 5) -> EmbedResult:
-    """Embed `texts` copies of the text `ids` together, `repeats` times (after one untimed batch
-    that loads the compiled kernels)."""
-    batch = [ids] * texts
-    embedder.embed_ids(batch)
+    """Run `texts` copies of the text `ids` through an Embedder (or a Reranker: a pair's ids)
+    together, `repeats` times (after one untimed batch that loads the compiled kernels)."""
+    ranks = isinstance(embedder, Reranker)
+    batch, each = [ids] * texts, [[0] * len(ids) if ranks else 0] * texts
+    embedder.run(batch, each)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        embedder.embed_ids(batch)
+        embedder.run(batch, each)
         times.append(time.perf_counter() - start)
-    return EmbedResult(texts, len(ids), texts / statistics.median(times), embedder.encoder.threads.current, repeats)
+    return EmbedResult(texts, len(ids), texts / statistics.median(times), embedder.encoder.threads.current, repeats,
+                       "rerank" if ranks else "embed")
 
 
 @dataclass

@@ -692,9 +692,9 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
     threads = _threads(threads)
     if not shapes:
         model = _model_or_default(model)
-    if not shapes and _embeds(model):
+    if not shapes and _encodes(model):
         if matrices:
-            raise click.UsageError("--matrices profiles a language model's decode; this one embeds")
+            raise click.UsageError("--matrices profiles a language model's decode; this one embeds or reranks")
         return _bench_embedding(model, quant, prompt_tokens, parallel, repeats, threads, as_json)
     if image:
         return _bench_image(model, quant, image, repeats, threads, as_json)
@@ -743,24 +743,30 @@ def _bench_image(model, quant, path, repeats, threads, as_json):
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 
 
-def _embeds(ref: str) -> bool:
+def _encodes(ref: str) -> bool:
+    """Whether the model embeds or reranks (an encoder's pass, no decode)."""
     from nibble.formats import catalog, hub
+    from nibble.formats.cross_encoder import ranks
     from nibble.formats.sentence_transformers import embeds
     path = hub.resolve(ref)
-    return embeds(path, catalog.describe(path).family)
+    return ranks(path) or embeds(path, catalog.describe(path).family)
 
 
 def _bench_embedding(model, quant, tokens, texts, repeats, threads, as_json):
-    """An embedding model's bench: batches of `texts` (--parallel) texts of `tokens` (-p) tokens."""
+    """An embedding model's bench: batches of `texts` (--parallel) texts of `tokens` (-p) tokens (a
+    reranker's: pairs)."""
+    from nibble.formats.cross_encoder import ranks
     from nibble.runner.measure.bench import PROMPT_TEXT, run_embed_bench
     from nibble.runner.embedding.embed import Embedder
+    from nibble.runner.embedding.rerank import Reranker
     from nibble.quant.open_model import open_model
     from nibble.runner.loader import as_quantized
-    embedder = Embedder(as_quantized(model, open_model(model), quant), model)
+    model_dir = as_quantized(model, open_model(model), quant)
+    embedder = (Reranker if ranks(model_dir.path) else Embedder)(model_dir, model)
     embedder.encoder.threads.pin(threads)
     ids = embedder.tokenizer.encode(PROMPT_TEXT * (tokens // 40 + 1)).ids   # cut to the model's length
     if tokens > len(ids):
-        raise NibbleError(f"-p {tokens}: this model embeds at most {embedder.max_length} tokens a text")
+        raise NibbleError(f"-p {tokens}: this model takes at most {embedder.max_length} tokens a text")
     result = run_embed_bench(embedder, ids[:tokens - 1] + ids[-1:], texts, max(repeats, 5))
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
 

@@ -25,8 +25,10 @@ import click
 def rerank(query, model, path, top_n, instruction, quant, as_json):
     """Score each line of -f FILE (or stdin) as an answer to QUERY; print them best first, a score
     and a document a line."""
+    from nibble.formats.cross_encoder import ranks
+    from nibble.formats.hub import resolve
     from nibble.quant.open_model import open_model
-    from nibble.runner.embedding.rerank import Reranker
+    from nibble.runner.embedding.rerank import Reranker, not_a_reranker
     from nibble.runner.loader import as_quantized
     from nibble.runner.text.tokenizer import as_text
     if path in (None, "-") and (sys.stdin is None or sys.stdin.isatty()):
@@ -39,6 +41,8 @@ def rerank(query, model, path, top_n, instruction, quant, as_json):
     documents = [line for line in data.splitlines() if line.strip()]
     if not documents:
         raise click.UsageError("no documents: the input has no line of text")
+    if not ranks(resolve(model)):   # said before the weights are read
+        raise not_a_reranker(model)
     reranker = Reranker(as_quantized(model, open_model(model), quant), model)
     pairs = reranker.pairs(query, documents, instruction)
     if pairs.cut:
