@@ -6,13 +6,16 @@ and llama.cpp run them:
   ...ForSequenceClassification, which scores its last token): its logit;
 - Qwen3-Reranker, a causal LM asked whether the document answers the query: the logit of "yes"
   less that of "no" at the last token. Its config.json says only Qwen3ForCausalLM; its model card's
-  heading tells it apart, as llama.cpp's converter tells it.
+  heading tells it apart, as llama.cpp's converter tells it. A GGUF file says so in its metadata
+  (pooling type RANK, its prompt the chat template named "rerank") and holds the rows of "yes"
+  and "no" as cls.output.
 The score reported is the logit through the activation sentence-transformers applies (config.json's
 `sentence_transformers.activation_fn`; a sigmoid where it says none): for Qwen3-Reranker, the
 probability of "yes" its model card computes."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +28,9 @@ DECODER_CLASSIFIER = "ForSequenceClassification"   # any other: a decoder's `sco
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
                "torch.nn.Sigmoid": "sigmoid", "torch.nn.Identity": "identity"}
 QWEN3_RERANKER = "# Qwen3-Reranker"   # the card's heading, as llama.cpp's convert_hf_to_gguf.py looks for it
+GGUF_RANK = 4   # llama.cpp's LLAMA_POOLING_TYPE_RANK
+# the prompt llama.cpp's converter writes for Qwen3-Reranker, around the query and the document
+_GGUF_PROMPT = re.compile(r"(.*)<Instruct>: (.*?)\n<Query>: \{query\}\n<Document>: \{document\}(.*)", re.S)
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,12 @@ def ranks(path: Path | None) -> bool:
 
 def reads_as(path: Path | None) -> str | None:
     """The head of the reranker at `path`, or None for any other model."""
+    if path is not None and path.suffix == ".gguf" and path.is_file():
+        meta = _gguf_metadata(path)
+        arch = meta.get("general.architecture")
+        if meta.get(f"{arch}.pooling_type") != GGUF_RANK:
+            return None
+        return "yes-no" if "tokenizer.chat_template.rerank" in meta else "gguf"   # its prompt: Qwen3-Reranker's
     if path is None or not (path / "config.json").is_file():
         return None
     config = _config(path)
@@ -74,9 +86,12 @@ def reads_as(path: Path | None) -> str | None:
 def read_scoring(path: Path) -> Scoring:
     """The Scoring of the reranker at `path` (ranks(path)); FormatError for a classifier nibble
     cannot rank with (more than one label, an activation it does not know)."""
-    head, config = reads_as(path), _config(path)
+    head = reads_as(path)
     if head is None:
         raise FormatError(f"{path} holds no reranker")
+    if path.suffix == ".gguf":
+        return _gguf_scoring(path, head)
+    config = _config(path)
     if head == "yes-no":
         return Scoring(head, "sigmoid", Prompt())
     labels = config.get("id2label")
@@ -91,6 +106,24 @@ def read_scoring(path: Path) -> Scoring:
         raise FormatError(f"{path / 'config.json'}: nibble scores through a sigmoid or no activation, "
                           f"not {named!r}")
     return Scoring(head, ACTIVATIONS.get(named, "sigmoid"))
+
+
+def _gguf_scoring(path: Path, head: str) -> Scoring:
+    """A GGUF reranker's: Qwen3-Reranker's, its prompt the file's "rerank" template."""
+    if head != "yes-no":
+        raise FormatError(f"{path}: nibble reranks with GGUF files of Qwen3-Reranker; for a classifier's "
+                          "(bge-reranker, ms-marco-MiniLM) run its safetensors (the Hugging Face repo)")
+    template = _gguf_metadata(path).get("tokenizer.chat_template.rerank")
+    parts = _GGUF_PROMPT.fullmatch(template) if isinstance(template, str) else None
+    if parts is None:
+        raise FormatError(f"{path}: its rerank template is not Qwen3-Reranker's (<Instruct>, <Query>: {{query}}, "
+                          "<Document>: {document})")
+    return Scoring(head, "sigmoid", Prompt(prefix=parts[1], instruction=parts[2], suffix=parts[3]))
+
+
+def _gguf_metadata(path: Path) -> dict:
+    from .gguf_header import read_gguf_header
+    return read_gguf_header(path).metadata
 
 
 def max_length(tokenizer_config: dict) -> int | None:

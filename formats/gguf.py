@@ -42,7 +42,9 @@ _DEQUANT_STEP = 1 << 22  # elements per dequantization call: bounds the temporar
 
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+              "output.weight": "lm_head.weight",
+              # a ranking model's classifier (Qwen3-Reranker's rows of "yes" and "no"), kept by this name
+              "cls.output.weight": "cls.output.weight"}
 BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",

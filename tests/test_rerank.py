@@ -136,3 +136,25 @@ def test_nibble_bench_times_batches_of_pairs_for_a_reranker():
     assert r.exit_code == 0, r.output
     figures = json.loads(r.stdout)
     assert figures["kind"] == "rerank" and figures["texts"] == 3 and figures["tokens"] == 6 and figures["texts_per_s"] > 0
+
+
+def test_qwen3_reranker_as_llama_cpp_converts_it_scores_alike(tmp_path):
+    """The GGUF file llama.cpp's converter writes (pooling type RANK, the rows of "yes" and "no" as
+    cls.output, the prompt as its "rerank" template): the card's ids and logits, and so quantized."""
+    from nibble.quant.open_model import open_model
+    from nibble.runner.loader import as_quantized
+    want, path = reference("qwen3-reranker"), DATA / "qwen3-reranker.gguf"
+    assert ranks(path) and not ranks(DATA.parent / "gguf" / "smollm3.gguf")
+    reranker = Reranker(open_model(str(path)))
+    pairs = reranker.pairs(want["query"], want["documents"])
+    assert pairs.ids == want["ids"]
+    np.testing.assert_allclose(reranker.logits(pairs.ids, pairs.types), want["logits"], atol=1e-4)
+    told = reranker.tokenizer.decode(reranker.pairs("q", ["d"], "Find code").ids[0])
+    assert "<Instruct>: Find code\n<Query>: q\n<Document>: d" in told
+    # an int8 copy says nothing of ranking: how it scores comes from the file it was made from
+    quantized = as_quantized(str(path), open_model(str(path)), "int8")
+    with pytest.raises(NibbleError, match="is not a reranker"):
+        Reranker(quantized)
+    close = Reranker(quantized, source=path).logits(pairs.ids, pairs.types)   # int8's error: 0.052 at most
+    np.testing.assert_allclose(close, want["logits"], atol=0.1)
+    assert close.argmax() == np.argmax(want["logits"])

@@ -4,6 +4,7 @@ one text the encoder reads whole, every pair of a request in one pass; a head tu
 states into its logit, the model's activation into its score."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -33,10 +34,13 @@ class Pairs(NamedTuple):
 class Reranker:
     """A cross-encoder model, its head and its Scoring."""
 
-    def __init__(self, model_dir: ModelDir, name: str = "the model"):
-        if not ranks(model_dir.path):
+    def __init__(self, model_dir: ModelDir, name: str = "the model", source: Path | None = None):
+        """`source`: the files the model came from, if `model_dir` is a copy of them (quantized),
+        which says how it scores (a GGUF file's copy says nothing of it)."""
+        source = source or model_dir.path
+        if not ranks(source):
             raise not_a_reranker(name)
-        self.scoring: Scoring = read_scoring(model_dir.path)
+        self.scoring: Scoring = read_scoring(source)
         c = model_dir.config
         self.encoder = Encoder(c, model_dir.tensors)
         self.tokenizer = model_dir.tokenizer
@@ -66,6 +70,9 @@ class Reranker:
                     get.dense("classifier.out_proj", (1, D)), get("classifier.out_proj.bias", (1,)))
         elif kind == "score":   # a decoder's: the last token's normed state times `score`
             head = (get.dense("score", (1, D)),)
+        elif "cls.output.weight" in get.tensors:   # a GGUF's: the rows of "yes" and "no", in that order
+            rows = get.dense("cls.output", (2, D))
+            head = () if rows is None else (rows[0] - rows[1],)
         else:                   # the logit of "yes" less that of "no": their rows of the head, subtracted
             p, vocab = self.scoring.prompt, self.tokenizer.get_vocab()
             words = [vocab.get(p.yes), vocab.get(p.no)]

@@ -230,8 +230,8 @@ class Models:
         o, ref = self.options, self.refs[name]
         if not self.encodes(name):
             return self._served(name, *load(ref, o.quant, 0, False, o.ctx, background=True))
-        model_dir = as_quantized(ref, open_model(ref), o.quant)
-        embedder = (Reranker if ranks(model_dir.path) else Embedder)(model_dir, name)
+        source, model_dir = hub.resolve(ref, record=False), as_quantized(ref, open_model(ref), o.quant)
+        embedder = Reranker(model_dir, name, source) if ranks(source) else Embedder(model_dir, name)
         engine = EmbedEngine(embedder, parallel=o.parallel, queue=o.queue, threads=o.threads)
         engine.start()
         return Embedding(engine, name, self.created, self._details(name, embedder.encoder.config))

@@ -761,8 +761,9 @@ def _bench_embedding(model, quant, tokens, texts, repeats, threads, as_json):
     from nibble.runner.embedding.rerank import Reranker
     from nibble.quant.open_model import open_model
     from nibble.runner.loader import as_quantized
-    model_dir = as_quantized(model, open_model(model), quant)
-    embedder = (Reranker if ranks(model_dir.path) else Embedder)(model_dir, model)
+    from nibble.formats.hub import resolve
+    source, model_dir = resolve(model), as_quantized(model, open_model(model), quant)
+    embedder = Reranker(model_dir, model, source) if ranks(source) else Embedder(model_dir, model)
     embedder.encoder.threads.pin(threads)
     ids = embedder.tokenizer.encode(PROMPT_TEXT * (tokens // 40 + 1)).ids   # cut to the model's length
     if tokens > len(ids):

@@ -41,9 +41,10 @@ def rerank(query, model, path, top_n, instruction, quant, as_json):
     documents = [line for line in data.splitlines() if line.strip()]
     if not documents:
         raise click.UsageError("no documents: the input has no line of text")
-    if not ranks(resolve(model)):   # said before the weights are read
+    source = resolve(model)
+    if not ranks(source):   # said before the weights are read
         raise not_a_reranker(model)
-    reranker = Reranker(as_quantized(model, open_model(model), quant), model)
+    reranker = Reranker(as_quantized(model, open_model(model), quant), model, source)
     pairs = reranker.pairs(query, documents, instruction)
     if pairs.cut:
         click.echo(f"nibble: {pairs.cut} of {len(documents)} documents cut to {reranker.max_length} tokens with the "
