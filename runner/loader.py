@@ -1,4 +1,7 @@
 """From a model reference to a runnable model and its tokenizer."""
+import dataclasses
+
+from nibble.formats import presets
 from nibble.formats.catalog import identity
 from nibble.formats.cross_encoder import ranks
 from nibble.formats.errors import NibbleError
@@ -32,11 +35,44 @@ def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: b
     if ranks(model_dir.path):
         raise NibbleError(f"{ref} is a reranker: it scores documents for a query (nibble rerank), it does not generate")
     running = as_quantized(ref, model_dir, quant)
+    if preset := presets.find(ref):
+        running = with_preset(running, preset)
     model, tokenizer = from_model_dir(running)
     if background and running.path is not None:
         model.background = Background(running.path, as_stored=not is_quantized(running.config))
     model.offload_layers(gpu_layers, ctx_size, require_gpu)
     return model, tokenizer
+
+
+def with_preset(model_dir: ModelDir, preset: presets.Preset) -> ModelDir:
+    """The model as `preset` runs it: its sampling settings over the model's defaults, its chat
+    template, and the system prompt and messages its conversations start with."""
+    config = dict(model_dir.tokenizer_config)
+    if preset.template is not None:
+        config["chat_template"] = preset.template
+    generation = {**model_dir.generation_config, **preset.parameters}
+    if "temperature" in preset.parameters:   # the preset's temperature, whatever do_sample said
+        generation.pop("do_sample", None)
+    return dataclasses.replace(model_dir, generation_config=generation, tokenizer_config=config,
+                               conversation=preset.conversation())
+
+
+def check_preset(name: str, preset: presets.Preset):
+    """NibbleError unless `preset` can be kept as `name`: a name of its own, settings a model could
+    have, a template that reads, a model that is there (fetched once, as -m would)."""
+    from nibble.formats.hub import resolve
+    from .settings import model_sampling
+    from .text.template import ChatTemplate
+    presets.check_name(name)
+    if preset.source == name:
+        raise NibbleError(f"the preset {name} cannot be made from itself")
+    _, note = model_sampling(preset.parameters)
+    if note:
+        raise NibbleError(note.replace("ignored in the model's generation_config.json (nibble's defaults apply)",
+                                       "the preset's settings"))
+    if preset.template is not None:
+        ChatTemplate.from_tokenizer_config({"chat_template": preset.template})
+    resolve(preset.source)
 
 
 def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:

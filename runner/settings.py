@@ -44,8 +44,9 @@ DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 # and OpenAI's penalties and DRY's, which nibble writes there for an alias (formats.hub.ALIASES) and
 # reads by the same names.
 MODEL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n")
-WHOLE_FIELDS = ("top_k", "dry_allowed_length", "dry_penalty_last_n")
+                "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                "repeat_last_n", "seed")   # the last two: a preset's (formats/presets.py)
+WHOLE_FIELDS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "seed")
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                             route("/api/embeddings", embeddings.ollama_older, ["POST"]),
                             route("/api/tags", ollama_models.tags),
                             route("/api/show", ollama_models.show, ["POST"]),
+                            route("/api/create", ollama_models.create, ["POST"]),
                             route("/api/ps", ollama_models.running),
                             route("/api/version", ollama_models.version),
                             route("/", ollama_models.heartbeat, open=True),

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nibble.formats import catalog, hub
+from nibble.formats import catalog, hub, presets
 from nibble.formats.errors import NibbleError
 from nibble.formats.cross_encoder import ranks
 from nibble.formats.sentence_transformers import embeds
@@ -131,6 +131,11 @@ class Models:
         self._closed = False
         self._stop_sweeping = threading.Event()
         self.metrics = None   # the server's metrics.Metrics, with --metrics (replies count themselves there)
+
+    def serve_also(self, name: str):
+        """Answer to `name` from now on (a preset made while the server runs: what -m takes)."""
+        with self._lock:
+            self.refs.setdefault(name, name)
 
     # What the routes ask
 
@@ -361,11 +366,15 @@ def gb(n: int) -> str:
 def servable(start: str, only: list[str] | None = None) -> tuple[dict[str, str], str]:
     """The names a server answers to, each with what loader.load takes, and the name of `start`
     (-m, loaded at start): the models `only` names (--models), else every model in nibble's and
-    the Hugging Face cache, each under the name `nibble ls` prints it by; `start` among them (a
-    path outside the caches under its last part). Command-line names only: they may be paths."""
+    the Hugging Face cache and every preset, each under the name `nibble ls` prints it by; `start`
+    among them (a path outside the caches under its last part). Command-line names only: they may be paths."""
     cached = catalog.list_cached_models()
 
+    made = presets.names()
+
     def entry(ref: str, required: bool) -> tuple[str, str]:
+        if ref in made:
+            return ref, ref
         if found := catalog.find(ref, cached):
             return found.ref, found.ref
         if Path(ref).expanduser().exists():
@@ -378,7 +387,7 @@ def servable(start: str, only: list[str] | None = None) -> tuple[dict[str, str],
     default, start_ref = entry(start, False)
     refs = {default: start_ref}
     if only is None:   # a cached model named as -m's path is: -m's wins
-        return refs | {m.ref: m.ref for m in cached if m.ref not in refs}, default
+        return refs | {m.ref: m.ref for m in cached if m.ref not in refs} | {p: p for p in made if p not in refs}, default
     for name, ref in (entry(r, True) for r in only):
         if refs.setdefault(name, ref) != ref:
             raise NibbleError(f"--models: two models go by the name {name!r}: {refs[name]} and {ref}")

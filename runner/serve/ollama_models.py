@@ -1,6 +1,7 @@
 """ollama's API, its models: /api/tags (every model the server can serve), /api/show (what one is,
-from memory or its files, without loading it), /api/ps (those loaded), /api/version, and the
-heartbeat at / that the ollama command line sends before each command.
+from memory or its files, without loading it), /api/create (a preset: formats/presets.py),
+/api/ps (those loaded), /api/version, and the heartbeat at / that the ollama command line sends
+before each command.
 """
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from nibble.formats import catalog, hub
+from pydantic import Field
+
+from nibble.formats import catalog, hub, presets
 from nibble.formats.catalog import Details
 from nibble.formats.errors import NibbleError
 from nibble.formats.sentence_transformers import embeds, read_pipeline
 from ..text.template import ChatTemplateError
 from ..text.reasoning import reasoning_family
 from ..settings import SamplerSettings
-from .bodies import Body, Text, read
+from .bodies import Body, Flag, JsonObject, Text, read
+from .errors import ApiError
 from .models import Models
 from .ollama import served_name
 from .pending import read_json
@@ -31,7 +35,8 @@ from .replies import Embedding, Served
 async def tags(models: Models, request: Request) -> Response:
     """Every model the server can serve, loaded or not, as ollama lists those it has pulled."""
     loaded = {served.name: served.details for served, _ in models.loaded()}
-    entries = await run_in_threadpool(lambda: [tag(name, ref, loaded.get(name)) for name, ref in models.refs.items()])
+    refs = list(models.refs.items())   # here: /api/create may add one meanwhile
+    entries = await run_in_threadpool(lambda: [tag(name, ref, loaded.get(name)) for name, ref in refs])
     return JSONResponse({"models": entries})
 
 
@@ -135,7 +140,64 @@ async def show(models: Models, request: Request) -> Response:
     served = next((s for s, _ in models.loaded() if s.name == name), None)
     about = About.of_served(served) if served else \
         await run_in_threadpool(About.on_disk, models.refs[name], models.options.ctx)
-    return JSONResponse(show_reply(name, models.refs[name], about))
+    reply = show_reply(name, models.refs[name], about)
+    if (preset := presets.read(models.refs[name])) is not None:   # its Presetfile, as ollama shows a Modelfile
+        reply |= {"modelfile": f"# Presetfile of {name}\n{presets.dump(preset)}", "system": preset.system or ""}
+    return JSONResponse(reply)
+
+
+class CreateMessage(Body):
+    role: Text
+    content: Text
+
+
+class CreateRequest(Body):
+    """ollama's /api/create: the preset's fields, or (older clients) a Modelfile's text."""
+    model: Text | None = None
+    name: Text | None = None           # older clients'
+    source: Text | None = Field(None, alias="from")
+    modelfile: Text | None = None      # older clients'
+    system: Text | None = None
+    template: Text | None = None
+    parameters: JsonObject | None = None
+    messages: list[CreateMessage] | None = None
+    license: Text | list[Text] | None = None
+    adapters: JsonObject | None = None
+    files: JsonObject | None = None
+    quantize: Text | None = None
+    stream: Flag | None = None
+
+
+async def create(models: Models, request: Request) -> Response:
+    """A preset kept under the body's name and served from then on; ollama's progress lines (one
+    JSON object a line unless `stream` is false), which here are two."""
+    body = read(CreateRequest, await read_json(request))
+    name = body.model or body.name
+    if name is None:
+        raise ApiError(400, "model is missing: the preset's name", "model")
+    for field, why in (("adapters", "applies no LoRA adapters yet"), ("files", "creates presets of the models it "
+                       "has, named by from, not of uploaded files"), ("quantize", "quantizes with nibble quantize")):
+        if getattr(body, field) is not None:
+            raise ApiError(400, f"{field}: nibble {why}", field)
+    preset = presets.parse(body.modelfile, "modelfile") if body.modelfile else presets.Preset("")
+    preset.source = body.source or preset.source
+    if not preset.source:
+        raise ApiError(400, "from is missing: the model the preset runs", "from")
+    preset.source = models.refs.get(preset.source, preset.source)   # a name served here: its files
+    preset.system = body.system if body.system is not None else preset.system
+    preset.template = body.template if body.template is not None else preset.template
+    for key, value in (body.parameters or {}).items():
+        preset.parameters.update([presets.parameter(key, str(value), f"parameters.{key}")])
+    preset.messages += [{"role": m.role, "content": m.content} for m in body.messages or []]
+    if body.license is not None:
+        preset.license = body.license if isinstance(body.license, str) else "\n".join(body.license)
+    from ..loader import check_preset   # the model's files resolved: off the event loop
+    await run_in_threadpool(check_preset, name, preset)
+    presets.save(name, preset)
+    models.serve_also(name)
+    if body.stream is False:
+        return JSONResponse({"status": "success"})
+    return Response('{"status":"writing the preset"}\n{"status":"success"}\n', media_type="application/x-ndjson")
 
 
 def show_reply(name: str, ref: str, about: About) -> dict:

@@ -82,6 +82,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict], asked: ThinkingOptio
     think). A budget of 0 is thinking off; a `forced` reply (a grammar's: a format, a call) does
     not think, which its grammar would not allow."""
     family = reasoning_family(tokenizer.chat_template.source)
+    messages = tokenizer.started(messages)
     think = False if asked.budget == 0 or forced else asked.think
     budget = asked.budget if asked.budget is not None and asked.budget > 0 else None
     if family == "harmony":   # gpt-oss's template reads an earlier turn's thinking under this name

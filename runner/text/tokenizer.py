@@ -42,6 +42,7 @@ class Tokenizer:
         # The model's sampling defaults (a SamplerSettings: its generation_config.json over nibble's
         # defaults), and a line for the user naming the values of that file it ignored ("" if none).
         self.sampling, self.sampling_note = model_sampling(model_dir.generation_config)
+        self.opening = model_dir.conversation   # what every conversation starts with (a preset's)
 
     @cached_property
     def chat_template(self) -> ChatTemplate:
@@ -109,11 +110,20 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def started(self, messages: list[dict]) -> list[dict]:
+        """`messages` after what a preset starts every conversation with: its system prompt where
+        they bring none (theirs wins), then its messages."""
+        if not self.opening:
+            return messages
+        if messages and messages[0].get("role") == "system":
+            return messages[:1] + [m for m in self.opening if m["role"] != "system"] + messages[1:]
+        return self.opening + messages
+
     def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Ids of a conversation (and the tools it may call) through the model's chat template,
         ready for the reply."""
         template = self.tool_template if tools else self.chat_template
-        return self.encode(template.render(messages, tools=tools))
+        return self.encode(template.render(self.started(messages), tools=tools))
 
     def prompt(self, text: str, system: str | None = None, raw: bool = False) -> list[int]:
         """Ids for a one-shot prompt: raw text, or one user turn through the chat template."""

@@ -18,6 +18,7 @@ from nibble.formats.hub import DEFAULT_MODEL, FALLBACK_MODEL
 
 from .embed import embed
 from .models import ls, ps, pull, rm
+from .presets import create, show
 from .rerank import rerank
 from nibble.runner.serve import DEFAULT_HOST, DEFAULT_PORT
 from nibble.runner.settings import DEFAULT_DRAFT, MAX_TOKENS, SamplerSettings
@@ -828,7 +829,7 @@ def _progress_bar(stage: str, done: int, total: int, width: int = 30):
     click.echo(f"\r{stage:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", nl=False, err=True)
 
 
-for command in (pull, ls, rm, ps, embed, rerank):
+for command in (pull, ls, rm, ps, embed, rerank, create, show):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def pull(ref):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object a model, in a list.")
 def ls(as_json):
     """List the models in nibble's cache and the Hugging Face cache, by the name -m takes."""
-    from nibble.formats import catalog, usage
+    from nibble.formats import catalog, presets, usage
     rows = []
     for m in catalog.list_cached_models():
         try:
@@ -57,15 +57,25 @@ def ls(as_json):
     if as_json:
         for r in rows:
             r["last_used"] = _iso(r["last_used"])
-        click.echo(json.dumps(rows, indent=2, ensure_ascii=False))
+        made = [{"name": name, "preset": True, "from": p.source, "system": p.system, "parameters": p.parameters}
+                for name in presets.names() if (p := presets.read(name))]
+        click.echo(json.dumps(rows + made, indent=2, ensure_ascii=False))
         return
     now = time.time()
-    table(["NAME", "FAMILY", "PARAMETERS", "QUANTIZATION", "SIZE", "LAST USED"],
-          [[r["name"], r["family"], catalog.parameter_size(r["parameters"]),
-            " + ".join([r["quantization"], *(f"{c['quantization']} copy" for c in r["copies"])]),
-            format_bytes(r["size_bytes"] + sum(c["size_bytes"] for c in r["copies"])),
-            ago(r["last_used"], now)] for r in rows])
-    if not rows:
+    if rows:
+        table(["NAME", "FAMILY", "PARAMETERS", "QUANTIZATION", "SIZE", "LAST USED"],
+              [[r["name"], r["family"], catalog.parameter_size(r["parameters"]),
+                " + ".join([r["quantization"], *(f"{c['quantization']} copy" for c in r["copies"])]),
+                format_bytes(r["size_bytes"] + sum(c["size_bytes"] for c in r["copies"])),
+                ago(r["last_used"], now)] for r in rows])
+    made = [(name, presets.read(name)) for name in presets.names()]
+    if made:
+        if rows:
+            click.echo()
+        table(["PRESET", "FROM", "SYSTEM", "SETTINGS"],
+              [[name, p.source, _short(p.system or ""), " ".join(f"{k}={v}" for k, v in p.parameters.items())]
+               for name, p in made])
+    if not rows and not made:
         click.echo("no models yet: `nibble pull MODEL` downloads one", err=True)
 
 
@@ -76,7 +86,10 @@ def rm(ref, yes):
     """Remove MODEL (a name `nibble ls` shows, an alias, a hub id or a path) from nibble's cache or
     the Hugging Face cache, with the copies quantized from it on first use; a GGUF repo's other
     quantizations stay."""
-    from nibble.formats import catalog
+    from nibble.formats import catalog, presets
+    if presets.remove(ref):   # a preset: its file, not its model
+        click.echo(f"removed the preset {ref}")
+        return
     models = catalog.list_cached_models()
     model = catalog.find(ref, models)
     if model is None:
@@ -91,6 +104,11 @@ def rm(ref, yes):
         click.confirm(f"remove {model.ref}{copies} ({format_bytes(size)}, {model.path})?", abort=True)
     freed = catalog.remove(model, models)
     click.echo(f"removed {model.ref}{copies}: {format_bytes(freed)} freed")
+
+
+def _short(text: str, most: int = 40) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= most else line[:most - 1] + "…"
 
 
 def _quantization(path: Path) -> str:
