@@ -169,8 +169,10 @@ def test_the_ollama_clients_create_and_show(tiny_dir, isolated):  # noqa: F811
                              messages=[{"role": "user", "content": "Hi"}]).status == "success"
         assert presets.read("terse") == presets.Preset(str(tiny_dir), "Be brief.", {"temperature": 0.0, "top_k": 3},
                                                        messages=[{"role": "user", "content": "Hi"}])
-        shown = client.show("terse")
+        shown = client.show("terse")   # not loaded: from its files
         assert shown.modelfile.startswith(f"# Presetfile of terse\nFROM {tiny_dir}\nSYSTEM Be brief.\n")
+        assert shown.parameters.splitlines()[1].split() == ["temperature", "0.0"]
+        assert shown.parameters.splitlines()[2].split() == ["top_k", "3"]
         assert "terse" in [m.model for m in client.list().models]
         by_preset = client.chat(model="terse", messages=[{"role": "user", "content": "Why?"}], options={"num_predict": 6})
         by_hand = client.chat(model="tiny", options={"num_predict": 6, "temperature": 0},

@@ -5,6 +5,7 @@ before each command.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import re
@@ -106,6 +107,9 @@ class About:
             tokenizer = Tokenizer(model_dir)
             template, sampling = _template_source(tokenizer), tokenizer.sampling
             longest = model_dir.config.max_position_embeddings
+        if preset := presets.find(ref):   # its settings over the model's, its template
+            sampling = dataclasses.replace(sampling, **{k: v for k, v in preset.parameters.items()})
+            template = preset.template if preset.template is not None else template
         return cls(details, template if isinstance(template, str) else "", sampling,
                    min(ctx, longest) if isinstance(longest, int) and longest > 0 else ctx)
 
