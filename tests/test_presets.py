@@ -4,12 +4,12 @@ and by the server as its model runs with the same settings given by hand."""
 import json
 
 import pytest
-from hypothesis import event, given, strategies as st
+from hypothesis import event, example, given, settings, strategies as st
 
 from nibble.formats import hub, presets
 from nibble.formats.errors import FormatError
 from nibble.runner.loader import load
-from tests.serving import KEY, serving
+from tests.serving import KEY, bodies, serving
 from tests.test_cli import assert_one_line_error, invoke
 from tests.test_hub import isolated  # noqa: F401 (a fixture)
 
@@ -189,3 +189,40 @@ def test_the_ollama_clients_create_and_show(tiny_dir, isolated):  # noqa: F811
                               ({"model": "x", "modelfile": "FROM tiny\nFOO 1\n"}, "modelfile line 2: unknown instruction")]:
             status, _, raw = server.post("/api/create", body)
             assert status == 400 and message in json.loads(raw)["error"], (body, raw)
+
+
+CREATE_KEYS = ["model", "name", "from", "system", "template", "parameters", "messages", "modelfile", "license",
+               "adapters", "files", "quantize", "stream"]
+
+
+@pytest.mark.fuzz
+@settings(max_examples=60, deadline=None)
+@given(body=bodies({"model": "p", "from": "tiny", "system": "s"}, CREATE_KEYS))
+@example(body={"model": "p", "modelfile": 'FROM tiny\nSYSTEM """open'})
+@example(body={"model": "p", "from": "tiny", "parameters": {"temperature": "hot"}})
+@example(body={"model": "../../etc", "from": "tiny"})
+def test_fuzz_create_keeps_a_preset_or_says_why_not(create_server, body):
+    status, _, raw = create_server.post("/api/create", json.dumps(body).encode())
+    if status == 200:
+        name = body.get("model") or body.get("name")
+        assert presets.read(name) is not None
+    else:
+        assert 400 <= status < 500, (status, raw)
+        assert isinstance(json.loads(raw)["error"], str)
+    event(str(status))
+
+
+@pytest.fixture(scope="module")
+def create_server(tmp_path_factory, tiny_dir):
+    """The tiny model served alone, its presets in a folder of the module's."""
+    import os
+    home, before = tmp_path_factory.mktemp("home"), os.environ.get("NIBBLE_HOME")
+    os.environ["NIBBLE_HOME"] = str(home)
+    try:
+        with serving(tiny_dir) as server:
+            yield server
+    finally:
+        if before is None:
+            os.environ.pop("NIBBLE_HOME")
+        else:
+            os.environ["NIBBLE_HOME"] = before

@@ -6,7 +6,7 @@ import types
 import pytest
 from textual.worker import get_current_worker
 
-from nibble.formats import catalog
+from nibble.formats import catalog, presets
 from nibble.formats.errors import NibbleError
 from nibble.runner.generation import session as session_module
 from nibble.runner.loader import load
@@ -467,6 +467,22 @@ async def test_model_picker_lists_cached_models_and_loads_the_choice(home, tiny,
         assert app.screen is app.chat_screen
         await wait_for(pilot, lambda: app.model_ref == "other/model", what="the new model")
         assert app.session is not None and loaded == ["tiny", "other/model"]
+
+
+async def test_model_picker_lists_presets_after_the_models(home, tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(catalog, "list_cached_models", lambda: [catalog.CachedModel("tiny", tmp_path, 1 << 20)])
+    presets.save("french", presets.Preset("tiny", "Réponds en français."))
+    loaded = []
+    app = make_app(tiny, load=lambda ref, quant: loaded.append(ref) or tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+o")
+        options = app.screen.query_one("#models")
+        await wait_for(pilot, lambda: options.option_count == 2 and options.get_option_at_index(1).id == "french")
+        assert "preset of tiny" in str(options.get_option_at_index(1).prompt)
+        await pilot.press("down", "enter")
+        await wait_for(pilot, lambda: app.model_ref == "french", what="the preset")
+        assert loaded == ["tiny", "french"]
 
 
 async def test_f1_lists_every_binding(home, tiny):

@@ -1,4 +1,5 @@
-"""The model picker: models already on disk (nibble's cache and Hugging Face's), or any reference."""
+"""The model picker: models already on disk (nibble's cache and Hugging Face's) and presets, or any
+reference."""
 from __future__ import annotations
 
 from textual import work
@@ -9,7 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
-from nibble.formats import catalog
+from nibble.formats import catalog, presets
 from nibble.tui.widgets.status import format_bytes
 
 
@@ -40,9 +41,15 @@ class ModelPicker(ModalScreen[str | None]):
             found, error = catalog.list_cached_models(), None
         except Exception as e:   # an unreadable cache must not break the picker
             found, error = [], f"cannot list cached models: {e}"
-        self.app.call_from_thread(self._show, found, error)
+        made = []
+        for name in presets.names():
+            try:
+                made.append((name, presets.read(name).source))
+            except Exception:   # a damaged Presetfile: the others still show
+                continue
+        self.app.call_from_thread(self._show, found, error, made)
 
-    def _show(self, found, error: str | None):
+    def _show(self, found, error: str | None, made: list[tuple[str, str]] = ()):
         if not self.is_attached:
             return   # dismissed before the scan ended
         options = self.query_one(OptionList)
@@ -51,10 +58,14 @@ class ModelPicker(ModalScreen[str | None]):
             mark = "  (loaded)" if m.ref == self.current else ""
             label = Content.assemble(m.ref, (f"  {format_bytes(m.size_bytes)}{mark}", "dim"))
             options.add_option(Option(label, id=m.ref))
-        if not found:
+        for name, source in made:
+            mark = "  (loaded)" if name == self.current else ""
+            options.add_option(Option(Content.assemble(name, (f"  preset of {source}{mark}", "dim")), id=name))
+        names = [m.ref for m in found] + [name for name, _ in made]
+        if not names:
             options.add_option(Option(error or "no models in the caches yet: type one below", disabled=True))
         else:
-            options.highlighted = next((i for i, m in enumerate(found) if m.ref == self.current), 0)
+            options.highlighted = names.index(self.current) if self.current in names else 0
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected):
         if event.option.id:
