@@ -10,6 +10,7 @@ from nibble.formats.sentence_transformers import embeds
 from nibble.quant.convert import count_params, is_quantized
 from nibble.quant.open_model import open_model
 from .background import Background
+from .generation.draft import DraftModel
 from .model import Model
 from .convert.quantize import quantized_once
 from .text.tokenizer import Tokenizer
@@ -42,6 +43,18 @@ def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: b
         model.background = Background(running.path, as_stored=not is_quantized(running.config))
     model.offload_layers(gpu_layers, ctx_size, require_gpu)
     return model, tokenizer
+
+
+def load_draft(ref: str, quant: str | None, tokenizer: Tokenizer, ctx: int) -> DraftModel:
+    """The model at `ref` as a draft model for the one `tokenizer` is of (runner/generation/draft.py):
+    NibbleError unless their vocabularies are the same, id for id."""
+    model, theirs = load(ref, quant, ctx_size=ctx)
+    if model.gpu_stage is not None:
+        raise NibbleError("the draft model runs on the CPU")
+    if theirs.tokenizer.get_vocab() != tokenizer.tokenizer.get_vocab():
+        raise NibbleError(f"the draft model {ref} has another vocabulary than the model's: a draft model shares its "
+                          "tokenizer (a smaller model of the same family: Qwen2.5-0.5B for Qwen2.5-7B)")
+    return DraftModel(model, min(ctx, model.config.max_position_embeddings))
 
 
 def with_preset(model_dir: ModelDir, preset: presets.Preset) -> ModelDir:

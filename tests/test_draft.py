@@ -1,5 +1,7 @@
-"""Speculative decoding by prompt lookup: the n-gram search against a plain one, greedy output
-identical with and without drafts, the rejection rule against plain sampling."""
+"""Speculative decoding by prompt lookup and by a draft model: the n-gram search against a plain
+one, greedy output identical with and without drafts, the rejection rule against plain sampling
+(whatever a draft proposes: a draft model's greedy guesses are a function of the sequence, as a
+lookup's are, so the rule keeps the sampled output's distribution with either)."""
 from collections import Counter
 
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 
 from nibble.formats.model_dir import read_model_dir, write_model_dir
 from nibble.quant.convert import quantize_model
-from nibble.runner.generation.draft import NGRAM_MAX, NGRAM_MIN, NgramIndex, PromptLookup
+from nibble.runner.generation.draft import NGRAM_MAX, NGRAM_MIN, DraftModel, NgramIndex, PromptLookup
 from nibble.runner.generation.generate import stream_generate
 from nibble.runner.loader import from_model_dir
 from nibble.runner.generation.sample import make_sampler, probabilities
@@ -80,11 +82,11 @@ class Passes:
         return self.forward(tokens, cache, **kw)
 
 
-def greedy_ids(model, tok, prompt, draft, n=80, cache=None):
+def greedy_ids(model, tok, prompt, draft, n=80, cache=None, draft_model=None):
     """The reply's ids, one by one; the reply ends after n (or at the cache's end)."""
     cache = cache or model.new_cache(len(prompt) + n + 1)
     for r in stream_generate(model, tok, prompt, sampler=make_sampler(GREEDY), max_tokens=n, cache=cache,
-                             draft=draft):
+                             draft=draft, draft_model=draft_model):
         yield from r.tokens
 
 
@@ -98,6 +100,34 @@ def test_greedy_output_is_the_same_with_drafts(tiny, prompt, monkeypatch):
     monkeypatch.setattr(model, "forward", passes)
     assert list(greedy_ids(model, tok, ids, draft=8)) == plain
     assert passes.count < len(plain)   # drafts were accepted: fewer passes than tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1])   # the model itself (float: its guesses taken), another one
+def test_greedy_output_is_the_same_with_a_draft_model(tiny, seed, monkeypatch):
+    model, tok = tiny
+    drafts = DraftModel(from_model_dir(tiny_model_dir(seed=seed))[0], 256)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.")
+    plain = list(greedy_ids(model, tok, ids, draft=0))
+    passes = Passes(model)
+    monkeypatch.setattr(model, "forward", passes)
+    assert list(greedy_ids(model, tok, ids, draft=8, draft_model=drafts)) == plain
+    if seed == 0:
+        assert passes.count < len(plain) // 2   # guesses were taken: fewer passes than tokens
+    # another prompt on the same draft model: its cache follows, keeping the common prefix
+    other = tok.encode("The quick brown fox sleeps.")
+    assert list(greedy_ids(model, tok, other, draft=8, draft_model=drafts)) == list(greedy_ids(model, tok, other, 0))
+    assert drafts.cache.ids[:len(other)] == other
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_dir, tmp_path):
+    from nibble.formats.errors import NibbleError
+    from nibble.runner.loader import load, load_draft
+    from tests.tiny import tiny_coder_dir
+    _, tok = load(str(tiny_dir))
+    coder = write_model_dir(tiny_coder_dir(), tmp_path / "coder")
+    with pytest.raises(NibbleError, match="has another vocabulary than the model's"):
+        load_draft(str(coder), None, tok, 256)
+    assert load_draft(str(tiny_dir), None, tok, 256).cache.size == 256
 
 
 def stored(cache):
@@ -246,3 +276,13 @@ def test_smollm2_greedy_output_is_the_same_with_drafts(smollm2_dir, prompt, monk
     assert list(greedy_ids(model, tok, ids, draft=8, n=160)) == plain
     if prompt.startswith("Repeat"):
         assert passes.count < len(plain) / 2   # most of the quote came in drafts
+
+
+def test_nibble_run_with_a_draft_model_says_the_same(tiny_dir, tmp_path):
+    from tests.test_cli import assert_one_line_error, invoke
+    from tests.tiny import tiny_coder_dir
+    plain = invoke("run", "-m", tiny_dir, "--temp", "0", "-n", "12", "--no-draft", "Hello there")
+    drafted = invoke("run", "-m", tiny_dir, "--temp", "0", "-n", "12", "--draft-model", tiny_dir, "Hello there")
+    assert plain.exit_code == drafted.exit_code == 0 and plain.stdout == drafted.stdout != ""
+    coder = write_model_dir(tiny_coder_dir(), tmp_path / "coder")
+    assert_one_line_error(invoke("run", "-m", tiny_dir, "--draft-model", coder, "Hi"), 1, "has another vocabulary")

@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 
 from nibble.runner.generation.decoding import Request
+from nibble.runner.generation.draft import DraftModel
 from nibble.runner.generation.engine import Busy, Engine
 from nibble.runner.generation.generate import stream_generate
-from nibble.runner.loader import load
+from nibble.runner.loader import from_model_dir, load
 from nibble.runner.model import ContextFull
 from nibble.runner.kv.prompt_ids import PromptMemo
 from nibble.runner.generation.sample import make_sampler
 from nibble.runner.settings import SamplerSettings
+from tests.tiny import tiny_model_dir
 
 GREEDY = SamplerSettings(temperature=0)
 QUESTIONS = ["The quick brown fox", "Numba compiles Python", "the capital of France", "the sky",
@@ -267,6 +269,26 @@ def test_a_reply_decoding_alone_checks_drafts_and_says_the_same(tiny, engine, se
         assert tokens(drafted) == tokens(plain) and "".join(e.text for e in drafted) == "".join(e.text for e in plain)
         prefill = -(-len(ids) // 8)   # its chunks' passes: the last gives the first token
         assert len(passes) < prefill + 59   # drafts were checked and accepted
+
+
+def test_a_draft_models_guesses_are_checked_as_lookups_are(tiny, engine, monkeypatch):
+    """With a draft model (the tiny model itself: its guesses are the reply), the same greedy ids
+    in fewer passes of the model, as nibble serve --draft-model runs them."""
+    model, tok = tiny
+    ids = tok.encode("Once upon a time, in a small town by the sea,")
+    plain = submit(engine, ids, 40).all()
+    drafting = Engine(model, tok, parallel=1, ctx=256, prefill_chunk=8, draft_model=DraftModel(
+        from_model_dir(tiny_model_dir())[0], 256))
+    drafting.start()
+    passes, real = [], model.forward_batch
+    monkeypatch.setattr(model, "forward_batch", lambda *a: passes.append(len(a[0])) or real(*a))
+    try:
+        drafted = submit(drafting, ids, 40, draft=8).all()
+    finally:
+        drafting.close()
+    tokens = lambda events: [t for e in events for t in e.tokens]
+    assert tokens(drafted) == tokens(plain) and len(tokens(plain)) == 40
+    assert len(passes) < -(-len(ids) // 8) + 39 and max(passes) > 1   # passes that checked guesses
 
 
 def test_drafts_stay_inside_the_context_and_the_cache_holds_what_ran(tiny):

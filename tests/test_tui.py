@@ -108,6 +108,22 @@ async def test_a_message_gets_a_streamed_reply_and_both_are_stored(home, tiny):
     assert db_rows(home, "SELECT title FROM chats") == [("Hello there",)]
 
 
+async def test_a_draft_model_drafts_the_chats_replies(home, tiny, tiny_dir):
+    """nibble chat --draft-model: the session drafts by it (here the model itself), the reply the
+    same as without."""
+    plain = make_app(tiny, draft=0)
+    async with plain.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Hello there")
+        want = plain.chat_screen.history[1].content
+    app = make_app(tiny, draft_model=str(tiny_dir))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.session.draft_model is not None
+        await send(pilot, "Hello there")
+        assert app.chat_screen.history[1].content == want
+
+
 async def test_enter_sends_shift_enter_and_ctrl_j_insert_new_lines(home, tiny):
     app = make_app(tiny)
     async with app.run_test(size=SIZE) as pilot:

@@ -81,12 +81,13 @@ class ChatApp(App):
                  kv_cache: str = "f32", kv_disk: int = 0, threads: int | None = None, seed: int | None = None,
                  system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
                  store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,
-                 require_gpu: bool = False, draft: int = DEFAULT_DRAFT,
+                 require_gpu: bool = False, draft: int = DEFAULT_DRAFT, draft_model: str | None = None,
                  thinking: ThinkingOptions = ThinkingOptions(), note: str = ""):
         """`model` is loaded at start (None: none until one is picked with ctrl+o).
         New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
         `sampling` ({SamplerSettings field: value}, the command line's flags) laid over them.
-        `draft`: the most tokens a decode pass guesses ahead (0: none; runner/generation/draft.py).
+        `draft`: the most tokens a decode pass guesses ahead (0: none; runner/generation/draft.py),
+        by `draft_model` (a reference; None: prompt lookup) where its vocabulary is the model's.
         `kv_disk`: bytes for the KV blocks kept on disk (0: none; runner/kv/disk.py), so that a
         chat reopened after a restart goes on without prefilling what it held.
         `thinking`: what is asked of a model that thinks (--think, --reasoning-budget), in every
@@ -99,7 +100,7 @@ class ChatApp(App):
         self.quant, self.ctx_size, self.kv_cache, self.kv_disk = quant, ctx_size, kv_cache, kv_disk
         self.threads, self.seed = threads, seed
         self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
-        self.draft = draft
+        self.draft, self.draft_model = draft, draft_model
         self.thinking = thinking
         self.note = note
         self.system, self.sampling, self.max_tokens = system, dict(sampling or {}), max_tokens
@@ -180,9 +181,14 @@ class ChatApp(App):
                 tokenizer.chat_template   # a broken template is a load error, not a first-reply one
                 step = 2
                 self._post(LoadProgress(ref, step, "preparing the kernels"))
+                drafts = None
+                if self.draft_model and self.draft:
+                    from nibble.runner.loader import load_draft
+                    drafts = load_draft(self.draft_model, self.quant, tokenizer, self.ctx_size)
+                    drafts.model.threads.pin(self.threads)
                 session = ChatSession(model, tokenizer, ctx=self.ctx_size, kv_type=self.kv_cache,
                                       threads=self.threads, pool=self._pool(model), draft=self.draft,
-                                      thinking=self.thinking)
+                                      thinking=self.thinking, draft_model=drafts)
                 session.warm_up()
         except Exception as e:   # any failure becomes a notification; the app stays usable
             from nibble.formats.errors import NibbleError

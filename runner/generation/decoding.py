@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nibble.formats.errors import NibbleError
-from .draft import PromptLookup
+from .draft import DraftModel, ModelDrafts, PromptLookup
 from ..kernels.cpu import SMALL
 from ..model import ContextFull
 from ..text.reasoning import ReasoningSplit, Thinking
@@ -99,11 +99,11 @@ class Decoding:
 
     The reply ends within `room` (its last id is sampled, never run): "length" there, as at
     max_tokens. `ids`: the sequence's record of its ids (KVCache.ids), which holds the prompt and
-    takes each id sampled.
+    takes each id sampled. `draft_model`: drafts by that model rather than by prompt lookup.
     """
 
     def __init__(self, request: Request, tokenizer: Tokenizer, room: int, sampler: Sampler | None = None, *,
-                 ids: list[int]):
+                 ids: list[int], draft_model: DraftModel | None = None):
         check(request, room)
         r = self.request = request
         self.tokenizer = tokenizer
@@ -117,7 +117,8 @@ class Decoding:
         # a budget's forced ids or logprobs, each of which asks for one id at a time.
         drafts = (r.draft > 0 and r.constraint is None and r.logprobs is None
                   and (r.reasoning is None or r.reasoning.budget is None))
-        self.drafter = PromptLookup(min(r.draft, SMALL - 1)) if drafts else None
+        most = min(r.draft, SMALL - 1)
+        self.drafter = (ModelDrafts(draft_model, most) if draft_model else PromptLookup(most)) if drafts else None
         self.cached = 0                           # of the prompt's positions, found in a cache
         self.from_disk = 0                        # of those, read back from the disk tier
         self.unsent: list[int] = []               # ids not yet in an event (end tokens left out)

@@ -1,5 +1,8 @@
-"""Drafts for speculative decoding by prompt lookup: guesses of the next few tokens, copied from
-what followed the same n-gram earlier in the sequence (the prompt and the reply so far).
+"""Drafts for speculative decoding: guesses of the next few tokens, which the model checks in one
+pass (runner/generation/decoding.py). By prompt lookup (PromptLookup): copied from what followed
+the same n-gram earlier in the sequence (the prompt and the reply so far); or by a draft model
+(ModelDrafts): a smaller model of the same vocabulary, as llama.cpp's --model-draft, LM Studio's
+and mlx-lm's draft models.
 
 A reply that quotes its prompt (code to edit, a text to fix, a summary's names) repeats long runs
 of it: the tokens after the last n-gram's earlier occurrence are then the reply's next ones, and
@@ -13,6 +16,8 @@ from __future__ import annotations
 import itertools
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from ..settings import DEFAULT_DRAFT
 
@@ -89,3 +94,48 @@ class PromptLookup:
             self.rest, self.next_rest = self.next_rest, min(REST_MAX, 2 * self.next_rest)
         elif accepted >= 2:
             self.next_rest = 1
+
+
+class DraftModel:
+    """A smaller model of the target's vocabulary that guesses: greedily, a pass a token, on a KV
+    cache of its own that follows the sequence that asked last (what it ran that the sequence
+    still holds stays; the rest runs again), so that one draft model serves every reply of an
+    engine, which drafts only while one reply decodes alone."""
+
+    def __init__(self, model, ctx: int):
+        self.model = model
+        self.cache = model.new_cache(ctx)
+
+    def guess(self, seq: Sequence[int], k: int) -> list[int]:
+        """Up to k ids the draft model picks after `seq` (none where it cannot read the sequence:
+        an image's ids, past its context)."""
+        c, n = self.cache, 0
+        ran = c.ids[:c.pos]
+        while n < len(ran) and n < len(seq) and ran[n] == seq[n]:
+            n += 1
+        n = min(n, len(seq) - 1)   # the last id runs again: its logits pick the first guess
+        if len(seq) + k > c.size or min(seq[n:]) < 0:
+            return []
+        c.pos = n
+        del c.ids[n:]
+        logits, out = self.model.forward(list(seq[n:]), c), []
+        while True:
+            out.append(int(np.argmax(logits[-1])))
+            if len(out) == k:
+                return out
+            logits = self.model.forward(out[-1:], c)
+
+
+class ModelDrafts:
+    """Drafts for one reply by a DraftModel, at most `max_tokens` each: as many as the target took
+    of the last draft, doubled while it takes them all (each guess costs the draft model a pass)."""
+
+    def __init__(self, draft_model: DraftModel, max_tokens: int = DEFAULT_DRAFT):
+        self.model, self.max_tokens = draft_model, max_tokens
+        self.limit = max_tokens
+
+    def draft(self, seq: Sequence[int], room: int) -> list[int]:
+        return self.model.guess(seq, min(self.limit, room))
+
+    def update(self, drafted: int, accepted: int):
+        self.limit = min(self.max_tokens, 2 * self.limit) if accepted == drafted else max(1, 2 * accepted)

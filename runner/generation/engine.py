@@ -23,6 +23,7 @@ from nibble.formats.errors import NibbleError
 from ..kv.blocks import BlockPool
 from ..kv.cache import BLOCK, KVCache, Rows, blocks_for
 from .decoding import Decoding, Event, Request, Usage, check
+from .draft import DraftModel
 from .generate import PREFILL_CHUNK
 from ..kv.disk import open_disk
 from ..model import Model
@@ -103,7 +104,8 @@ class Engine(ModelThread):
 
     def __init__(self, model: Model, tokenizer: Tokenizer, *, parallel: int = 4, queue: int = 16,
                  ctx: int | None = None, kv_type: str = "f32", threads: int | None = None,
-                 cache_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK, kv_disk: int = 0):
+                 cache_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK, kv_disk: int = 0,
+                 draft_model: DraftModel | None = None):
         if parallel < 1 or queue < 0:
             raise NibbleError(f"parallel must be at least 1 and queue at least 0, got {parallel} and {queue}")
         if model.gpu_stage is not None:
@@ -114,6 +116,7 @@ class Engine(ModelThread):
         model.threads.pin(threads)
         self.ctx = min(ctx or longest, longest)        # each sequence's context
         self.prefill_chunk = prefill_chunk
+        self.draft_model = draft_model   # drafts by it rather than by prompt lookup (None)
         # Room for every running sequence's whole context, so that a step never runs out of
         # blocks (no preemption); what they do not hold is cache.
         blocks = max(blocks_for(cache_tokens or 0), parallel * blocks_for(self.ctx))
@@ -216,7 +219,7 @@ class Engine(ModelThread):
         r = handle.request
         cache = KVCache.on_pool(self.pool.kv, self.ctx)
         cached, from_disk = self.pool.admit(cache, r.prompt_ids, 0)   # blocks for what runs: each step's
-        decoding = Decoding(r, self.tokenizer, self.ctx, ids=cache.ids)
+        decoding = Decoding(r, self.tokenizer, self.ctx, ids=cache.ids, draft_model=self.draft_model)
         decoding.cached, decoding.from_disk = cached, from_disk
         return _Sequence(handle, cache, decoding)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..kv.cache import KVCache
 from .decoding import Decoding, Request, check
+from .draft import DraftModel
 from ..model import Model
 from ..text.image_ids import whole_images
 from ..text.reasoning import ReasoningSplit
@@ -44,8 +45,8 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
                     sampler: Sampler | None = None, max_tokens: int = MAX_TOKENS,
                     stop: Sequence[str] = (), cache: KVCache | None = None,
                     prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
-                    draft: int = DEFAULT_DRAFT, reasoning: ReasoningSplit | None = None
-                    ) -> Iterator[GenerationResponse]:
+                    draft: int = DEFAULT_DRAFT, reasoning: ReasoningSplit | None = None,
+                    draft_model: DraftModel | None = None) -> Iterator[GenerationResponse]:
     """Stream the reply to `prompt_ids`, the whole prompt, on `cache` (a fresh one if None): the
     cache keeps what it holds of the prompt (an earlier turn's, KVCache.keep_prefix; a cache on a
     BlockPool is put on the prompt by BlockPool.admit first) and the rest is prefilled.
@@ -56,7 +57,8 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
     so far, whose last sampled id never ran). Without a `sampler`, the model's sampling defaults
     apply (tokenizer.sampling). With a `constraint` (a grammar's, runner/text/grammar.py), the
     reply follows the grammar and ends "stop" where it is complete. `draft`: the most tokens a
-    pass guesses ahead and checks (none with GPU layers), the same reply sooner. With a
+    pass guesses ahead and checks (none with GPU layers), the same reply sooner: by prompt lookup,
+    or by `draft_model`'s guesses (runner/generation/draft.py). With a
     `reasoning` split (a model that thinks), its thinking comes apart in each response's
     `thinking`, and its budget holds. A reply that fills the context ends "context". The
     timings are measured here, from the call; the decode tokens/s count the tokens emitted;
@@ -70,7 +72,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt_ids: Sequence[int
                       draft=draft if model.gpu_stage is None else 0)
     check(request, cache.size)   # before the cache lets go of what it holds
     cached = cache.keep_prefix(prompt_ids)
-    decoding = Decoding(request, tokenizer, cache.size, sampler, ids=cache.ids)
+    decoding = Decoding(request, tokenizer, cache.size, sampler, ids=cache.ids, draft_model=draft_model)
     decoding.cached = cached
     prefill = len(prompt_ids) - cached
     start = time.perf_counter()

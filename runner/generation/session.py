@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from ..kv.blocks import BlockPool
 from ..kv.cache import KVCache
+from .draft import DraftModel
 from .generate import PREFILL_CHUNK, stream_generate
 from ..model import ContextFull, Model
 from ..kv.prompt_ids import PromptMemo
@@ -85,7 +86,7 @@ class ChatSession:
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx: int | None = None,
                  kv_type: str = "f32", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  pool: BlockPool | None = None, draft: int = DEFAULT_DRAFT,
-                 thinking: ThinkingOptions = ThinkingOptions()):
+                 thinking: ThinkingOptions = ThinkingOptions(), draft_model: DraftModel | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -98,6 +99,7 @@ class ChatSession:
         model.threads.pin(threads)
         self.prefill_chunk = prefill_chunk   # prompt tokens per forward pass of a long prefill
         self.draft = draft                   # tokens a decode pass guesses ahead (0: none)
+        self.draft_model = draft_model       # guesses by it, not by prompt lookup (None)
         self.thinking = thinking             # a turn's own options are laid over these
         self.memo = PromptMemo(tokenizer)
         self.last_prompt_ids: list[int] = []                # the ids of the last turn's prompt
@@ -199,7 +201,7 @@ class ChatSession:
         try:
             for r in stream_generate(self.model, self.tokenizer, ids, sampler=sampler,
                                      max_tokens=max_tokens, cache=cache, prefill_chunk=self.prefill_chunk,
-                                     draft=self.draft, reasoning=prompt.split):
+                                     draft=self.draft, reasoning=prompt.split, draft_model=self.draft_model):
                 stats = replace(stats, generation_tokens=r.generation_tokens, prompt_tps=r.prompt_tps,
                                 generation_tps=r.generation_tps, ttft=r.ttft, ctx_used=cache.pos,
                                 finish_reason=r.finish_reason)

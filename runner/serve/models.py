@@ -57,6 +57,7 @@ class EngineOptions:
     thinking: ThinkingOptions = ThinkingOptions()   # --think, --reasoning-budget: each request may say otherwise
     draft: int = DEFAULT_DRAFT    # --draft: the most tokens a pass guesses ahead, for a reply decoding alone
     kv_disk: int = 0              # --kv-disk: bytes for KV blocks on disk (runner/kv/disk.py)
+    draft_model: str | None = None   # --draft-model: drafts by it (each engine its own), not by prompt lookup
 
 
 def parse_keep_alive(text: str) -> float | None:
@@ -245,11 +246,29 @@ class Models:
         """A model that generates, its engine started."""
         o = self.options
         engine = Engine(model, tokenizer, parallel=o.parallel, queue=o.queue, ctx=o.ctx, kv_type=o.kv_type,
-                        threads=o.threads, cache_tokens=o.cache_tokens, kv_disk=o.kv_disk)
+                        threads=o.threads, cache_tokens=o.cache_tokens, kv_disk=o.kv_disk,
+                        draft_model=self._draft_model(name, tokenizer))
         engine.start()   # returns once a first pass has run: the kernels are compiled or loaded
         if tokenizer.sampling_note:
             self._log(f"{name}: {tokenizer.sampling_note}")
         return Served(engine, tokenizer, name, self.created, self._details(name, model.config), o.thinking, o.draft)
+
+    def _draft_model(self, name: str, tokenizer: Tokenizer):
+        """--draft-model's model for `name`'s engine (its own: an engine's thread runs it), or None:
+        none asked, drafts off, or (said in the log) another vocabulary than `name`'s."""
+        o = self.options
+        if o.draft_model is None or not o.draft:
+            return None
+        from ..loader import load_draft
+        try:
+            drafts = load_draft(o.draft_model, o.quant, tokenizer, o.ctx)
+        except NibbleError as e:
+            if name == self.default:
+                raise
+            self._log(f"{name}: no draft model: {e}")
+            return None
+        drafts.model.threads.pin(o.threads)
+        return drafts
 
     def _details(self, name: str, config) -> catalog.Details:
         return as_loaded(catalog.describe(hub.resolve(self.refs[name], record=False)), config.quantization)

@@ -201,13 +201,17 @@ def generation_options(f):
 
 
 def draft_options(f):
-    """--draft N and --no-draft, handed to the command as `draft` (0: none)."""
+    """--draft N, --no-draft and --draft-model, handed to the command as `draft` (0: none) and
+    `draft_model` (a reference, or None: prompt lookup)."""
     @functools.wraps(f)
     def command(no_draft, **kwargs):
         if no_draft:
             kwargs["draft"] = 0
         return f(**kwargs)
     command = click.option("--no-draft", is_flag=True, help="Decode one token a pass: no drafts.")(command)
+    command = click.option("--draft-model", metavar="MODEL",
+                           help="Draft with this smaller model of the same vocabulary instead of prompt lookup "
+                                "(each guess costs it a pass: off unless given).")(command)
     return click.option("--draft", default=DEFAULT_DRAFT, show_default=True, type=click.IntRange(0, 15),
                         help="Guess up to N tokens a pass from the prompt and the reply so far, "
                              "checked in the same pass (the reply is the same, often sooner).")(command)
@@ -252,6 +256,16 @@ def _load(model: str, quant: str | None, gpu_layers: int, require_gpu: bool, ctx
     llm, tokenizer = load(model, quant, gpu_layers, require_gpu, ctx_size, background)
     _say(llm.offload_note)
     return llm, tokenizer
+
+
+def _draft_model(ref: str | None, quant: str | None, tokenizer, ctx: int, threads: int | None):
+    """--draft-model's model, loaded and checked against the model's vocabulary (None: none)."""
+    if ref is None:
+        return None
+    from nibble.runner.loader import load_draft
+    drafts = load_draft(ref, quant, tokenizer, ctx)
+    drafts.model.threads.pin(threads)
+    return drafts
 
 
 def _say(note: str):
@@ -326,7 +340,8 @@ def _read_prompt(prompt: str | None) -> str:
 @thinking_options(off=True)
 @click.option("--hide-thinking", is_flag=True, help="Do not print what a model that thinks thinks (it still thinks).")
 def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk,
-        draft, gpu_layers, require_gpu, stop, raw, images, as_json, json_schema, json_object, thinking, hide_thinking):
+        draft, draft_model, gpu_layers, require_gpu, stop, raw, images, as_json, json_schema, json_object, thinking,
+        hide_thinking):
     """Answer PROMPT (or -p, or stdin), about the --image files if any, and stream the reply to
     stdout (a model's thinking, dimmed, to stderr)."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
@@ -346,6 +361,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
     llm.threads.pin(threads)
     ctx_size = _context("-c", ctx_size, llm)
+    drafts = _draft_model(draft_model, quant, tokenizer, ctx_size or DEFAULT_CTX, threads) if draft else None
     _say(tokenizer.sampling_note)
     sampling = replace(tokenizer.sampling, **sampling)   # the flags given, over the model's defaults
     if raw:
@@ -364,7 +380,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     try:
         for last in stream_generate(llm, tokenizer, ids, sampler=make_sampler(sampling, tokenizer),
                                     max_tokens=max_tokens, stop=stop, cache=cache, constraint=constraint,
-                                    draft=draft, reasoning=split):
+                                    draft=draft, reasoning=split, draft_model=drafts):
             shown.add(last.thinking, last.text)
     except KeyboardInterrupt:
         # Ctrl-C: keep what was printed, report, and exit as interrupted programs do.
@@ -471,8 +487,8 @@ def _report(r, shown: PrintedReply, as_json: bool, cached: int, interrupted: boo
 @generation_options
 @thinking_options
 @gpu_options
-def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk, draft, thinking,
-         gpu_layers, require_gpu):
+def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk, draft, draft_model,
+         thinking, gpu_layers, require_gpu):
     """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
@@ -487,7 +503,7 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, kv_disk=kv_disk,
             threads=threads, seed=seed,
             system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
-            require_gpu=require_gpu, draft=draft, thinking=thinking, note=note).run()
+            require_gpu=require_gpu, draft=draft, draft_model=draft_model, thinking=thinking, note=note).run()
 
 
 def _in_terminal() -> bool:
@@ -552,7 +568,7 @@ def _fetch_if_needed(ref: str):
 @gpu_options
 def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, kv_disk, cache_tokens,
           only, max_models, keep_alive, allowed_hosts, cors_origins, allow_image_urls, metrics, thinking, draft,
-          gpu_layers, require_gpu):
+          draft_model, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) and Anthropic's and ollama's: MODEL loaded at start, the others when a request
     names them."""
@@ -572,7 +588,7 @@ def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size,
     refs, default = servable(model, names)
     log = functools.partial(click.echo, err=True)
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, _threads(threads), cache_tokens,
-                            quant, thinking, draft, kv_disk)
+                            quant, thinking, draft, kv_disk, draft_model)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
     if models.encodes(default):   # an embedding model or a reranker: /v1/embeddings, /v1/rerank
         models.load_now(default)
