@@ -633,6 +633,29 @@ def import_(gguf_file, output, keep_float, force):
 
 
 @main.command()
+@click.argument("model")
+@click.option("--lora", "adapters", multiple=True, required=True, metavar="PATH[:SCALE]",
+              help="A LoRA adapter as PEFT saves it (a folder), scaled by SCALE (1 if left out); repeatable.")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="The model directory to write.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+def merge(model, adapters, output, force):
+    """Merge LoRA adapters into MODEL's weights and write the result: each module an adapter
+    targets in float32 (W + scale * B @ A), every other tensor as stored (quantized ones stay so;
+    nibble quantize OUTPUT requantizes it all)."""
+    from nibble.formats.lora import parse_ref, read_lora
+    from nibble.formats.model_dir import write_model_dir
+    from nibble.formats.sentence_transformers import pipeline_files
+    from nibble.quant.open_model import open_model
+    from nibble.runner.convert.merge import merged
+    loras = [read_lora(*parse_ref(a)) for a in adapters]   # a bad adapter is said before the model is read
+    base = open_model(model)
+    out = write_model_dir(merged(base, loras), output, force=force,
+                          files=pipeline_files(base.path) if base.path and base.path.is_dir() else None)
+    modules = len({m for lora in loras for m in lora.pairs})
+    click.echo(f"wrote {out}: {modules} modules merged from {len(loras)} adapter{'s' * (len(loras) > 1)}", err=True)
+
+
+@main.command()
 @click.argument("text_file", type=click.Path(exists=True, dir_okay=False))
 @model_option
 @click.option("--ctx", default=512, show_default=True, type=click.IntRange(min=2),

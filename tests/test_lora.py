@@ -1,0 +1,101 @@
+"""LoRA adapters as PEFT saves them (formats/lora.py) merged into a model (runner/convert/merge.py,
+`nibble merge`): against PEFT's own model with the adapter, on tests/data/transformers/llama3 and
+the adapters tests/fixtures/make_lora_fixtures.py made (every A and B random; rank 4 over the
+seven projections, and rank 8 rsLoRA over three)."""
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from nibble.formats.errors import FormatError
+from nibble.formats.lora import parse_ref, read_lora
+from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
+from nibble.quant.convert import quantize_model
+from nibble.runner.convert.merge import merged
+from nibble.runner.model import Model
+from tests.test_cli import assert_one_line_error, invoke
+from tests.test_transformers import DATA as TRANSFORMERS, load, relative_error
+from tests.tiny import tiny_tokenizer
+
+LORA = TRANSFORMERS.parent / "lora"
+ADAPTERS = ["llama3-r4", "llama3-r8-rslora"]
+
+
+def base() -> ModelDir:
+    config, tensors, _, _ = load("llama3")
+    return ModelDir(None, config, tensors, tiny_tokenizer())
+
+
+def logits(model_dir: ModelDir) -> np.ndarray:
+    model = Model(model_dir.config, model_dir.tensors)
+    return model.forward(np.load(TRANSFORMERS / "llama3" / "tokens.npy"), model.new_cache(), all_logits=True)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_a_merged_adapter_gives_pefts_logits(name):
+    want = np.load(LORA / name / "logits.npy")
+    assert relative_error(logits(merged(base(), [read_lora(LORA / name)])), want) < 1e-4
+    assert relative_error(np.load(LORA / name / "merged.npy"), want) < 1e-5   # PEFT merged alike
+    assert relative_error(logits(base()), want) > 1e-2   # the adapter changes them: the check is sensitive
+
+
+def test_the_scales_are_peft_s():
+    plain, rs = read_lora(LORA / "llama3-r4"), read_lora(LORA / "llama3-r8-rslora", 0.5)
+    assert plain.scale == 8 / 4 and rs.scale == 0.5 * 4 / 8 ** 0.5
+    assert len(plain.pairs) == 2 * 7 and len(rs.pairs) == 2 * 3
+    a, b = plain.pairs["model.layers.1.mlp.down_proj"]
+    assert a.shape == (4, 128) and b.shape == (64, 4)
+    assert parse_ref("/a/b:0.5") == ("/a/b", 0.5) and parse_ref("/a/b") == ("/a/b", 1.0) and parse_ref("c:d") == ("c:d", 1.0)
+
+
+def test_two_adapters_add_up_and_a_scale_scales():
+    both = merged(base(), [read_lora(LORA / "llama3-r4"), read_lora(LORA / "llama3-r8-rslora", 0.5)])
+    name = "model.layers.0.self_attn.q_proj"
+    want = base().tensors[name + ".weight"].widen() + read_lora(LORA / "llama3-r4").delta(name) \
+        + 0.5 * read_lora(LORA / "llama3-r8-rslora").delta(name)
+    np.testing.assert_allclose(both.tensors[name + ".weight"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_quantized_base_keeps_its_other_modules_quantized():
+    q = quantize_model(base(), 8, 32, method="rtn").model
+    out = merged(q, [read_lora(LORA / "llama3-r8-rslora")])
+    assert out.config.quantization["model.layers.0.self_attn.q_proj"] is False
+    assert "model.layers.0.self_attn.q_proj.scales" not in out.tensors and "model.layers.0.self_attn.k_proj.scales" in out.tensors
+    want, got = np.load(LORA / "llama3-r8-rslora" / "logits.npy"), logits(out)
+    # the other modules' int8 weights, and activations rounded to int8 where the CPU multiplies bytes
+    assert relative_error(got, want) < 5e-2 and (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "use_dora: nibble applies no DoRA"),
+    ({"bias": "all"}, "nibble applies no biases"),
+    ({"modules_to_save": ["lm_head"]}, "whole modules it replaces"),
+    ({"peft_type": "IA3"}, "a IA3 adapter"),
+    ({"r": 0}, "r must be a positive integer"),
+    ({"r": 5}, "are not of rank 5"),
+])
+def test_what_nibble_cannot_apply_is_said(tmp_path, change, message):
+    folder = tmp_path / "a"
+    shutil.copytree(LORA / "llama3-r4", folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(config | change))
+    with pytest.raises(FormatError, match=message):
+        read_lora(folder)
+
+
+def test_an_adapter_of_another_model_is_refused():
+    small = dataclasses.replace(base(), tensors={k: v for k, v in base().tensors.items() if "layers.1." not in k})
+    with pytest.raises(FormatError, match="changes model.layers.1.*which the model does not have"):
+        merged(small, [read_lora(LORA / "llama3-r4")])
+
+
+def test_nibble_merge_writes_a_model_that_runs_as_peft_s(tmp_path):
+    folder = write_model_dir(base(), tmp_path / "base")
+    r = invoke("merge", folder, "--lora", f"{LORA / 'llama3-r4'}:1", "-o", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert "14 modules merged from 1 adapter" in r.stderr
+    assert relative_error(logits(read_model_dir(tmp_path / "out")), np.load(LORA / "llama3-r4" / "logits.npy")) < 1e-4
+    assert_one_line_error(invoke("merge", folder, "--lora", tmp_path, "-o", tmp_path / "x"), 1, "holds no adapter_config.json")
+    assert_one_line_error(invoke("merge", folder, "--lora", LORA / "llama3-r4", "-o", tmp_path / "out"), 1, "already exists")
