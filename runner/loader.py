@@ -1,10 +1,13 @@
 """From a model reference to a runnable model and its tokenizer."""
 import dataclasses
+import hashlib
+from collections.abc import Sequence
 
 from nibble.formats import presets
 from nibble.formats.catalog import identity
 from nibble.formats.cross_encoder import ranks
 from nibble.formats.errors import NibbleError
+from nibble.formats.lora import LoRA
 from nibble.formats.model_dir import ModelDir
 from nibble.formats.sentence_transformers import embeds
 from nibble.quant.convert import count_params, is_quantized
@@ -21,14 +24,15 @@ AUTO_QUANT_PARAMS = 1_000_000_000
 
 
 def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: bool = False,
-         ctx_size: int | None = None, background: bool = False) -> tuple[Model, Tokenizer]:
+         ctx_size: int | None = None, background: bool = False, loras: Sequence[LoRA] = ()) -> tuple[Model, Tokenizer]:
     """The model at `ref`, a float one quantized as `quant` says (see as_quantized).
 
     gpu_layers: run the last N layers on the GPU (-1: all; see Model.offload_layers, which plans
     for a KV cache of `ctx_size` positions). The line to show the user (no GPU, or only some layers
     fit) is in model.offload_note; require_gpu raises NoGPU instead of running on the CPU.
     background: on a first run, answer on kernels that compile quickly while the full ones compile
-    in the background (runner/background.py): what the commands that answer people ask for."""
+    in the background (runner/background.py): what the commands that answer people ask for.
+    loras: adapters run beside the weights they target, unmerged (Model's); on the CPU only."""
     model_dir = open_model(ref)
     if embeds(model_dir.path, model_dir.config.model_type):   # before a first use quantizes it
         raise NibbleError(f"{ref} is an embedding model: it computes vectors of texts (nibble embed), "
@@ -38,9 +42,11 @@ def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: b
     running = as_quantized(ref, model_dir, quant)
     if preset := presets.find(ref):
         running = with_preset(running, preset)
-    model, tokenizer = from_model_dir(running)
-    if background and running.path is not None:
+    model, tokenizer = from_model_dir(running, loras)
+    if background and running.path is not None and not loras:   # the background compiles the model's own kernels
         model.background = Background(running.path, as_stored=not is_quantized(running.config))
+    if loras and (gpu_layers or require_gpu):
+        raise NibbleError("a LoRA adapter runs on the CPU: drop -ngl (or merge it: nibble merge)")
     model.offload_layers(gpu_layers, ctx_size, require_gpu)
     return model, tokenizer
 
@@ -106,8 +112,12 @@ def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:
     return model_dir
 
 
-def from_model_dir(model_dir: ModelDir) -> tuple[Model, Tokenizer]:
+def from_model_dir(model_dir: ModelDir, loras: Sequence[LoRA] = ()) -> tuple[Model, Tokenizer]:
     source = identity(model_dir.path) if model_dir.path is not None else None
-    model, tokenizer = Model(model_dir.config, model_dir.tensors, source=source), Tokenizer(model_dir)
+    if source is not None and loras:   # the KV cache's disk tier keeps blocks apart by adapter too
+        named = repr([source, *((identity(lora.path), lora.scale) for lora in loras)])
+        source = hashlib.sha1(named.encode()).hexdigest()[:12]
+    model = Model(model_dir.config, model_dir.tensors, source=source, loras=loras)
+    tokenizer = Tokenizer(model_dir)
     model.vision = vision_of(model_dir, tokenizer.tokenizer.id_to_token)
     return model, tokenizer

@@ -8,12 +8,13 @@ import numpy as np
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
+from nibble.formats.lora import LoRA
 from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import read_linear
 from .background import Background
 from .kv.cache import BLOCK, KVCache, KVPool, Rows, blocks_for, kv_dtype
 from .kernels import compiling, prefill
-from .kernels.linear import SMALL, Weight, prepare, read_only
+from .kernels.linear import SMALL, LoRAWeight, Weight, prepare, read_only
 from .models import family
 from .stages import CPUStage
 from .threads import ThreadChooser
@@ -29,11 +30,12 @@ class NonFinite(NibbleError):
 
 class Model:
     def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], head: bool = True,
-                 source: str | None = None):
+                 source: str | None = None, loras: Sequence[LoRA] = ()):
         """head=False: the blocks and the final norm only (an embedder's: a checkpoint saved
         without its head may hold none). source: what names the weights (catalog.identity of
         their files), which the disk tier of the KV cache keeps blocks under; None: weights
-        built in memory, no disk tier."""
+        built in memory, no disk tier. loras: adapters run beside the weights they target, not
+        merged (kernels/linear.LoRAWeight), in the same pass."""
         self.config = config
         self.source = source
         c = config
@@ -42,7 +44,7 @@ class Model:
         if self.family.encoder:
             raise NibbleError(f"{c.model_type} is an encoder, an embedding model: it embeds text "
                               f"(nibble embed), it does not generate")
-        get = TensorGetter(tensors, c.quantization)
+        get = TensorGetter(tensors, c.quantization, loras)
         self.embed = read_only(get.linear("model.embed_tokens", (c.vocab_size, D)))   # [V, D]
         self.embed_scale = self.family.embed_scale(c, self.embed)           # on the embedded rows
         self.norm = self.family.norm(get, "model.norm.weight", (D,))         # [D]
@@ -53,6 +55,7 @@ class Model:
                         else read_only(get.linear("lm_head", (c.vocab_size, D))))   # [V, D]
         self.layers = [read_only(self.family.layer_weights(get, c, i)) for i in range(c.num_hidden_layers)]
         get.raise_if_missing()
+        get.raise_if_unused_adapters()
         self.ropes = self.family.ropes(c, c.max_position_embeddings)   # each layer's (cos, sin)
         self.stages = [CPUStage(self, 0, len(self.layers), head=head)]   # see stages.py
         self.offload_note = ""   # what offload_layers has to tell the user
@@ -248,14 +251,42 @@ def _check_rows(tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.nda
 class TensorGetter:
     """Fetches weights by HF name, checking shapes and collecting the missing names."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], quantization: dict | None):
+    def __init__(self, tensors: dict[str, np.ndarray], quantization: dict | None, loras: Sequence[LoRA] = ()):
         self.tensors = tensors
         self.quantization = quantization
         self.missing: list[str] = []
+        # module -> (A [r, K], B [N, r] times its scale) of each adapter, several adapters of one
+        # module side by side as one of their ranks added up
+        self.adapters: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.loras = loras
+        for lora in loras:
+            for module, (a, b) in lora.pairs.items():
+                b = (np.float32(lora.scale) * b).astype(np.float32)
+                if module in self.adapters:
+                    a0, b0 = self.adapters[module]
+                    a, b = np.concatenate([a0, a]), np.concatenate([b0, b], axis=1)
+                self.adapters[module] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b))
 
     def linear(self, path: str, shape: tuple) -> Weight | None:
         """The weight of module `path` as stored (no copy): float32 [N, K], bf16 or f16 as a
-        HalfTensor, or quantized."""
+        HalfTensor, or quantized; with an adapter's pair beside it where one targets it."""
+        w = self._linear(path, shape)
+        if w is None or path not in self.adapters:
+            return w
+        a, b = self.adapters.pop(path)
+        if a.shape[1] != shape[1] or b.shape[0] != shape[0]:
+            raise FormatError(f"the adapter's {path} is {b.shape[0]}x{a.shape[1]}, the model's {shape[0]}x{shape[1]}")
+        return LoRAWeight(w, a, b)
+
+    def raise_if_unused_adapters(self):
+        """FormatError naming a module an adapter targets that no weight of the model was read from."""
+        if self.adapters:
+            where = next(str(lora.path) for lora in self.loras if next(iter(self.adapters)) in lora.pairs)
+            raise FormatError(f"{where}: the adapter changes {next(iter(self.adapters))}, which this model does not "
+                              "run as one matrix (an adapter trained on another model, or on an expert or a fused "
+                              "matrix)")
+
+    def _linear(self, path: str, shape: tuple) -> Weight | None:
         if f"{path}.weight" not in self.tensors:
             self.missing.append(f"{path}.weight")
             return None

@@ -99,3 +99,45 @@ def test_nibble_merge_writes_a_model_that_runs_as_peft_s(tmp_path):
     assert relative_error(logits(read_model_dir(tmp_path / "out")), np.load(LORA / "llama3-r4" / "logits.npy")) < 1e-4
     assert_one_line_error(invoke("merge", folder, "--lora", tmp_path, "-o", tmp_path / "x"), 1, "holds no adapter_config.json")
     assert_one_line_error(invoke("merge", folder, "--lora", LORA / "llama3-r4", "-o", tmp_path / "out"), 1, "already exists")
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_an_adapter_beside_the_weights_gives_pefts_logits(name):
+    """Unmerged (kernels/linear.LoRAWeight: x @ W.T + (x @ A.T) @ B.T in the same pass): in one
+    pass and a token at a time."""
+    config, tensors, tokens, _ = load("llama3")
+    want = np.load(LORA / name / "logits.npy")
+    model = Model(config, tensors, loras=[read_lora(LORA / name)])
+    assert relative_error(model.forward(tokens, model.new_cache(), all_logits=True), want) < 1e-4
+    cache = model.new_cache()
+    assert relative_error(np.concatenate([model.forward(tokens[i:i + 1], cache) for i in range(len(tokens))]), want) < 1e-4
+
+
+def test_an_adapter_beside_quantized_weights_adds_its_product_to_theirs():
+    """Each projection of an int8 model with an adapter: its twin x @ W.T on the dequantized
+    weights plus the adapter's float product, to the int8 kernels' rounding of x (decode and prefill)."""
+    from nibble.quant.convert import read_linear
+    from nibble.quant.affine import dequantize
+    from nibble.runner.kernels.linear import LoRAWeight, linear
+    from nibble.runner.model import TensorGetter
+    q = quantize_model(base(), 8, 32, method="rtn").model
+    get = TensorGetter(q.tensors, q.config.quantization, [read_lora(LORA / "llama3-r4")])
+    for module, shape in [("model.layers.0.self_attn.q_proj", (64, 64)), ("model.layers.1.mlp.down_proj", (64, 128))]:
+        w = get.linear(module, shape)
+        assert isinstance(w, LoRAWeight)
+        W = dequantize(read_linear(q.tensors, q.config.quantization, module))
+        for T in (1, 20):
+            x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(np.float32)
+            out = np.zeros((T, shape[0]), np.float32)
+            linear(x, w, out, False)
+            want = x @ W.T + (x @ w.a.T) @ w.b.T
+            assert np.abs(out - want).max() <= 1e-2 * np.abs(want).max()
+
+
+def test_nibble_run_with_an_adapter_runs_as_the_merged_model(tmp_path):
+    folder = write_model_dir(base(), tmp_path / "base")
+    assert invoke("merge", folder, "--lora", LORA / "llama3-r4", "-o", tmp_path / "merged").exit_code == 0
+    beside = invoke("run", "-m", folder, "--lora", LORA / "llama3-r4", "--temp", "0", "-n", "8", "--raw", "Hello")
+    merged_run = invoke("run", "-m", tmp_path / "merged", "--temp", "0", "-n", "8", "--raw", "Hello")
+    assert beside.exit_code == merged_run.exit_code == 0 and beside.stdout == merged_run.stdout != ""
+    assert_one_line_error(invoke("run", "-m", folder, "--lora", tmp_path, "Hi"), 1, "holds no adapter_config.json")

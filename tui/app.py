@@ -82,6 +82,7 @@ class ChatApp(App):
                  system: str = "", sampling: dict | None = None, max_tokens: int = MAX_TOKENS,
                  store_path: Path | None = None, load: Callable | None = None, gpu_layers: int = 0,
                  require_gpu: bool = False, draft: int = DEFAULT_DRAFT, draft_model: str | None = None,
+                 loras: tuple = (),
                  thinking: ThinkingOptions = ThinkingOptions(), note: str = ""):
         """`model` is loaded at start (None: none until one is picked with ctrl+o).
         New chats get `system`, `max_tokens` and the loaded model's sampling defaults with
@@ -101,6 +102,7 @@ class ChatApp(App):
         self.threads, self.seed = threads, seed
         self.gpu_layers, self.require_gpu = gpu_layers, require_gpu
         self.draft, self.draft_model = draft, draft_model
+        self.loras = loras   # adapters (formats/lora.py) beside the model -m named, unmerged
         self.thinking = thinking
         self.note = note
         self.system, self.sampling, self.max_tokens = system, dict(sampling or {}), max_tokens
@@ -171,6 +173,8 @@ class ChatApp(App):
             self._post(LoadProgress(ref, 1, "reading the model"))
             gpu = (dict(gpu_layers=self.gpu_layers, require_gpu=self.require_gpu, ctx_size=self.ctx_size)
                    if self.gpu_layers else {})
+            if self.loras and ref == self.requested_model:   # the adapters are the model -m named's
+                gpu["loras"] = self.loras
             # what importing a GGUF and compiling the kernels say of their progress, in the status bar
             step = 1
             with progress.shown_by(lambda text: self._post(LoadProgress(ref, step, text))):

@@ -7,6 +7,8 @@ Inside njit code the choice is made at compile time from the weight's numba type
 below), so one jitted decoder layer serves float32, bf16/f16 and quantized models; from Python,
 by isinstance.
 """
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
@@ -17,8 +19,26 @@ from nibble.quant.affine import KERNEL_KINDS, QuantizedTensor
 from . import cpu, half, prefill, prefill_int8, quant_decode
 from .cpu import INNER, SMALL, _jit
 
-# a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits
-Weight = np.ndarray | QuantizedTensor | HalfTensor
+class LoRAWeight(NamedTuple):
+    """A weight with a LoRA adapter beside it, not merged (formats/lora.py): out (+)= x @ base.T +
+    (x @ a.T) @ b.T, the base as it is stored (quantized, say), the adapter's rank-r pair in float32,
+    its scale in b."""
+    base: np.ndarray | QuantizedTensor | HalfTensor
+    a: np.ndarray   # [r, K]
+    b: np.ndarray   # [N, r], times the adapter's scale
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.base.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + self.a.nbytes + self.b.nbytes
+
+
+# a float32 [N, K] matrix, a prepared quantized one, or 16-bit floats (bf16, f16) by their bits,
+# and any of them with a LoRA adapter beside it
+Weight = np.ndarray | QuantizedTensor | HalfTensor | LoRAWeight
 
 
 def int8_activations() -> bool:
@@ -180,7 +200,9 @@ def linear(x, w, out, accumulate):
     output head), so is the choice between decode and prefill: a run that never multiplies more
     than SMALL rows by the head never compiles its prefill kernel.
     """
-    if isinstance(w, (QuantizedTensor, HalfTensor)):
+    if isinstance(w, LoRAWeight):
+        _lora_linear(x, w, out, accumulate)
+    elif isinstance(w, (QuantizedTensor, HalfTensor)):
         (qmatvec if x.shape[0] <= SMALL or getattr(w, "FIRST", False) else qprefill)(x, w, out, accumulate)
     else:
         cpu.matmul(x, w, out, accumulate)
@@ -190,6 +212,8 @@ def linear(x, w, out, accumulate):
 def _linear_typed(x, w, out, accumulate):
     if isinstance(w, types.Array):
         return lambda x, w, out, accumulate: cpu.matmul(x, w, out, accumulate)
+    if isinstance(w, types.BaseNamedTuple) and w.instance_class is LoRAWeight:
+        return lambda x, w, out, accumulate: _lora_linear(x, w, out, accumulate)
     if quant_decode.is_first(w):   # a first run's: the decode kernels whatever the rows
         return lambda x, w, out, accumulate: qmatvec(x, w, out, accumulate)
     if isinstance(w, types.BaseNamedTuple) and issubclass(w.instance_class, (QuantizedTensor, HalfTensor)):
@@ -205,7 +229,18 @@ def out_features(w) -> int:
 def _out_features(w):
     if isinstance(w, types.Array):
         return lambda w: w.shape[0]
+    if isinstance(w, types.BaseNamedTuple) and w.instance_class is LoRAWeight:
+        return lambda w: w.b.shape[0]
     return lambda w: prefill.dims(w)[0]   # numba sees a named tuple's fields, not its properties
+
+
+@njit(**_jit)   # called from Python too (linear's isinstance): with its wrapper
+def _lora_linear(x, w, out, accumulate):
+    """out (+)= x @ base.T, then += (x @ a.T) @ b.T: the adapter beside the weight, unmerged."""
+    linear(x, w.base, out, accumulate)
+    t = np.empty((x.shape[0], w.a.shape[0]), np.float32)
+    cpu.matmul(x, w.a, t, False)
+    cpu.matmul(t, w.b, out, True)
 
 
 def project_qkv(x, wq, wk, wv, q, k, v):

@@ -58,6 +58,7 @@ class EngineOptions:
     draft: int = DEFAULT_DRAFT    # --draft: the most tokens a pass guesses ahead, for a reply decoding alone
     kv_disk: int = 0              # --kv-disk: bytes for KV blocks on disk (runner/kv/disk.py)
     draft_model: str | None = None   # --draft-model: drafts by it (each engine its own), not by prompt lookup
+    loras: tuple = ()             # --lora: adapters (formats/lora.py) beside the default model's weights
 
 
 def parse_keep_alive(text: str) -> float | None:
@@ -235,7 +236,8 @@ class Models:
         from ..loader import as_quantized, load
         o, ref = self.options, self.refs[name]
         if not self.encodes(name):
-            return self._served(name, *load(ref, o.quant, 0, False, o.ctx, background=True))
+            loras = o.loras if name == self.default else ()   # -m's model: the adapters are its
+            return self._served(name, *load(ref, o.quant, 0, False, o.ctx, background=True, loras=loras))
         source, model_dir = hub.resolve(ref, record=False), as_quantized(ref, open_model(ref), o.quant)
         embedder = Reranker(model_dir, name, source) if ranks(source) else Embedder(model_dir, name)
         engine = EmbedEngine(embedder, parallel=o.parallel, queue=o.queue, threads=o.threads)

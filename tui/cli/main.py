@@ -196,8 +196,21 @@ def generation_options(f):
         kv_cache_option,
         kv_disk_option,
         draft_options,
+        lora_option,
     ]
     return functools.reduce(lambda g, option: option(g), reversed(options), f)
+
+
+def lora_option(f):
+    """--lora PATH[:SCALE] (repeatable), handed to the command as `loras`: the adapters read, so
+    that a bad one is said before the model loads."""
+    @functools.wraps(f)
+    def command(loras, **kwargs):
+        from nibble.formats.lora import parse_ref, read_lora
+        return f(loras=tuple(read_lora(*parse_ref(r)) for r in loras), **kwargs)
+    return click.option("--lora", "loras", multiple=True, metavar="PATH[:SCALE]",
+                        help="Run with this LoRA adapter (a PEFT folder) beside the model's weights, not merged, "
+                             "scaled by SCALE (1 if left out); repeatable. CPU only.")(command)
 
 
 def draft_options(f):
@@ -248,12 +261,12 @@ def gpu_options(f):
 
 
 def _load(model: str, quant: str | None, gpu_layers: int, require_gpu: bool, ctx_size: int | None = None,
-          background: bool = True):
+          background: bool = True, loras=()):
     """load(), saying in one line on stderr what became of the GPU layers (if anything); on a
     first run the full kernels compile in the background (runner/background.py) unless
     `background` is False."""
     from nibble.runner.loader import load
-    llm, tokenizer = load(model, quant, gpu_layers, require_gpu, ctx_size, background)
+    llm, tokenizer = load(model, quant, gpu_layers, require_gpu, ctx_size, background, loras)
     _say(llm.offload_note)
     return llm, tokenizer
 
@@ -340,8 +353,8 @@ def _read_prompt(prompt: str | None) -> str:
 @thinking_options(off=True)
 @click.option("--hide-thinking", is_flag=True, help="Do not print what a model that thinks thinks (it still thinks).")
 def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk,
-        draft, draft_model, gpu_layers, require_gpu, stop, raw, images, as_json, json_schema, json_object, thinking,
-        hide_thinking):
+        draft, draft_model, loras, gpu_layers, require_gpu, stop, raw, images, as_json, json_schema, json_object,
+        thinking, hide_thinking):
     """Answer PROMPT (or -p, or stdin), about the --image files if any, and stream the reply to
     stdout (a model's thinking, dimmed, to stderr)."""
     text = _read_prompt(prompt_option if prompt_option is not None else prompt)
@@ -358,7 +371,7 @@ def run(prompt, prompt_option, model, quant, system, max_tokens, sampling, threa
     from nibble.runner.text.reasoning import chat_prompt
     from nibble.runner.generation.sample import make_sampler
     from nibble.runner.vision.base import for_template, with_images
-    llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX)
+    llm, tokenizer = _load(model, quant, gpu_layers, require_gpu, ctx_size or DEFAULT_CTX, loras=loras)
     llm.threads.pin(threads)
     ctx_size = _context("-c", ctx_size, llm)
     drafts = _draft_model(draft_model, quant, tokenizer, ctx_size or DEFAULT_CTX, threads) if draft else None
@@ -488,7 +501,7 @@ def _report(r, shown: PrintedReply, as_json: bool, cached: int, interrupted: boo
 @thinking_options
 @gpu_options
 def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache, kv_disk, draft, draft_model,
-         thinking, gpu_layers, require_gpu):
+         loras, thinking, gpu_layers, require_gpu):
     """Chat with MODEL in a terminal app; conversations are kept (see README: Chat)."""
     if not _in_terminal():
         raise click.UsageError("nibble chat runs in a terminal; for a pipe or a script, use nibble run")
@@ -503,7 +516,8 @@ def chat(model, quant, system, max_tokens, sampling, threads, ctx_size, kv_cache
     ChatApp(model, quant=quant, ctx_size=ctx_size or DEFAULT_CTX, kv_cache=kv_cache, kv_disk=kv_disk,
             threads=threads, seed=seed,
             system=system, sampling=sampling, max_tokens=max_tokens, gpu_layers=gpu_layers,
-            require_gpu=require_gpu, draft=draft, draft_model=draft_model, thinking=thinking, note=note).run()
+            require_gpu=require_gpu, draft=draft, draft_model=draft_model, loras=loras, thinking=thinking,
+            note=note).run()
 
 
 def _in_terminal() -> bool:
@@ -565,10 +579,11 @@ def _fetch_if_needed(ref: str):
                    "blocks), behind --api-key when one is set.")
 @thinking_options
 @draft_options
+@lora_option
 @gpu_options
 def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size, kv_cache, kv_disk, cache_tokens,
           only, max_models, keep_alive, allowed_hosts, cors_origins, allow_image_urls, metrics, thinking, draft,
-          draft_model, gpu_layers, require_gpu):
+          draft_model, loras, gpu_layers, require_gpu):
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) and Anthropic's and ollama's: MODEL loaded at start, the others when a request
     names them."""
@@ -588,12 +603,12 @@ def serve(model, quant, host, port, parallel, queue, api_key, threads, ctx_size,
     refs, default = servable(model, names)
     log = functools.partial(click.echo, err=True)
     options = EngineOptions(parallel, queue, ctx_size or DEFAULT_CTX, kv_cache, _threads(threads), cache_tokens,
-                            quant, thinking, draft, kv_disk, draft_model)
+                            quant, thinking, draft, kv_disk, draft_model, loras)
     models = Models(refs, default, options, max_models=max_models, keep_alive=keep_alive, log=log)
     if models.encodes(default):   # an embedding model or a reranker: /v1/embeddings, /v1/rerank
         models.load_now(default)
     else:
-        llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX)
+        llm, tokenizer = _load(model, quant, 0, False, ctx_size or DEFAULT_CTX, loras=loras)
         _context("-c", ctx_size, llm)   # says so if -c is past this model's context (each engine keeps to its model's)
         models.add(default, llm, tokenizer)
     if len(refs) > 1:
@@ -669,13 +684,14 @@ def merge(model, adapters, output, force):
 @kv_cache_option
 @click.option("--decode", is_flag=True,
               help="Score one token at a time, through the kernels generation uses (slower).")
+@lora_option
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_base, kv_cache, decode, as_json):
+def perplexity(text_file, model, quant, ctx, chunks, threads, save_logits, kl_base, kv_cache, decode, loras, as_json):
     """Perplexity of MODEL over TEXT_FILE in non-overlapping windows of --ctx tokens."""
     from nibble.runner.loader import load
     from nibble.runner.measure.perplexity import evaluate
     threads = _threads(threads)
-    llm, tokenizer = load(_model_or_default(model), quant)
+    llm, tokenizer = load(_model_or_default(model), quant, loras=loras)
     llm.threads.pin(threads)
     ctx = _context("--ctx", ctx, llm)
     with open(text_file, "rb") as f:
