@@ -7,6 +7,7 @@ from nibble.formats import presets
 from nibble.formats.catalog import identity
 from nibble.formats.cross_encoder import ranks
 from nibble.formats.errors import NibbleError
+from nibble.formats.hub import resolve
 from nibble.formats.lora import LoRA
 from nibble.formats.model_dir import ModelDir
 from nibble.formats.sentence_transformers import embeds
@@ -15,7 +16,9 @@ from nibble.quant.open_model import open_model
 from .background import Background
 from .generation.draft import DraftModel
 from .model import Model
+from .settings import model_sampling
 from .convert.quantize import quantized_once
+from .text.template import ChatTemplate
 from .text.tokenizer import Tokenizer
 from .vision import vision_of
 
@@ -55,8 +58,6 @@ def load_draft(ref: str, quant: str | None, tokenizer: Tokenizer, ctx: int) -> D
     """The model at `ref` as a draft model for the one `tokenizer` is of (runner/generation/draft.py):
     NibbleError unless their vocabularies are the same, id for id."""
     model, theirs = load(ref, quant, ctx_size=ctx)
-    if model.gpu_stage is not None:
-        raise NibbleError("the draft model runs on the CPU")
     if theirs.tokenizer.get_vocab() != tokenizer.tokenizer.get_vocab():
         raise NibbleError(f"the draft model {ref} has another vocabulary than the model's: a draft model shares its "
                           "tokenizer (a smaller model of the same family: Qwen2.5-0.5B for Qwen2.5-7B)")
@@ -79,9 +80,6 @@ def with_preset(model_dir: ModelDir, preset: presets.Preset) -> ModelDir:
 def check_preset(name: str, preset: presets.Preset):
     """NibbleError unless `preset` can be kept as `name`: a name of its own, settings a model could
     have, a template that reads, a model that is there (fetched once, as -m would)."""
-    from nibble.formats.hub import resolve
-    from .settings import model_sampling
-    from .text.template import ChatTemplate
     presets.check_name(name)
     if preset.source == name:
         raise NibbleError(f"the preset {name} cannot be made from itself")
