@@ -7,7 +7,7 @@ from nibble.formats import presets
 from nibble.formats.catalog import identity
 from nibble.formats.cross_encoder import ranks
 from nibble.formats.errors import NibbleError
-from nibble.formats.hub import resolve
+from nibble.formats.hub import ALIASES, resolve
 from nibble.formats.lora import LoRA
 from nibble.formats.model_dir import ModelDir
 from nibble.formats.sentence_transformers import embeds
@@ -81,6 +81,8 @@ def check_preset(name: str, preset: presets.Preset):
     """NibbleError unless `preset` can be kept as `name`: a name of its own, settings a model could
     have, a template that reads, a model that is there (fetched once, as -m would)."""
     presets.check_name(name)
+    if name in ALIASES:   # -m NAME would run the preset, never the model again
+        raise NibbleError(f"{name} is the alias of a model: name the preset otherwise")
     if preset.source == name:
         raise NibbleError(f"the preset {name} cannot be made from itself")
     _, note = model_sampling(preset.parameters)

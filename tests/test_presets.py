@@ -89,6 +89,7 @@ def test_create_show_ls_rm(tiny_dir, isolated, tmp_path):  # noqa: F811
     assert_one_line_error(invoke("show", "fr-2"), 1, "no preset fr-2")
     assert_one_line_error(invoke("create", "x", "--from", tiny_dir, "--temp", "-1"), 1, "temperature must be 0")
     assert_one_line_error(invoke("create", "a b", "--from", tiny_dir), 1, "cannot name a preset")
+    assert_one_line_error(invoke("create", "smollm2", "--from", tiny_dir), 1, "is the alias of a model")
     assert_one_line_error(invoke("create", "x"), 2, "give the model")
     (tmp_path / "bad").write_text("FROM x\nPARAMETER top_q 1\n")
     assert_one_line_error(invoke("create", "x", "-f", tmp_path / "bad"), 1, "line 2: unknown parameter 'top_q'")
