@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import families, hub, usage
+from .cross_encoder import ranks
 from .errors import FormatError
 from .gguf_header import SPLIT_PART, read_gguf_header, split_parts
 from .paths import models_dir, quantized_dir
 from .safetensors import read_safetensors_header
+from .sentence_transformers import embeds
 
 # safetensors dtypes as nibble names them (`bf16`); the others keep theirs, lowercased
 _DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -154,6 +156,12 @@ def _tag(stem: str, files: list[str], label: str) -> str | None:
         except FormatError:
             continue   # names several models
     return None
+
+
+def encodes(path: Path) -> bool:
+    """Whether the model at `path` embeds or reranks (an encoder's pass, an EmbedEngine's, no
+    decode), by its files' headers: no weight is read."""
+    return ranks(path) or embeds(path, describe(path).family)
 
 
 def describe(path: Path) -> Details:

@@ -26,7 +26,6 @@ from pathlib import Path
 from nibble.formats import catalog, hub, presets
 from nibble.formats.errors import NibbleError
 from nibble.formats.cross_encoder import ranks
-from nibble.formats.sentence_transformers import embeds
 from ..text.reasoning import ThinkingOptions
 from ..embedding.embed import Embedder
 from ..embedding.engine import EmbedEngine
@@ -288,8 +287,7 @@ class Models:
         """Whether the model's files say it is an embedding model or a reranker, which an EmbedEngine
         runs (its headers only: no weight is read)."""
         try:
-            path = hub.resolve(self.refs[name], record=False)
-            return ranks(path) or embeds(path, catalog.describe(path).family)
+            return catalog.encodes(hub.resolve(self.refs[name], record=False))
         except (NibbleError, OSError):
             return False   # the load says what is wrong
 

@@ -744,11 +744,12 @@ def bench(model, quant, prompt_tokens, gen_tokens, repeats, threads, kv_cache, g
         from nibble.runner.measure.synthetic import write_random_checkpoint
         click.echo(f"wrote {write_random_checkpoint(shapes, write_checkpoint)}", err=True)
         return
+    from nibble.formats import catalog, hub
     from nibble.runner.measure.bench import PROMPT_TEXT, run_bench, run_parallel_bench
     threads = _threads(threads)
     if not shapes:
         model = _model_or_default(model)
-    if not shapes and _encodes(model):
+    if not shapes and catalog.encodes(hub.resolve(model)):
         if matrices:
             raise click.UsageError("--matrices profiles a language model's decode; this one embeds or reranks")
         return _bench_embedding(model, quant, prompt_tokens, parallel, repeats, threads, as_json)
@@ -797,15 +798,6 @@ def _bench_image(model, quant, path, repeats, threads, as_json):
     llm.vision.threads.pin(threads)
     result = run_image_bench(llm.vision, picture, repeats)
     click.echo(json.dumps(result.as_dict()) if as_json else result.summary())
-
-
-def _encodes(ref: str) -> bool:
-    """Whether the model embeds or reranks (an encoder's pass, no decode)."""
-    from nibble.formats import catalog, hub
-    from nibble.formats.cross_encoder import ranks
-    from nibble.formats.sentence_transformers import embeds
-    path = hub.resolve(ref)
-    return ranks(path) or embeds(path, catalog.describe(path).family)
 
 
 def _bench_embedding(model, quant, tokens, texts, repeats, threads, as_json):
