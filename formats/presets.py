@@ -9,11 +9,14 @@ create`) and LM Studio's per-model defaults keep them. Written as ollama writes 
     TEMPLATE \"\"\"{{ ... }}\"\"\"      # a chat template (Jinja, as Hugging Face's are)
     MESSAGE user Bonjour          # turns put before every conversation's own
     MESSAGE assistant Salut !
+    ADAPTER ./my-lora             # a LoRA adapter run beside the weights (a PEFT folder or a GGUF
+                                  # LoRA; PATH:SCALE; several lines: several), as --lora takes it
 
 An instruction's value runs to the end of its line, or across lines between triple quotes; `#`
 starts a comment line; instructions are case-insensitive. A line nibble cannot take is refused by
 its number. A preset is kept as that text, a small file in nibble's data folder, never a copy of
-the weights: `-m NAME` runs FROM's model with it.
+the weights (nor of an adapter's: ADAPTER keeps its path, made absolute): `-m NAME` runs FROM's
+model with it.
 """
 from __future__ import annotations
 
@@ -45,14 +48,16 @@ class Preset:
     template: str | None = None
     messages: list[dict] = field(default_factory=list)   # {"role", "content"}
     license: str | None = None
+    adapters: list[str] = field(default_factory=list)   # ADAPTER: PATH[:SCALE] as --lora takes it
 
     def conversation(self) -> list[dict]:
         """What a conversation starts with: the system prompt, then the preset's messages."""
         return ([{"role": "system", "content": self.system}] if self.system is not None else []) + self.messages
 
 
-def parse(text: str, where: str = "Presetfile") -> Preset:
-    """A Presetfile's text -> its Preset; FormatError naming the line that is wrong."""
+def parse(text: str, where: str = "Presetfile", folder: Path | None = None) -> Preset:
+    """A Presetfile's text -> its Preset; FormatError naming the line that is wrong. `folder`: the
+    Presetfile's, which an ADAPTER's relative path is relative to (as ollama reads a Modelfile's)."""
     lines, i, found = text.splitlines(), 0, {}
     preset = Preset("")
     while i < len(lines):
@@ -63,7 +68,7 @@ def parse(text: str, where: str = "Presetfile") -> Preset:
         m = _INSTRUCTION.match(line)
         if m is None:
             raise FormatError(f"{where} line {number}: expected an instruction (FROM, SYSTEM, PARAMETER, TEMPLATE, "
-                              f"MESSAGE, LICENSE), got {line.strip()[:40]!r}")
+                              f"MESSAGE, ADAPTER, LICENSE), got {line.strip()[:40]!r}")
         word, rest = m[1].upper(), (m[2] or "").strip()
         head = ""   # MESSAGE's role, PARAMETER's name: the value comes after it
         if word in ("MESSAGE", "PARAMETER"):
@@ -82,13 +87,13 @@ def parse(text: str, where: str = "Presetfile") -> Preset:
             rest = body
         elif len(rest) >= 2 and rest[0] == rest[-1] == '"':
             rest = rest[1:-1]
-        _take(preset, word, f"{head} {rest}" if head else rest, f"{where} line {number}", found)
+        _take(preset, word, f"{head} {rest}" if head else rest, f"{where} line {number}", found, folder)
     if not preset.source:
         raise FormatError(f"{where}: no FROM line (the model the preset runs)")
     return preset
 
 
-def _take(preset: Preset, word: str, value: str, at: str, found: dict):
+def _take(preset: Preset, word: str, value: str, at: str, found: dict, folder: Path | None):
     if word in ("FROM", "SYSTEM", "TEMPLATE", "LICENSE") and word in found:
         raise FormatError(f"{at}: a second {word} (the first is line {found[word]})")
     found.setdefault(word, at.rsplit(" ", 1)[-1])
@@ -114,9 +119,12 @@ def _take(preset: Preset, word: str, value: str, at: str, found: dict):
             raise FormatError(f"{at}: MESSAGE's role must be one of {', '.join(ROLES)}, not {role!r}")
         preset.messages.append({"role": role, "content": content})
     elif word == "ADAPTER":
-        raise FormatError(f"{at}: ADAPTER: nibble applies no LoRA adapters yet")
+        if not value:
+            raise FormatError(f"{at}: ADAPTER names no adapter (a PEFT folder or a GGUF LoRA file)")
+        preset.adapters.append(str(folder / Path(value).expanduser()) if folder is not None else value)
     else:
-        raise FormatError(f"{at}: unknown instruction {word} (FROM, SYSTEM, PARAMETER, TEMPLATE, MESSAGE, LICENSE)")
+        raise FormatError(f"{at}: unknown instruction {word} (FROM, SYSTEM, PARAMETER, TEMPLATE, MESSAGE, "
+                          "ADAPTER, LICENSE)")
 
 
 def parameter(name: str, given: str, at: str = "PARAMETER") -> tuple[str, float | int]:
@@ -141,6 +149,7 @@ def dump(preset: Preset) -> str:
     if preset.template is not None:
         lines.append(f"TEMPLATE {_value(preset.template, multi=True)}")
     lines += [f"MESSAGE {m['role']} {_value(m['content'])}" for m in preset.messages]
+    lines += [f"ADAPTER {_value(a)}" for a in preset.adapters]
     if preset.license is not None:
         lines.append(f"LICENSE {_value(preset.license, multi=True)}")
     return "\n".join(lines) + "\n"
@@ -159,7 +168,8 @@ def merged(outer: Preset, inner: Preset) -> Preset:
     return Preset(inner.source, outer.system if outer.system is not None else inner.system,
                   {**inner.parameters, **outer.parameters},
                   outer.template if outer.template is not None else inner.template,
-                  inner.messages + outer.messages, outer.license if outer.license is not None else inner.license)
+                  inner.messages + outer.messages, outer.license if outer.license is not None else inner.license,
+                  inner.adapters + outer.adapters)
 
 
 # ---- kept in nibble's data folder ----

@@ -1,6 +1,5 @@
 """From a model reference to a runnable model and its tokenizer."""
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 
 from nibble.formats import presets
@@ -8,7 +7,7 @@ from nibble.formats.catalog import identity
 from nibble.formats.cross_encoder import ranks
 from nibble.formats.errors import NibbleError
 from nibble.formats.hub import ALIASES, resolve
-from nibble.formats.lora import LoRA
+from nibble.formats.lora import LoRA, parse_ref, read_lora
 from nibble.formats.model_dir import ModelDir
 from nibble.formats.sentence_transformers import embeds
 from nibble.quant.convert import count_params, is_quantized
@@ -45,6 +44,7 @@ def load(ref: str, quant: str | None = None, gpu_layers: int = 0, require_gpu: b
     running = as_quantized(ref, model_dir, quant)
     if preset := presets.find(ref):
         running = with_preset(running, preset)
+        loras = [*preset_adapters(preset), *loras]
     model, tokenizer = from_model_dir(running, loras)
     if background and running.path is not None and not loras:   # the background compiles the model's own kernels
         model.background = Background(running.path, as_stored=not is_quantized(running.config))
@@ -77,6 +77,11 @@ def with_preset(model_dir: ModelDir, preset: presets.Preset) -> ModelDir:
                                conversation=preset.conversation())
 
 
+def preset_adapters(preset: presets.Preset) -> list[LoRA]:
+    """The LoRA adapters a preset's ADAPTER lines name, read."""
+    return [read_lora(*parse_ref(ref)) for ref in preset.adapters]
+
+
 def check_preset(name: str, preset: presets.Preset):
     """NibbleError unless `preset` can be kept as `name`: a name of its own, settings a model could
     have, a template that reads, a model that is there (fetched once, as -m would)."""
@@ -92,6 +97,7 @@ def check_preset(name: str, preset: presets.Preset):
     if preset.template is not None:
         ChatTemplate.from_tokenizer_config({"chat_template": preset.template})
     resolve(preset.source)
+    preset_adapters(preset)
 
 
 def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:
@@ -113,10 +119,7 @@ def as_quantized(ref: str, model_dir: ModelDir, quant: str | None) -> ModelDir:
 
 
 def from_model_dir(model_dir: ModelDir, loras: Sequence[LoRA] = ()) -> tuple[Model, Tokenizer]:
-    source = identity(model_dir.path) if model_dir.path is not None else None
-    if source is not None and loras:   # the KV cache's disk tier keeps blocks apart by adapter too
-        named = repr([source, *((identity(lora.path), lora.scale) for lora in loras)])
-        source = hashlib.sha1(named.encode()).hexdigest()[:12]
+    source = identity(model_dir.path) if model_dir.path is not None else None   # adapters: Model.prefix_root
     model = Model(model_dir.config, model_dir.tensors, source=source, loras=loras)
     tokenizer = Tokenizer(model_dir)
     model.vision = vision_of(model_dir, tokenizer.tokenizer.id_to_token)

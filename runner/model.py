@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nibble.formats.catalog import identity
 from nibble.formats.config import ModelConfig
 from nibble.formats.errors import FormatError, NibbleError
 from nibble.formats.half import HalfTensor
@@ -12,6 +13,7 @@ from nibble.formats.lora import LoRA
 from nibble.quant.affine import QuantizedTensor, dequantize
 from nibble.quant.convert import read_linear
 from .background import Background
+from .kv.blocks import chain_root
 from .kv.cache import BLOCK, KVCache, KVPool, Rows, blocks_for, kv_dtype
 from .kernels import compiling, prefill
 from .kernels.linear import SMALL, LoRAWeight, Weight, prepare, read_only
@@ -35,16 +37,24 @@ class Model:
         without its head may hold none). source: what names the weights (catalog.identity of
         their files), which the disk tier of the KV cache keeps blocks under; None: weights
         built in memory, no disk tier. loras: adapters run beside the weights they target, not
-        merged (kernels/linear.LoRAWeight), in the same pass."""
+        merged (kernels/linear.LoRAWeight), in the same pass, each row of a pass at its sequence's
+        scales (forward's and forward_batch's `adapters`), by default at lora_scales."""
         self.config = config
         self.source = source
+        loras = [lora.for_model(config) for lora in loras]   # a GGUF adapter's q/k rows by the model's heads
         c = config
         D = c.hidden_size
         self.family = family(c)
         if self.family.encoder:
             raise NibbleError(f"{c.model_type} is an encoder, an embedding model: it embeds text "
                               f"(nibble embed), it does not generate")
-        get = TensorGetter(tensors, c.quantization, loras)
+        get = TensorGetter(tensors, c.quantization, loras, rows=c.max_position_embeddings)
+        self.adapters = list(loras)
+        # the scale each adapter runs at where a pass is not told otherwise (--lora PATH:SCALE;
+        # the server's POST /lora-adapters replaces it)
+        self.lora_scales = np.array([lora.scale for lora in loras], np.float32)
+        self._row_scales = get.scales   # every LoRAWeight's view of it: each row's scales, set by _run
+        self._adapter_names = [identity(lora.path) for lora in loras]   # what prefix_root keys blocks by
         self.embed = read_only(get.linear("model.embed_tokens", (c.vocab_size, D)))   # [V, D]
         self.embed_scale = self.family.embed_scale(c, self.embed)           # on the embedded rows
         self.norm = self.family.norm(get, "model.norm.weight", (D,))         # [D]
@@ -98,7 +108,8 @@ class Model:
         return KVCache.on_pool(self.new_pool(blocks, kv_type), ctx, range(blocks))
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
-                act_sq: np.ndarray | None = None, *, draft: Sequence[int] = ()) -> np.ndarray:
+                act_sq: np.ndarray | None = None, *, draft: Sequence[int] = (),
+                adapters: np.ndarray | None = None) -> np.ndarray:
         """Run tokens at positions cache.pos.. (they become the sequence's ids there) and return
         logits [T, V] (all_logits) or [1, V].
 
@@ -108,6 +119,8 @@ class Model:
 
         act_sq, if given: each layer's sums of its projections' squared inputs by layer index
         (float64, as the family's act_shape; see decoder_layer), accumulated.
+
+        adapters: the scale of each of the model's LoRA adapters for these tokens (None: lora_scales).
         """
         T, pos0 = len(tokens), cache.pos
         run = np.asarray([*tokens, *draft], np.int64)
@@ -118,17 +131,20 @@ class Model:
             raise NibbleError(f"the KV cache's block table holds {len(cache.blocks.blocks) * BLOCK} positions, "
                               f"not the {pos0 + len(run)} this pass needs")
         logit_rows = np.arange(len(run)) if all_logits else np.arange(T - 1, len(run))
-        x = self._run(run, Rows.single(pos0, len(run), cache.table), cache.pool, logit_rows, act_sq, [cache.ids])
+        x = self._run(run, Rows.single(pos0, len(run), cache.table), cache.pool, logit_rows, act_sq, [cache.ids],
+                      None if adapters is None else np.asarray(adapters, np.float32)[None])
         cache.ids[pos0:pos0 + T] = [int(t) for t in tokens]
         cache.pos += T
         return x
 
     def forward_batch(self, tokens, rows: Rows, pool: KVPool, logit_rows,
-                      ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+                      ids: Sequence[Sequence[int]] | None = None, adapters: np.ndarray | None = None) -> np.ndarray:
         """Run one pass over rows of several sequences -> logits [len(logit_rows), V] of the rows
         logit_rows (indexes into tokens). `ids`: each sequence's ids (by rows.seq), at least those
         before its rows, which a vision-language model's RoPE may turn by (runner/vision; None:
-        text alone before them).
+        text alone before them). `adapters`: each sequence's scale of each of the model's LoRA
+        adapters [sequences, adapters] (None: lora_scales for all), so that requests with different
+        adapters share a pass.
 
         Row t is token tokens[t] at position rows.positions[t] of sequence rows.seq[t], whose
         blocks in `pool` are rows.tables[rows.seq[t]] in order; a sequence's rows are consecutive
@@ -158,8 +174,28 @@ class Model:
             local[group] = np.arange(len(group))
             wanted = np.isin(logit_rows, group)
             logits[wanted] = self._run(tokens[group], rows.part(group),
-                                       pool, local[logit_rows[wanted]], ids=ids)
+                                       pool, local[logit_rows[wanted]], ids=ids, adapters=adapters)
         return logits
+
+    def prefix_root(self, adapters: np.ndarray | None = None) -> bytes:
+        """The root of the chain of hashes that KV blocks run at these scales of the adapters
+        (None: lora_scales) are known by (runner/kv/blocks.py): the adapters a sequence runs are
+        part of what its keys and values hold, and one that runs none shares the base's blocks."""
+        scales = self.lora_scales if adapters is None else adapters
+        return chain_root(repr([(name, float(s)) for name, s in zip(self._adapter_names, scales) if s]))
+
+    def _place_scales(self, seq: np.ndarray, adapters: np.ndarray | None):
+        """Each row's scales of the adapters, where its LoRAWeights read them (by rows.seq)."""
+        if len(seq) > len(self._row_scales):
+            raise NibbleError(f"a pass with LoRA adapters runs at most {len(self._row_scales)} rows, not {len(seq)}")
+        if adapters is None:
+            self._row_scales[:len(seq)] = self.lora_scales
+            return
+        adapters = np.asarray(adapters, np.float32)
+        if adapters.ndim != 2 or adapters.shape[1] != len(self.adapters) or seq.max() >= len(adapters):
+            raise NibbleError(f"adapters must give each of the pass's sequences a scale for each of the "
+                              f"{len(self.adapters)} adapters, got {list(adapters.shape)}")
+        self._row_scales[:len(seq)] = adapters[seq]
 
     def _check_pool(self, pool: KVPool):
         if pool.stages is not self.stages:
@@ -167,8 +203,11 @@ class Model:
                               "this one's layers: make a new one with model.new_cache()")
 
     def _run(self, tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.ndarray,
-             act_sq: np.ndarray | None = None, ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+             act_sq: np.ndarray | None = None, ids: Sequence[Sequence[int]] | None = None,
+             adapters: np.ndarray | None = None) -> np.ndarray:
         """The pass itself: embedding, the stages, the head on x[logit_rows]."""
+        if self.adapters:
+            self._place_scales(rows.seq, adapters)
         x = self.embedding(tokens)                                       # [T, D] residual stream
         adds = ()
         if self.vision is not None:
@@ -251,32 +290,35 @@ def _check_rows(tokens: np.ndarray, rows: Rows, pool: KVPool, logit_rows: np.nda
 class TensorGetter:
     """Fetches weights by HF name, checking shapes and collecting the missing names."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], quantization: dict | None, loras: Sequence[LoRA] = ()):
+    def __init__(self, tensors: dict[str, np.ndarray], quantization: dict | None, loras: Sequence[LoRA] = (),
+                 rows: int = 0):
+        """rows: the most rows a pass of the model runs, for which the adapters' scales are kept."""
         self.tensors = tensors
         self.quantization = quantization
         self.missing: list[str] = []
-        # module -> (A [r, K], B [N, r] times its scale) of each adapter, several adapters of one
-        # module side by side as one of their ranks added up
-        self.adapters: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # module -> (A [R, K], B [N, R], owner [R]): the pairs of every adapter that targets it
+        # side by side, owner the adapter of each rank
+        self.adapters: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.loras = loras
-        for lora in loras:
+        self.scales = np.zeros((rows if loras else 0, len(loras)), np.float32)   # each row's, set each pass
+        for j, lora in enumerate(loras):
             for module, (a, b) in lora.pairs.items():
-                b = (np.float32(lora.scale) * b).astype(np.float32)
+                owner = np.full(len(a), j, np.int64)
                 if module in self.adapters:
-                    a0, b0 = self.adapters[module]
-                    a, b = np.concatenate([a0, a]), np.concatenate([b0, b], axis=1)
-                self.adapters[module] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b))
+                    a0, b0, owner0 = self.adapters[module]
+                    a, b, owner = np.concatenate([a0, a]), np.concatenate([b0, b], axis=1), np.concatenate([owner0, owner])
+                self.adapters[module] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32), owner)
 
     def linear(self, path: str, shape: tuple) -> Weight | None:
         """The weight of module `path` as stored (no copy): float32 [N, K], bf16 or f16 as a
-        HalfTensor, or quantized; with an adapter's pair beside it where one targets it."""
+        HalfTensor, or quantized; with the adapters' pairs beside it where any targets it."""
         w = self._linear(path, shape)
         if w is None or path not in self.adapters:
             return w
-        a, b = self.adapters.pop(path)
+        a, b, owner = self.adapters.pop(path)
         if a.shape[1] != shape[1] or b.shape[0] != shape[0]:
             raise FormatError(f"the adapter's {path} is {b.shape[0]}x{a.shape[1]}, the model's {shape[0]}x{shape[1]}")
-        return LoRAWeight(w, a, b)
+        return LoRAWeight(w, a, b, owner, self.scales)
 
     def raise_if_unused_adapters(self):
         """FormatError naming a module an adapter targets that no weight of the model was read from."""

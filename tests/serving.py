@@ -58,7 +58,7 @@ def serving(model_dir, name: str = "tiny", options: EngineOptions = EngineOption
     if models.encodes(name):   # as nibble serve starts
         models.load_now(name)
     else:
-        models.add(name, *load(str(model_dir)))
+        models.add(name, *load(str(model_dir), loras=options.loras))
     [engine] = models.engines()
     sock = listen("127.0.0.1", 0)
     uvicorn = Server(models, KEY, metrics=metrics)

@@ -90,6 +90,11 @@ def write_gguf(path, tensors, arch="llama", config=None, meta=None, tokenizer="g
     w.add_chat_template("{{ messages[0]['content'] }}")
     for key, value in (meta or {}).items():
         w.add_key_value(key, value[0], value[1])
+    return written(w, tensors, path)
+
+
+def written(w: gguf.GGUFWriter, tensors: dict, path):
+    """`w` with `tensors` (arrays, or (raw data, GGML type) pairs) added, written to `path` and closed."""
     for name, t in tensors.items():
         if isinstance(t, tuple):
             w.add_tensor(name, t[0], raw_dtype=t[1])

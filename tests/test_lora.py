@@ -9,9 +9,11 @@ import shutil
 import numpy as np
 import pytest
 
-from nibble.formats.errors import FormatError
-from nibble.formats.lora import parse_ref, read_lora
+from nibble.formats.errors import FormatError, NibbleError
+from nibble.formats.half import HalfTensor
+from nibble.formats.lora import PREFIX, parse_ref, read_lora
 from nibble.formats.model_dir import ModelDir, read_model_dir, write_model_dir
+from nibble.formats.safetensors import read_safetensors
 from nibble.quant.convert import quantize_model
 from nibble.runner.convert.merge import merged
 from nibble.runner.model import Model
@@ -28,6 +30,10 @@ def base() -> ModelDir:
     return ModelDir(None, config, tensors, tiny_tokenizer())
 
 
+def widened(t) -> np.ndarray:
+    return t.widen() if isinstance(t, HalfTensor) else np.asarray(t, np.float32)
+
+
 def logits(model_dir: ModelDir) -> np.ndarray:
     model = Model(model_dir.config, model_dir.tensors)
     return model.forward(np.load(TRANSFORMERS / "llama3" / "tokens.npy"), model.new_cache(), all_logits=True)
@@ -42,12 +48,22 @@ def test_a_merged_adapter_gives_pefts_logits(name):
 
 
 def test_the_scales_are_peft_s():
+    """B carries the adapter's own scale (lora_alpha / r, rsLoRA's / sqrt(r)); `scale` is the user's."""
     plain, rs = read_lora(LORA / "llama3-r4"), read_lora(LORA / "llama3-r8-rslora", 0.5)
-    assert plain.scale == 8 / 4 and rs.scale == 0.5 * 4 / 8 ** 0.5
+    assert plain.scale == 1 and rs.scale == 0.5
     assert len(plain.pairs) == 2 * 7 and len(rs.pairs) == 2 * 3
+    for lora, own in ((plain, 8 / 4), (rs, 4 / 8 ** 0.5)):
+        stored = read_safetensors(lora.path / "adapter_model.safetensors")
+        module = next(iter(lora.pairs))
+        a, b = lora.pairs[module]
+        np.testing.assert_array_equal(a, widened(stored[f"{PREFIX}{module}.lora_A.weight"]))
+        np.testing.assert_allclose(b, own * widened(stored[f"{PREFIX}{module}.lora_B.weight"]), rtol=1e-6)
     a, b = plain.pairs["model.layers.1.mlp.down_proj"]
     assert a.shape == (4, 128) and b.shape == (64, 4)
     assert parse_ref("/a/b:0.5") == ("/a/b", 0.5) and parse_ref("/a/b") == ("/a/b", 1.0) and parse_ref("c:d") == ("c:d", 1.0)
+    for scale in ("1e9", "nan", "-101"):
+        with pytest.raises(FormatError, match="a number from -100 to 100"):
+            parse_ref(f"/a/b:{scale}")
 
 
 def test_two_adapters_add_up_and_a_scale_scales():
@@ -115,23 +131,33 @@ def test_an_adapter_beside_the_weights_gives_pefts_logits(name):
 
 def test_an_adapter_beside_quantized_weights_adds_its_product_to_theirs():
     """Each projection of an int8 model with an adapter: its twin x @ W.T on the dequantized
-    weights plus the adapter's float product, to the int8 kernels' rounding of x (decode and prefill)."""
+    weights plus the adapter's float product at each row's own scale, to the int8 kernels'
+    rounding of x (decode and prefill); a row at scale 0 gets exactly the base's output."""
     from nibble.quant.convert import read_linear
     from nibble.quant.affine import dequantize
     from nibble.runner.kernels.linear import LoRAWeight, linear
     from nibble.runner.model import TensorGetter
     q = quantize_model(base(), 8, 32, method="rtn").model
-    get = TensorGetter(q.tensors, q.config.quantization, [read_lora(LORA / "llama3-r4")])
+    get = TensorGetter(q.tensors, q.config.quantization, [read_lora(LORA / "llama3-r4")], rows=20)
     for module, shape in [("model.layers.0.self_attn.q_proj", (64, 64)), ("model.layers.1.mlp.down_proj", (64, 128))]:
         w = get.linear(module, shape)
         assert isinstance(w, LoRAWeight)
         W = dequantize(read_linear(q.tensors, q.config.quantization, module))
-        for T in (1, 20):
-            x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(np.float32)
-            out = np.zeros((T, shape[0]), np.float32)
+        for T in (1, 3, 20):
+            rng = np.random.default_rng(T)
+            x = rng.standard_normal((T, shape[1])).astype(np.float32)
+            s = rng.choice(np.float32([0, 1, 0.5, -2]), T)
+            s[0] = 1
+            get.scales[:T, 0] = s
+            out, alone = np.zeros((T, shape[0]), np.float32), np.zeros((T, shape[0]), np.float32)
             linear(x, w, out, False)
-            want = x @ W.T + (x @ w.a.T) @ w.b.T
+            linear(x, w.base, alone, False)
+            want = x @ W.T + ((x @ w.a.T) * s[:, None]) @ w.b.T
             assert np.abs(out - want).max() <= 1e-2 * np.abs(want).max()
+            np.testing.assert_array_equal(out[s == 0], alone[s == 0])
+            get.scales[:T] = 0
+            linear(x, w, out, False)
+            np.testing.assert_array_equal(out, alone)
 
 
 def test_nibble_run_with_an_adapter_runs_as_the_merged_model(tmp_path):
@@ -141,3 +167,29 @@ def test_nibble_run_with_an_adapter_runs_as_the_merged_model(tmp_path):
     merged_run = invoke("run", "-m", tmp_path / "merged", "--temp", "0", "-n", "8", "--raw", "Hello")
     assert beside.exit_code == merged_run.exit_code == 0 and beside.stdout == merged_run.stdout != ""
     assert_one_line_error(invoke("run", "-m", folder, "--lora", tmp_path, "Hi"), 1, "holds no adapter_config.json")
+
+
+def test_each_sequence_of_a_pass_runs_its_own_adapters():
+    """Four sequences in one forward_batch, each at its own scales of two adapters (vLLM's punica):
+    each gets the logits of the model merged at its scales, and the one with none the base's bits."""
+    from nibble.runner.kv.cache import Rows
+    config, tensors, tokens, _ = load("llama3")
+    loras = [read_lora(LORA / "llama3-r4"), read_lora(LORA / "llama3-r8-rslora")]
+    model = Model(config, tensors, loras=loras)
+    scales = np.float32([[1, 0], [0, 0], [0, 0.5], [1, 0.5]])
+    T, S = len(tokens), len(scales)
+    pool = model.new_pool(S * 2)
+    rows = Rows.of(np.tile(np.arange(T), S), np.repeat(np.arange(S), T), np.arange(S * 2).reshape(S, 2))
+    got = model.forward_batch(np.tile(tokens, S), rows, pool, np.arange(S * T), adapters=scales).reshape(S, T, -1)
+    for s, (r4, rs) in zip(got, scales):
+        both = [dataclasses.replace(loras[0], scale=float(r4)), dataclasses.replace(loras[1], scale=float(rs))]
+        assert relative_error(s, logits(merged(base(), both))) < 1e-4
+    plain = Model(config, tensors)
+    np.testing.assert_array_equal(got[1], plain.forward(tokens, plain.new_cache(), all_logits=True))
+    # one sequence: its scales given, or the model's own (lora_scales, from each adapter's scale)
+    alone = model.forward(tokens, model.new_cache(), all_logits=True, adapters=scales[2])
+    assert relative_error(alone, got[2]) < 1e-5
+    model.lora_scales[:] = scales[3]
+    assert relative_error(model.forward(tokens, model.new_cache(), all_logits=True), got[3]) < 1e-5
+    with pytest.raises(NibbleError, match="a scale for each of the 2 adapters"):
+        model.forward(tokens, model.new_cache(), adapters=[1.0])

@@ -2,6 +2,9 @@
 nibble cannot take it, fuzzed; `nibble create`, `show`, `ls`, `rm`; a preset run by `nibble run`
 and by the server as its model runs with the same settings given by hand."""
 import json
+from pathlib import Path
+
+import shutil
 
 import pytest
 from hypothesis import event, example, given, settings, strategies as st
@@ -25,6 +28,8 @@ MESSAGE user Bonjour
 MESSAGE assistant """Salut !
 Comment ça va ?"""
 LICENSE "MIT"
+ADAPTER /a/lora
+ADAPTER /b/lora.gguf:0.5
 '''
 
 
@@ -35,7 +40,9 @@ def test_a_presetfile_reads_and_writes_back():
     assert p.template.startswith("{% for m in messages %}") and p.template.endswith("<assistant>")
     assert p.messages == [{"role": "user", "content": "Bonjour"}, {"role": "assistant", "content": "Salut !\nComment ça va ?"}]
     assert p.conversation()[0] == {"role": "system", "content": "You answer in French."}
+    assert p.adapters == ["/a/lora", "/b/lora.gguf:0.5"]
     assert presets.parse(presets.dump(p)) == p
+    assert presets.parse("FROM m\nADAPTER lora\n", folder=Path("/here")).adapters == ["/here/lora"]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -47,7 +54,7 @@ def test_a_presetfile_reads_and_writes_back():
     ("FROM a\n\nFROM b\n", "line 3: a second FROM (the first is line 1)"),
     ("SYSTEM hi\n", "no FROM line"),
     ("FROM a\nTEMPLATE {{ .System }} {{ .Prompt }}\n", "line 2: TEMPLATE is a Go template"),
-    ("FROM a\nADAPTER ./lora.gguf\n", "line 2: ADAPTER: nibble applies no LoRA adapters yet"),
+    ("FROM a\nADAPTER\n", "line 2: ADAPTER names no adapter"),
     ("FROM a\n!!\n", "line 2: expected an instruction"),
 ])
 def test_what_nibble_cannot_take_is_refused_by_its_line(text, message):
@@ -130,6 +137,27 @@ def test_a_preset_runs_as_its_model_given_its_settings_by_hand(tiny_dir, isolate
     assert templated.chat(asked) == templated.encode("Why?!")
 
 
+def test_a_presets_adapter_runs_beside_its_model(isolated, tmp_path):  # noqa: F811
+    """ADAPTER (relative to the Presetfile, kept absolute): the preset runs as --lora runs, `nibble
+    show` prints it back, and one that does not read is refused at create."""
+    from tests.test_lora import LORA
+    from tests.test_serve_lora import served_base
+    from nibble.formats.model_dir import write_model_dir
+    folder = write_model_dir(served_base(), tmp_path / "base")
+    shutil.copytree(LORA / "llama3-r4", tmp_path / "adapter")
+    (tmp_path / "Presetfile").write_text(f"FROM {folder}\nPARAMETER temperature 0\nADAPTER adapter:0.5\n")
+    assert invoke("create", "tuned", "-f", tmp_path / "Presetfile").exit_code == 0
+    assert invoke("show", "tuned").stdout == f"FROM {folder}\nPARAMETER temperature 0.0\nADAPTER {tmp_path}/adapter:0.5\n"
+    by_preset = invoke("run", "-m", "tuned", "-n", "8", "--raw", "Thequick")
+    by_flag = invoke("run", "-m", folder, "--temp", "0", "--lora", f"{tmp_path}/adapter:0.5", "-n", "8", "--raw", "Thequick")
+    plain = invoke("run", "-m", folder, "--temp", "0", "-n", "8", "--raw", "Thequick")
+    assert by_preset.exit_code == by_flag.exit_code == 0 and by_preset.stdout == by_flag.stdout != plain.stdout
+    assert invoke("create", "tuned-2", "--from", "tuned", "--lora", LORA / "llama3-r8-rslora").exit_code == 0
+    assert [Path(a).name for a in presets.find("tuned-2").adapters] == ["adapter:0.5", "llama3-r8-rslora"]
+    (tmp_path / "Bad").write_text(f"FROM {folder}\nADAPTER nowhere\n")
+    assert_one_line_error(invoke("create", "x", "-f", tmp_path / "Bad"), 1, "holds no adapter_config.json")
+
+
 def test_the_server_answers_to_a_presets_name(tiny_dir, isolated):  # noqa: F811
     import threading
     import time
@@ -184,7 +212,7 @@ def test_the_ollama_clients_create_and_show(tiny_dir, isolated):  # noqa: F811
         status, _, raw = server.post("/api/create", {"name": "older", "modelfile": "FROM tiny\nPARAMETER top_k 2\n"})
         assert status == 200 and [json.loads(line)["status"] for line in raw.decode().splitlines()][-1] == "success"
         for body, message in [({"model": "x"}, "from is missing"), ({"model": "x", "from": "tiny", "adapters": {"a": "b"}},
-                              "adapters: nibble applies no LoRA adapters yet"),
+                              "adapters: nibble takes no uploaded adapters"),
                               ({"model": "x", "from": "tiny", "parameters": {"top_q": 1}}, "unknown parameter 'top_q'"),
                               ({"model": "x y", "from": "tiny"}, "cannot name a preset"),
                               ({"model": "x", "modelfile": "FROM tiny\nFOO 1\n"}, "modelfile line 2: unknown instruction")]:

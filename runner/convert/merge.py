@@ -18,6 +18,7 @@ from nibble.quant.convert import read_linear
 def merged(model_dir: ModelDir, loras: list[LoRA]) -> ModelDir:
     """`model_dir` with `loras` merged in, in order; FormatError for a module the model does not
     have, or of another shape."""
+    loras = [lora.for_model(model_dir.config) for lora in loras]   # a GGUF adapter's q/k rows by the model's heads
     tensors, quantization = dict(model_dir.tensors), model_dir.config.quantization
     modules = {}
     for lora in loras:

@@ -38,6 +38,7 @@ class Request:
     skip_special: bool = True                # False when tools or thinking are on (markers may be special tokens)
     reasoning: ReasoningSplit | None = None  # the reply's thinking kept apart (and its budget)
     draft: int = 0                           # the most tokens a pass guesses ahead while it decodes alone
+    adapters: tuple[float, ...] | None = None   # each of the model's LoRA adapters' scale; None: its lora_scales
 
 
 @dataclass(frozen=True)

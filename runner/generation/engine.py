@@ -79,6 +79,7 @@ class _Sequence:
     handle: Handle
     cache: KVCache             # its ids, the positions that ran, its blocks in the pool
     decoding: Decoding         # its reply, sampled into cache.ids
+    adapters: np.ndarray       # its scale of each of the model's LoRA adapters
 
     @property
     def prefilling(self) -> bool:
@@ -149,6 +150,9 @@ class Engine(ModelThread):
         (counted here, so the limit does not depend on the engine's timing) or while draining,
         and NibbleError/ContextFull for a request that cannot run."""
         check(request, self.ctx)
+        if request.adapters is not None and len(request.adapters) != len(self.model.adapters):
+            raise NibbleError(f"the model runs {len(self.model.adapters)} LoRA adapters, the request gives "
+                              f"{len(request.adapters)} scales")
         handle = Handle(request, emit)
         with self._lock:
             if self._draining or self._closed:
@@ -217,11 +221,13 @@ class Engine(ModelThread):
 
     def _admit(self, handle: Handle) -> _Sequence:
         r = handle.request
+        adapters = np.array(self.model.lora_scales if r.adapters is None else r.adapters, np.float32)
         cache = KVCache.on_pool(self.pool.kv, self.ctx)
-        cached, from_disk = self.pool.admit(cache, r.prompt_ids, 0)   # blocks for what runs: each step's
+        cached, from_disk = self.pool.admit(cache, r.prompt_ids, 0,   # blocks for what runs: each step's
+                                            self.model.prefix_root(adapters))
         decoding = Decoding(r, self.tokenizer, self.ctx, ids=cache.ids, draft_model=self.draft_model)
         decoding.cached, decoding.from_disk = cached, from_disk
-        return _Sequence(handle, cache, decoding)
+        return _Sequence(handle, cache, decoding, adapters)
 
     def _step(self, running: list[_Sequence]):
         """One forward pass: every decoding sequence's last token, and the next chunk of the
@@ -252,8 +258,9 @@ class Engine(ModelThread):
         for i, s in enumerate(batch):
             tables[i, :len(s.cache.blocks.blocks)] = s.cache.blocks.blocks
         try:
+            adapters = np.stack([s.adapters for s in batch]) if self.model.adapters else None
             logits = self.model.forward_batch(tokens, Rows.of(positions, seq, tables), self.pool.kv, logit_rows,
-                                              [s.cache.ids for s in batch])
+                                              [s.cache.ids for s in batch], adapters)
         except Exception as e:   # NaN in the logits, say: those replies end, the engine goes on
             for s in batch:
                 self._end(s, s.decoding.failed(_message(e)))

@@ -191,7 +191,8 @@ class ChatSession:
         if self.pool is None:   # keep what the cache shares with the new prompt
             reused, from_disk = cache.keep_prefix(ids), 0
         else:   # or where the pool holds more of it: another chat's blocks, say
-            reused, from_disk = self.pool.admit(cache, ids, min(len(ids) + max_tokens, cache.size))
+            reused, from_disk = self.pool.admit(cache, ids, min(len(ids) + max_tokens, cache.size),
+                                                self.model.prefix_root())
         stats = TurnStats(prompt_tokens=len(ids), reused=reused, from_disk=from_disk, prefilled=len(ids) - reused,
                           dropped=dropped, ctx_used=cache.pos, ctx_size=cache.size)
         yield ChatChunk("", stats)

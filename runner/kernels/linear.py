@@ -20,12 +20,15 @@ from . import cpu, half, prefill, prefill_int8, quant_decode
 from .cpu import INNER, SMALL, _jit
 
 class LoRAWeight(NamedTuple):
-    """A weight with a LoRA adapter beside it, not merged (formats/lora.py): out (+)= x @ base.T +
-    (x @ a.T) @ b.T, the base as it is stored (quantized, say), the adapter's rank-r pair in float32,
-    its scale in b."""
+    """A weight with LoRA adapters beside it, not merged (formats/lora.py): out (+)= x @ base.T +
+    ((x @ a.T) * each row's scales) @ b.T, the base as it is stored (quantized, say), the adapters'
+    rank-r pairs side by side in float32, so that each row of a pass runs its own adapters at its
+    own scales (vLLM's punica, in one pass)."""
     base: np.ndarray | QuantizedTensor | HalfTensor
-    a: np.ndarray   # [r, K]
-    b: np.ndarray   # [N, r], times the adapter's scale
+    a: np.ndarray        # [R, K]: every adapter's A that targets this weight, stacked
+    b: np.ndarray        # [N, R]: their B side by side, each times its adapter's own scale
+    owner: np.ndarray    # [R] int64: the adapter (its column in scales) of each rank
+    scales: np.ndarray   # [rows, adapters]: each row's scale of each adapter, the model's (set each pass)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -236,10 +239,24 @@ def _out_features(w):
 
 @njit(**_jit)   # called from Python too (linear's isinstance): with its wrapper
 def _lora_linear(x, w, out, accumulate):
-    """out (+)= x @ base.T, then += (x @ a.T) @ b.T: the adapter beside the weight, unmerged."""
+    """out (+)= x @ base.T, then += ((x @ a.T) * the rows' scales) @ b.T: the adapters beside the
+    weight, unmerged. A pass whose rows all have scale 0 (no adapter asked for) skips them, and a row
+    with none gets exactly the base's output."""
     linear(x, w.base, out, accumulate)
-    t = np.empty((x.shape[0], w.a.shape[0]), np.float32)
+    T, R = x.shape[0], w.a.shape[0]
+    s = np.empty((T, R), np.float32)
+    used = False
+    for i in range(T):
+        for r in range(R):
+            s[i, r] = w.scales[i, w.owner[r]]
+            used |= s[i, r] != 0
+    if not used:
+        return
+    t = np.empty((T, R), np.float32)
     cpu.matmul(x, w.a, t, False)
+    for i in range(T):
+        for r in range(R):
+            t[i, r] = t[i, r] * s[i, r] if s[i, r] != 0 else 0   # a row's unused adapter adds 0, not NaN
     cpu.matmul(t, w.b, out, True)
 
 

@@ -41,6 +41,12 @@ def block_hash(parent: bytes, ids: Sequence[int], partial: bool = False) -> byte
     return hashlib.blake2b(data, digest_size=16, person=b"partial" if partial else b"").digest()
 
 
+def chain_root(salt: str) -> bytes:
+    """The root of the chains of sequences whose keys and values depend on `salt` beside their
+    ids (the LoRA adapters they run: Model.prefix_root); "" -> ROOT."""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"root").digest() if salt else ROOT
+
+
 class BlockPool:
     """Refcounted blocks, their hashes, and the LRU of the hashed blocks nobody holds.
 
@@ -68,10 +74,11 @@ class BlockPool:
         """Blocks a sequence could get now: free or only cached."""
         return len(self.free) + len(self.cached)
 
-    def sequence(self, ids: Sequence[int]) -> SeqBlocks:
+    def sequence(self, ids: Sequence[int], root: bytes = ROOT) -> SeqBlocks:
         """A sequence for a prompt of `ids`, holding the longest prefix of them that the pool
-        has, or its disk tier (at most len(ids) - 1 positions: the last id always runs)."""
-        seq, limit = SeqBlocks(), len(ids) - 1
+        has, or its disk tier (at most len(ids) - 1 positions: the last id always runs), among
+        the blocks chained from `root` (chain_root)."""
+        seq, limit = SeqBlocks(root=root), len(ids) - 1
         reading = []   # the indices in seq.blocks of the blocks that the disk tier fills
         while (len(seq.blocks) + 1) * BLOCK <= limit:
             start = len(seq.blocks) * BLOCK
@@ -98,14 +105,14 @@ class BlockPool:
                 break
         return seq
 
-    def admit(self, cache: KVCache, ids: Sequence[int], positions: int) -> tuple[int, int]:
+    def admit(self, cache: KVCache, ids: Sequence[int], positions: int, root: bytes = ROOT) -> tuple[int, int]:
         """Make `ids` the sequence of `cache` (a sequence of this pool: a new one, or one that ran
         before), on whichever holds more of them: its own blocks, cut to the prefix they share,
-        or the blocks the pool (or its disk tier) has of them, another sequence's say. Give it
-        blocks for `positions` positions. -> (positions that need not run, of those read back
-        from disk)."""
-        found, ran = self.sequence(ids), cache.ran
-        reused, from_disk = shared_prefix(ran, ids), 0
+        or the blocks the pool (or its disk tier) has of them, another sequence's say; of those
+        chained from `root` (chain_root: its own blocks too). Give it blocks for `positions`
+        positions. -> (positions that need not run, of those read back from disk)."""
+        found, ran = self.sequence(ids, root), cache.ran
+        reused, from_disk = shared_prefix(ran, ids) if cache.blocks.root == root else -1, 0
         if found.cached > reused:   # another chat, say, that the pool (or its disk) still holds
             self._release(cache.blocks, ran)
             cache.blocks, reused, from_disk = found, found.cached, found.from_disk
@@ -174,7 +181,7 @@ class BlockPool:
         self._commit(seq, ids)
         full = len(ids) // BLOCK
         if len(ids) % BLOCK and keep <= full < len(seq.blocks) and self.refs[seq.blocks[full]] == 1:
-            parent = seq.hashes[full - 1] if full else ROOT
+            parent = seq.hashes[full - 1] if full else seq.root
             h = block_hash(parent, ids[full * BLOCK:], partial=True)
             if h not in self.by_hash:
                 self._hash(seq.blocks[full], h)

@@ -150,10 +150,11 @@ class SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)   # the chain of its leading full blocks
     cached: int = 0      # positions found in the pool when the table was looked up (BlockPool.sequence)
     from_disk: int = 0   # of those, the ones read back from the disk tier
+    root: bytes = ROOT   # the parent of its first block: what else than its ids its blocks hold depends on
 
     @property
     def parent(self) -> bytes:
-        return self.hashes[-1] if self.hashes else ROOT
+        return self.hashes[-1] if self.hashes else self.root
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from ..text.reasoning import ThinkingOptions
-from .bodies import (Body, Flag, FullSampling, ImageLocation, Images, JsonObject, Name, Text, by, integer, listed,
+from .bodies import (Adapters, AdapterScale, Body, Flag, FullSampling, ImageLocation, Images, JsonObject, Name, Text, by, integer, listed,
                      message_content, one_of, read, refused, said, stops, unsupported)
 
 MAX_STOPS = 4              # OpenAI's limit on `stop` strings
@@ -41,6 +41,7 @@ class Options:
     sampling: dict                 # the SamplerSettings fields the body sets, to lay over the model's
     stop: tuple[str, ...]
     logprobs: int | None           # top alternatives per token (0..20); None: no logprobs
+    lora: tuple[tuple[int, float], ...] = ()   # llama.cpp's: (adapter id, scale); none: the server's scales
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class OpenAIRequest(FullSampling):
     stream_options: StreamOptions | None = None
     n: Annotated[integer(1, 1), said("must be 1: nibble gives one choice per request")] | None = None
     stop: stops(MAX_STOPS) | None = None
+    lora: Adapters | None = None
 
     @model_validator(mode="after")
     def _streamed(self):
@@ -97,7 +99,11 @@ class OpenAIRequest(FullSampling):
     def options(self, max_tokens: int | None, logprobs: int | None) -> Options:
         include_usage = self.stream_options is not None and bool(self.stream_options.include_usage)
         return Options(self.model, bool(self.stream), include_usage, max_tokens, self.sampling(),
-                       tuple(s for s in self.stop or () if s), logprobs)
+                       tuple(s for s in self.stop or () if s), logprobs, adapter_scales(self.lora))
+
+
+def adapter_scales(lora: list[AdapterScale] | None) -> tuple[tuple[int, float], ...]:
+    return tuple((a.id, a.scale) for a in lora or ())
 
 
 class TemplateKwargs(Body, extra="allow"):

@@ -90,6 +90,7 @@ def make_app(models: Models, api_key: str | None = None, callers: Callers = Call
                             route("/detokenize", llamacpp.detokenize, ["POST"]),
                             route("/apply-template", llamacpp.apply_template, ["POST"]),
                             route("/props", llamacpp.props),
+                            route("/lora-adapters", llamacpp.lora_adapters, ["GET", "POST"]),
                             *([route("/metrics", models.metrics.route)] if metrics else [])],
                     middleware=[Middleware(Guard, callers=callers, refuse=_forbidden)],
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})

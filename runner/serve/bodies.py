@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from nibble.formats.errors import NibbleError
 from nibble.formats.image import MAX_BYTES, ImageError, Picture, open_image
+from nibble.formats.lora import MAX_SCALE
 from ..settings import SamplerSettings
 from .errors import ApiError
 
@@ -215,6 +216,16 @@ class FullSampling(Sampling):
     dry_allowed_length: SamplingInteger | None = None
     dry_penalty_last_n: SamplingInteger | None = None
     seed: SamplingInteger | None = None
+
+
+class AdapterScale(Body):
+    """One of llama.cpp's `lora` entries: a loaded adapter (its index in GET /lora-adapters) and its scale."""
+    id: integer(0)
+    scale: Annotated[Number, Field(ge=-MAX_SCALE, le=MAX_SCALE), said(f"must be a number from -{MAX_SCALE:g} to {MAX_SCALE:g}")]
+
+
+# llama.cpp's `lora`, on a request or POST /lora-adapters: the adapters named run at their scales, the others not
+Adapters = Annotated[list[AdapterScale], Field(max_length=256)]
 
 
 # ---- images ----

@@ -15,8 +15,8 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .api import Options
-from .bodies import Body, Flag, FullSampling, Text, integer, read, stops
+from .api import Options, adapter_scales
+from .bodies import Adapters, Body, Flag, FullSampling, Text, integer, read, stops
 from .errors import ApiError
 from .models import Models
 from .pending import Pending, Streamed, read_json, start, until_disconnected
@@ -39,12 +39,14 @@ class InfillRequest(FullSampling):
     n_predict: integer(-1) | None = None   # -1 or none: up to the context; 0: the prompt only (cached)
     stream: Flag = False
     stop: stops(16) | None = None
+    lora: Adapters | None = None
 
     def options(self) -> Options:
         # n_predict 0 is how llama.vscode has the server read a file's context ahead of the next
         # keystroke: the prompt runs (and stays in the cache), one token is sampled and dropped
         most = None if self.n_predict in (None, -1) else max(self.n_predict, 1)
-        return Options(self.model, self.stream, False, most, self.sampling(), tuple(s for s in self.stop or () if s), None)
+        return Options(self.model, self.stream, False, most, self.sampling(), tuple(s for s in self.stop or () if s),
+                       None, adapter_scales(self.lora))
 
 
 @dataclass(frozen=True)

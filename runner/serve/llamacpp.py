@@ -1,10 +1,13 @@
 """The small routes of llama.cpp's server that editors and clients probe, in its shapes:
 `POST /tokenize` (with_pieces), `POST /detokenize`, `POST /apply-template` (a conversation through
-the model's chat template, as /v1/chat/completions would prompt it) and `GET /props` (the model,
-its context, its chat template, the server's defaults); and OpenAI's `GET /v1/models/{id}`. Each
-takes an optional `model` (the default one otherwise), as llama.cpp's router does."""
+the model's chat template, as /v1/chat/completions would prompt it), `GET /props` (the model,
+its context, its chat template, the server's defaults) and `GET`/`POST /lora-adapters` (the LoRA
+adapters loaded, and the scales a request runs them at unless its `lora` says otherwise); and
+OpenAI's `GET /v1/models/{id}`. Each takes an optional `model` (the default one otherwise), as
+llama.cpp's router does."""
 from __future__ import annotations
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -12,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from ..text.detokenize import piece
 from ..text.template import ChatTemplateError
 from . import api
-from .bodies import Body, Flag, Text, read
+from .bodies import Adapters, Body, Flag, Text, read
 from .errors import ApiError
 from .models import Models
 from .ollama_models import nibble_version
@@ -99,6 +102,32 @@ async def props(models: Models, request: Request) -> Response:
             "build_info": f"nibble {nibble_version()}"})
     finally:
         lease.release()
+
+
+async def lora_adapters(models: Models, request: Request) -> Response:
+    """GET: the model's adapters (?model=NAME, or the default) as llama.cpp lists them, `id` what
+    a request's `lora` names; POST [{"id", "scale"}]: the scales requests run them at from now on,
+    those not named off. Requests already running keep theirs."""
+    body = read(_AdapterList, {"lora": await read_json(request)}).lora if request.method == "POST" else None
+    lease = await models.lease(request.query_params.get("model"))
+    try:
+        model = generating(lease.served).engine.model
+        if body is None:
+            return JSONResponse([{"id": i, "path": str(lora.path), "scale": float(scale)}
+                                 for i, (lora, scale) in enumerate(zip(model.adapters, model.lora_scales))])
+        scales = np.zeros(len(model.adapters), np.float32)
+        for a in body:
+            if a.id >= len(scales):
+                raise ApiError(400, f"no adapter has id {a.id}; GET /lora-adapters lists the {len(scales)} loaded", "id")
+            scales[a.id] = a.scale
+        model.lora_scales = scales   # one assignment: the engine's thread reads the old array or this one
+        return JSONResponse({"success": True})
+    finally:
+        lease.release()
+
+
+class _AdapterList(Body):
+    lora: Adapters
 
 
 async def model_info(models: Models, request: Request) -> Response:

@@ -179,11 +179,15 @@ async def create(models: Models, request: Request) -> Response:
     name = body.model or body.name
     if name is None:
         raise ApiError(400, "model is missing: the preset's name", "model")
-    for field, why in (("adapters", "applies no LoRA adapters yet"), ("files", "creates presets of the models it "
+    for field, why in (("adapters", "takes no uploaded adapters: a Presetfile's ADAPTER names one on this machine "
+                        "(nibble create)"), ("files", "creates presets of the models it "
                        "has, named by from, not of uploaded files"), ("quantize", "quantizes with nibble quantize")):
         if getattr(body, field) is not None:
             raise ApiError(400, f"{field}: nibble {why}", field)
     preset = presets.parse(body.modelfile, "modelfile") if body.modelfile else presets.Preset("")
+    if preset.adapters:   # no request makes the server read a path it names
+        raise ApiError(400, "modelfile: ADAPTER: the server reads no path a request names; nibble create "
+                            "makes a preset with an adapter", "modelfile")
     preset.source = body.source or preset.source
     if not preset.source:
         raise ApiError(400, "from is missing: the model the preset runs", "from")

@@ -193,7 +193,24 @@ def _request(served: Served, ids: list[int], options: Options, what: str, gramma
     settings = replace(served.tokenizer.sampling, **options.sampling)
     constraint = grammar.constraint(served.tokenizer) if grammar else None
     return Request(ids, settings, asked if asked is not None else ctx - len(ids), options.stop,
-                   constraint=constraint, logprobs=options.logprobs, draft=served.draft)
+                   constraint=constraint, logprobs=options.logprobs, draft=served.draft,
+                   adapters=adapter_scales(served, options.lora))
+
+
+def adapter_scales(served: Served, lora: tuple[tuple[int, float], ...]) -> tuple[float, ...] | None:
+    """A request's `lora` as llama.cpp reads it: the adapters it names at its scales, every other
+    one off; none named: the server's scales (None). A 400 for an adapter the model has not loaded."""
+    if not lora:
+        return None
+    loaded = len(served.engine.model.adapters)
+    if not loaded:
+        raise ApiError(400, f"lora: {served.name} runs no LoRA adapters (nibble serve --lora PATH loads them)", "lora")
+    scales = [0.0] * loaded
+    for i, scale in lora:
+        if i >= loaded:
+            raise ApiError(400, f"lora: no adapter has id {i}; GET /lora-adapters lists the {loaded} loaded", "lora")
+        scales[i] = scale
+    return tuple(scales)
 
 
 def _grammar(compile, param: str) -> Grammar:

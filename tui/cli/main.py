@@ -209,8 +209,8 @@ def lora_option(f):
         from nibble.formats.lora import parse_ref, read_lora
         return f(loras=tuple(read_lora(*parse_ref(r)) for r in loras), **kwargs)
     return click.option("--lora", "loras", multiple=True, metavar="PATH[:SCALE]",
-                        help="Run with this LoRA adapter (a PEFT folder) beside the model's weights, not merged, "
-                             "scaled by SCALE (1 if left out); repeatable. CPU only.")(command)
+                        help="Run with this LoRA adapter (a PEFT folder or a GGUF LoRA file) beside the model's "
+                             "weights, not merged, scaled by SCALE (1 if left out); repeatable. CPU only.")(command)
 
 
 def draft_options(f):
@@ -422,7 +422,7 @@ def _prompt_cache(llm, ids: list[int], ctx_size: int, kv_type: str, kv_disk: int
     if disk is None:
         return llm.new_cache(ctx_size, kv_type), None
     pool, cache = BlockPool(kv, disk), KVCache.on_pool(kv, ctx_size)
-    pool.admit(cache, ids, ctx_size)   # as the engine admits a request
+    pool.admit(cache, ids, ctx_size, llm.prefix_root())   # as the engine admits a request
     return cache, pool
 
 
@@ -650,7 +650,7 @@ def import_(gguf_file, output, keep_float, force):
 @main.command()
 @click.argument("model")
 @click.option("--lora", "adapters", multiple=True, required=True, metavar="PATH[:SCALE]",
-              help="A LoRA adapter as PEFT saves it (a folder), scaled by SCALE (1 if left out); repeatable.")
+              help="A LoRA adapter (a PEFT folder or a GGUF LoRA file), scaled by SCALE (1 if left out); repeatable.")
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="The model directory to write.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def merge(model, adapters, output, force):

@@ -1,5 +1,5 @@
 """`nibble create` and `nibble show`: presets (formats/presets.py), a model under a name with its
-system prompt, sampling settings, chat template and first messages. main.py adds them to the
+system prompt, sampling settings, chat template, first messages and LoRA adapters. main.py adds them to the
 `nibble` group, which turns their errors into one line; `nibble ls` lists presets and `nibble rm`
 removes them (models.py)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from nibble.formats.errors import NibbleError
 @click.command()
 @click.argument("name")
 @click.option("-f", "--file", "path", type=click.Path(dir_okay=False, allow_dash=True),
-              help="A Presetfile (ollama's Modelfile: FROM, SYSTEM, PARAMETER, TEMPLATE, MESSAGE; '-': stdin).")
+              help="A Presetfile (ollama's Modelfile: FROM, SYSTEM, PARAMETER, TEMPLATE, MESSAGE, ADAPTER; '-': stdin).")
 @click.option("--from", "source", metavar="MODEL", help="The model (what -m takes), instead of a Presetfile's FROM.")
 @click.option("--system", help="The system prompt its conversations start with.")
 @click.option("--temp", "temperature", type=float, help="Sampling temperature (0: greedy).")
@@ -23,7 +23,9 @@ from nibble.formats.errors import NibbleError
 @click.option("--min-p", type=float, help="Min-p sampling (0: off).")
 @click.option("--repeat-penalty", type=float, help="Repetition penalty (1: off).")
 @click.option("--seed", type=int, help="The seed of its sampling.")
-def create(name, path, source, system, temperature, top_k, top_p, min_p, repeat_penalty, seed):
+@click.option("--lora", "loras", multiple=True, metavar="PATH[:SCALE]",
+              help="A LoRA adapter it runs beside the model's weights (after the Presetfile's ADAPTER lines); repeatable.")
+def create(name, path, source, system, temperature, top_k, top_p, min_p, repeat_penalty, seed, loras):
     """Keep a preset NAME: a model with its settings, from -f FILE and/or the options (which win);
     NAME then works wherever -m does, and in every API of nibble serve."""
     from nibble.formats import presets
@@ -37,7 +39,8 @@ def create(name, path, source, system, temperature, top_k, top_p, min_p, repeat_
             text, note = as_text(stream.read(), path)
         if note:
             click.echo(note, err=True)
-        preset = presets.parse(text, "the Presetfile" if path == "-" else path)
+        folder = Path.cwd() if path == "-" else Path(path).resolve().parent   # ADAPTER's relative paths'
+        preset = presets.parse(text, "the Presetfile" if path == "-" else path, folder)
     elif source is None:
         raise click.UsageError("give the model: --from MODEL, or a Presetfile with -f FILE")
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
@@ -48,6 +51,7 @@ def create(name, path, source, system, temperature, top_k, top_p, min_p, repeat_
         preset.source = str(Path(preset.source).expanduser().resolve())
     if system is not None:
         preset.system = system
+    preset.adapters += [str(Path.cwd() / Path(a).expanduser()) for a in loras]
     check_preset(name, preset)
     where = presets.save(name, preset)
     click.echo(f"created {name} (from {preset.source}) in {where}")
