@@ -152,6 +152,7 @@ def test_a_presets_adapter_runs_beside_its_model(isolated, tmp_path):  # noqa: F
     by_flag = invoke("run", "-m", folder, "--temp", "0", "--lora", f"{tmp_path}/adapter:0.5", "-n", "8", "--raw", "Thequick")
     plain = invoke("run", "-m", folder, "--temp", "0", "-n", "8", "--raw", "Thequick")
     assert by_preset.exit_code == by_flag.exit_code == 0 and by_preset.stdout == by_flag.stdout != plain.stdout
+    assert "temperature=0.0 adapter=adapter:0.5" in invoke("ls").stdout
     assert invoke("create", "tuned-2", "--from", "tuned", "--lora", LORA / "llama3-r8-rslora").exit_code == 0
     assert [Path(a).name for a in presets.find("tuned-2").adapters] == ["adapter:0.5", "llama3-r8-rslora"]
     (tmp_path / "Bad").write_text(f"FROM {folder}\nADAPTER nowhere\n")

@@ -60,6 +60,12 @@ def exposed(host: str, api_key: str | None) -> str | None:
             f"(--host 127.0.0.1 keeps it to this machine)")
 
 
+def _adapters(models: Models) -> str:
+    """The ready line's words for --lora's adapters (GET /lora-adapters lists them)."""
+    loras = models.options.loras
+    return f" with {len(loras)} LoRA adapter{'s' if len(loras) > 1 else ''}" if loras else ""
+
+
 def serve(models: Models, sock: socket.socket, *, api_key: str | None, say: Callable[[str], None],
           warn: Callable[[str], None], callers: Callers, allow_image_urls: bool = False, metrics: bool = False):
     """Serve the OpenAI API over `models` (the default one loaded) on `sock` until Ctrl-C, to
@@ -72,8 +78,8 @@ def serve(models: Models, sock: socket.socket, *, api_key: str | None, say: Call
         if (line := exposed(host, api_key)) is not None:
             warn(line)
         server = Server(models, api_key, callers=callers, allow_image_urls=allow_image_urls, metrics=metrics,
-                        on_ready=lambda: say(
-            f"nibble serve: {url} ({models.default}, {models.options.parallel} parallel)"))
+                        on_ready=lambda: say(f"nibble serve: {url} ({models.default}{_adapters(models)}, "
+                                             f"{models.options.parallel} parallel)"))
         models.start_sweeping()
         try:
             server.run(sockets=[sock])

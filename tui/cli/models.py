@@ -57,8 +57,8 @@ def ls(as_json):
     if as_json:
         for r in rows:
             r["last_used"] = _iso(r["last_used"])
-        made = [{"name": name, "preset": True, "from": p.source, "system": p.system, "parameters": p.parameters}
-                for name in presets.names() if (p := presets.read(name))]
+        made = [{"name": name, "preset": True, "from": p.source, "system": p.system, "parameters": p.parameters,
+                 "adapters": p.adapters} for name in presets.names() if (p := presets.read(name))]
         click.echo(json.dumps(rows + made, indent=2, ensure_ascii=False))
         return
     now = time.time()
@@ -73,7 +73,8 @@ def ls(as_json):
         if rows:
             click.echo()
         table(["PRESET", "FROM", "SYSTEM", "SETTINGS"],
-              [[name, p.source, _short(p.system or ""), " ".join(f"{k}={v}" for k, v in p.parameters.items())]
+              [[name, p.source, _short(p.system or ""), " ".join([*(f"{k}={v}" for k, v in p.parameters.items()),
+                                                                   *(f"adapter={Path(a).name}" for a in p.adapters)])]
                for name, p in made])
     if not rows and not made:
         click.echo("no models yet: `nibble pull MODEL` downloads one", err=True)
