@@ -20,7 +20,7 @@ from .errors import ApiError
 from .models import Models
 from .ollama_models import nibble_version
 from .pending import read_json
-from .replies import chat_text, generating
+from .replies import chat_text, generating, named_scales
 
 MAX_TOKENS = 1 << 20   # ids one /detokenize takes
 
@@ -115,12 +115,8 @@ async def lora_adapters(models: Models, request: Request) -> Response:
         if body is None:
             return JSONResponse([{"id": i, "path": str(lora.path), "scale": float(scale)}
                                  for i, (lora, scale) in enumerate(zip(model.adapters, model.lora_scales))])
-        scales = np.zeros(len(model.adapters), np.float32)
-        for a in body:
-            if a.id >= len(scales):
-                raise ApiError(400, f"no adapter has id {a.id}; GET /lora-adapters lists the {len(scales)} loaded", "id")
-            scales[a.id] = a.scale
-        model.lora_scales = scales   # one assignment: the engine's thread reads the old array or this one
+        scales = named_scales(len(model.adapters), api.adapter_scales(body))
+        model.lora_scales = np.float32(scales)   # one assignment: the engine's thread reads the old array or this one
         return JSONResponse({"success": True})
     finally:
         lease.release()

@@ -205,12 +205,19 @@ def adapter_scales(served: Served, lora: tuple[tuple[int, float], ...]) -> tuple
     loaded = len(served.engine.model.adapters)
     if not loaded:
         raise ApiError(400, f"lora: {served.name} runs no LoRA adapters (nibble serve --lora PATH loads them)", "lora")
+    return tuple(named_scales(loaded, lora, "lora: "))
+
+
+def named_scales(loaded: int, lora, prefix: str = "") -> list[float]:
+    """The scales of `loaded` adapters that (id, scale) pairs give: those named at theirs, the
+    others 0 (llama.cpp's construct_lora_list); a 400 for an id no adapter has."""
     scales = [0.0] * loaded
     for i, scale in lora:
         if i >= loaded:
-            raise ApiError(400, f"lora: no adapter has id {i}; GET /lora-adapters lists the {loaded} loaded", "lora")
+            raise ApiError(400, f"{prefix}no adapter has id {i}; GET /lora-adapters lists the {loaded} loaded",
+                           prefix.rstrip(": ") or "id")
         scales[i] = scale
-    return tuple(scales)
+    return scales
 
 
 def _grammar(compile, param: str) -> Grammar:
